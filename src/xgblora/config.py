@@ -1,0 +1,298 @@
+"""Every option of a run as dataclasses; command-line and YAML parsing with MeZO's flag names; validation."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from xgblora.errors import UserError
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
+    meta = {"help": help, "choices": choices, "aliases": aliases}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Config:
+    """Options of `xgblora train` and `xgblora eval`; names follow MeZO's run.py and the XGBLoRA fork."""
+
+    # model
+    model_name: str = _opt("tiny-opt", "Hub id, local path, pkg:<package>, or a built-in random model (tiny-opt, tiny-llama, opt-125m-random, ...).")
+    load_float16: bool = _opt(False, "Load the weights in float16.")
+    load_bfloat16: bool = _opt(False, "Load the weights in bfloat16.")
+    attn_implementation: str = _opt("auto", "Attention backend: auto picks flash_attention_2 on CUDA when installed, else sdpa.",
+                                    ("auto", "sdpa", "eager", "flash_attention_2"))
+    trust_remote_code: bool = _opt(False, "Allow a hub model to run its own code (off unless you pass it).")
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
+    # task and data
+    task_name: str = _opt("SST2", "SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, DROP, or custom.")
+    data_dir: str | None = _opt(None, "Folder with <task>/{train,dev}.jsonl in GLUE/SuperGLUE field names (else HF datasets).")
+    train_file: str | None = _opt(None, "Custom task: JSONL training file.")
+    eval_file: str | None = _opt(None, "Custom task: JSONL evaluation file (default: drawn from train_file).")
+    template: str | None = _opt(None, "Custom classification task: prompt template with {field} slots, e.g. '{text} It was'.")
+    label_words: str | None = _opt(None, "Custom classification task: comma-separated verbalizers, one per label, in label order.")
+    label_names: str | None = _opt(None, "Custom classification task: comma-separated label values as they appear in the file (default 0,1,...).")
+    num_train: int = _opt(1000, "Training examples drawn from the train split (demonstrations when --trainer none).")
+    num_dev: int | None = _opt(None, "Dev examples drawn from the train split (disjoint from the training ones).")
+    num_eval: int | None = _opt(None, "Evaluation examples drawn from the validation split (all when unset).")
+    train_set_seed: int = _opt(0, "Seed of the train/dev sampling.")
+    max_length: int = _opt(2048, "Longest input in tokens; longer inputs are truncated from the left.")
+    max_new_tokens: int = _opt(50, "Generation tasks: most tokens to generate.")
+    sfc: bool = _opt(False, "Calibrate candidate scores with surface-form competition (SFC).")
+    icl_sfc: bool = _opt(False, "SFC with the demonstrations in the calibration prompt.")
+    only_train_option: bool = _opt(True, "Train on the gold candidate's tokens only.")
+    train_as_classification: bool = _opt(False, "Train with cross-entropy over the candidates.")
+    # method
+    method: str = _opt("ft", "What trains: full fine-tuning, LoRA, or XGBLoRA boosters.", ("ft", "lora", "xgblora"))
+    lora: bool = _opt(False, "Same as --method lora (MeZO's flag).")
+    xgblora: bool = _opt(False, "Same as --method xgblora (the XGBLoRA fork's flag).")
+    lora_r: int | None = _opt(None, "Adapter rank (default 8 for LoRA, 1 for XGBLoRA).", aliases=("lora_rank",))
+    lora_alpha: float = _opt(16.0, "Adapter scaling numerator: delta = (alpha / r) B A.")
+    lora_dropout: float = _opt(0.0, "Dropout on the adapter branch's input.")
+    lora_target_modules: str | None = _opt(None, "Comma-separated module-name suffixes to adapt (default: attention query and value).")
+    xgblora_steps_per_iteration: int = _opt(1000, "Steps per booster before it is merged and re-initialised.")
+    xgblora_layers_per_booster: int | None = _opt(None, "Random subset of layers that carries the booster each iteration (all when unset).")
+    xgblora_shrinkage: float = _opt(1.0, "Merge step size: W += shrinkage * delta.")
+    xgblora_norm_penalty: float = _opt(0.0, "lambda in lambda * (|A|^2 + |B|^2) added to the loss.")
+    xgblora_adaptive: bool = _opt(False, "Merge when the loss EMA stops improving instead of on a fixed schedule.")
+    xgblora_adaptive_patience: int = _opt(50, "Adaptive merge: steps without improvement before merging.")
+    xgblora_adaptive_threshold: float = _opt(1e-3, "Adaptive merge: relative improvement of the loss EMA that counts.")
+    xgblora_adaptive_ema: float = _opt(0.9, "Adaptive merge: EMA decay of the training loss.")
+    # optimisation
+    trainer: str = _opt("none", "none (zero-shot / in-context evaluation), regular (AdamW) or zo (MeZO).", ("none", "regular", "zo"))
+    learning_rate: float = _opt(1e-5, "Peak learning rate.")
+    zo_eps: float = _opt(1e-3, "MeZO perturbation size epsilon.")
+    zo_dual: bool = _opt(True, "MeZO with adapters: both perturbed losses from one forward over a doubled batch.")
+    zo_stochastic_rounding: bool | None = _opt(None, "MeZO full-model update in half precision with stochastic rounding (default on in bf16/fp16).")
+    per_device_train_batch_size: int = _opt(8, "Training micro-batch size per device.")
+    per_device_eval_batch_size: int = _opt(8, "Evaluation batch size (in (example, candidate) pairs).")
+    gradient_accumulation_steps: int = _opt(1, "Micro-batches per optimizer step (AdamW only).")
+    max_steps: int = _opt(-1, "Optimizer steps (overrides num_train_epochs when > 0).")
+    num_train_epochs: float = _opt(3.0, "Epochs when max_steps is not set.")
+    weight_decay: float = _opt(0.0, "Decoupled weight decay (not applied to biases and norms).")
+    adam_beta1: float = _opt(0.9, "AdamW beta1.")
+    adam_beta2: float = _opt(0.999, "AdamW beta2.")
+    adam_epsilon: float = _opt(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _opt(1.0, "Gradient clipping norm (0 turns it off).")
+    lr_scheduler_type: str = _opt("constant", "Learning-rate schedule.", ("constant", "linear", "cosine"))
+    warmup_steps: int = _opt(0, "Linear warm-up steps.")
+    warmup_ratio: float = _opt(0.0, "Warm-up as a fraction of max_steps (used when warmup_steps is 0).")
+    bf16: bool | None = _opt(None, "bf16 autocast (default: on for CUDA devices that support it).")
+    fp16: bool = _opt(False, "fp16 autocast with loss scaling (CUDA only).")
+    gradient_checkpointing: bool = _opt(False, "Recompute activations in the backward pass to save memory.")
+    compile: bool = _opt(False, "torch.compile the model.")
+    group_by_length: bool = _opt(True, "Batch examples of similar length together (less padding).")
+    dataloader_num_workers: int | None = _opt(None, "DataLoader workers (default: chosen from the device and data size).")
+    # loop, logging, checkpoints
+    output_dir: str = _opt("output", "Where the run writes config.yaml, metrics.jsonl, results.json and checkpoints.")
+    overwrite_output_dir: bool = _opt(False, "Start over in an output_dir that holds a run.")
+    logging_steps: int = _opt(10, "Log the training loss every N steps.")
+    evaluation_strategy: str = _opt("no", "Evaluate on dev every eval_steps (steps) or never (no).", ("no", "steps"),
+                                    aliases=("eval_strategy",))
+    eval_steps: int = _opt(500, "Evaluate every N steps.")
+    save_strategy: str = _opt("steps", "Checkpoint every save_steps (steps) or never (no).", ("no", "steps"))
+    save_steps: int = _opt(500, "Checkpoint every N steps.")
+    save_total_limit: int | None = _opt(None, "Keep at most this many checkpoints.")
+    save_only_model: bool = _opt(False, "Checkpoints hold the trainable weights only (no optimizer state; not resumable exactly).")
+    load_best_model_at_end: bool = _opt(False, "Reload the best dev checkpoint at the end.")
+    resume_from_checkpoint: str | None = _opt(None, "Checkpoint folder, or 'latest'.")
+    report_to: str = _opt("none", "Also log to: none or tensorboard.", ("none", "tensorboard"))
+    result_file: str | None = _opt(None, "Where to copy results.json MeZO-style (default result/{TASK}-{MODEL}-...json).")
+    tag: str = _opt("", "Tag in the MeZO-style result file name.")
+    nan_policy: str = _opt("stop", "On a NaN/inf loss: stop (keep the last good checkpoint) or skip the step.", ("stop", "skip"))
+    seed: int = _opt(42, "Seed of everything except the train/dev sampling.")
+    no_eval: bool = _opt(False, "Skip the final evaluation.")
+
+    def __post_init__(self) -> None:
+        if self.xgblora:
+            self.method = "xgblora"
+        elif self.lora and self.method == "ft":
+            self.method = "lora"
+        if self.lora_r is None:
+            self.lora_r = 1 if self.method == "xgblora" else 8
+        if self.evaluation_strategy == "steps" and self.eval_steps <= 0:
+            raise UserError(f"--eval_steps must be positive with --evaluation_strategy steps, got {self.eval_steps}")
+        _check_positive(self, "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                        "lora_r", "xgblora_steps_per_iteration", "logging_steps", "max_length")
+        if self.load_float16 and self.load_bfloat16:
+            raise UserError("--load_float16 and --load_bfloat16 cannot both be set")
+        if self.trainer == "zo" and self.gradient_accumulation_steps != 1:
+            raise UserError("--gradient_accumulation_steps does not apply to --trainer zo (MeZO has no gradients to accumulate); "
+                            "raise --per_device_train_batch_size instead")
+        if self.xgblora_layers_per_booster is not None and self.xgblora_layers_per_booster < 1:
+            raise UserError(f"--xgblora_layers_per_booster must be at least 1, got {self.xgblora_layers_per_booster}")
+        if not 0.0 < self.xgblora_shrinkage <= 1.0:
+            raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
+        if self.zo_eps <= 0:
+            raise UserError(f"--zo_eps must be positive, got {self.zo_eps}")
+
+    @property
+    def dtype_name(self) -> str:
+        """Weight dtype as a torch dtype name."""
+        return "float16" if self.load_float16 else "bfloat16" if self.load_bfloat16 else "float32"
+
+
+@dataclass
+class CompareConfig(Config):
+    """Options of `xgblora compare`: the train options plus the methods, seeds and where the report goes."""
+
+    output_root: str = _opt("compare", "Folder holding one sub-folder per run and the report.")
+    loss_figure_path: str | None = _opt(None, "Where to write the loss figure (default <output_root>/loss.png).")
+    seeds: list[int] = _opt([0], "Seeds to run each method with.")
+    methods: list[str] = _opt(["xgblora", "lora"], "Methods to compare: ft, lora, xgblora, optionally as method:trainer (e.g. lora:regular).")
+    overwrite: bool = _opt(False, "Redo runs that already finished.")
+
+
+def _check_positive(cfg: Config, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value <= 0:
+            raise UserError(f"--{name} must be positive, got {value}")
+
+
+# ----------------------------------------------------------------------------- parsing
+
+def parse_bool(text: str | bool) -> bool:
+    """Parse a boolean flag value the way HF's argument parser does (true/false, yes/no, 1/0)."""
+    if isinstance(text, bool):
+        return text
+    lowered = str(text).strip().lower()
+    if lowered in ("true", "yes", "y", "1", "on"):
+        return True
+    if lowered in ("false", "no", "n", "0", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _field_type(cls: type, f: dataclasses.Field) -> tuple[type, bool, bool]:
+    """(base type, optional, is_list) of a dataclass field."""
+    hint = typing.get_type_hints(cls)[f.name]
+    optional = False
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional, hint = True, args[0]
+    if typing.get_origin(hint) is list:
+        return typing.get_args(hint)[0], optional, True
+    return hint, optional, False
+
+
+def _converter(base: type, optional: bool):
+    convert = parse_bool if base is bool else base
+
+    def parse(text: str):
+        if optional and isinstance(text, str) and text.strip().lower() in ("none", "null"):
+            return None
+        return convert(text)
+
+    parse.__name__ = base.__name__  # argparse names the type in its error messages
+    return parse
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one flag per dataclass field, in underscore and hyphen spelling plus aliases; defaults are suppressed."""
+    for f in dataclasses.fields(cls):
+        base, optional, is_list = _field_type(cls, f)
+        names = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
+        for alias in f.metadata.get("aliases", ()):
+            names |= {f"--{alias}", f"--{alias.replace('_', '-')}"}
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
+                                  "help": f"{f.metadata.get('help', '')} (default: {_default(f)})"}
+        if base is bool:
+            kwargs.update(nargs="?", const=True, type=_converter(bool, optional), metavar="BOOL")
+        elif is_list:
+            kwargs.update(nargs="+", type=base)
+        else:
+            kwargs.update(type=_converter(base, optional))
+            if f.metadata.get("choices"):
+                kwargs["choices"] = f.metadata["choices"]
+        parser.add_argument(*sorted(names, key=lambda n: ("-" in n[2:], n)), **kwargs)
+    parser.add_argument("--config", dest="config", default=argparse.SUPPRESS, metavar="FILE.yaml",
+                        help="Read options from a YAML file; flags on the command line win.")
+
+
+def _check_yaml_value(cls: type, f: dataclasses.Field, value: Any, path: str) -> Any:
+    base, optional, is_list = _field_type(cls, f)
+    where = f"{path}: key {f.name!r}"
+    if value is None:
+        if optional:
+            return None
+        raise UserError(f"{where}: expected {base.__name__}, got null")
+    items = value if is_list else [value]
+    if is_list and not isinstance(value, list):
+        items = [value]
+    out = []
+    for item in items:
+        ok = (isinstance(item, bool) if base is bool
+              else isinstance(item, (int, float)) and not isinstance(item, bool) if base is float
+              else isinstance(item, int) and not isinstance(item, bool) if base is int
+              else isinstance(item, str))
+        if not ok:
+            raise UserError(f"{where}: expected {base.__name__}, got {type(item).__name__} {item!r}")
+        choices = f.metadata.get("choices")
+        if choices and item not in choices:
+            raise UserError(f"{where}: {item!r} is not one of {', '.join(choices)}")
+        out.append(float(item) if base is float else item)
+    return out if is_list else out[0]
+
+
+def read_yaml(cls: type, path: str) -> dict[str, Any]:
+    """Read a YAML config into validated field values; unknown keys get the closest valid key suggested."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read config file ({exc.__class__.__name__}: {exc})") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    aliases = {a: f.name for f in fields.values() for a in f.metadata.get("aliases", ())}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        name = aliases.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
+        if name not in fields:
+            close = difflib.get_close_matches(name, list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UserError(f"{path}: unknown key {key!r}{hint}")
+        values[name] = _check_yaml_value(cls, fields[name], value, path)
+    return values
+
+
+def from_namespace(cls: type, ns: argparse.Namespace) -> Config:
+    """Build a config from parsed flags: defaults, then --config FILE, then the command line."""
+    given = {k: v for k, v in vars(ns).items() if k in {f.name for f in dataclasses.fields(cls)}}
+    values = read_yaml(cls, ns.config) if getattr(ns, "config", None) else {}
+    values.update(given)
+    return cls(**values)
+
+
+def parse(cls: type, argv: list[str]) -> Config:
+    """Parse a list of flags (and an optional --config FILE) into a validated config of type cls."""
+    parser = argparse.ArgumentParser(prog="xgblora", allow_abbrev=False)
+    add_arguments(parser, cls)
+    return from_namespace(cls, parser.parse_args(argv))
+
+
+def dump(cfg: Config, path: Path) -> None:
+    """Write the resolved config as YAML (every option, so the run can be repeated with --config)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), encoding="utf-8")

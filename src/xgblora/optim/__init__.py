@@ -1,0 +1,1 @@
+"""Optimizer steps: first-order AdamW (fo) and zeroth-order MeZO (zo)."""
