@@ -277,10 +277,11 @@ def read_yaml(cls: type, path: str) -> dict[str, Any]:
     return values
 
 
-def from_namespace(cls: type, ns: argparse.Namespace) -> Config:
-    """Build a config from parsed flags: defaults, then --config FILE, then the command line."""
+def from_namespace(cls: type, ns: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Config:
+    """Build a config from parsed flags: defaults (the command's own first), then --config FILE, then the command line."""
     given = {k: v for k, v in vars(ns).items() if k in {f.name for f in dataclasses.fields(cls)}}
-    values = read_yaml(cls, ns.config) if getattr(ns, "config", None) else {}
+    values = dict(defaults or {})
+    values.update(read_yaml(cls, ns.config) if getattr(ns, "config", None) else {})
     values.update(given)
     return cls(**values)
 

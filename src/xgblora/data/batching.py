@@ -1,0 +1,162 @@
+"""Tokenise once, expand (example, candidate) pairs, and collate them into left-padded, length-grouped batches."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from xgblora.data.tasks import Example
+
+ICL_SEPARATOR = "\n\n"  # MeZO's train_sep between demonstrations
+
+
+@dataclass(frozen=True)
+class TokenSeq:
+    """One tokenised sequence whose last `n_target` tokens are scored (a candidate, or a training target)."""
+
+    ids: tuple[int, ...]
+    n_target: int
+    example: int  # index of the example it came from
+    candidate: int  # index of the candidate (0 for generation / instruction targets)
+
+
+def demonstration_text(demos: Sequence[Example]) -> str:
+    """In-context demonstrations as MeZO writes them: each demo verbalised with its gold answer, joined by blank lines."""
+    parts = []
+    for demo in demos:
+        answer = demo.candidates[demo.gold[0]] if demo.candidates else (demo.answers[0] if demo.answers else "")
+        parts.append((demo.prompt + answer).strip())
+    return ICL_SEPARATOR.join(parts) + ICL_SEPARATOR if parts else ""
+
+
+def _split_target(prompt_ids: list[int], full_ids: list[int]) -> int:
+    """Number of trailing tokens of full_ids that belong to the continuation (at least one)."""
+    common = 0
+    for a, b in zip(prompt_ids, full_ids, strict=False):
+        if a != b:
+            break
+        common += 1
+    return max(1, len(full_ids) - common)
+
+
+def encode_pairs(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
+                 prefix: str = "", prompts: Sequence[str] | None = None) -> list[TokenSeq]:
+    """Tokenise every (example, candidate) pair in two batched tokenizer calls; prompts default to each example's prompt.
+
+    Inputs longer than max_length are cut from the left, so the candidate tokens are always kept; one warning
+    gives the count.
+    """
+    texts_prompt, texts_full, owners = [], [], []
+    for i, ex in enumerate(examples):
+        prompt = prefix + (prompts[i] if prompts is not None else ex.prompt)
+        for j, cand in enumerate(ex.candidates):
+            texts_prompt.append(prompt)
+            texts_full.append(prompt + cand)
+            owners.append((i, j))
+    if not owners:
+        return []
+    prompt_ids = tokenizer(texts_prompt, add_special_tokens=True)["input_ids"]
+    full_ids = tokenizer(texts_full, add_special_tokens=True)["input_ids"]
+    out, truncated = [], 0
+    for (i, j), p_ids, f_ids in zip(owners, prompt_ids, full_ids, strict=True):
+        n_target = _split_target(p_ids, f_ids)
+        if len(f_ids) > max_length:
+            truncated += 1
+            f_ids = f_ids[-max_length:]
+            n_target = min(n_target, max_length - 1)
+        out.append(TokenSeq(tuple(f_ids), n_target, i, j))
+    if truncated:
+        warnings.warn(f"{truncated} of {len(out)} inputs were longer than max_length={max_length} tokens and were "
+                      f"truncated from the left (the answer is kept)", stacklevel=2)
+    return out
+
+
+def length_grouped_batches(seqs: Sequence[TokenSeq], batch_size: int, shuffle_seed: int | None = None) -> list[list[int]]:
+    """Indices of seqs in batches of similar length (sorted, longest first); batch order shuffled when a seed is given."""
+    order = sorted(range(len(seqs)), key=lambda k: -len(seqs[k].ids))
+    batches = [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(batches)
+    return batches
+
+
+def collate(seqs: Sequence[TokenSeq], pad_id: int, side: str = "left") -> dict[str, torch.Tensor]:
+    """Pad a batch: input_ids, attention_mask, position_ids, and target_mask aligned with input_ids[:, -k:].
+
+    With left padding (the default) every sequence ends at the last column, so the scored tokens of all rows sit
+    in the last `k = max n_target` columns and the model computes logits for the last k + 1 positions only
+    (logits_to_keep). Right padding scores over the whole width (k = width - 1); it exists for cross-checks.
+    """
+    width = max(len(s.ids) for s in seqs)
+    k = max(s.n_target for s in seqs) if side == "left" else width - 1
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    target_mask = torch.zeros((len(seqs), k), dtype=torch.bool)
+    for row, s in enumerate(seqs):
+        start = width - len(s.ids) if side == "left" else 0
+        ids[row, start:start + len(s.ids)] = torch.tensor(s.ids)
+        mask[row, start:start + len(s.ids)] = 1
+        end = k - (width - start - len(s.ids))  # target_mask column of the row's last token
+        target_mask[row, end - s.n_target:end] = True
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids, "target_mask": target_mask}
+
+
+def target_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Log-probability of each target token, shape [B, k] (zero where target_mask is False)."""
+    target_mask = batch["target_mask"]
+    k = target_mask.shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], logits_to_keep=k + 1).logits[:, :-1]
+    targets = batch["input_ids"][:, -k:]
+    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logprobs * target_mask
+
+
+def iter_batches(seqs: Sequence[TokenSeq], batch_size: int, pad_id: int, device: torch.device,
+                 side: str = "left") -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+    """Yield (indices, batch on device) over seqs in length-sorted batches."""
+    for idx in length_grouped_batches(seqs, batch_size):
+        batch = collate([seqs[i] for i in idx], pad_id, side)
+        yield idx, {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def gold_continuation(ex: Example) -> str:
+    """The text a training example is trained on: its gold candidate, or its first answer (spaced after the prompt)."""
+    if ex.candidates:
+        return ex.candidates[ex.gold[0]]
+    answer = ex.answers[0] if ex.answers else ""
+    return answer if not ex.prompt or ex.prompt[-1].isspace() else " " + answer
+
+
+def training_seqs(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
+                  all_candidates: bool = False) -> list[TokenSeq]:
+    """Tokenise the training set once: the gold continuation of each example, or every candidate (classification)."""
+    if all_candidates:
+        return encode_pairs(tokenizer, examples, max_length)
+    gold_only = [Example(ex.prompt, (gold_continuation(ex),), (0,)) for ex in examples]
+    return encode_pairs(tokenizer, gold_only, max_length)
+
+
+def epoch_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int,
+                  group_by_length: bool = True) -> list[list[int]]:
+    """One epoch's batches of example indices: a seeded shuffle, then (HF-style) length grouping within mega-batches.
+
+    The order depends only on (seed, epoch), so a resumed run sees the same batches as an uninterrupted one.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(len(lengths), generator=gen).tolist()
+    if group_by_length:
+        mega = batch_size * 50
+        order = [i for k in range(0, len(order), mega)
+                 for i in sorted(order[k:k + mega], key=lambda i: -lengths[i])]
+    batches = [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
+    if group_by_length and len(batches) > 1:  # length-sorted mega-batches would put the longest batches first
+        perm = torch.randperm(len(batches), generator=gen).tolist()
+        batches = [batches[p] for p in perm]
+    return batches

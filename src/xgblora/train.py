@@ -1,0 +1,381 @@
+"""One run from a config: data, model, method, then the training loop (AdamW or MeZO) or evaluation only."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import resource
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from xgblora import checkpoint, models
+from xgblora import config as config_mod
+from xgblora.adapters import export
+from xgblora.adapters.boosting import Boosting
+from xgblora.adapters.lora import LoRALinear, attach, prepare_full_ft
+from xgblora.config import Config
+from xgblora.data.batching import epoch_batches, training_seqs
+from xgblora.data.loading import sample_splits
+from xgblora.data.tasks import get_task
+from xgblora.errors import UserError
+from xgblora.evaluate import evaluate
+from xgblora.logging import MetricsLog, setup_console_logging
+from xgblora.objective import make_batch, per_example_loss
+from xgblora.optim import fo
+from xgblora.optim.zo import MeZO
+
+log = logging.getLogger("xgblora")
+
+
+# ----------------------------------------------------------------------------- results
+
+def result_file_tag(cfg: Config) -> str:
+    """MeZO's result file stem: {TASK}-{MODEL}[-sfc][-icl_sfc][-sampleevalN][-ntrainN][-ndevN][-tag]."""
+    tag = f"{cfg.task_name}-{cfg.model_name.rstrip('/').split('/')[-1]}"
+    tag += "-sfc" if cfg.sfc else ""
+    tag += "-icl_sfc" if cfg.icl_sfc else ""
+    tag += f"-sampleeval{cfg.num_eval}" if cfg.num_eval is not None else ""
+    tag += f"-ntrain{cfg.num_train}" if cfg.num_train > 0 else ""
+    tag += f"-ndev{cfg.num_dev}" if cfg.num_dev is not None else ""
+    tag += f"-{cfg.tag}" if cfg.tag else ""
+    return tag
+
+
+def write_results(cfg: Config, results: dict[str, Any]) -> None:
+    """Write results.json into the output folder and MeZO's copy (--result_file, or result/<tag>-trainset<i>.json)."""
+    text = json.dumps(results, indent=2, sort_keys=True) + "\n"
+    (Path(cfg.output_dir) / "results.json").write_text(text, encoding="utf-8")
+    name = f"{result_file_tag(cfg)}-trainset{cfg.train_set_seed}.json"
+    copy = Path(cfg.result_file) if cfg.result_file else Path("result") / name
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_text(text, encoding="utf-8")
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of the run: CUDA max allocated on a GPU, else the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ----------------------------------------------------------------------------- what trains
+
+@dataclass
+class Method:
+    """The trainable part of the model: named parameters, adapters (if any) and the XGBLoRA schedule (if any)."""
+
+    named_params: list[tuple[str, torch.nn.Parameter]]
+    modules: dict[str, LoRALinear] = field(default_factory=dict)
+    boosting: Boosting | None = None
+
+    def trainable_state(self, with_bases: bool) -> dict[str, torch.Tensor]:
+        """Tensors a checkpoint must hold; with_bases adds the (merged-into) base weights of adapted modules."""
+        state = dict(self.named_params)
+        if with_bases:
+            state.update({f"{name}.base.weight": m.base.weight for name, m in self.modules.items()})
+        return state
+
+
+def setup_method(model: torch.nn.Module, cfg: Config) -> Method:
+    """Prepare full fine-tuning, LoRA, or XGBLoRA boosters on the model, and say what trains."""
+    if cfg.method == "ft":
+        count = prepare_full_ft(model)
+        log.info("full fine-tuning: %s trainable parameters", f"{count:,}")
+        return Method(list(model.named_parameters()))
+    targets = cfg.lora_target_modules.split(",") if cfg.lora_target_modules else None
+    report = attach(model, targets, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
+    log.info("%s", report)
+    named = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
+    boosting = None
+    if cfg.method == "xgblora":
+        boosting = Boosting(report.modules, cfg.xgblora_steps_per_iteration, cfg.xgblora_layers_per_booster,
+                            cfg.xgblora_shrinkage, cfg.xgblora_adaptive, cfg.xgblora_adaptive_patience,
+                            cfg.xgblora_adaptive_threshold, cfg.xgblora_adaptive_ema, seed=cfg.seed)
+        boosting.begin()
+    return Method(named, report.modules, boosting)
+
+
+# ----------------------------------------------------------------------------- data order
+
+@dataclass
+class BatchStream:
+    """Endless training batches of example indices; (epoch, cursor) is all a resumed run needs to continue exactly."""
+
+    lengths: list[int]
+    batch_size: int
+    seed: int
+    group_by_length: bool
+    epoch: int = 0
+    cursor: int = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            batches = epoch_batches(self.lengths, self.batch_size, self.seed, self.epoch, self.group_by_length)
+            while self.cursor < len(batches):
+                self.cursor += 1
+                yield batches[self.cursor - 1]
+            self.epoch, self.cursor = self.epoch + 1, 0
+
+
+class StopRequested(KeyboardInterrupt):
+    """SIGINT/SIGTERM arrived: the loop saves a checkpoint and stops."""
+
+
+@contextlib.contextmanager
+def graceful_stop() -> Iterator[dict[str, bool]]:
+    """Turn SIGINT/SIGTERM into a flag the loop checks after each step (the step in flight finishes)."""
+    flag = {"stop": False}
+
+    def handler(signum, frame):  # noqa: ARG001
+        if flag["stop"]:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        flag["stop"] = True
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+# ----------------------------------------------------------------------------- the run
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Run what cfg asks for and return the final metrics (also written to results.json)."""
+    setup_console_logging()
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.trainer != "none" and (out / "results.json").exists() and not cfg.overwrite_output_dir \
+            and not cfg.resume_from_checkpoint:
+        raise UserError(f"{out} already holds a finished run; pass --overwrite_output_dir to redo it, "
+                        f"or another --output_dir")
+    config_mod.dump(cfg, out / "config.yaml")
+    transformers.set_seed(cfg.seed)
+    task = get_task(cfg.task_name, cfg)
+    splits = sample_splits(task, cfg)
+    model, tokenizer = models.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation,
+                                   device=cfg.device, trust_remote_code=cfg.trust_remote_code)
+    device = next(model.parameters()).device
+
+    def score(examples, demos=()) -> dict[str, float]:
+        return evaluate(model, tokenizer, task, examples, demos=demos, sfc=cfg.sfc, icl_sfc=cfg.icl_sfc,
+                        batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length,
+                        max_new_tokens=cfg.max_new_tokens)
+
+    base = {"task": task.name, "model": cfg.model_name, "trainer": cfg.trainer, "seed": cfg.seed,
+            "num_eval": len(splits.eval), "device": str(device), "torch": torch.__version__}
+    if cfg.trainer == "none":
+        started = time.perf_counter()
+        results = {**score(splits.eval, splits.train), **base, "method": "none", "num_demos": len(splits.train),
+                   "eval_runtime_s": round(time.perf_counter() - started, 3)}
+        write_results(cfg, results)
+        return results
+    if not splits.train:
+        raise UserError(f"--trainer {cfg.trainer} needs training examples: --num_train is {cfg.num_train}")
+
+    method = setup_method(model, cfg)
+    summary = _train(cfg, model, tokenizer, splits, method, score, device)
+    results = {**base, **summary, "method": cfg.method, "num_train": len(splits.train)}
+    if not cfg.no_eval:
+        results.update(score(splits.eval))
+    write_results(cfg, results)
+    return results
+
+
+def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device: torch.device) -> dict[str, Any]:
+    """The loop: batch -> step (AdamW or MeZO) -> boosting -> log -> eval -> checkpoint; returns run statistics."""
+    out = Path(cfg.output_dir)
+    ckpt_root = out / "checkpoints"
+    seqs = training_seqs(tokenizer, splits.train, cfg.max_length, all_candidates=cfg.train_as_classification)
+    by_example: dict[int, list[int]] = {}
+    for row, s in enumerate(seqs):
+        by_example.setdefault(s.example, []).append(row)
+    lengths = [max(len(seqs[r].ids) for r in by_example[e]) for e in range(len(splits.train))]
+    stream = BatchStream(lengths, cfg.per_device_train_batch_size, cfg.seed, cfg.group_by_length)
+    batches_per_epoch = math.ceil(len(lengths) / cfg.per_device_train_batch_size)
+    max_steps = cfg.max_steps if cfg.max_steps > 0 else \
+        math.ceil(cfg.num_train_epochs * batches_per_epoch / cfg.gradient_accumulation_steps)
+    warmup = cfg.warmup_steps or int(cfg.warmup_ratio * max_steps)
+    trainable = sum(p.numel() for _, p in method.named_params)
+
+    autocast_dtype = _autocast_dtype(cfg, device)
+    if cfg.gradient_checkpointing and cfg.trainer == "regular":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    forward_model = torch.compile(model) if cfg.compile else model
+
+    def loss_fn(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            return per_example_loss(forward_model, batch)
+
+    if cfg.trainer == "regular":
+        optimizer = fo.build_optimizer(method.named_params, cfg.learning_rate, cfg.weight_decay,
+                                       (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon)
+        scheduler = fo.build_scheduler(optimizer, cfg.lr_scheduler_type, max_steps, warmup)
+        zo = None
+    else:
+        optimizer = scheduler = None
+        dual = cfg.zo_dual and cfg.method != "ft" and not cfg.train_as_classification
+        zo = MeZO(method.named_params, cfg.learning_rate, cfg.zo_eps, cfg.weight_decay, cfg.zo_stochastic_rounding,
+                  dual_modules=method.modules if dual else None, seed=cfg.seed)
+
+    step, best, metrics_bytes = 0, None, 0
+    if cfg.resume_from_checkpoint:
+        path = checkpoint.resolve(ckpt_root, cfg.resume_from_checkpoint)
+        tensors, state, blobs = checkpoint.load(path)
+        model.load_state_dict(tensors, strict=False)
+        step, best, metrics_bytes = state["step"], state["best"], state["metrics_bytes"]
+        stream.epoch, stream.cursor = state["epoch"], state["cursor"]
+        checkpoint.set_rng_state(state["rng"])
+        if optimizer is not None and "optimizer" in blobs:
+            optimizer.load_state_dict(blobs["optimizer"])
+            scheduler.load_state_dict(blobs["scheduler"])
+        if zo is not None and "zo" in blobs:
+            zo.load_state_dict(blobs["zo"])
+        if method.boosting is not None and "boosting" in blobs:
+            method.boosting.load_state_dict(blobs["boosting"])
+        log.info("resumed from %s at step %d", path, step)
+    metrics_path = out / "metrics.jsonl"
+    if step == 0 and metrics_path.exists():
+        metrics_path.unlink()  # a fresh run starts a fresh log
+    elif metrics_path.exists() and metrics_path.stat().st_size > metrics_bytes:
+        with open(metrics_path, "rb+") as f:  # drop what was logged after the checkpoint we resume from
+            f.truncate(metrics_bytes)
+    metrics = MetricsLog(metrics_path, tensorboard_dir=out / "tensorboard" if cfg.report_to == "tensorboard" else None,
+                         resume=step > 0)
+
+    def save(name: str) -> Path:
+        metrics.flush()
+        state = {"step": step, "epoch": stream.epoch, "cursor": stream.cursor, "best": best,
+                 "metrics_bytes": metrics_path.stat().st_size, "rng": checkpoint.rng_state()}
+        blobs: dict[str, Any] = {}
+        if not cfg.save_only_model:
+            if optimizer is not None:
+                blobs.update(optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict())
+            if zo is not None:
+                blobs["zo"] = zo.state_dict()
+            if method.boosting is not None:
+                blobs["boosting"] = method.boosting.state_dict()
+        tensors = method.trainable_state(with_bases=method.boosting is not None)
+        return checkpoint.save(ckpt_root, name, tensors, state, blobs)
+
+    batches = iter(stream)
+    started, window_loss, window_n, last_loss = time.perf_counter(), torch.zeros((), device=device), 0, float("nan")
+    progress = tqdm(total=max_steps, initial=step, desc=f"{cfg.method}/{cfg.trainer}", dynamic_ncols=True,
+                    disable=None)
+    model.train()
+    with graceful_stop() as stop:
+        try:
+            while step < max_steps:
+                lr = scheduler.get_last_lr()[0] if scheduler is not None else cfg.learning_rate
+                if optimizer is not None:
+                    loss = _adamw_step(cfg, method, optimizer, loss_fn, batches, seqs, by_example, tokenizer, device)
+                    scheduler.step()
+                else:
+                    batch = _to(make_batch(seqs, next(batches), tokenizer.pad_token_id, by_example), device)
+                    plus, minus = zo.step(loss_fn, batch)
+                    loss = torch.tensor((plus + minus) / 2, device=device)
+                step += 1
+                window_loss += loss.detach()
+                window_n += 1
+                if method.boosting is not None:
+                    event = method.boosting.after_step(step, float(loss) if cfg.xgblora_adaptive else None, optimizer)
+                    if event is not None:
+                        metrics.log({**event, "step": step})
+                if step % cfg.logging_steps == 0 or step == max_steps:
+                    last_loss = float(window_loss) / window_n  # the one host sync of the hot loop
+                    window_loss.zero_()
+                    window_n = 0
+                    if not math.isfinite(last_loss) and cfg.nan_policy == "stop":
+                        raise UserError(f"training loss is {last_loss} at step {step}; stopping. The last good "
+                                        f"checkpoint is under {ckpt_root} (try a lower --learning_rate)")
+                    metrics.log({"step": step, "loss": last_loss, "lr": lr,
+                                 "elapsed_s": round(time.perf_counter() - started, 3)})
+                    progress.set_postfix(loss=f"{last_loss:.4f}", refresh=False)
+                progress.update(1)
+                if cfg.evaluation_strategy == "steps" and step % cfg.eval_steps == 0:
+                    dev = score(splits.dev or splits.eval)
+                    metrics.log({"step": step, **{f"eval_{k}": v for k, v in dev.items()}})
+                    value = next(iter(dev.values()))
+                    if best is None or value > best["value"]:
+                        best = {"value": value, "step": step}
+                        if cfg.load_best_model_at_end:
+                            save("best")
+                if cfg.save_strategy == "steps" and step % cfg.save_steps == 0 and step < max_steps:
+                    save(f"step-{step}")
+                    checkpoint.prune(ckpt_root, cfg.save_total_limit)
+                if stop["stop"]:
+                    path = save(f"step-{step}")
+                    raise StopRequested(f"stopped at step {step}; checkpoint saved to {path}; "
+                                        f"resume with --resume_from_checkpoint latest")
+        finally:
+            progress.close()
+            metrics.close()
+    runtime = time.perf_counter() - started
+    if cfg.load_best_model_at_end and best is not None and (ckpt_root / "best").is_dir():
+        model.load_state_dict(checkpoint.load(ckpt_root / "best")[0], strict=False)
+        log.info("loaded the best dev checkpoint (step %d, %.4f)", best["step"], best["value"])
+    _save_final(cfg, model, tokenizer, method)
+    return {"trainable_params": trainable, "steps": step, "train_runtime_s": round(runtime, 3),
+            "steps_per_second": round(step / runtime, 4) if runtime > 0 else None, "train_loss": last_loss,
+            "peak_memory_mb": round(peak_memory_mb(device), 1),
+            **({f"dev_{k}": v for k, v in score(splits.dev).items()} if splits.dev and not cfg.no_eval else {}),
+            "boosters": len(method.boosting.history) if method.boosting is not None else 0}
+
+
+def _autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast: on by default on CUDA devices that support it; --bf16 forces it; --fp16 on CUDA only."""
+    if cfg.fp16:
+        if device.type != "cuda":
+            raise UserError("--fp16 autocast needs a CUDA device; on CPU use --bf16 (this CPU may support it)")
+        return torch.float16
+    use_bf16 = cfg.bf16 if cfg.bf16 is not None else (device.type == "cuda" and torch.cuda.is_bf16_supported())
+    if not use_bf16 or cfg.dtype_name != "float32":
+        return None
+    return torch.bfloat16
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _adamw_step(cfg: Config, method: Method, optimizer, loss_fn, batches, seqs, by_example, tokenizer,
+                device) -> torch.Tensor:
+    """One AdamW step over gradient_accumulation_steps micro-batches; returns the mean loss (a device tensor)."""
+    total = torch.zeros((), device=device)
+    for _ in range(cfg.gradient_accumulation_steps):
+        batch = _to(make_batch(seqs, next(batches), tokenizer.pad_token_id, by_example), device)
+        loss = loss_fn(batch).mean() / cfg.gradient_accumulation_steps
+        if method.boosting is not None and cfg.xgblora_norm_penalty > 0:
+            loss = loss + method.boosting.norm_penalty(cfg.xgblora_norm_penalty) / cfg.gradient_accumulation_steps
+        loss.backward()
+        total += loss.detach()
+    params = [p for _, p in method.named_params if p.grad is not None]
+    fo.clip_grad_norm(params, cfg.max_grad_norm)
+    if cfg.nan_policy == "skip" and not torch.isfinite(total):
+        log.warning("non-finite loss; step skipped (--nan_policy skip)")
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def _save_final(cfg: Config, model, tokenizer, method: Method) -> None:
+    """final/: a PEFT adapter (boosters concatenated) for lora/xgblora, the whole model for full fine-tuning."""
+    final = Path(cfg.output_dir) / "final"
+    if method.modules:
+        history = method.boosting.history if method.boosting is not None else []
+        export.to_peft(method.modules, history, final, cfg.model_name)
+    else:
+        model.save_pretrained(final)
+        tokenizer.save_pretrained(final)

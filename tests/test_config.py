@@ -1,0 +1,90 @@
+"""Flag parsing with MeZO's names, YAML configs, precedence, validation messages."""
+
+import dataclasses
+import shlex
+
+import pytest
+import yaml
+
+from xgblora import config
+from xgblora.config import CompareConfig, Config
+from xgblora.errors import UserError
+
+SEED_003 = """--model_name facebook/opt-350m --task_name SST2 --xgblora --xgblora_steps_per_iteration 1000 --trainer zo
+--learning_rate 1e-5 --zo_eps 1e-3 --per_device_train_batch_size 16 --max_steps 20000 --num_train 1000 --num_dev 500
+--num_eval 1000 --load_float16 --output_dir ./output --evaluation_strategy steps --eval_steps 4000 --save_steps 4000
+--logging_steps 10"""
+SEED_000 = r"""--output_root E:\aOutput\MultiRC\test_200_re --loss_figure_path E:\aOutput\MultiRC\test_200_re\loss.png
+--model_name facebook/opt-350m --task_name MultiRC --learning_rate 1e-5 --zo_eps 1e-3 --max_steps 2000
+--xgblora_steps_per_iteration 200 --eval_steps 100 --num_train 2000 --num_dev 500 --num_eval 1000 --seeds 0
+--lora_rank 1 --lora_alpha 16"""
+
+
+def test_seed_run_py_command_line_parses_verbatim():
+    cfg = config.parse(Config, shlex.split(SEED_003))
+    assert (cfg.method, cfg.lora_r, cfg.trainer, cfg.load_float16, cfg.dtype_name) == ("xgblora", 1, "zo", True, "float16")
+    assert (cfg.num_train, cfg.num_dev, cfg.num_eval, cfg.eval_steps, cfg.evaluation_strategy) == (1000, 500, 1000, 4000, "steps")
+    assert cfg.learning_rate == 1e-5 and cfg.per_device_train_batch_size == 16 and cfg.max_steps == 20000
+
+
+def test_seed_compare_command_line_parses_verbatim():
+    cfg = config.parse(CompareConfig, shlex.split(SEED_000, posix=False))
+    assert cfg.seeds == [0] and cfg.lora_r == 1 and cfg.lora_alpha == 16.0 and cfg.task_name == "MultiRC"
+    assert cfg.loss_figure_path.endswith("loss.png") and cfg.methods == ["xgblora", "lora"]
+
+
+def test_hyphenated_spelling_and_bool_values():
+    a = config.parse(Config, ["--model-name", "tiny-llama", "--num-train", "3", "--zo-dual", "false", "--lora"])
+    assert (a.model_name, a.num_train, a.zo_dual, a.method, a.lora_r) == ("tiny-llama", 3, False, "lora", 8)
+    assert config.parse(Config, ["--zo_stochastic_rounding", "none"]).zo_stochastic_rounding is None
+    with pytest.raises(SystemExit):
+        config.parse(Config, ["--zo_dual", "maybe"])
+
+
+def test_yaml_then_command_line_wins(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("task_name: RTE\nlearning_rate: 1.0e-4\nnum-train: 7\nlora_rank: 4\n")
+    cfg = config.parse(Config, ["--config", str(path), "--task_name", "CB"])
+    assert (cfg.task_name, cfg.learning_rate, cfg.num_train, cfg.lora_r) == ("CB", 1e-4, 7, 4)
+
+
+def test_dumped_config_reloads_identically(tmp_path):
+    cfg = config.parse(CompareConfig, ["--xgblora", "--seeds", "1", "2", "--xgblora_layers_per_booster", "2"])
+    config.dump(cfg, tmp_path / "config.yaml")
+    again = config.parse(CompareConfig, ["--config", str(tmp_path / "config.yaml")])
+    assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("learning_rte: 1e-5\n", "unknown key 'learning_rte'; did you mean 'learning_rate'?"),
+    ("num_train: many\n", "key 'num_train': expected int, got str 'many'"),
+    ("zo_dual: 'yes'\n", "key 'zo_dual': expected bool, got str 'yes'"),
+    ("trainer: adam\n", "key 'trainer': 'adam' is not one of none, regular, zo"),
+    ("- a\n- b\n", "expected a mapping of option: value, got list"),
+    ("a: [1\n", "not valid YAML"),
+    ("model_name: null\n", "key 'model_name': expected str, got null"),
+])
+def test_bad_yaml_gives_one_line_error(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError) as err:
+        config.parse(Config, ["--config", str(path)])
+    assert message in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--trainer", "zo", "--gradient_accumulation_steps", "4"], "does not apply to --trainer zo"),
+    (["--load_float16", "--load_bfloat16"], "cannot both be set"),
+    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be positive"),
+    (["--xgblora_shrinkage", "1.5"], "--xgblora_shrinkage must be in (0, 1]"),
+    (["--zo_eps", "0"], "--zo_eps must be positive"),
+])
+def test_incompatible_flags(argv, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        config.parse(Config, argv)
+
+
+def test_yaml_file_is_plain_mapping_of_every_option(tmp_path):
+    config.dump(Config(), tmp_path / "c.yaml")
+    data = yaml.safe_load((tmp_path / "c.yaml").read_text())
+    assert set(data) == {f.name for f in dataclasses.fields(Config)}
