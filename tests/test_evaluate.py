@@ -50,10 +50,12 @@ def test_batched_scores_equal_unbatched_reference(name, side):
         assert scores == pytest.approx(ref, abs=2e-5)
 
 
-@pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])
-def test_reference_detects_wrong_positions(name):
-    """The reference is sensitive: dropping position_ids under left padding changes the scores visibly."""
-    model, tokenizer = sharpened(name)
+def test_reference_detects_wrong_positions():
+    """The reference is sensitive: wrong position_ids under left padding change OPT's scores visibly.
+
+    (Only OPT: its learned positions are absolute, while Llama's rotary ones are invariant to a uniform shift.)
+    """
+    model, tokenizer = sharpened("tiny-opt")
     seqs = encode_pairs(tokenizer, EXAMPLES, max_length=512)
     batch = collate(seqs, tokenizer.pad_token_id)
     with torch.no_grad():

@@ -60,12 +60,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "eval":
             return _run_eval(config_mod.from_namespace(config_mod.Config, args, EVAL_DEFAULTS))
+        if args.command == "train":
+            from xgblora.train import run
+
+            print(json.dumps(run(config_mod.from_namespace(config_mod.Config, args)), indent=2))
+            return 0
+        if args.command == "env":
+            from xgblora.perf import environment
+
+            print(json.dumps(environment(), indent=2))
+            return 0
         return _not_implemented(args.command)(args)
     except UserError as exc:
         print(f"xgblora {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"xgblora {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"xgblora {args.command}: interrupted" + (f": {exc}" if str(exc) else ""), file=sys.stderr)
         return 130
 
 

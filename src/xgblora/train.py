@@ -18,7 +18,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from xgblora import checkpoint, models
+from xgblora import checkpoint, models, perf
 from xgblora import config as config_mod
 from xgblora.adapters import export
 from xgblora.adapters.boosting import Boosting
@@ -167,6 +167,7 @@ def run(cfg: Config) -> dict[str, Any]:
     model, tokenizer = models.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation,
                                    device=cfg.device, trust_remote_code=cfg.trust_remote_code)
     device = next(model.parameters()).device
+    perf.enable_tf32(device)
 
     def score(examples, demos=()) -> dict[str, float]:
         return evaluate(model, tokenizer, task, examples, demos=demos, sfc=cfg.sfc, icl_sfc=cfg.icl_sfc,
@@ -229,12 +230,12 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
         zo = MeZO(method.named_params, cfg.learning_rate, cfg.zo_eps, cfg.weight_decay, cfg.zo_stochastic_rounding,
                   dual_modules=method.modules if dual else None, seed=cfg.seed)
 
-    step, best, metrics_bytes = 0, None, 0
+    step, best = 0, None
     if cfg.resume_from_checkpoint:
         path = checkpoint.resolve(ckpt_root, cfg.resume_from_checkpoint)
         tensors, state, blobs = checkpoint.load(path)
         model.load_state_dict(tensors, strict=False)
-        step, best, metrics_bytes = state["step"], state["best"], state["metrics_bytes"]
+        step, best = state["step"], state["best"]
         stream.epoch, stream.cursor = state["epoch"], state["cursor"]
         checkpoint.set_rng_state(state["rng"])
         if optimizer is not None and "optimizer" in blobs:
@@ -246,18 +247,13 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
             method.boosting.load_state_dict(blobs["boosting"])
         log.info("resumed from %s at step %d", path, step)
     metrics_path = out / "metrics.jsonl"
-    if step == 0 and metrics_path.exists():
-        metrics_path.unlink()  # a fresh run starts a fresh log
-    elif metrics_path.exists() and metrics_path.stat().st_size > metrics_bytes:
-        with open(metrics_path, "rb+") as f:  # drop what was logged after the checkpoint we resume from
-            f.truncate(metrics_bytes)
     metrics = MetricsLog(metrics_path, tensorboard_dir=out / "tensorboard" if cfg.report_to == "tensorboard" else None,
-                         resume=step > 0)
+                         resume=step > 0, resume_step=step if step > 0 else None)
 
     def save(name: str) -> Path:
         metrics.flush()
         state = {"step": step, "epoch": stream.epoch, "cursor": stream.cursor, "best": best,
-                 "metrics_bytes": metrics_path.stat().st_size, "rng": checkpoint.rng_state()}
+                 "rng": checkpoint.rng_state()}
         blobs: dict[str, Any] = {}
         if not cfg.save_only_model:
             if optimizer is not None:

@@ -1,0 +1,59 @@
+"""The environment report (`xgblora env`) and device-level speed defaults (TF32 on Ampere+)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+from typing import Any
+
+import torch
+
+
+def enable_tf32(device: torch.device) -> bool:
+    """Allow TF32 matmuls/convolutions on CUDA devices of compute capability 8.0+; returns whether it was enabled."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return True
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this x86 CPU advertises native bf16 arithmetic (avx512_bf16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def environment() -> dict[str, Any]:
+    """Versions, device, attention backends and what xgblora's defaults choose on this machine."""
+    import transformers
+
+    from xgblora.models import choose_attention, choose_device
+
+    device = choose_device("auto")
+    cuda = device.type == "cuda"
+    report: dict[str, Any] = {
+        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+        "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "bf16_supported": torch.cuda.is_bf16_supported() if cuda else cpu_has_bf16(),
+        "flash_attn_installed": importlib.util.find_spec("flash_attn") is not None,
+        "peft_installed": importlib.util.find_spec("peft") is not None,
+    }
+    if cuda:
+        report["sdpa_backends"] = {
+            "flash": torch.backends.cuda.flash_sdp_enabled(), "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+            "cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "math": torch.backends.cuda.math_sdp_enabled()}
+        report["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    report["defaults"] = {
+        "device": str(device), "attn_implementation": choose_attention("auto", device),
+        "autocast": "bf16" if cuda and torch.cuda.is_bf16_supported() else "none (fp32; --bf16 to enable on CPU)",
+        "fused_adamw": cuda, "tf32": cuda and torch.cuda.get_device_capability(device)[0] >= 8,
+        "use_cache_in_training": False, "padding": "dynamic, left, length-grouped",
+    }
+    return report

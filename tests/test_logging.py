@@ -1,0 +1,174 @@
+"""MetricsLog (one handle, batched flushes, torn-line repair, TensorBoard mirror), read_metrics, console logging."""
+
+import builtins
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from xgblora.errors import UserError
+from xgblora.logging import MetricsLog, read_metrics, setup_console_logging
+
+
+def _records(n: int, start: int = 1) -> list[dict]:
+    return [{"step": s, "loss": 1.0 / s, "lr": 1e-5, "elapsed_s": 0.1 * s} for s in range(start, start + n)]
+
+
+def test_records_parse_back(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    records = [*_records(5), {"step": 5, "eval_accuracy": 0.81}, {"step": 5, "event": "merge", "booster": 1, "modules": 48}]
+    with MetricsLog(path) as log:
+        for record in records:
+            log.log(record)
+    assert read_metrics(path) == records
+
+
+def test_one_open_for_1000_records(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    opened = []
+    real_open = builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if Path(str(file)) == path:
+            opened.append(args[0] if args else kwargs.get("mode"))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    with MetricsLog(path, flush_every=20) as log:
+        for record in _records(1000):
+            log.log(record)
+    monkeypatch.undo()
+    assert len(opened) == 1
+    assert len(read_metrics(path)) == 1000
+
+
+def test_flushes_every_n_records(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path, flush_every=20, flush_interval_s=3600)
+    visible = []
+    for record in _records(65):
+        log.log(record)
+        visible.append(len(read_metrics(path)))
+    assert visible[18] == 0 and visible[19] == 20 and visible[38] == 20 and visible[39] == 40 and visible[-1] == 60
+    log.close()
+    assert len(read_metrics(path)) == 65
+
+
+def test_flush_interval_writes_slow_records_promptly(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with MetricsLog(path, flush_every=100, flush_interval_s=0.0) as log:
+        log.log({"step": 1, "loss": 0.5})
+        assert read_metrics(path) == [{"step": 1, "loss": 0.5}]
+
+
+def test_flush_makes_records_visible_and_fsyncs(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    with MetricsLog(path, flush_every=100, flush_interval_s=3600) as log:
+        for record in _records(3):
+            log.log(record)
+        assert read_metrics(path) == []
+        log.flush()
+        assert read_metrics(path) == _records(3)
+        assert len(synced) == 1
+
+
+def test_fresh_log_starts_empty(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 9.0}\n')
+    with MetricsLog(path) as log:
+        log.log({"step": 1, "loss": 0.5})
+    assert read_metrics(path) == [{"step": 1, "loss": 0.5}]
+
+
+def test_torn_last_line_dropped_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with MetricsLog(path) as log:
+        for record in _records(3):
+            log.log(record)
+    with open(path, "ab") as handle:
+        handle.write(b'{"step": 4, "loss": 0.2')  # a kill mid-write
+    with pytest.warns(UserWarning, match="torn last line"):
+        log = MetricsLog(path, resume=True)
+    with log:
+        log.log({"step": 4, "loss": 0.25})
+    assert read_metrics(path) == [*_records(3), {"step": 4, "loss": 0.25}]
+
+
+def test_resume_drops_records_after_resume_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with MetricsLog(path) as log:
+        for record in _records(10):
+            log.log(record)
+    with MetricsLog(path, resume=True, resume_step=6) as log:
+        log.log({"step": 7, "loss": 0.7})
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_resume_keeps_whole_last_record_without_newline(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}')
+    with MetricsLog(path, resume=True) as log:
+        log.log({"step": 3, "loss": 0.3})
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+
+
+def test_read_metrics_skips_torn_last_line(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "lo')
+    with caplog.at_level(logging.WARNING, logger="xgblora"):
+        assert read_metrics(path) == [{"step": 1, "loss": 0.5}]
+    assert "torn last line" in caplog.text
+
+
+def test_read_metrics_names_a_corrupt_middle_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(UserError, match=r"metrics.jsonl:2: "):
+        read_metrics(path)
+
+
+def test_log_rejects_a_record_without_step_and_writes_numpy_like_values(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with MetricsLog(path) as log:
+        with pytest.raises(ValueError, match="step"):
+            log.log({"loss": 1.0})
+        torch = pytest.importorskip("torch")
+        log.log({"step": 1, "loss": torch.tensor(0.5)})
+    assert read_metrics(path) == [{"step": 1, "loss": 0.5}]
+
+
+def test_tensorboard_mirror_writes_events(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb_dir = tmp_path / "tb"
+    with MetricsLog(tmp_path / "metrics.jsonl", tensorboard_dir=tb_dir) as log:
+        for record in _records(5):
+            log.log(record)
+        log.log({"step": 5, "eval_accuracy": 0.8})
+        log.log({"step": 5, "event": "merge", "booster": 1, "modules": 48})
+    assert list(tb_dir.glob("events.out.tfevents*"))
+    events = EventAccumulator(str(tb_dir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "eval/accuracy", "merge/booster", "merge/modules"} <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5]
+
+
+def test_console_logging_is_idempotent(capsys):
+    logger = setup_console_logging()
+    try:
+        assert setup_console_logging(logging.WARNING) is logger
+        assert len(logger.handlers) == 1
+        logger.info("hidden")
+        logger.warning("shown once")
+        err = capsys.readouterr().err
+        assert "hidden" not in err and err.count("shown once") == 1 and err.count("\n") == 1
+    finally:
+        logger.handlers.clear()
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
