@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from xgblora import config as config_mod
 from xgblora.errors import UserError
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
             config_mod.add_arguments(p, config_mod.Config)
         elif name == "compare":
             config_mod.add_arguments(p, config_mod.CompareConfig)
+        elif name == "demo":
+            p.add_argument("--output_root", "--output-root", default="xgblora-demo", help="Where the report goes.")
+            p.add_argument("--steps", type=int, default=200, help="Training steps per run.")
     return parser
 
 
@@ -65,6 +69,23 @@ def main(argv: list[str] | None = None) -> int:
 
             print(json.dumps(run(config_mod.from_namespace(config_mod.Config, args)), indent=2))
             return 0
+        if args.command == "compare":
+            from xgblora.compare import compare
+
+            done = compare(config_mod.from_namespace(config_mod.CompareConfig, args))
+            print(done["summary"])
+            print(f"report: {done['html']}  figure: {done['loss_figure']}")
+            for name, message in done["failed"]:
+                print(f"FAILED {name}: {message}", file=sys.stderr)
+            return 1 if done["failed"] else 0
+        if args.command == "demo":
+            from xgblora.demo import run_demo
+
+            done = run_demo(Path(args.output_root), steps=args.steps)
+            print(f"untrained tiny-opt: accuracy {done['untrained_accuracy']:.3f}")
+            print(done["summary"])
+            print(f"report: {done['html']}  (also report.md, {done['loss_figure']})")
+            return 1 if done["failed"] else 0
         if args.command == "env":
             from xgblora.perf import environment
 

@@ -168,6 +168,11 @@ def run(cfg: Config) -> dict[str, Any]:
                                    device=cfg.device, trust_remote_code=cfg.trust_remote_code)
     device = next(model.parameters()).device
     perf.enable_tf32(device)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and cfg.max_length > positions:
+        log.info("max_length %d exceeds %s's %d positions; using %d", cfg.max_length, cfg.model_name, positions,
+                 positions)
+        cfg.max_length = positions
 
     def score(examples, demos=()) -> dict[str, float]:
         return evaluate(model, tokenizer, task, examples, demos=demos, sfc=cfg.sfc, icl_sfc=cfg.icl_sfc,

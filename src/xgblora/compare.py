@@ -1,0 +1,76 @@
+"""`xgblora compare`: run methods x seeds through train.run (reusing finished runs), then write the report."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import traceback
+from pathlib import Path
+from typing import Any
+
+from xgblora import report, train
+from xgblora.config import CompareConfig, Config
+from xgblora.errors import UserError
+
+log = logging.getLogger("xgblora")
+
+
+def parse_method(spec: str, default_trainer: str) -> tuple[str, str]:
+    """'xgblora' -> ('xgblora', default_trainer); 'lora:regular' -> ('lora', 'regular')."""
+    method, _, trainer = spec.partition(":")
+    trainer = trainer or default_trainer
+    if method not in ("ft", "lora", "xgblora") or trainer not in ("regular", "zo"):
+        raise UserError(f"--methods: {spec!r} is not METHOD[:TRAINER] with METHOD in ft, lora, xgblora and "
+                        f"TRAINER in regular, zo")
+    return method, trainer
+
+
+def run_configs(cfg: CompareConfig) -> list[Config]:
+    """One train config per (method, seed), each in its own folder under output_root."""
+    default_trainer = cfg.trainer if cfg.trainer != "none" else "zo"
+    base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
+    configs = []
+    for spec in cfg.methods:
+        method, trainer = parse_method(spec, default_trainer)
+        for seed in cfg.seeds:
+            out = Path(cfg.output_root) / f"{cfg.task_name}-{method}-{trainer}-seed{seed}"
+            values = {**base, "method": method, "trainer": trainer, "seed": seed, "output_dir": str(out),
+                      "lora": False, "xgblora": False, "overwrite_output_dir": cfg.overwrite,
+                      "result_file": str(out / "mezo_result.json")}
+            if method == "ft":
+                values["lora_r"] = None
+            configs.append(Config(**values))
+    return configs
+
+
+def compare(cfg: CompareConfig) -> dict[str, Any]:
+    """Run every (method, seed) of cfg not yet finished, keep going past failures, and write the report."""
+    figure = Path(cfg.loss_figure_path) if cfg.loss_figure_path else None
+    return run_all(run_configs(cfg), Path(cfg.output_root), figure)
+
+
+def run_all(configs: list[Config], output_root: Path, loss_figure_path: Path | None = None) -> dict[str, Any]:
+    """Run each config whose folder holds no results.json yet (or all, with overwrite_output_dir), then report."""
+    finished, failed = [], []
+    for run_cfg in configs:
+        out = Path(run_cfg.output_dir)
+        name = out.name
+        if (out / "results.json").exists() and not run_cfg.overwrite_output_dir:
+            log.info("%s: finished earlier, reusing it (--overwrite to redo)", name)
+            finished.append(out)
+            continue
+        log.info("%s: running", name)
+        try:
+            train.run(run_cfg)
+            finished.append(out)
+        except UserError as exc:
+            failed.append((name, str(exc)))
+            log.error("%s failed: %s", name, exc)
+        except Exception as exc:  # noqa: BLE001 -- one broken run must not lose the others
+            failed.append((name, f"{exc.__class__.__name__}: {exc}"))
+            log.error("%s failed:\n%s", name, traceback.format_exc())
+    if not finished:
+        raise UserError("no run finished: " + "; ".join(f"{n}: {m}" for n, m in failed))
+    runs = [report.load_run(out) for out in finished]
+    written = report.write_report(runs, output_root, loss_figure_path)
+    return {**written, "failed": failed, "summary": report.summary_line(written["rows"])}

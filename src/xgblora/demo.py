@@ -1,0 +1,67 @@
+"""`xgblora demo`: offline, seeded, a few minutes on a laptop CPU — XGBLoRA vs LoRA under AdamW and MeZO, with a report."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from xgblora import compare, train
+from xgblora.config import CompareConfig, Config
+
+POSITIVE = ("great", "good", "fun", "funny", "lovely", "superb", "moving", "brilliant")
+NEGATIVE = ("bad", "terrible", "boring", "dull", "awful", "weak", "tedious", "bland")
+SUBJECTS = ("the movie", "the film", "the story", "the plot", "the cast", "the ending", "this show", "the music")
+FILLERS = ("today", "for me", "overall", "at times", "in the end", "to be honest", "again", "by far")
+TEMPLATE, LABEL_WORDS = "{text} It was", "terrible,great"
+
+
+def sentiment_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """n generated reviews {"text", "label"}: the polarity of their adjectives decides the label (1 = positive)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.randrange(2)
+        words = POSITIVE if label else NEGATIVE
+        adjectives = rng.sample(words, rng.choice((1, 2)))
+        text = f"{rng.choice(SUBJECTS)} was {' and '.join(adjectives)} {rng.choice(FILLERS)}."
+        rows.append({"text": text[0].upper() + text[1:], "label": label})
+    return rows
+
+
+def write_data(folder: Path, n_train: int = 512, n_eval: int = 200, seed: int = 0) -> tuple[Path, Path]:
+    """Write the demo task's train.jsonl and eval.jsonl (disjoint seeds) into folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, n, s in (("train", n_train, seed), ("eval", n_eval, seed + 1)):
+        path = folder / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in sentiment_rows(n, s)), encoding="utf-8")
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def demo_configs(out: Path, steps: int, num_eval: int) -> list[Config]:
+    """The runs of the demo: XGBLoRA and LoRA under AdamW and under MeZO, each with its usual learning rate."""
+    train_file, eval_file = write_data(out / "data")
+    common: dict[str, Any] = dict(model_name="tiny-opt", task_name="custom", train_file=str(train_file),
+                                  eval_file=str(eval_file), template=TEMPLATE, label_words=LABEL_WORDS,
+                                  num_train=512, num_eval=num_eval, max_steps=steps, lora_alpha=16,
+                                  logging_steps=5, evaluation_strategy="steps", eval_steps=max(1, steps // 4),
+                                  save_strategy="no", output_root=str(out), seeds=[0],
+                                  xgblora_steps_per_iteration=max(1, steps // 5))
+    adamw = CompareConfig(**common, methods=["xgblora", "lora"], trainer="regular", learning_rate=3e-3,
+                          per_device_train_batch_size=16)
+    mezo = CompareConfig(**common, methods=["xgblora", "lora"], trainer="zo", learning_rate=3e-2, zo_eps=1e-2,
+                         per_device_train_batch_size=32)
+    return compare.run_configs(adamw) + compare.run_configs(mezo)
+
+
+def run_demo(out: Path = Path("xgblora-demo"), steps: int = 200, num_eval: int = 200) -> dict[str, Any]:
+    """Run the demo and write its report into out; returns the report paths, rows and the untrained baseline."""
+    configs = demo_configs(out, steps, num_eval)
+    baseline_cfg = Config(**{**vars(configs[0]), "trainer": "none", "num_train": 0,
+                             "output_dir": str(out / "untrained"), "result_file": str(out / "untrained" / "mezo.json")})
+    baseline = train.run(baseline_cfg)
+    done = compare.run_all(configs, out, out / "loss.png")
+    return {**done, "untrained_accuracy": baseline["accuracy"]}

@@ -1,0 +1,270 @@
+"""JSONL reading, local / HF / custom sources, one-line errors for bad input, and MeZO's sampling protocol."""
+
+import json
+import warnings
+
+import datasets
+import numpy as np
+import pytest
+
+from xgblora.config import Config
+from xgblora.data.loading import load_rows, read_jsonl, sample_splits
+from xgblora.data.tasks import get_task
+from xgblora.errors import UserError
+
+
+def write(path, text: str | bytes) -> None:
+    """Write text (UTF-8) or bytes, creating folders."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
+
+
+def jsonl(*rows) -> str:
+    """JSONL text of rows."""
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+def ids(examples) -> set[int]:
+    """Identities of examples (they come from one pool, so equal texts stay distinct)."""
+    return {id(ex) for ex in examples}
+
+
+# ----------------------------------------------------------------------------- read_jsonl
+
+def test_read_jsonl_numbers_lines_and_skips_blank_ones(tmp_path):
+    # a byte-order mark, CRLF line ends, blank lines, and no final newline
+    write(tmp_path / "f.jsonl", b'\xef\xbb\xbf{"a": 1}\r\n\n   \n{"a": 2}\n{"a": "\xc3\xa9"}')
+    assert read_jsonl(tmp_path / "f.jsonl") == [(1, {"a": 1}), (4, {"a": 2}), (5, {"a": "é"})]
+
+
+# ----------------------------------------------------------------------------- malformed input, one line each
+
+RTE_OK = {"premise": "P.", "hypothesis": "H.", "label": "entailment"}
+CUSTOM_CLS = dict(task_name="custom", template="{text} It was", label_words="terrible,great")
+
+MALFORMED = [
+    ("bad-json", {"rte/train.jsonl": jsonl(RTE_OK) + '{"premise": "P", "label": 0\n'}, "rte",
+     '{d}/rte/train.jsonl:2: not valid JSON (Expecting \',\' delimiter at column 28)'),
+    ("not-object", {"rte/train.jsonl": jsonl(RTE_OK, [1, 2])}, "rte",
+     "{d}/rte/train.jsonl:2: expected a JSON object, got an array"),
+    ("null-line", {"rte/train.jsonl": "null\n"}, "rte",
+     "{d}/rte/train.jsonl:1: expected a JSON object, got null"),
+    ("missing-field", {"rte/train.jsonl": jsonl(RTE_OK, RTE_OK, {"premise": "P.", "label": 0})}, "rte",
+     '{d}/rte/train.jsonl:3: field "hypothesis": missing'),
+    ("wrong-type", {"rte/train.jsonl": jsonl({**RTE_OK, "premise": 3})}, "rte",
+     '{d}/rte/train.jsonl:1: field "premise": expected a string, got int'),
+    ("unknown-label", {"rte/train.jsonl": jsonl(RTE_OK, {**RTE_OK, "label": "maybe"})}, "rte",
+     '{d}/rte/train.jsonl:2: field "label": \'maybe\' is not one of entailment, not_entailment'),
+    ("bool-label-wrong",
+     {"wic/train.jsonl": jsonl({"word": "w", "sentence1": "a", "sentence2": "b", "label": "yes"})}, "wic",
+     '{d}/wic/train.jsonl:1: field "label": \'yes\' is not one of false, true'),
+    ("empty-file", {"rte/train.jsonl": ""}, "rte", "{d}/rte/train.jsonl: empty file (no JSON lines)"),
+    ("blank-file", {"rte/train.jsonl": "\n  \n"}, "rte", "{d}/rte/train.jsonl: empty file (no JSON lines)"),
+    ("not-utf8", {"rte/train.jsonl": jsonl(RTE_OK).encode() + b'{"premise": "caf\xe9"}\n'}, "rte",
+     "{d}/rte/train.jsonl:2: not UTF-8 text (byte 0xe9 at column 17); save the file as UTF-8"),
+    ("empty-text", {"sst2/train.jsonl": jsonl({"sentence": " ", "label": 1})}, "sst2",
+     '{d}/sst2/train.jsonl:1: field "sentence": empty string'),
+    ("nested-type", {"multirc/train.jsonl": jsonl({"passage": {"text": "P", "questions": {}}})}, "multirc",
+     '{d}/multirc/train.jsonl:1: field "passage.questions": expected a list, got dict'),
+    ("no-task-folder", {"sst2/train.jsonl": jsonl({"sentence": "a", "label": 0}), "cb/x": ""}, "rte",
+     "--data_dir {d}: no folder 'rte' for task RTE (it holds: cb, sst2)"),
+    ("no-train-file", {"rte/dev.jsonl": jsonl(RTE_OK)}, "rte", "{d}/rte/train.jsonl: no such file"),
+    ("unknown-task", {}, "glue-sst5",
+     "unknown task 'glue-sst5': choose one of SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, "
+     "DROP or custom"),
+    ("custom-slot-missing", {"t.jsonl": jsonl({"text": "a", "label": 0}, {"txt": "b", "label": 1})},
+     CUSTOM_CLS,
+     '{d}/t.jsonl:2: field "text": missing'),
+    ("custom-label", {"t.jsonl": jsonl({"text": "a", "label": 2})}, CUSTOM_CLS,
+     '{d}/t.jsonl:1: field "label": 2 is not one of 0, 1'),
+    ("custom-instruction", {"t.jsonl": jsonl({"prompt": "p", "response": ["r"]})}, {"task_name": "custom"},
+     '{d}/t.jsonl:1: field "response": expected a string, got list'),
+    ("custom-no-file", {}, {"task_name": "custom"}, "{d}/t.jsonl: no such file"),
+]
+
+
+@pytest.mark.parametrize(("files", "task", "expected"), [case[1:] for case in MALFORMED],
+                         ids=[case[0] for case in MALFORMED])
+def test_malformed_input_gives_one_line(tmp_path, files, task, expected):
+    for name, content in files.items():
+        write(tmp_path / name, content)
+    with pytest.raises(UserError) as err:
+        if isinstance(task, dict):
+            load_rows(get_task("custom", Config(**task, train_file=str(tmp_path / "t.jsonl"))), "train", None)
+        else:
+            load_rows(get_task(task), "train", str(tmp_path))
+    message = str(err.value)
+    assert message == expected.format(d=tmp_path)
+    assert "\n" not in message
+
+
+def test_missing_data_dir(tmp_path):
+    with pytest.raises(UserError) as err:
+        load_rows(get_task("rte"), "eval", str(tmp_path / "nope"))
+    assert str(err.value) == f"--data_dir {tmp_path / 'nope'}: no such folder"
+
+
+def test_superglue_download_layout_is_accepted(tmp_path):
+    write(tmp_path / "RTE" / "val.jsonl", jsonl(RTE_OK))
+    assert load_rows(get_task("rte"), "eval", str(tmp_path))[0].candidates == ("Yes", "No")
+
+
+# ----------------------------------------------------------------------------- Hugging Face datasets
+
+def test_hf_rows_flow_through(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list([{"premise": f"P{i}.", "hypothesis": "H.", "idx": i, "label": i % 2}
+                                           for i in range(3)])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    examples = load_rows(get_task("RTE"), "eval", None)
+    assert calls == [("super_glue", "rte", "validation")]
+    assert [ex.prompt.split("\n")[0] for ex in examples] == ["P0.", "P1.", "P2."]
+    assert [ex.gold for ex in examples] == [(0,), (1,), (0,)]
+    splits = sample_splits(get_task("RTE"), Config(task_name="RTE", num_train=2, num_dev=1, num_eval=2))
+    assert (len(splits.train), len(splits.dev), len(splits.eval)) == (2, 1, 2)
+    assert calls[1:] == [("super_glue", "rte", "train"), ("super_glue", "rte", "validation")]
+
+
+def test_bad_hf_row_is_located(monkeypatch):
+    monkeypatch.setattr(datasets, "load_dataset",
+                        lambda *a, **k: datasets.Dataset.from_list([{"sentence": "ok", "label": 0},
+                                                                    {"sentence": "", "label": 1}]))
+    with pytest.raises(UserError) as err:
+        load_rows(get_task("sst2"), "train", None)
+    assert str(err.value) == 'glue/sst2[train]:1: field "sentence": empty string'
+
+
+def test_failing_hf_load_suggests_data_dir(monkeypatch):
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'boolq' on the Hub (LocalEntryNotFoundError)\nmore detail")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(UserError) as err:
+        load_rows(get_task("boolq"), "train", None)
+    message = str(err.value)
+    assert message.startswith("cannot load boolq [train] from Hugging Face datasets "
+                              "(ConnectionError: Couldn't reach")
+    assert "--data_dir DIR holding boolq/train.jsonl and boolq/dev.jsonl" in message
+    assert "\n" not in message and "more detail" not in message
+
+
+# ----------------------------------------------------------------------------- MeZO's sampling protocol
+
+def mezo_sample_subset(pool: list, seed: int, num: int) -> list:
+    """MeZO's sample_subset: `with temp_seed(seed): np.random.permutation(len)[:num]` (numpy's global RNG)."""
+    state = np.random.get_state()
+    np.random.seed(seed)
+    try:
+        return [pool[i] for i in np.random.permutation(len(pool)).tolist()[:num]]
+    finally:
+        np.random.set_state(state)
+
+
+def rte_cfg(data_dir, **kw) -> Config:
+    """An RTE config over the shared data."""
+    defaults = {"task_name": "RTE", "data_dir": str(data_dir), "num_train": 16, "num_dev": 8, "num_eval": 50}
+    return Config(**{**defaults, **kw})
+
+
+def test_sampling_reproduces_mezo(shared_data):
+    task = get_task("RTE")
+    splits = sample_splits(task, rte_cfg(shared_data, train_set_seed=3))
+    drawn = mezo_sample_subset(load_rows(task, "train", str(shared_data)), 3, 16 + 8)
+    assert (splits.train, splits.dev) == (drawn[:-8], drawn[-8:])  # run.py: dev = the last num_dev
+    assert splits.eval == mezo_sample_subset(load_rows(task, "eval", str(shared_data)), 0, 50)
+
+
+def test_sampling_is_deterministic_disjoint_and_seeded(shared_data):
+    task = get_task("RTE")
+    a, again = sample_splits(task, rte_cfg(shared_data)), sample_splits(task, rte_cfg(shared_data))
+    assert (a.train, a.dev, a.eval) == (again.train, again.dev, again.eval)
+    assert (len(a.train), len(a.dev), len(a.eval)) == (16, 8, 50)
+    assert not ids(a.train) & ids(a.dev)
+    b = sample_splits(task, rte_cfg(shared_data, train_set_seed=1))
+    assert a.train != b.train and a.dev != b.dev
+    assert a.eval == b.eval  # eval is drawn with seed 0 whatever the train seed
+
+
+def test_all_of_eval_in_order_without_num_eval(shared_data):
+    task = get_task("sst2")
+    splits = sample_splits(task, rte_cfg(shared_data, task_name="sst2", num_eval=None, num_dev=None))
+    assert splits.eval == load_rows(task, "eval", str(shared_data))
+    assert (len(splits.train), splits.dev) == (16, [])
+
+
+def test_multirc_is_sampled_at_answer_level(shared_data):
+    splits = sample_splits(get_task("MultiRC"), rte_cfg(shared_data, task_name="MultiRC", num_eval=1000))
+    assert len(splits.eval) == 1000
+    assert len({ex.prompt for ex in splits.eval}) == 1000  # answers of many paragraphs, not whole paragraphs
+
+
+def test_boolq_shortfall_takes_all_and_warns_once(shared_data):
+    cfg = rte_cfg(shared_data, task_name="BoolQ", num_train=48, num_dev=16, num_eval=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        splits = sample_splits(get_task("BoolQ"), cfg)
+    assert [str(w.message) for w in caught] == [
+        "BoolQ: asked for 48 train + 16 dev examples but the train split has 32; using 24 train + 8 dev"]
+    assert (len(splits.train), len(splits.dev), len(splits.eval)) == (24, 8, 3270)
+    assert len(ids(splits.train) | ids(splits.dev)) == 32
+
+
+def test_eval_shortfall_warns(shared_data):
+    with pytest.warns(UserWarning, match="asked for 500 eval examples but there are 56; using all 56"):
+        splits = sample_splits(get_task("CB"), rte_cfg(shared_data, task_name="CB", num_eval=500))
+    assert len(splits.eval) == 56
+
+
+def test_zero_shot_does_not_read_the_train_split(tmp_path):
+    write(tmp_path / "rte" / "dev.jsonl", jsonl(RTE_OK, RTE_OK))
+    splits = sample_splits(get_task("rte"), rte_cfg(tmp_path, num_train=0, num_dev=None, num_eval=None))
+    assert (splits.train, splits.dev, len(splits.eval)) == ([], [], 2)
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"num_train": -1}, "--num_train must be 0 or more, got -1"),
+    ({"num_eval": -5}, "--num_eval must be 0 or more, got -5"),
+    ({"train_set_seed": -1}, "--train_set_seed must be between 0 and 2**32 - 1, got -1"),
+])
+def test_bad_counts(shared_data, kw, message):
+    with pytest.raises(UserError) as err:
+        sample_splits(get_task("rte"), rte_cfg(shared_data, **kw))
+    assert str(err.value) == message
+
+
+# ----------------------------------------------------------------------------- custom tasks
+
+def test_custom_classification_with_eval_file(tmp_path):
+    write(tmp_path / "train.jsonl", jsonl(*({"text": f"t{i}", "label": i % 2} for i in range(20))))
+    write(tmp_path / "eval.jsonl", jsonl({"text": "e0", "label": "1"}, {"text": "e1", "label": 0}))
+    cfg = Config(**CUSTOM_CLS, train_file=str(tmp_path / "train.jsonl"),
+                 eval_file=str(tmp_path / "eval.jsonl"), num_train=8, num_dev=4)
+    splits = sample_splits(get_task("custom", cfg), cfg)
+    assert (len(splits.train), len(splits.dev)) == (8, 4)
+    assert [(ex.prompt, ex.candidates, ex.gold) for ex in splits.eval] == [
+        ("e0 It was", (" terrible", " great"), (1,)), ("e1 It was", (" terrible", " great"), (0,))]
+
+
+def test_custom_instruction_eval_drawn_from_train_file(tmp_path):
+    write(tmp_path / "train.jsonl", jsonl(*({"prompt": f"q{i}", "response": f"a{i}"} for i in range(30))))
+    cfg = Config(task_name="custom", train_file=str(tmp_path / "train.jsonl"), num_train=10, num_dev=5)
+    task = get_task("custom", cfg)
+    splits = sample_splits(task, cfg)
+    assert (len(splits.train), len(splits.dev), len(splits.eval)) == (10, 5, 15)
+    prompts = [[ex.prompt for ex in part] for part in (splits.train, splits.dev, splits.eval)]
+    assert sorted(sum(prompts, [])) == sorted(f"q{i}" for i in range(30))  # disjoint and complete
+    assert prompts[2] == sorted(prompts[2], key=lambda p: int(p[1:]))  # eval in file order
+    assert splits.eval[0].answers == (f"a{prompts[2][0][1:]}",) and splits.eval[0].candidates == ()
+    cfg.num_eval = 4
+    assert len(sample_splits(task, cfg).eval) == 4
+
+
+def test_custom_without_eval_rows_left(tmp_path):
+    write(tmp_path / "train.jsonl", jsonl(*({"prompt": "q", "response": "a"} for _ in range(5))))
+    cfg = Config(task_name="custom", train_file=str(tmp_path / "train.jsonl"), num_train=5)
+    with pytest.raises(UserError, match="has 5 examples, not enough .* pass --eval_file or lower"):
+        sample_splits(get_task("custom", cfg), cfg)
