@@ -1,0 +1,176 @@
+"""XGBLoRA: when to merge the booster (fixed or adaptive), which layers carry it, shrinkage, and the booster history."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+
+from xgblora.adapters.lora import LoRALinear
+from xgblora.errors import UserError
+
+log = logging.getLogger("xgblora")
+
+_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def block_of(name: str) -> str:
+    """The transformer block a module belongs to: its name up to the first numeric part ('...layers.3'), else itself."""
+    match = _BLOCK.match(name)
+    return match.group(1) if match else name
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(device="cpu", dtype=torch.float32, copy=True)
+
+
+class Boosting:
+    """Gradient boosting of low-rank adapters: train a booster, merge it into the base weights, start a fresh one."""
+
+    def __init__(self, modules: dict[str, LoRALinear], steps_per_iteration: int, layers_per_booster: int | None = None,
+                 shrinkage: float = 1.0, adaptive: bool = False, patience: int = 50, threshold: float = 1e-3,
+                 ema: float = 0.9, seed: int = 0):
+        if not modules:
+            raise UserError("XGBLoRA needs at least one adapted module")
+        if steps_per_iteration < 1:
+            raise UserError(f"--xgblora_steps_per_iteration must be at least 1, got {steps_per_iteration}")
+        if layers_per_booster is not None and layers_per_booster < 1:
+            raise UserError(f"--xgblora_layers_per_booster must be at least 1, got {layers_per_booster}")
+        if patience < 1:
+            raise UserError(f"--xgblora_adaptive_patience must be at least 1, got {patience}")
+        if not 0.0 <= ema < 1.0:
+            raise UserError(f"--xgblora_adaptive_ema must be in [0, 1), got {ema}")
+        self.modules = dict(modules)
+        self.blocks: dict[str, list[str]] = {}
+        for name in self.modules:
+            self.blocks.setdefault(block_of(name), []).append(name)
+        self._block_names = list(self.blocks)
+        count = len(self._block_names)
+        self.layers_per_booster = count if layers_per_booster is None else min(layers_per_booster, count)
+        self.steps_per_iteration = steps_per_iteration
+        self.shrinkage, self.adaptive = float(shrinkage), adaptive
+        self.patience, self.threshold, self.ema = patience, float(threshold), float(ema)
+        self.history: list[dict[str, Any]] = []
+        self.subset: list[int] = list(range(count))
+        self._generator = torch.Generator().manual_seed(seed)
+        self._ema: float | None = None
+        self._best: float | None = None
+        self._since_best = 0
+        self._snapshot: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    # ------------------------------------------------------------------ layer subsets
+
+    def active_modules(self) -> dict[str, LoRALinear]:
+        """The modules that carry the current booster."""
+        return {name: m for name, m in self.modules.items() if m.active}
+
+    def begin(self) -> None:
+        """Choose the first iteration's layer subset; the first booster keeps attach()'s initialisation."""
+        self._choose_subset()
+        self._start_tracking()
+
+    def _choose_subset(self) -> None:
+        count = len(self._block_names)
+        if self.layers_per_booster >= count:
+            self._apply_subset(list(range(count)))
+        else:
+            picked = torch.randperm(count, generator=self._generator)[: self.layers_per_booster]
+            self._apply_subset(sorted(picked.tolist()))
+
+    def _apply_subset(self, subset: list[int]) -> None:
+        self.subset = list(subset)
+        chosen = {name for i in self.subset for name in self.blocks[self._block_names[i]]}
+        for name, m in self.modules.items():
+            m.active = name in chosen
+            m.lora_A.requires_grad_(m.active)
+            m.lora_B.requires_grad_(m.active)
+
+    # ------------------------------------------------------------------ schedule
+
+    def after_step(self, step: int, loss: float | None,
+                   optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any] | None:
+        """Call after every optimizer step (1-based count); merges the booster when it is due and says so."""
+        if self.adaptive:
+            if loss is None or not self._observe(float(loss)):
+                return None
+            self._rollback()
+        elif step % self.steps_per_iteration:
+            return None
+        return self._merge(step, optimizer)
+
+    def _merge(self, step: int, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        active = self.active_modules()
+        booster = len(self.history) + 1
+        record = {}
+        for name, m in active.items():
+            record[name] = {"A": _cpu_copy(m.lora_A), "B": _cpu_copy(m.lora_B), "scale": self.shrinkage * m.scaling}
+            m.merge(self.shrinkage)
+        self.history.append({"booster": booster, "step": step, "modules": record})
+        for m in active.values():
+            m.reset(self._generator)
+            for p in (m.lora_A, m.lora_B):
+                p.grad = None
+                if optimizer is not None:
+                    optimizer.state.pop(p, None)
+        self._choose_subset()
+        self._start_tracking()
+        log.info("XGBLoRA: merged booster %d at step %d", booster, step)
+        return {"event": "merge", "booster": booster, "step": step, "modules": len(active)}
+
+    # ------------------------------------------------------------------ adaptive merge
+
+    def _start_tracking(self) -> None:
+        """A new booster must improve on the loss EMA as it stands when the booster starts."""
+        self._best, self._since_best = self._ema, 0
+        self._snapshot = self._capture() if self.adaptive else None
+
+    def _capture(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {name: (m.lora_A.detach().clone(), m.lora_B.detach().clone())
+                for name, m in self.active_modules().items()}
+
+    def _observe(self, loss: float) -> bool:
+        """Update the loss EMA; True when it has not improved by `threshold` (relative) for `patience` steps."""
+        self._ema = loss if self._ema is None else self.ema * self._ema + (1.0 - self.ema) * loss
+        if self._best is None or self._ema < self._best - self.threshold * abs(self._best):
+            self._best, self._since_best, self._snapshot = self._ema, 0, self._capture()
+        else:
+            self._since_best += 1
+        return self._since_best >= self.patience
+
+    @torch.no_grad()
+    def _rollback(self) -> None:
+        for name, (A, B) in (self._snapshot or {}).items():
+            self.modules[name].lora_A.copy_(A)
+            self.modules[name].lora_B.copy_(B)
+
+    # ------------------------------------------------------------------ penalty and state
+
+    def norm_penalty(self, weight: float) -> torch.Tensor:
+        """weight * sum(|A|^2 + |B|^2) over the active modules, as a differentiable 0-dim tensor."""
+        terms = [m.lora_A.square().sum() + m.lora_B.square().sum() for m in self.active_modules().values()]
+        if not terms:
+            return torch.zeros(())
+        return weight * torch.stack(terms).sum()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything an exact resume needs beyond the model's weights: history, generator, subset, EMA state."""
+        snapshot = None if self._snapshot is None else {
+            name: {"A": _cpu_copy(A), "B": _cpu_copy(B)} for name, (A, B) in self._snapshot.items()}
+        return {"blocks": list(self._block_names), "history": list(self.history),
+                "generator": self._generator.get_state(), "subset": list(self.subset), "ema": self._ema,
+                "best": self._best, "since_best": self._since_best, "snapshot": snapshot}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict() returned (the model's adapter and base weights are restored separately)."""
+        if list(state["blocks"]) != self._block_names:
+            raise UserError("the checkpoint's XGBLoRA layers do not match this model's adapted layers")
+        self.history = list(state["history"])
+        self._generator.set_state(state["generator"])
+        self._apply_subset(list(state["subset"]))
+        self._ema, self._best, self._since_best = state["ema"], state["best"], int(state["since_best"])
+        snapshot = state["snapshot"]
+        self._snapshot = None if snapshot is None else {
+            name: (s["A"].to(self.modules[name].lora_A.device), s["B"].to(self.modules[name].lora_B.device))
+            for name, s in snapshot.items()}

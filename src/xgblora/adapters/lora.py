@@ -1,0 +1,189 @@
+"""LoRA layers: a frozen base Linear plus an fp32 low-rank branch (A, B); attach, merge, reset, dual-batch MeZO mode."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xgblora.errors import UserError
+
+# Attention query and value projections, by model_type (the LoRA paper's choice and MeZO's).
+_DEFAULT_TARGETS: dict[tuple[str, ...], list[str]] = {
+    ("opt", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+     "gemma3_text", "phi", "olmo", "olmo2", "starcoder2", "gptj", "stablelm", "granite", "smollm3"): ["q_proj", "v_proj"],
+    ("bert", "roberta", "xlm-roberta", "electra", "camembert", "ernie"): ["query", "value"],
+    ("gpt2",): ["c_attn"],
+    ("gpt_neox", "falcon", "bloom"): ["query_key_value"],
+    ("phi3",): ["qkv_proj"],
+    ("distilbert",): ["q_lin", "v_lin"],
+}
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear plus scaling * B A in fp32; inactive -> the base alone; dual mode -> +/- perturbed halves."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        if r < 1:
+            raise UserError(f"LoRA rank must be at least 1, got {r}")
+        self.base = base
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.r, self.alpha = r, float(alpha)
+        self.scaling = self.alpha / r
+        device = base.weight.device
+        self.lora_A = nn.Parameter(torch.empty(r, self.in_features, dtype=torch.float32, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, dtype=torch.float32, device=device))
+        self.dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.active = True
+        self._dual_A: torch.Tensor | None = None
+        self._dual_B: torch.Tensor | None = None
+        self.reset()
+
+    def extra_repr(self) -> str:
+        """r, alpha and whether the branch is on, for print(model)."""
+        return f"r={self.r}, alpha={self.alpha:g}, active={self.active}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """base(x) + scaling * B A dropout(x), the branch and the sum in fp32, cast to the base output's dtype."""
+        out = self.base(x)
+        if not self.active:
+            return out
+        no_autocast = (torch.autocast(x.device.type, enabled=False) if torch.is_autocast_enabled(x.device.type)
+                       else contextlib.nullcontext())
+        with no_autocast:
+            h = self.dropout(x).to(torch.float32)
+            if self._dual_A is not None:
+                delta = self._dual_delta(h)
+            else:
+                delta = F.linear(F.linear(h, self.lora_A) * self.scaling, self.lora_B)
+            return (out + delta).to(out.dtype)
+
+    def _dual_delta(self, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] % 2:
+            raise ValueError(f"dual-perturbation mode needs a batch of 2B rows, got {h.shape[0]}")
+        flat = h.reshape(2, -1, self.in_features)  # [:B] rows -> index 0 (plus), [B:] rows -> index 1 (minus)
+        mid = torch.bmm(flat, self._dual_A.transpose(1, 2)) * self.scaling
+        return torch.bmm(mid, self._dual_B.transpose(1, 2)).reshape(*h.shape[:-1], self.out_features)
+
+    def delta_weight(self) -> torch.Tensor:
+        """The branch as a dense fp32 (out, in) matrix: scaling * B @ A."""
+        return self.scaling * (self.lora_B @ self.lora_A)
+
+    @torch.no_grad()
+    def merge(self, shrinkage: float = 1.0) -> None:
+        """base.weight += shrinkage * delta, summed in fp32 and cast to the weight's dtype once."""
+        weight = self.base.weight
+        weight.copy_((weight.to(torch.float32) + shrinkage * self.delta_weight()).to(weight.dtype))
+
+    @torch.no_grad()
+    def reset(self, generator: torch.Generator | None = None) -> None:
+        """A ~ Kaiming-uniform(a=sqrt(5)) as in PEFT and nn.Linear (drawn on the CPU, device-independent), B = 0."""
+        bound = 1.0 / math.sqrt(self.in_features)  # gain sqrt(2 / (1 + 5)) * sqrt(3 / fan_in)
+        fresh = torch.empty(self.lora_A.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+        self.lora_A.copy_(fresh)
+        self.lora_B.zero_()
+
+    @torch.no_grad()
+    def set_dual_perturbation(self, z_A: torch.Tensor, z_B: torch.Tensor, eps: float) -> None:
+        """Dual-batch MeZO: rows [:B] see (B + eps z_B)(A + eps z_A), rows [B:] see (B - eps z_B)(A - eps z_A)."""
+        A, B = self.lora_A.detach(), self.lora_B.detach()
+        z_A, z_B = z_A.to(A), z_B.to(B)
+        self._dual_A = torch.stack([torch.add(A, z_A, alpha=eps), torch.add(A, z_A, alpha=-eps)])
+        self._dual_B = torch.stack([torch.add(B, z_B, alpha=eps), torch.add(B, z_B, alpha=-eps)])
+
+    def clear_dual_perturbation(self) -> None:
+        """Leave dual-batch mode: the forward uses A and B again."""
+        self._dual_A = self._dual_B = None
+
+
+@dataclass
+class AttachReport:
+    """What attach() did: the adapted modules by qualified name and the parameter counts."""
+
+    modules: dict[str, LoRALinear]
+    trainable_params: int
+    total_params: int
+    r: int = 8
+
+    def __str__(self) -> str:
+        suffixes = sorted({name.rsplit(".", 1)[-1] for name in self.modules})
+        share = 100.0 * self.trainable_params / max(self.total_params, 1)
+        return (f"LoRA r={self.r}: {len(self.modules)} modules ({', '.join(suffixes)}), "
+                f"{self.trainable_params:,} trainable parameters ({share:.2f}% of {self.total_params:,})")
+
+
+def default_targets(model: nn.Module) -> list[str]:
+    """Attention query and value projection names for the model's architecture (config.model_type)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for types, targets in _DEFAULT_TARGETS.items():
+        if model_type in types:
+            return list(targets)
+    raise UserError(f"no default LoRA target modules for model type {model_type!r}; pass --lora_target_modules "
+                    f"(linear layers in this model: {', '.join(_linear_suffixes(model))})")
+
+
+def _linear_suffixes(model: nn.Module, limit: int = 12) -> list[str]:
+    names = dict.fromkeys(name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear))
+    return list(names)[:limit]
+
+
+def _matches(name: str, targets: list[str]) -> bool:
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def attach(model: nn.Module, targets: list[str] | None = None, r: int = 8, alpha: float = 16.0,
+           dropout: float = 0.0) -> AttachReport:
+    """Freeze the model and wrap every nn.Linear whose qualified name ends with a target suffix in a LoRALinear."""
+    if lora_modules(model):
+        raise UserError("the model already has LoRA adapters attached")
+    targets = [t.strip() for t in (targets or default_targets(model)) if t.strip()]
+    matched = []
+    for name, module in model.named_modules():
+        if not name or not _matches(name, targets):
+            continue
+        if type(module).__name__ == "Conv1D":
+            raise UserError(f"LoRA target {name!r} is a GPT-2 style Conv1D, which is not supported; "
+                            f"choose nn.Linear targets with --lora_target_modules")
+        if isinstance(module, nn.Linear):
+            matched.append((name, module))
+    if not matched:
+        raise UserError(f"LoRA target modules {', '.join(targets)}: no nn.Linear in the model has a name ending "
+                        f"with one of them (linear layers in this model: {', '.join(_linear_suffixes(model))})")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    modules: dict[str, LoRALinear] = {}
+    for name, module in matched:
+        parent_name, _, child = name.rpartition(".")
+        modules[name] = LoRALinear(module, r, alpha, dropout)
+        setattr(model.get_submodule(parent_name), child, modules[name])
+    trainable = sum(p.numel() for m in modules.values() for p in (m.lora_A, m.lora_B))
+    total = sum(p.numel() for p in model.parameters())
+    return AttachReport(modules, trainable, total, r)
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """Every LoRALinear in the model, by qualified module name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def unwrap(model: nn.Module) -> None:
+    """Merge every active adapter into its base Linear and put the plain Linear back in its place."""
+    for name, module in lora_modules(model).items():
+        if module.active:
+            module.merge(1.0)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, module.base)
+
+
+def prepare_full_ft(model: nn.Module) -> int:
+    """Make every parameter trainable (full fine-tuning); return how many parameters that is."""
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,251 @@
+"""LoRALinear against hand-computed references; merge invariance on tiny models; dual-batch mode; attach/unwrap."""
+
+import copy
+import math
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from xgblora import models
+from xgblora.adapters.lora import LoRALinear, attach, default_targets, lora_modules, prepare_full_ft, unwrap
+from xgblora.errors import UserError
+
+
+def _layer(in_f: int = 16, out_f: int = 12, r: int = 4, alpha: float = 8.0, dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    layer = LoRALinear(nn.Linear(in_f, out_f).to(dtype), r, alpha)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    return layer
+
+
+def _train_adapters(model, steps: int = 4, lr: float = 5e-2, seed: int = 0) -> None:
+    """A few AdamW steps on random tokens so that every B is non-zero."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(3, model.config.vocab_size, (2, 10), generator=gen)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_forward_and_gradients_match_reference():
+    layer = _layer()
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    out = layer(x)
+    W, b = layer.base.weight.detach(), layer.base.bias.detach()
+    A = layer.lora_A.detach().clone().requires_grad_(True)
+    B = layer.lora_B.detach().clone().requires_grad_(True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref = x_ref @ W.T + b + (8.0 / 4) * x_ref @ A.T @ B.T
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(ref)
+    out.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(layer.lora_A.grad, A.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.lora_B.grad, B.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    assert layer.base.weight.grad is None and not layer.base.weight.requires_grad
+    torch.testing.assert_close(layer.delta_weight(), 2.0 * B.detach() @ A.detach())
+
+
+def test_fp32_adapters_on_bf16_base():
+    layer = _layer(dtype=torch.bfloat16)
+    assert layer.lora_A.dtype == layer.lora_B.dtype == torch.float32
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    base = layer.base(x).float()
+    ref = base + 2.0 * x.float() @ layer.lora_A.detach().T @ layer.lora_B.detach().T
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+    out.float().sum().backward()
+    assert layer.lora_A.grad.dtype == torch.float32 and layer.lora_B.grad.dtype == torch.float32
+    # A tiny update to A survives in fp32 (it would round away in bf16).
+    before = layer.lora_A.detach().clone()
+    with torch.no_grad():
+        layer.lora_A.add_(1e-6)
+    assert not torch.equal(before, layer.lora_A.detach())
+
+
+def test_inactive_is_the_base_alone():
+    layer = _layer()
+    x = torch.randn(2, 16)
+    layer.active = False
+    assert torch.equal(layer(x), layer.base(x))
+
+
+def test_reset_is_kaiming_uniform_and_seeded():
+    layer = _layer(in_f=40, r=3)
+    layer.reset(torch.Generator().manual_seed(7))
+    ref = torch.empty(3, 40)
+    nn.init.kaiming_uniform_(ref, a=math.sqrt(5), generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(layer.lora_A.detach(), ref, rtol=1e-6, atol=1e-7)
+    assert torch.count_nonzero(layer.lora_B) == 0
+    other = layer.lora_A.detach().clone()
+    layer.reset(torch.Generator().manual_seed(8))
+    assert not torch.equal(other, layer.lora_A.detach())
+
+
+def test_merge_of_a_single_layer():
+    layer = _layer()
+    x = torch.randn(6, 16)
+    before = layer(x)
+    expected_w = layer.base.weight.detach() + 0.5 * 2.0 * layer.lora_B.detach() @ layer.lora_A.detach()
+    layer.merge(0.5)
+    torch.testing.assert_close(layer.base.weight.detach(), expected_w)
+    with torch.no_grad():
+        layer.lora_B.mul_(0.5)
+    torch.testing.assert_close(layer(x), before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])
+def test_merge_keeps_logits_fp32(name):
+    model, _ = models.load(name)
+    attach(model, r=4, alpha=8.0)
+    _train_adapters(model)
+    assert all(m.lora_B.abs().max() > 0 for m in lora_modules(model).values())
+    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        for m in lora_modules(model).values():
+            m.merge()
+            m.reset()
+        after_merge = model(input_ids=ids).logits
+        unwrap(model)
+        after_unwrap = model(input_ids=ids).logits
+    assert not lora_modules(model)
+    assert all(type(m) is nn.Linear for n, m in model.named_modules() if n.endswith(("q_proj", "v_proj")))
+    torch.testing.assert_close(after_merge, before, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(after_unwrap, before, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])
+def test_merge_keeps_logits_bf16(name):
+    model, _ = models.load(name, dtype="bfloat16")
+    plain = copy.deepcopy(model)
+    attach(model, r=4, alpha=8.0)
+    _train_adapters(model, lr=1e-1)
+    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    plain.eval()
+    with torch.no_grad():
+        before = model(input_ids=ids).logits.float()
+        base_only = plain(input_ids=ids).logits.float()
+        unwrap(model)
+        after = model(input_ids=ids).logits.float()
+    adapter_effect = (before - base_only).abs().max()
+    merge_error = (after - before).abs().max()
+    scale = before.abs().max()
+    assert adapter_effect > 0.05 * scale  # the adapters matter ...
+    assert merge_error < 0.02 * scale  # ... and merging them changes the logits by bf16 rounding only
+    assert merge_error < 0.2 * adapter_effect
+
+
+def test_dual_perturbation_single_layer():
+    layer = _layer()
+    x = torch.randn(6, 5, 16)
+    z_A, z_B = torch.randn_like(layer.lora_A), torch.randn_like(layer.lora_B)
+    eps = 1e-2
+    layer.set_dual_perturbation(z_A, z_B, eps)
+    with torch.no_grad():
+        dual = layer(x)
+    layer.clear_dual_perturbation()
+    for half, sign in ((slice(0, 3), 1.0), (slice(3, 6), -1.0)):
+        other = copy.deepcopy(layer)
+        with torch.no_grad():
+            other.lora_A.add_(sign * eps * z_A)
+            other.lora_B.add_(sign * eps * z_B)
+            torch.testing.assert_close(dual[half], other(x[half]), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError):
+        layer.set_dual_perturbation(z_A, z_B, eps)
+        layer(torch.randn(3, 16))
+
+
+@pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])
+def test_dual_perturbation_whole_model(name):
+    model, _ = models.load(name)
+    attach(model, r=2, alpha=4.0)
+    _train_adapters(model, steps=2)
+    mods = lora_modules(model)
+    gen = torch.Generator().manual_seed(3)
+    z = {n: (torch.randn(m.lora_A.shape, generator=gen), torch.randn(m.lora_B.shape, generator=gen))
+         for n, m in mods.items()}
+    ids = torch.randint(3, model.config.vocab_size, (3, 9), generator=gen)
+    eps = 1e-2
+    model.eval()
+    with torch.no_grad():
+        for n, m in mods.items():
+            m.set_dual_perturbation(*z[n], eps)
+        dual = model(input_ids=torch.cat([ids, ids])).logits
+        for m in mods.values():
+            m.clear_dual_perturbation()
+        halves = []
+        for sign in (1.0, -1.0):
+            other = copy.deepcopy(model)
+            for n, m in lora_modules(other).items():
+                m.lora_A.add_(sign * eps * z[n][0])
+                m.lora_B.add_(sign * eps * z[n][1])
+            halves.append(other(input_ids=ids).logits)
+    torch.testing.assert_close(dual[:3], halves[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dual[3:], halves[1], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(halves[0], halves[1], atol=1e-4)
+
+
+def test_attach_on_opt_350m_shape():
+    model, _ = models.random_model("opt-350m-random", hidden_size=64, ffn_dim=128, num_attention_heads=4,
+                                   word_embed_proj_dim=64, vocab_size=512)
+    total_before = sum(p.numel() for p in model.parameters())
+    report = attach(model, r=8, alpha=16.0)
+    assert len(report.modules) == 48
+    assert set(report.modules) == {f"model.decoder.layers.{i}.self_attn.{p}" for i in range(24) for p in ("q_proj", "v_proj")}
+    assert report.trainable_params == 48 * 8 * (64 + 64)
+    assert report.total_params == total_before + report.trainable_params
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"{m}.lora_{x}" for m in report.modules for x in "AB"}
+    assert str(report) == (f"LoRA r=8: 48 modules (q_proj, v_proj), 49,152 trainable parameters "
+                           f"({100 * 49152 / report.total_params:.2f}% of {report.total_params:,})")
+    assert lora_modules(model) == report.modules
+
+
+def test_attach_errors():
+    model, _ = models.load("tiny-opt")
+    with pytest.raises(UserError, match=r"nope.*fc1"):
+        attach(model, ["nope"])
+    attach(model, ["fc1"], r=2)
+    with pytest.raises(UserError, match="already"):
+        attach(model)
+
+
+def test_default_targets():
+    def fake(model_type):
+        return types.SimpleNamespace(config=types.SimpleNamespace(model_type=model_type), named_modules=lambda: [])
+    assert default_targets(fake("opt")) == ["q_proj", "v_proj"]
+    assert default_targets(fake("llama")) == ["q_proj", "v_proj"]
+    assert default_targets(fake("qwen2")) == ["q_proj", "v_proj"]
+    assert default_targets(fake("bert")) == ["query", "value"]
+    assert default_targets(fake("roberta")) == ["query", "value"]
+    assert default_targets(fake("gpt2")) == ["c_attn"]
+    with pytest.raises(UserError, match="lora_target_modules"):
+        default_targets(fake("mystery"))
+
+
+def test_gpt2_conv1d_is_a_clear_user_error():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(UserError, match="Conv1D"):
+        attach(model)
+
+
+def test_prepare_full_ft():
+    model, _ = models.load("tiny-opt")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    count = prepare_full_ft(model)
+    assert count == sum(p.numel() for p in model.parameters())
+    assert all(p.requires_grad for p in model.parameters())
