@@ -22,7 +22,7 @@ SEED_000 = r"""--output_root E:\aOutput\MultiRC\test_200_re --loss_figure_path E
 
 def test_seed_run_py_command_line_parses_verbatim():
     cfg = config.parse(Config, shlex.split(SEED_003))
-    assert (cfg.method, cfg.lora_r, cfg.trainer, cfg.load_float16, cfg.dtype_name) == ("xgblora", 1, "zo", True, "float16")
+    assert (cfg.method, cfg.rank, cfg.trainer, cfg.load_float16, cfg.dtype_name) == ("xgblora", 1, "zo", True, "float16")
     assert (cfg.num_train, cfg.num_dev, cfg.num_eval, cfg.eval_steps, cfg.evaluation_strategy) == (1000, 500, 1000, 4000, "steps")
     assert cfg.learning_rate == 1e-5 and cfg.per_device_train_batch_size == 16 and cfg.max_steps == 20000
 
@@ -35,7 +35,7 @@ def test_seed_compare_command_line_parses_verbatim():
 
 def test_hyphenated_spelling_and_bool_values():
     a = config.parse(Config, ["--model-name", "tiny-llama", "--num-train", "3", "--zo-dual", "false", "--lora"])
-    assert (a.model_name, a.num_train, a.zo_dual, a.method, a.lora_r) == ("tiny-llama", 3, False, "lora", 8)
+    assert (a.model_name, a.num_train, a.zo_dual, a.method, a.rank) == ("tiny-llama", 3, False, "lora", 8)
     assert config.parse(Config, ["--zo_stochastic_rounding", "none"]).zo_stochastic_rounding is None
     with pytest.raises(SystemExit):
         config.parse(Config, ["--zo_dual", "maybe"])

@@ -37,8 +37,6 @@ def run_configs(cfg: CompareConfig) -> list[Config]:
             values = {**base, "method": method, "trainer": trainer, "seed": seed, "output_dir": str(out),
                       "lora": False, "xgblora": False, "overwrite_output_dir": cfg.overwrite,
                       "result_file": str(out / "mezo_result.json")}
-            if method == "ft":
-                values["lora_r"] = None
             configs.append(Config(**values))
     return configs
 

@@ -119,8 +119,6 @@ class Config:
             self.method = "xgblora"
         elif self.lora and self.method == "ft":
             self.method = "lora"
-        if self.lora_r is None:
-            self.lora_r = 1 if self.method == "xgblora" else 8
         if self.evaluation_strategy == "steps" and self.eval_steps <= 0:
             raise UserError(f"--eval_steps must be positive with --evaluation_strategy steps, got {self.eval_steps}")
         _check_positive(self, "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -136,6 +134,13 @@ class Config:
             raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
         if self.zo_eps <= 0:
             raise UserError(f"--zo_eps must be positive, got {self.zo_eps}")
+
+    @property
+    def rank(self) -> int:
+        """Adapter rank: --lora_r, else 1 for XGBLoRA boosters and 8 for LoRA."""
+        if self.lora_r is not None:
+            return self.lora_r
+        return 1 if self.method == "xgblora" else 8
 
     @property
     def dtype_name(self) -> str:

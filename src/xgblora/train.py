@@ -93,7 +93,7 @@ def setup_method(model: torch.nn.Module, cfg: Config) -> Method:
         log.info("full fine-tuning: %s trainable parameters", f"{count:,}")
         return Method(list(model.named_parameters()))
     targets = cfg.lora_target_modules.split(",") if cfg.lora_target_modules else None
-    report = attach(model, targets, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
+    report = attach(model, targets, r=cfg.rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
     log.info("%s", report)
     named = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
     boosting = None
@@ -208,6 +208,7 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
     for row, s in enumerate(seqs):
         by_example.setdefault(s.example, []).append(row)
     lengths = [max(len(seqs[r].ids) for r in by_example[e]) for e in range(len(splits.train))]
+    golds = [ex.gold[0] if ex.gold else 0 for ex in splits.train]
     stream = BatchStream(lengths, cfg.per_device_train_batch_size, cfg.seed, cfg.group_by_length)
     batches_per_epoch = math.ceil(len(lengths) / cfg.per_device_train_batch_size)
     max_steps = cfg.max_steps if cfg.max_steps > 0 else \
@@ -229,8 +230,9 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
                                        (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon)
         scheduler = fo.build_scheduler(optimizer, cfg.lr_scheduler_type, max_steps, warmup)
         zo = None
-    else:
-        optimizer = scheduler = None
+    else:  # MeZO: the schedule drives its lr through a stand-in optimizer, so both trainers share one schedule code
+        optimizer, lr_holder = None, torch.optim.SGD([torch.zeros(1)], lr=cfg.learning_rate)
+        scheduler = fo.build_scheduler(lr_holder, cfg.lr_scheduler_type, max_steps, warmup)
         dual = cfg.zo_dual and cfg.method != "ft" and not cfg.train_as_classification
         zo = MeZO(method.named_params, cfg.learning_rate, cfg.zo_eps, cfg.weight_decay, cfg.zo_stochastic_rounding,
                   dual_modules=method.modules if dual else None, seed=cfg.seed)
@@ -245,6 +247,7 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
         checkpoint.set_rng_state(state["rng"])
         if optimizer is not None and "optimizer" in blobs:
             optimizer.load_state_dict(blobs["optimizer"])
+        if "scheduler" in blobs:
             scheduler.load_state_dict(blobs["scheduler"])
         if zo is not None and "zo" in blobs:
             zo.load_state_dict(blobs["zo"])
@@ -261,8 +264,9 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
                  "rng": checkpoint.rng_state()}
         blobs: dict[str, Any] = {}
         if not cfg.save_only_model:
+            blobs["scheduler"] = scheduler.state_dict()
             if optimizer is not None:
-                blobs.update(optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict())
+                blobs["optimizer"] = optimizer.state_dict()
             if zo is not None:
                 blobs["zo"] = zo.state_dict()
             if method.boosting is not None:
@@ -271,21 +275,25 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
         return checkpoint.save(ckpt_root, name, tensors, state, blobs)
 
     batches = iter(stream)
+
+    def next_batch() -> dict[str, torch.Tensor]:
+        return _to(make_batch(seqs, next(batches), tokenizer.pad_token_id, by_example, golds), device)
+
     started, window_loss, window_n, last_loss = time.perf_counter(), torch.zeros((), device=device), 0, float("nan")
     progress = tqdm(total=max_steps, initial=step, desc=f"{cfg.method}/{cfg.trainer}", dynamic_ncols=True,
                     disable=None)
-    model.train()
+    model.train(cfg.trainer == "regular")  # MeZO's forwards run in eval mode: no dropout between L+ and L-
     with graceful_stop() as stop:
         try:
             while step < max_steps:
-                lr = scheduler.get_last_lr()[0] if scheduler is not None else cfg.learning_rate
+                lr = scheduler.get_last_lr()[0]
                 if optimizer is not None:
-                    loss = _adamw_step(cfg, method, optimizer, loss_fn, batches, seqs, by_example, tokenizer, device)
-                    scheduler.step()
+                    loss = _adamw_step(cfg, method, optimizer, loss_fn, next_batch, device)
                 else:
-                    batch = _to(make_batch(seqs, next(batches), tokenizer.pad_token_id, by_example), device)
-                    plus, minus = zo.step(loss_fn, batch)
+                    plus, minus = zo.step(loss_fn, next_batch(), lr=lr)
                     loss = torch.tensor((plus + minus) / 2, device=device)
+                    lr_holder.step()  # a no-op (no gradients) that keeps the scheduler's step order
+                scheduler.step()
                 step += 1
                 window_loss += loss.detach()
                 window_n += 1
@@ -350,13 +358,11 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _adamw_step(cfg: Config, method: Method, optimizer, loss_fn, batches, seqs, by_example, tokenizer,
-                device) -> torch.Tensor:
+def _adamw_step(cfg: Config, method: Method, optimizer, loss_fn, next_batch, device) -> torch.Tensor:
     """One AdamW step over gradient_accumulation_steps micro-batches; returns the mean loss (a device tensor)."""
     total = torch.zeros((), device=device)
     for _ in range(cfg.gradient_accumulation_steps):
-        batch = _to(make_batch(seqs, next(batches), tokenizer.pad_token_id, by_example), device)
-        loss = loss_fn(batch).mean() / cfg.gradient_accumulation_steps
+        loss = loss_fn(next_batch()).mean() / cfg.gradient_accumulation_steps
         if method.boosting is not None and cfg.xgblora_norm_penalty > 0:
             loss = loss + method.boosting.norm_penalty(cfg.xgblora_norm_penalty) / cfg.gradient_accumulation_steps
         loss.backward()

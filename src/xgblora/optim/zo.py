@@ -1,0 +1,195 @@
+"""Zeroth-order optimisation (MeZO, Malladi et al. 2023): seeded perturbations, two-point estimate, update.
+
+How z is drawn (a test or another rank rebuilds it from this alone):
+
+* step seeds: ``rng = torch.Generator().manual_seed(seed)``; each step draws
+  ``s = int(torch.randint(2**62, (1,), generator=rng))`` (kept as ``MeZO.last_seed``).
+* z of that step: one generator per device that holds trainable weights,
+  ``gen = torch.Generator(device).manual_seed(s)``; then, in ``named_params`` order (repeats dropped,
+  weights with ``requires_grad=False`` at step time skipped),
+  ``z_p = torch.normal(0.0, 1.0, p.shape, generator=gen, device=p.device, dtype=p.dtype)``:
+  fp32 for fp32 and adapter weights, the weight's own dtype for half-precision weights.
+* stochastic rounding draws from a second generator per device seeded with ``s + 1``; z never depends on it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from xgblora.adapters.lora import LoRALinear
+from xgblora.optim.fo import decays
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+_SEED_BOUND = 2**62
+
+Trainable = list[tuple[nn.Parameter, bool]]  # (weight, whether it gets weight decay)
+Generators = dict[torch.device, torch.Generator]
+
+
+def stochastic_round(x: Tensor, dtype: torch.dtype, generator: torch.Generator | None = None) -> Tensor:
+    """Round fp32 x to dtype: to one of its two neighbours, at random by proximity, so E[result] = x."""
+    near = x.to(dtype)
+    back = near.to(x.dtype)
+    diff = x - back
+    other = torch.nextafter(near, torch.full_like(near, math.inf).masked_fill_(diff <= 0, -math.inf))
+    chance = diff.div_(other.to(x.dtype) - back)  # in [0, 1/2]; NaN (never taken) for inf and NaN inputs
+    draw = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    return torch.where(draw < chance, other, near)
+
+
+class MeZO:
+    """MeZO-SGD: theta <- theta - lr (g z + wd theta), g = (L(theta + eps z) - L(theta - eps z)) / (2 eps).
+
+    Two-pass path: three in-place sweeps per step (+eps z, -2 eps z, then +eps z fused with the update),
+    z regenerated from the step seed one tensor at a time and never held for all weights. Dual path
+    (dual_modules given; adapter weights only): one forward over the batch concatenated with itself, rows
+    [:B] at +eps z and rows [B:] at -eps z, the weights themselves untouched until the update.
+    Half-precision weights are updated in fp32 one tensor at a time and rounded back stochastically
+    (round-to-nearest when stochastic_rounding is False), so updates below half an ulp survive on average.
+    When the estimate is not finite the weights are restored and not updated.
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], lr: float, eps: float,
+                 weight_decay: float = 0.0, stochastic_rounding: bool | None = None,
+                 dual_modules: dict[str, LoRALinear] | None = None, seed: int = 0):
+        if eps <= 0:
+            raise ValueError(f"MeZO eps must be positive, got {eps}")
+        self.lr, self.eps, self.weight_decay = lr, eps, weight_decay
+        self.stochastic_rounding = stochastic_rounding
+        first = {id(p): (p, decays(name)) for name, p in reversed(named_params)}
+        self._params: Trainable = [first.pop(id(p)) for _, p in named_params if id(p) in first]
+        self._dual = list(dual_modules.values()) if dual_modules is not None else None
+        if self._dual is not None:
+            owned = {id(t) for m in self._dual for t in (m.lora_A, m.lora_B)}
+            stray = [name for name, p in named_params if id(p) not in owned]
+            if stray:
+                raise ValueError(f"dual-batch MeZO trains adapter weights only; {stray[:3]} are not "
+                                 f"in any dual module")
+        self._rng = torch.Generator().manual_seed(seed)
+        self._z_gens: Generators = {}
+        self._round_gens: Generators = {}
+        self.projected_grad = 0.0
+        self.last_seed: int | None = None
+
+    @torch.no_grad()
+    def step(self, loss_fn: Callable[[dict], Tensor], batch: dict[str, Tensor],
+             lr: float | None = None) -> tuple[float, float]:
+        """One step; loss_fn(batch) gives per-example losses [B]; returns (L+, L-) after one host sync."""
+        lr = self.lr if lr is None else lr
+        seed = int(torch.randint(_SEED_BOUND, (1,), generator=self._rng))
+        self.last_seed = seed
+        params = [(p, d) for p, d in self._params if p.requires_grad]
+        if self._dual is not None:
+            gens = self._seeded(self._z_gens, params, seed)
+            zs = [self._z(p, gens) for p, _ in params]  # adapter-sized, held for this step only
+            plus, minus = self._dual_losses(loss_fn, batch, params, zs)
+        else:
+            plus, minus = self._two_pass_losses(loss_fn, batch, params, seed)
+        plus_f, minus_f = torch.stack([plus, minus]).tolist()  # the one host sync of the step
+        g = (plus_f - minus_f) / (2 * self.eps)
+        self.projected_grad = g
+        usable = g if math.isfinite(g) else None
+        round_gens = self._seeded(self._round_gens, params, seed + 1)
+        if self._dual is not None:
+            for (p, decay), z in zip(params, zs, strict=True):
+                self._update(p, z, 0.0, usable, lr, self.weight_decay if decay else 0.0, round_gens)
+        else:  # the weights sit at theta - eps z: restore them in the same sweep
+            gens = self._seeded(self._z_gens, params, seed)
+            for p, decay in params:
+                self._update(p, self._z(p, gens), self.eps, usable, lr, self.weight_decay if decay else 0.0,
+                             round_gens)
+        return plus_f, minus_f
+
+    def _two_pass_losses(self, loss_fn: Callable[[dict], Tensor], batch: dict[str, Tensor],
+                         params: Trainable, seed: int) -> tuple[Tensor, Tensor]:
+        """L+ at theta + eps z, L- at theta - eps z; leaves the weights at theta - eps z (theta on error)."""
+        offset = 0.0
+        try:
+            self._perturb(params, seed, self.eps)
+            offset = self.eps
+            plus = loss_fn(batch).mean()
+            self._perturb(params, seed, -2 * self.eps)
+            offset = -self.eps
+            minus = loss_fn(batch).mean()
+        except BaseException:
+            if offset:
+                self._perturb(params, seed, -offset)
+            raise
+        return plus, minus
+
+    def _dual_losses(self, loss_fn: Callable[[dict], Tensor], batch: dict[str, Tensor],
+                     params: Trainable, zs: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """L+ and L- from one forward over the doubled batch, each adapter branch perturbed per half."""
+        z_of = {id(p): z for (p, _), z in zip(params, zs, strict=True)}
+        perturbed = []
+        try:
+            for m in self._dual:
+                z_A, z_B = z_of.get(id(m.lora_A)), z_of.get(id(m.lora_B))
+                if z_A is None and z_B is None:
+                    continue
+                m.set_dual_perturbation(torch.zeros_like(m.lora_A) if z_A is None else z_A,
+                                        torch.zeros_like(m.lora_B) if z_B is None else z_B, self.eps)
+                perturbed.append(m)
+            losses = loss_fn({k: torch.cat([v, v]) if isinstance(v, Tensor) else v for k, v in batch.items()})
+        finally:
+            for m in perturbed:
+                m.clear_dual_perturbation()
+        if losses.shape[0] % 2:
+            raise ValueError(f"dual-batch MeZO: loss_fn gave {losses.shape[0]} losses for a doubled batch; "
+                             f"it must give one per row")
+        half = losses.shape[0] // 2
+        return losses[:half].mean(), losses[half:].mean()
+
+    def _perturb(self, params: Trainable, seed: int, scale: float) -> None:
+        """theta += scale z, regenerating z one tensor at a time."""
+        gens = self._seeded(self._z_gens, params, seed)
+        for p, _ in params:
+            p.add_(self._z(p, gens), alpha=scale)
+
+    def _update(self, p: nn.Parameter, z: Tensor, shift: float, g: float | None, lr: float, wd: float,
+                round_gens: Generators) -> None:
+        """theta += shift z (restore), then theta <- theta (1 - lr wd) - lr g z (half precision: in fp32)."""
+        half = p.dtype in HALF_DTYPES
+        if g is not None and not half and not wd:
+            p.add_(z, alpha=shift - lr * g)  # restore and update in one pass over the weights
+            return
+        if shift:
+            p.add_(z, alpha=shift)  # in p's dtype, like the perturbations: sub-ulp ones are undone exactly
+        if g is None:
+            return
+        theta = p.to(torch.float32) if half else p
+        if wd:
+            theta.mul_(1 - lr * wd)
+        theta.add_(z.to(theta.dtype), alpha=-lr * g)
+        if half:
+            p.copy_(theta if self.stochastic_rounding is False else
+                    stochastic_round(theta, p.dtype, round_gens[p.device]))
+
+    @staticmethod
+    def _z(p: nn.Parameter, gens: Generators) -> Tensor:
+        return torch.normal(0.0, 1.0, p.shape, generator=gens[p.device], device=p.device, dtype=p.dtype)
+
+    @staticmethod
+    def _seeded(cache: Generators, params: Trainable, seed: int) -> Generators:
+        """One generator per device of the weights, each (re)seeded with seed."""
+        for p, _ in params:
+            if p.device not in cache:
+                cache[p.device] = torch.Generator(p.device)
+        for gen in cache.values():
+            gen.manual_seed(seed)
+        return cache
+
+    def state_dict(self) -> dict:
+        """The step-seed generator's state (all a resumed run needs to draw the same z), the last estimate."""
+        return {"rng": self._rng.get_state(), "projected_grad": self.projected_grad,
+                "last_seed": self.last_seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict() returned."""
+        self._rng.set_state(state["rng"])
+        self.projected_grad = state["projected_grad"]
+        self.last_seed = state["last_seed"]
