@@ -52,6 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
             config_mod.add_arguments(p, config_mod.Config)
         elif name == "compare":
             config_mod.add_arguments(p, config_mod.CompareConfig)
+        elif name == "export":
+            p.add_argument("run_dir", help="A finished run's --output_dir (holds config.yaml and final/).")
+            p.add_argument("--format", choices=("peft", "merged"), default="peft",
+                           help="peft: a PEFT LoRA adapter; merged: the full model with every delta merged.")
+            p.add_argument("--rank", type=int, default=None,
+                           help="peft only: compress each module's summed delta to this rank by truncated SVD.")
+            p.add_argument("--out", required=True, help="Folder to write.")
+        elif name == "bench":
+            from xgblora.bench import add_arguments as add_bench_arguments
+
+            add_bench_arguments(p)
         elif name == "demo":
             p.add_argument("--output_root", "--output-root", default="xgblora-demo", help="Where the report goes.")
             p.add_argument("--steps", type=int, default=200, help="Training steps per run.")
@@ -86,6 +97,15 @@ def main(argv: list[str] | None = None) -> int:
             print(done["summary"])
             print(f"report: {done['html']}  (also report.md, {done['loss_figure']})")
             return 1 if done["failed"] else 0
+        if args.command == "export":
+            from xgblora.adapters.export import export_run
+
+            print(json.dumps(export_run(Path(args.run_dir), args.format, Path(args.out), args.rank), indent=2))
+            return 0
+        if args.command == "bench":
+            from xgblora.bench import main as bench_main
+
+            return bench_main(args)
         if args.command == "env":
             from xgblora.perf import environment
 
