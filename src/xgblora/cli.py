@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
             add_bench_arguments(p)
         elif name == "demo":
             p.add_argument("--output_root", "--output-root", default="xgblora-demo", help="Where the report goes.")
-            p.add_argument("--steps", type=int, default=200, help="Training steps per run.")
+            p.add_argument("--steps", type=int, default=300, help="AdamW steps per run (MeZO runs take 5x as many).")
     return parser
 
 
