@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+import yaml
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from xgblora.adapters.lora import LoRALinear, unwrap
 from xgblora.errors import UserError
@@ -56,6 +60,27 @@ def _svd_factors(terms: list[Term], rank: int) -> tuple[torch.Tensor, torch.Tens
     return A.float(), B.float(), float(s[:keep].square().sum()), float(s.square().sum())
 
 
+def _write_peft(factors: dict[str, tuple[torch.Tensor, torch.Tensor, int, float]], out_dir: Path,
+                base_model_name_or_path: str, fan_in_fan_out: bool = False) -> None:
+    """Write {module: (A, B, r, alpha)} as a PEFT LoRA adapter (the most common r/alpha, the rest as patterns)."""
+    (r, alpha), _ = Counter((f[2], f[3]) for f in factors.values()).most_common(1)[0]
+    differ = [name for name, f in factors.items() if (f[2], f[3]) != (r, alpha)]
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "r": r, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": fan_in_fan_out,
+        "target_modules": sorted(factors), "rank_pattern": {name: factors[name][2] for name in differ},
+        "alpha_pattern": {name: factors[name][3] for name in differ}, "inference_mode": True,
+        "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+    }
+    tensors = {}
+    for name, (A, B, _, _) in factors.items():
+        tensors[f"base_model.model.{name}.lora_A.weight"] = A.contiguous()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = B.contiguous()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
 def to_peft(modules: dict[str, LoRALinear], history: list[dict[str, Any]], out_dir: Path,
             base_model_name_or_path: str, rank: int | None = None, include_current: bool = True) -> dict[str, Any]:
     """Write a PEFT LoRA adapter equal to all boosters (+ the current adapter) applied to the ORIGINAL base weights."""
@@ -79,23 +104,7 @@ def to_peft(modules: dict[str, LoRALinear], history: list[dict[str, Any]], out_d
             B = torch.cat([s * B for _, B, s in module_terms], dim=1)
             factors[name] = (A, B, A.shape[0], float(A.shape[0]))
 
-    (r, alpha), _ = Counter((f[2], f[3]) for f in factors.values()).most_common(1)[0]
-    differ = [name for name, f in factors.items() if (f[2], f[3]) != (r, alpha)]
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-        "r": r, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-        "target_modules": sorted(factors), "rank_pattern": {name: factors[name][2] for name in differ},
-        "alpha_pattern": {name: factors[name][3] for name in differ}, "inference_mode": True,
-        "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None,
-    }
-    tensors = {}
-    for name, (A, B, _, _) in factors.items():
-        tensors[f"base_model.model.{name}.lora_A.weight"] = A.contiguous()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = B.contiguous()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    _write_peft(factors, Path(out_dir), base_model_name_or_path)
     return {"rank": rank if rank is not None else max(f[2] for f in factors.values()), "modules": len(factors),
             "retained_energy": (kept_total / energy_total if energy_total > 0 else 1.0) if rank is not None else None,
             "retained_energy_per_module": energy if rank is not None else None}
@@ -108,3 +117,150 @@ def merged(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+# ----------------------------------------------------------------------------- `xgblora export`
+
+_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def _pattern_value(pattern: dict[str, Any], name: str, default: Any) -> Any:
+    """PEFT's rank_pattern/alpha_pattern lookup: an exact module name, else a key matching a name suffix."""
+    if name in pattern:
+        return pattern[name]
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?{key}$", name):
+            return value
+    return default
+
+
+def _read_adapter(folder: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """{module: (A, B, scaling)} of a PEFT LoRA adapter folder, read with safetensors (no peft import)."""
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise UserError(f"{folder}: cannot read the PEFT adapter ({exc.__class__.__name__}: {exc})") from None
+    if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
+        raise UserError(f"{folder}: only plain LoRA adapters can be exported (peft_type "
+                        f"{config.get('peft_type')!r}, use_dora {config.get('use_dora')})")
+    prefix, suffix_a, suffix_b = "base_model.model.", ".lora_A.weight", ".lora_B.weight"
+    names = sorted(k[len(prefix):-len(suffix_a)] for k in tensors if k.startswith(prefix) and k.endswith(suffix_a))
+    if not names:
+        raise UserError(f"{folder}: the adapter holds no LoRA weights")
+    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    out = {}
+    for name in names:
+        B = tensors.get(prefix + name + suffix_b)
+        if B is None:
+            raise UserError(f"{folder}: module {name!r} has lora_A but no lora_B")
+        A = tensors[prefix + name + suffix_a].float()
+        r = int(_pattern_value(rank_pattern, name, config.get("r", A.shape[0])))
+        alpha = float(_pattern_value(alpha_pattern, name, config.get("lora_alpha", r)))
+        scaling = alpha / (r ** 0.5 if config.get("use_rslora") else r)
+        out[name] = (A, B.float(), scaling)
+    return out
+
+
+def _run_config(run_dir: Path) -> tuple[dict[str, Any], Path]:
+    """The run's config.yaml (as a dict) and its final/ folder; UserError when either is missing."""
+    cfg_path, final = run_dir / "config.yaml", run_dir / "final"
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: no such run folder")
+    if not cfg_path.is_file():
+        raise UserError(f"{run_dir}: not a run folder (no config.yaml)")
+    try:
+        cfg = yaml.safe_load(cfg_path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"{cfg_path}: cannot read ({exc.__class__.__name__})") from None
+    if not isinstance(cfg, dict) or not cfg.get("model_name"):
+        raise UserError(f"{cfg_path}: no model_name")
+    if not ((final / "adapter_config.json").is_file() or (final / "config.json").is_file()):
+        raise UserError(f"{run_dir}: the run is not finished (no final/ adapter or model); train it to the end first")
+    return cfg, final
+
+
+def _check_out(out: Path, run_dir: Path) -> None:
+    """Refuse to write into the run's own final/ folder or over a file."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a folder")
+    if out.resolve() == (run_dir / "final").resolve() or out.resolve() == run_dir.resolve():
+        raise UserError(f"--out {out}: choose a folder other than the run's own")
+
+
+def _energy_report(energy: dict[str, float], kept: float, total: float) -> dict[str, Any]:
+    """Overall and per-module retained energy (fraction of squared singular values kept)."""
+    worst = min(energy, key=energy.get)
+    return {"retained_energy": kept / total if total > 0 else 1.0, "retained_energy_min": energy[worst],
+            "retained_energy_min_module": worst}
+
+
+def export_run(run_dir: Path, fmt: str, out: Path, rank: int | None = None) -> dict[str, Any]:
+    """Export a finished run's final/ as a PEFT adapter (optionally SVD-compressed to `rank`) or a merged model."""
+    run_dir, out = Path(run_dir), Path(out)
+    if fmt not in ("peft", "merged"):
+        raise UserError(f"unknown export format {fmt!r}: choose peft or merged")
+    if rank is not None and fmt == "merged":
+        raise UserError("--rank applies to --format peft only (a merged model has no adapter rank)")
+    if rank is not None and rank < 1:
+        raise UserError(f"--rank must be at least 1, got {rank}")
+    cfg, final = _run_config(run_dir)
+    _check_out(out, run_dir)
+    is_adapter = (final / "adapter_config.json").is_file()
+    result: dict[str, Any] = {"format": fmt, "out": str(out), "base_model": cfg["model_name"], "modules": 0,
+                              "rank": None, "retained_energy": None}
+    if not is_adapter:  # full fine-tuning: final/ is the whole model
+        if fmt == "peft":
+            raise UserError(f"{run_dir} is a full fine-tuning run (method ft): it has no adapter to export as "
+                            f"PEFT; use --format merged")
+        shutil.copytree(final, out, dirs_exist_ok=True)
+        return result
+    adapter = _read_adapter(final)
+    result["modules"] = len(adapter)
+    if fmt == "peft" and rank is None:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in _ADAPTER_FILES:
+            shutil.copy2(final / name, out / name)
+        result["rank"] = max(A.shape[0] for A, _, _ in adapter.values())
+        return result
+    if fmt == "peft":
+        factors: dict[str, tuple[torch.Tensor, torch.Tensor, int, float]] = {}
+        energy: dict[str, float] = {}
+        kept_total, energy_total = 0.0, 0.0
+        for name, term in adapter.items():
+            A, B, kept, total = _svd_factors([term], rank)
+            factors[name] = (A, B, rank, float(rank))
+            energy[name] = kept / total if total > 0 else 1.0
+            kept_total, energy_total = kept_total + kept, energy_total + total
+        fan_in_fan_out = bool(json.loads((final / "adapter_config.json").read_text()).get("fan_in_fan_out"))
+        _write_peft(factors, out, cfg["model_name"], fan_in_fan_out)
+        return {**result, "rank": rank, **_energy_report(energy, kept_total, energy_total)}
+    return {**result, **_merge_into_base(cfg, adapter, out)}
+
+
+def _merge_into_base(cfg: dict[str, Any], adapter: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
+                     out: Path) -> dict[str, Any]:
+    """Load the base model, add each module's scaling * B @ A (fp32, cast once), save model and tokenizer."""
+    from xgblora import models
+
+    dtype = "float16" if cfg.get("load_float16") else "bfloat16" if cfg.get("load_bfloat16") else "float32"
+    model, tokenizer = models.load(cfg["model_name"], dtype=dtype, device="cpu",
+                                   trust_remote_code=bool(cfg.get("trust_remote_code")))
+    with torch.no_grad():
+        for name, (A, B, scaling) in adapter.items():
+            try:
+                weight = model.get_submodule(name).weight
+            except AttributeError:
+                raise UserError(f"adapter module {name!r} is not a module of {cfg['model_name']}") from None
+            delta = scaling * (B.float() @ A.float())
+            if delta.shape != weight.shape and delta.T.shape == weight.shape:  # Conv1D (fan_in_fan_out) layout
+                delta = delta.T
+            if delta.shape != weight.shape:
+                raise UserError(f"adapter module {name!r}: delta {tuple(delta.shape)} does not fit the base weight "
+                                f"{tuple(weight.shape)}")
+            weight.copy_((weight.float() + delta).to(weight.dtype))
+    model.config.use_cache = True  # models.load turns it off for training; a merged export is for inference
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return {"dtype": dtype}
