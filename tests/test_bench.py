@@ -1,0 +1,46 @@
+"""`xgblora bench` in --quick mode: every required figure is present, finite and positive; the table prints."""
+
+import argparse
+import json
+import math
+
+import pytest
+
+from xgblora import bench
+
+
+def _args(tmp_path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(["--quick", "--model_name", "tiny-opt", "--device", "cpu",
+                              "--json", str(tmp_path / "bench.json"), *extra])
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+def test_bench_quick_writes_every_key_and_prints_the_table(tmp_path, capsys):
+    assert bench.main(_args(tmp_path, "--skip_hf")) == 0
+    out = capsys.readouterr().out
+    assert "MeZO LoRA step / two forwards" in out and "target" in out
+    res = json.loads((tmp_path / "bench.json").read_text())
+    for key in bench.REQUIRED_KEYS:
+        if key == "fo_lora_speedup_vs_hf_peft":
+            assert res[key] is None  # --skip_hf
+            continue
+        assert _positive(res[key]), (key, res[key])
+    for key in ("forward_s", "two_forwards_s", "zo_step_s", "zo_full_step_s", "adamw_lora_step_s",
+                "fo_lora_train_tokens_per_s", "eval_examples_per_s", "peak_mem_inference_mb", "peak_mem_zo_mb"):
+        assert _positive(res[key]), (key, res[key])
+    assert res["device"] == "cpu" and res["versions"]["torch"]
+    assert res["batch_size"] == 2 and res["seq_len"] == 32
+
+
+def test_hf_peft_baseline_gives_a_speedup(tmp_path):
+    pytest.importorskip("peft")
+    b = bench.Bench(bench.apply_quick(_args(tmp_path)))
+    res = bench.hf_vs_xgblora(b, steps=3, warmup=1)
+    assert res["hf_steps_timed"] == 3
+    assert _positive(res["fo_lora_speedup_vs_hf_peft"])
+    assert _positive(res["hf_peft_train_tokens_per_s"])
