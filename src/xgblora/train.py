@@ -237,12 +237,13 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
         zo = MeZO(method.named_params, cfg.learning_rate, cfg.zo_eps, cfg.weight_decay, cfg.zo_stochastic_rounding,
                   dual_modules=method.modules if dual else None, seed=cfg.seed)
 
-    step, best = 0, None
+    step, best, window = 0, None, (0.0, 0)
     if cfg.resume_from_checkpoint:
         path = checkpoint.resolve(ckpt_root, cfg.resume_from_checkpoint)
         tensors, state, blobs = checkpoint.load(path)
         model.load_state_dict(tensors, strict=False)
         step, best = state["step"], state["best"]
+        window = tuple(state.get("window", window))  # losses of the logging window in flight at the checkpoint
         stream.epoch, stream.cursor = state["epoch"], state["cursor"]
         checkpoint.set_rng_state(state["rng"])
         if optimizer is not None and "optimizer" in blobs:
@@ -261,7 +262,7 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
     def save(name: str) -> Path:
         metrics.flush()
         state = {"step": step, "epoch": stream.epoch, "cursor": stream.cursor, "best": best,
-                 "rng": checkpoint.rng_state()}
+                 "window": [float(window_loss), window_n], "rng": checkpoint.rng_state()}
         blobs: dict[str, Any] = {}
         if not cfg.save_only_model:
             blobs["scheduler"] = scheduler.state_dict()
@@ -269,8 +270,8 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
                 blobs["optimizer"] = optimizer.state_dict()
             if zo is not None:
                 blobs["zo"] = zo.state_dict()
-            if method.boosting is not None:
-                blobs["boosting"] = method.boosting.state_dict()
+        if method.boosting is not None:  # the booster history is part of the model: final/ exports it
+            blobs["boosting"] = method.boosting.state_dict()
         tensors = method.trainable_state(with_bases=method.boosting is not None)
         return checkpoint.save(ckpt_root, name, tensors, state, blobs)
 
@@ -279,7 +280,8 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
     def next_batch() -> dict[str, torch.Tensor]:
         return _to(make_batch(seqs, next(batches), tokenizer.pad_token_id, by_example, golds), device)
 
-    started, window_loss, window_n, last_loss = time.perf_counter(), torch.zeros((), device=device), 0, float("nan")
+    started, last_loss = time.perf_counter(), float("nan")
+    window_loss, window_n = torch.tensor(window[0], dtype=torch.float32, device=device), int(window[1])
     progress = tqdm(total=max_steps, initial=step, desc=f"{cfg.method}/{cfg.trainer}", dynamic_ncols=True,
                     disable=None)
     model.train(cfg.trainer == "regular")  # MeZO's forwards run in eval mode: no dropout between L+ and L-
@@ -332,7 +334,10 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
             metrics.close()
     runtime = time.perf_counter() - started
     if cfg.load_best_model_at_end and best is not None and (ckpt_root / "best").is_dir():
-        model.load_state_dict(checkpoint.load(ckpt_root / "best")[0], strict=False)
+        tensors, _, blobs = checkpoint.load(ckpt_root / "best")
+        model.load_state_dict(tensors, strict=False)
+        if method.boosting is not None:  # the boosters merged up to the best step, not those merged after it
+            method.boosting.load_state_dict(blobs["boosting"])
         log.info("loaded the best dev checkpoint (step %d, %.4f)", best["step"], best["value"])
     _save_final(cfg, model, tokenizer, method)
     return {"trainable_params": trainable, "steps": step, "train_runtime_s": round(runtime, 3),

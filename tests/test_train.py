@@ -1,0 +1,304 @@
+"""The training loop end to end on tiny-opt and the shared SST-2/CB rows: learning, exact resume, signals, outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from xgblora import checkpoint, cli, train
+from xgblora import config as config_mod
+from xgblora.config import Config
+from xgblora.data.loading import sample_splits
+from xgblora.data.tasks import get_task
+from xgblora.errors import UserError
+from xgblora.logging import read_metrics
+
+
+def make_cfg(shared_data: Path, out: Path, **overrides) -> Config:
+    """A small, fast SST-2 run on tiny-opt; overrides win."""
+    values = dict(model_name="tiny-opt", task_name="SST2", data_dir=str(shared_data), num_train=64, num_eval=16,
+                  trainer="regular", method="lora", learning_rate=3e-3, max_steps=12, logging_steps=2,
+                  per_device_train_batch_size=8, per_device_eval_batch_size=16, max_length=64,
+                  output_dir=str(out), result_file=str(out / "mezo_result.json"), device="cpu", seed=3)
+    values.update(overrides)
+    return Config(**values)
+
+
+def records(out: Path) -> list[dict]:
+    """metrics.jsonl without the wall-clock field."""
+    return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in read_metrics(out / "metrics.jsonl")]
+
+
+def adapter(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "final" / "adapter_model.safetensors"))
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def interrupt_at(monkeypatch: pytest.MonkeyPatch, at_step: int, how: str = "sigint") -> None:
+    """Interrupt the next run right after optimizer step `at_step`, through the progress bar's per-step update.
+
+    "sigint" sends a real SIGINT to this process (the loop's own handler turns it into a checkpoint and a stop);
+    "crash" raises, as a kill would stop the run without any checkpoint beyond the periodic ones.
+    """
+    real_tqdm = train.tqdm
+
+    class Interrupting(real_tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.count = kwargs.get("initial", 0)
+
+        def update(self, n=1):
+            super().update(n)
+            self.count += n
+            if self.count == at_step:
+                if how == "sigint":
+                    os.kill(os.getpid(), signal.SIGINT)
+                else:
+                    raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(train, "tqdm", Interrupting)
+
+
+# ----------------------------------------------------------------------------- learning
+
+def test_adamw_lora_lowers_the_training_loss(shared_data, tmp_path):
+    out = tmp_path / "run"
+    train.run(make_cfg(shared_data, out, max_steps=36, logging_steps=3))
+    losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 12
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 0.1, losses
+
+
+# ----------------------------------------------------------------------------- exact resume
+
+RESUME_CASES = {
+    # merges at 4 (before the stop) and 8, 12 (after); one of three layers carries each booster
+    "xgblora-adamw": dict(method="xgblora", trainer="regular", max_steps=14, xgblora_steps_per_iteration=4,
+                          xgblora_layers_per_booster=1, lr_scheduler_type="linear", warmup_steps=2, logging_steps=3,
+                          lora_target_modules="q_proj,v_proj,fc1"),
+    "lora-mezo-dual": dict(method="lora", trainer="zo", max_steps=14, learning_rate=1e-3, lr_scheduler_type="linear",
+                           logging_steps=3),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_sigint_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path, monkeypatch, case):
+    overrides = RESUME_CASES[case]
+    whole = tmp_path / "whole"
+    expected = train.run(make_cfg(shared_data, whole, **overrides))
+
+    split = tmp_path / "split"
+    with monkeypatch.context() as m:
+        interrupt_at(m, 7)  # mid logging window (3), between merges (4, 8)
+        with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):
+            train.run(make_cfg(shared_data, split, **overrides))
+    assert checkpoint.resolve(split / "checkpoints", "latest").name == "step-7"
+    assert not (split / "results.json").exists()
+    got = train.run(make_cfg(shared_data, split, resume_from_checkpoint="latest", **overrides))
+
+    assert_same_tensors(adapter(split), adapter(whole))
+    assert records(split) == records(whole)
+    if overrides["method"] == "xgblora":
+        assert [r["step"] for r in records(whole) if r.get("event") == "merge"] == [4, 8, 12]
+    for key in ("steps", "train_loss", "accuracy", "boosters", "trainable_params"):
+        assert got[key] == expected[key], key
+
+
+def test_crash_after_a_periodic_checkpoint_resumes_exactly(shared_data, tmp_path, monkeypatch):
+    overrides = dict(RESUME_CASES["xgblora-adamw"], save_steps=5)
+    whole = tmp_path / "whole"
+    train.run(make_cfg(shared_data, whole, **overrides))
+
+    split = tmp_path / "split"
+    with monkeypatch.context() as m:
+        interrupt_at(m, 9, how="crash")  # the last checkpoint is step-5; steps 6..9 are redone on resume
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            train.run(make_cfg(shared_data, split, **overrides))
+    assert [p.name for p in checkpoint.step_checkpoints(split / "checkpoints")] == ["step-5"]
+    assert any(r["step"] > 5 for r in read_metrics(split / "metrics.jsonl"))  # logged before the crash
+    train.run(make_cfg(shared_data, split, resume_from_checkpoint="latest", **overrides))
+
+    assert_same_tensors(adapter(split), adapter(whole))
+    assert records(split) == records(whole)
+
+
+def test_sigint_to_the_console_script_checkpoints_and_resume_finishes(shared_data, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(shared_data),
+            "--num_train", "64", "--num_eval", "16", "--method", "lora", "--trainer", "regular",
+            "--learning_rate", "3e-3", "--max_steps", "300", "--logging_steps", "1", "--max_length", "64",
+            "--per_device_train_batch_size", "8", "--output_dir", str(out), "--result_file",
+            str(out / "mezo.json"), "--device", "cpu"]
+    script = Path(sys.executable).with_name("xgblora")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "xgblora.cli"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(command + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and metrics.stat().st_size > 0:  # records reach the file 20 at a time
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    lines = [line for line in stderr.splitlines() if "interrupted" in line]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    step = int(lines[0].split("stopped at step ")[1].split(";")[0])
+    assert 0 < step < 300
+    assert (out / "checkpoints" / f"step-{step}").is_dir()
+    assert not (out / "results.json").exists()
+
+    assert cli.main(args + ["--resume_from_checkpoint", "latest"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["steps"] == 300
+    logged = [r["step"] for r in read_metrics(metrics) if "loss" in r]
+    assert logged == list(range(1, 301))
+
+
+# ----------------------------------------------------------------------------- outputs
+
+def test_metrics_results_and_config_of_a_run(shared_data, tmp_path):
+    out = tmp_path / "run"
+    cfg = make_cfg(shared_data, out, method="xgblora", xgblora_steps_per_iteration=3, max_steps=8, logging_steps=2,
+                   evaluation_strategy="steps", eval_steps=4, num_dev=16, tag="t1")
+    asked = dataclasses.replace(cfg)
+    results = train.run(cfg)
+
+    log = read_metrics(out / "metrics.jsonl")
+    steps = [r for r in log if "loss" in r]
+    assert [r["step"] for r in steps] == [2, 4, 6, 8]
+    for r in steps:
+        assert {"step", "loss", "lr", "elapsed_s"} <= r.keys() and math.isfinite(r["loss"])
+        assert r["lr"] == pytest.approx(cfg.learning_rate)
+    evals = [r for r in log if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [4, 8]
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in evals)
+    merges = [r for r in log if r.get("event") == "merge"]
+    assert [(r["step"], r["booster"]) for r in merges] == [(3, 1), (6, 2)]
+
+    saved = json.loads((out / "results.json").read_text())
+    assert saved == json.loads(json.dumps(results))
+    for key in ("accuracy", "trainable_params", "steps", "train_runtime_s", "peak_memory_mb"):
+        assert key in saved, key
+    assert saved["steps"] == 8 and saved["boosters"] == 2
+    assert saved["trainable_params"] == sum(t.numel() for k, t in adapter_params(out).items())
+    assert json.loads(Path(cfg.result_file).read_text()) == saved
+
+    reread = Config(**config_mod.read_yaml(Config, str(out / "config.yaml")))
+    assert reread == asked
+
+
+def adapter_params(out: Path) -> dict[str, torch.Tensor]:
+    """The current (last, rank-1) booster of each module in final/: the shape of what trains at any one time."""
+    tensors = adapter(out)
+    return {k: t[-1:] if ".lora_A." in k else t[:, -1:] for k, t in tensors.items()}
+
+
+def test_mezo_style_result_file_default_name(shared_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = make_cfg(shared_data, tmp_path / "run", trainer="zo", max_steps=2, result_file=None, num_dev=8)
+    train.run(cfg)
+    expected = tmp_path / "result" / f"{train.result_file_tag(cfg)}-trainset0.json"
+    assert expected.name == "SST2-tiny-opt-sampleeval16-ntrain64-ndev8-trainset0.json"
+    assert json.loads(expected.read_text()) == json.loads((tmp_path / "run" / "results.json").read_text())
+
+
+def test_save_total_limit_and_load_best_model_at_end(shared_data, tmp_path):
+    out = tmp_path / "run"
+    cfg = make_cfg(shared_data, out, max_steps=12, save_steps=2, save_total_limit=2, evaluation_strategy="steps",
+                   eval_steps=2, num_dev=32, load_best_model_at_end=True, learning_rate=2e-2)
+    train.run(cfg)
+    root = out / "checkpoints"
+    assert [p.name for p in checkpoint.step_checkpoints(root)] == ["step-8", "step-10"]
+
+    evals = [(r["step"], r["eval_accuracy"]) for r in read_metrics(out / "metrics.jsonl") if "eval_accuracy" in r]
+    assert [s for s, _ in evals] == [2, 4, 6, 8, 10, 12]
+    best_value = max(v for _, v in evals)
+    best_step = next(s for s, v in evals if v == best_value)  # the first step reaching the best value
+    tensors, state, _ = checkpoint.load(root / "best")
+    assert state["step"] == best_step and state["best"] == {"value": best_value, "step": best_step}
+
+    final = adapter(out)
+    for name, value in tensors.items():
+        peft = f"base_model.model.{name}.weight"
+        assert torch.equal(final[peft], value), name
+
+
+def test_load_best_model_at_end_with_xgblora_exports_the_best_model(shared_data, tmp_path):
+    out = tmp_path / "run"
+    cfg = make_cfg(shared_data, out, method="xgblora", xgblora_steps_per_iteration=2, max_steps=8, save_strategy="no",
+                   evaluation_strategy="steps", eval_steps=2, num_dev=32, load_best_model_at_end=True,
+                   learning_rate=5e-2)
+    train.run(cfg)
+    _, state, blobs = checkpoint.load(out / "checkpoints" / "best")
+    history = blobs["boosting"]["history"]
+    assert len(history) == state["step"] // 2 >= 1  # a merge every 2 steps, each before that step's evaluation
+    # final/ must hold the boosters of the best model (their summed delta), not boosters merged after it
+    final = adapter(out)
+    expected: dict[str, torch.Tensor] = {}
+    for booster in history:
+        for name, rec in booster["modules"].items():
+            expected[name] = expected.get(name, 0) + rec["scale"] * rec["B"] @ rec["A"]
+    assert expected
+    for name, delta in expected.items():
+        A = final[f"base_model.model.{name}.lora_A.weight"]
+        B = final[f"base_model.model.{name}.lora_B.weight"]
+        torch.testing.assert_close(B @ A, delta)
+
+
+# ----------------------------------------------------------------------------- objectives
+
+@pytest.mark.parametrize("trainer", ["regular", "zo"])
+@pytest.mark.parametrize("task", ["SST2", "CB"])
+def test_train_as_classification_starts_near_log_candidates(shared_data, tmp_path, trainer, task):
+    cfg = make_cfg(shared_data, tmp_path / "run", task_name=task, trainer=trainer, train_as_classification=True,
+                   max_steps=4, logging_steps=1, learning_rate=1e-4, no_eval=True, num_train=32)
+    candidates = {len(ex.candidates) for ex in sample_splits(get_task(task, cfg), cfg).train}
+    assert len(candidates) == 1
+    results = train.run(cfg)
+    first = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    assert first["step"] == 1
+    assert first["loss"] == pytest.approx(math.log(candidates.pop()), abs=0.15)
+    assert results["steps"] == 4 and math.isfinite(results["train_loss"])
+
+
+def test_nan_loss_stops_with_a_one_line_error_naming_the_step(shared_data, tmp_path, monkeypatch):
+    real = train.per_example_loss
+    calls = {"n": 0}
+
+    def poisoned(model, batch):
+        calls["n"] += 1
+        loss = real(model, batch)
+        return loss * float("nan") if calls["n"] >= 3 else loss
+
+    monkeypatch.setattr(train, "per_example_loss", poisoned)
+    with pytest.raises(UserError) as info:
+        train.run(make_cfg(shared_data, tmp_path / "run", max_steps=10, logging_steps=2, nan_policy="stop"))
+    message = str(info.value)
+    assert "\n" not in message and "at step 4" in message and "nan" in message
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [2]
+
+
+def test_huge_learning_rate_stops_with_a_one_line_error(shared_data, tmp_path):
+    cfg = make_cfg(shared_data, tmp_path / "run", method="ft", learning_rate=1e30, max_steps=20, logging_steps=1)
+    with pytest.raises(UserError, match=r"at step \d+") as info:
+        train.run(cfg)
+    assert "\n" not in str(info.value)
