@@ -302,3 +302,15 @@ def test_huge_learning_rate_stops_with_a_one_line_error(shared_data, tmp_path):
     with pytest.raises(UserError, match=r"at step \d+") as info:
         train.run(cfg)
     assert "\n" not in str(info.value)
+
+
+def test_mezo_norm_penalty_is_weight_decay_of_twice_lambda(shared_data, tmp_path):
+    """Under MeZO the penalty l(|A|^2+|B|^2) acts through its exact gradient 2l*theta, i.e. weight decay 2l."""
+    common = dict(method="xgblora", trainer="zo", max_steps=6, learning_rate=5e-2, zo_eps=1e-2,
+                  xgblora_steps_per_iteration=4)
+    train.run(make_cfg(shared_data, tmp_path / "pen", xgblora_norm_penalty=0.25, **common))
+    train.run(make_cfg(shared_data, tmp_path / "wd", weight_decay=0.5, **common))
+    train.run(make_cfg(shared_data, tmp_path / "none", **common))
+    assert_same_tensors(adapter(tmp_path / "pen"), adapter(tmp_path / "wd"))
+    assert not all(torch.equal(a, b) for a, b in zip(adapter(tmp_path / "pen").values(),
+                                                      adapter(tmp_path / "none").values(), strict=True))

@@ -234,7 +234,9 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
         optimizer, lr_holder = None, torch.optim.SGD([torch.zeros(1)], lr=cfg.learning_rate)
         scheduler = fo.build_scheduler(lr_holder, cfg.lr_scheduler_type, max_steps, warmup)
         dual = cfg.zo_dual and cfg.method != "ft" and not cfg.train_as_classification
-        zo = MeZO(method.named_params, cfg.learning_rate, cfg.zo_eps, cfg.weight_decay, cfg.zo_stochastic_rounding,
+        # the norm penalty l(|A|^2 + |B|^2) has the exact gradient 2l*theta: under MeZO it is weight decay 2l
+        decay = cfg.weight_decay + (2 * cfg.xgblora_norm_penalty if method.boosting is not None else 0.0)
+        zo = MeZO(method.named_params, cfg.learning_rate, cfg.zo_eps, decay, cfg.zo_stochastic_rounding,
                   dual_modules=method.modules if dual else None, seed=cfg.seed)
 
     step, best, window = 0, None, (0.0, 0)
