@@ -16,7 +16,6 @@ import math
 import os
 import platform
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import torch
 
 from xgblora.data.batching import TokenSeq
 from xgblora.data.tasks import Example
+from xgblora.perf import peak_memory_mb
 
 # Targets: key -> (comparison, bound); "<=" means lower is better.
 TARGETS: dict[str, tuple[str, float]] = {
@@ -322,12 +322,6 @@ def log_overhead(step_s: float, n: int = 500) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------- peak memory, one subprocess per workload
 
-def _current_peak_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def memory_worker(config: dict[str, Any]) -> dict[str, float]:
     """In a fresh process: set up one workload, run it a few times, and report its peak memory (MiB)."""
     args = argparse.Namespace(**config["args"])
@@ -336,13 +330,13 @@ def memory_worker(config: dict[str, Any]) -> dict[str, float]:
     batch = bench.next_batch()
     if bench.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(bench.device)
-    setup_mb = _current_peak_mb(bench.device)
+    setup_mb = peak_memory_mb(bench.device)
     fn = {"inference": bench.forward, "zo": bench.zo_step, "zo_full": bench.zo_full_step,
           "adamw": bench.adamw_step}[kind]
     for _ in range(3):
         fn(batch)
     _sync(bench.device)
-    return {"peak_mb": _current_peak_mb(bench.device), "setup_peak_mb": setup_mb}
+    return {"peak_mb": peak_memory_mb(bench.device), "setup_peak_mb": setup_mb}
 
 
 def measure_memory(args: argparse.Namespace) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+import resource
 from typing import Any
 
 import torch
@@ -17,6 +18,13 @@ def enable_tf32(device: torch.device) -> bool:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     return True
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory so far: CUDA max allocated on a GPU, else the process's peak RSS (MiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def cpu_has_bf16() -> bool:

@@ -6,7 +6,6 @@ import contextlib
 import json
 import logging
 import math
-import resource
 import signal
 import time
 from collections.abc import Iterator
@@ -59,13 +58,6 @@ def write_results(cfg: Config, results: dict[str, Any]) -> None:
     copy = Path(cfg.result_file) if cfg.result_file else Path("result") / name
     copy.parent.mkdir(parents=True, exist_ok=True)
     copy.write_text(text, encoding="utf-8")
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of the run: CUDA max allocated on a GPU, else the process's peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ----------------------------------------------------------------------------- what trains
@@ -344,7 +336,7 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
     _save_final(cfg, model, tokenizer, method)
     return {"trainable_params": trainable, "steps": step, "train_runtime_s": round(runtime, 3),
             "steps_per_second": round(step / runtime, 4) if runtime > 0 else None, "train_loss": last_loss,
-            "peak_memory_mb": round(peak_memory_mb(device), 1),
+            "peak_memory_mb": round(perf.peak_memory_mb(device), 1),
             **({f"dev_{k}": v for k, v in score(splits.dev).items()} if splits.dev and not cfg.no_eval else {}),
             "boosters": len(method.boosting.history) if method.boosting is not None else 0}
 

@@ -50,6 +50,10 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise located(path, number, None, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        except ValueError as exc:  # valid syntax Python cannot hold, e.g. an integer over the 4300-digit limit
+            raise located(path, number, None, f"not valid JSON ({exc})") from None
+        except RecursionError:
+            raise located(path, number, None, "not valid JSON (arrays or objects nested too deeply)") from None
         if not isinstance(row, dict):
             got = _JSON_TYPES.get(type(row), "null")
             raise located(path, number, None, f"expected a JSON object, got {got}")
