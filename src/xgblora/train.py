@@ -162,8 +162,8 @@ def run(cfg: Config) -> dict[str, Any]:
     perf.enable_tf32(device)
     positions = getattr(model.config, "max_position_embeddings", None)
     if positions is not None and cfg.max_length > positions:
-        log.info("max_length %d exceeds %s's %d positions; using %d", cfg.max_length, cfg.model_name, positions,
-                 positions)
+        log.debug("max_length %d exceeds %s's %d positions; using %d", cfg.max_length, cfg.model_name, positions,
+                  positions)
         cfg.max_length = positions
 
     def score(examples, demos=()) -> dict[str, float]:
