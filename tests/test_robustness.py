@@ -1,0 +1,211 @@
+"""Reliability: any bytes in a data file load or fail as one-line UserErrors; SIGKILL at random moments resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+# the test_train.py helpers (tests/ is not a package, so they are imported by module name)
+from test_train import adapter, assert_same_tensors, records
+
+from xgblora import checkpoint, cli
+from xgblora.config import Config
+from xgblora.data.loading import load_rows, read_jsonl
+from xgblora.data.tasks import Task, get_task
+from xgblora.errors import UserError
+
+# ----------------------------------------------------------------------------- data files: any input, clean errors
+
+CUSTOM = dict(template="Review: {text} It was", label_words="bad,good", label_names="neg,pos")
+
+# the fields each task reads, and values of the right kind that let a row get past a field (or nearly)
+FIELDS: dict[str, dict[str, list]] = {
+    "sst2": {"sentence": ["a fine film", " ", ""], "label": [0, 1, 2, -1, True, "1"]},
+    "rte": {"premise": ["It rains.", ""], "hypothesis": ["It is wet.", "  "],
+            "label": ["entailment", "not_entailment", 0, 1, 2, False, "neutral"]},
+    "copa": {"premise": ["The man fell.", "."], "choice1": ["He slipped.", "I ran", ""], "choice2": ["He sang.", " "],
+             "question": ["cause", "effect", 0, 1, "why"], "label": [0, 1, 5, True]},
+    "multirc": {"paragraph": ["<b>Sent 1: </b>Text.<br>"], "question": ["Why?"], "answer": ["", "Because."],
+                "label": [0, 1, True, "0"], "passage": [{"text": "Text.", "questions": []}]},
+    "custom": {"text": ["great stuff", ""], "label": ["neg", "pos", 0, 1, 2, "bad", True]},
+}
+
+
+def task_for(name: str, path: Path) -> Task:
+    if name == "custom":
+        return get_task("custom", Config(task_name="custom", train_file=str(path), **CUSTOM))
+    return get_task(name)
+
+
+def check_loading(name: str, data: bytes) -> None:
+    """Write data as the task's train file and load it two ways: success, or a one-line UserError naming the file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "data"
+        path = folder / name / "train.jsonl"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(data)
+        task = task_for(name, path)
+        for load in (lambda: [ex for n, row in read_jsonl(path) for ex in task.examples(row, (str(path), n))],
+                     lambda: load_rows(task, "train", None if name == "custom" else str(folder))):
+            try:
+                examples = load()
+            except UserError as exc:
+                message = str(exc)
+                assert message.splitlines() == [message] and "\r" not in message, repr(message)
+                assert str(path) in message, message
+            else:
+                assert all(ex.prompt and isinstance(ex.gold, tuple) for ex in examples)  # MultiRC: 0 questions -> []
+
+
+TASK_NAMES = list(FIELDS)
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+
+
+def rows_for(name: str) -> st.SearchStrategy:
+    """Dicts biased toward the task's own fields, each holding a plausible value or any JSON value."""
+    fields = FIELDS[name]
+    value = {key: st.sampled_from(good) | json_values | st.text(max_size=6) for key, good in fields.items()}
+    if name == "multirc":  # the nested SuperGLUE layout: passage.questions[].answers[]
+        answer = st.fixed_dictionaries({}, optional={"text": value["answer"], "label": value["label"]})
+        question = st.fixed_dictionaries({}, optional={"question": value["question"],
+                                                       "answers": st.lists(answer | json_values, max_size=3)})
+        passage = st.fixed_dictionaries({}, optional={"text": value["paragraph"],
+                                                      "questions": st.lists(question | json_values, max_size=3)})
+        value["passage"] = passage | json_values
+    extra = st.dictionaries(st.text(max_size=8), json_values, max_size=2)
+    return st.builds(lambda known, more: {**more, **known}, st.fixed_dictionaries({}, optional=value), extra)
+
+
+def lines_of(values: list) -> bytes:
+    return b"".join(json.dumps(v).encode() + b"\n" for v in values)
+
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+@SETTINGS
+@given(data=st.binary(max_size=200)
+       | st.lists(st.binary(max_size=30) | st.sampled_from([b"{}", b"[]", b"null", b"\xef\xbb\xbf{}", b"{\"label\": 1}",
+                                                            b"\r", b" ", b"\xff", b"{\"a\": \"\\ud800\"}", b"NaN"]),
+                  max_size=6).map(b"\n".join))
+def test_random_bytes_load_or_raise_a_one_line_user_error(name, data):
+    check_loading(name, data)
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+@SETTINGS
+@given(values=st.lists(json_values, max_size=4))
+def test_random_json_values_load_or_raise_a_one_line_user_error(name, values):
+    check_loading(name, lines_of(values))
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+@SETTINGS
+@given(values=st.data())
+def test_rows_with_the_task_fields_load_or_raise_a_one_line_user_error(name, values):
+    rows = values.draw(st.lists(rows_for(name) | json_values, min_size=1, max_size=4))
+    check_loading(name, lines_of(rows))
+
+
+@pytest.mark.parametrize("line", [b"1" * 5000, b'{"label": ' + b"9" * 5000 + b"}", b"[" * 100_000,
+                                  b'{"sentence": ' + b'{"a": ' * 50_000 + b"}" * 50_000 + b"}"],
+                         ids=["huge-int", "huge-int-field", "deep-array", "deep-object"])
+def test_json_python_cannot_hold_is_a_user_error(tmp_path, line):
+    """Valid-looking JSON that json.loads rejects with ValueError/RecursionError (not JSONDecodeError)."""
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b'{"sentence": "ok", "label": 1}\n' + line + b"\n")
+    with pytest.raises(UserError, match=r"train\.jsonl:2: not valid JSON") as info:
+        read_jsonl(path)
+    assert "\n" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------- SIGKILL at random moments
+
+MAX_STEPS = 24
+# two kills keep the test near 20 s on 2 cores (each launch imports torch); set more for a longer soak
+KILLS = max(1, int(os.environ.get("XGBLORA_TEST_KILLS", "2")))
+
+
+def kill_args(shared_data: Path, out: Path) -> list[str]:
+    """A small XGBLoRA + AdamW run: merges every 4 steps, a checkpoint every 2 (keeping 2), a record every step."""
+    return ["train", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(shared_data),
+            "--num_train", "32", "--num_eval", "8", "--no_eval", "--method", "xgblora", "--trainer", "regular",
+            "--xgblora_steps_per_iteration", "4", "--xgblora_layers_per_booster", "1",
+            "--lora_target_modules", "q_proj,v_proj,fc1", "--learning_rate", "3e-3",
+            "--lr_scheduler_type", "constant", "--max_steps", str(MAX_STEPS), "--logging_steps", "1",
+            "--save_steps", "2", "--save_total_limit", "2", "--max_length", "32",
+            "--per_device_train_batch_size", "4", "--output_dir", str(out), "--result_file", str(out / "mezo.json"),
+            "--device", "cpu", "--seed", "3"]
+
+
+def kill_and_resume(command: list[str], args: list[str], out: Path, logs: Path, delays: list[float]) -> list:
+    """Launch the run; SIGKILL launch i `delays[i]` seconds after its model is set up; resume (or restart when no
+    checkpoint exists yet) until a launch finishes. Returns (resumed?, exit status) per launch."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    history = []
+    for launch in range(len(delays) + 3):
+        resume = bool(checkpoint.step_checkpoints(out / "checkpoints"))
+        extra = ["--resume_from_checkpoint", "latest"] if resume else ["--overwrite_output_dir"]
+        stderr_path = logs / f"stderr-{launch}.txt"
+        with open(stderr_path, "wb") as stderr:
+            proc = subprocess.Popen(command + args + extra, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+        try:
+            if launch < len(delays):
+                deadline = time.monotonic() + 60
+                while proc.poll() is None and time.monotonic() < deadline \
+                        and b"trainable parameters" not in stderr_path.read_bytes():
+                    time.sleep(0.01)
+                try:
+                    proc.wait(timeout=delays[launch])
+                except subprocess.TimeoutExpired:
+                    proc.send_signal(signal.SIGKILL)
+            rc = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        history.append((resume, rc))
+        if rc != -signal.SIGKILL:
+            assert rc == 0, stderr_path.read_text(errors="replace")
+            return history
+    raise AssertionError(f"never finished: {history}")
+
+
+def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path):
+    out = tmp_path / "killed"
+    script = Path(sys.executable).with_name("xgblora")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "xgblora.cli"]
+    rng = random.Random(20240611)
+    # kill after the run has set up its model (importing torch takes seconds and is not interesting), at delays
+    # that fall anywhere from before the first checkpoint to the last steps, checkpoint saves included
+    delays = [rng.uniform(0.0, 0.8)] + [rng.uniform(0.3, 2.5) for _ in range(KILLS - 1)]
+    with ThreadPoolExecutor(1) as pool:  # the subprocesses start (imports) while the reference runs here
+        killed = pool.submit(kill_and_resume, command, kill_args(shared_data, out), out, tmp_path, delays)
+        whole = tmp_path / "whole"
+        assert cli.main(kill_args(shared_data, whole)) == 0  # the main thread: the run installs signal handlers
+        history = killed.result()
+
+    assert any(rc == -signal.SIGKILL for _, rc in history) and any(resumed for resumed, _ in history), history
+    assert json.loads((out / "results.json").read_text())["steps"] == MAX_STEPS
+    assert_same_tensors(adapter(out), adapter(whole))
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)
+    assert records(out) == records(whole)
+    assert [r["step"] for r in records(out) if "loss" in r] == list(range(1, MAX_STEPS + 1))
