@@ -476,6 +476,8 @@ _TABLE = [
     ("zo_full_train_tokens_per_s", "MeZO full train tokens/s", ""),
     ("fo_lora_train_tokens_per_s", "AdamW LoRA train tokens/s", ""),
     ("fo_lora_train_samples_per_s", "AdamW LoRA train samples/s", ""),
+    ("fo_lora_step_interleaved_s", "AdamW LoRA step, alternating with HF", "s"),
+    ("hf_peft_step_s", "HF Trainer+PEFT step, alternating", "s"),
     ("hf_peft_train_tokens_per_s", "HF Trainer+PEFT train tokens/s", ""),
     ("fo_lora_speedup_vs_hf_peft", "AdamW LoRA speed-up vs HF+PEFT", "x"),
     ("eval_examples_per_s", "eval examples/s (batched)", ""),
