@@ -25,20 +25,66 @@ COMMANDS = {
 EVAL_DEFAULTS = {"num_train": 0}
 
 
-def _run_eval(cfg: config_mod.Config) -> int:
+def _train(args: argparse.Namespace) -> int:
     from xgblora.train import run
 
+    print(json.dumps(run(config_mod.from_namespace(config_mod.Config, args)), indent=2))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from xgblora.train import run
+
+    cfg = config_mod.from_namespace(config_mod.Config, args, EVAL_DEFAULTS)
     cfg.trainer = "none"
     print(json.dumps(run(cfg), indent=2))
     return 0
 
 
-def _not_implemented(name: str) -> Callable[[argparse.Namespace], int]:
-    def run(_: argparse.Namespace) -> int:
-        print(f"xgblora {name}: not implemented yet", file=sys.stderr)
-        return 2
+def _compare(args: argparse.Namespace) -> int:
+    from xgblora.compare import compare
 
-    return run
+    done = compare(config_mod.from_namespace(config_mod.CompareConfig, args))
+    print(done["summary"])
+    print(f"report: {done['html']}  figure: {done['loss_figure']}")
+    for name, message in done["failed"]:
+        print(f"FAILED {name}: {message}", file=sys.stderr)
+    return 1 if done["failed"] else 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from xgblora.demo import run_demo
+
+    done = run_demo(Path(args.output_root), steps=args.steps)
+    print(f"untrained tiny-opt: accuracy {done['untrained_accuracy']:.3f}")
+    print(done["summary"])
+    print(f"report: {done['html']}  (also report.md, {done['loss_figure']})")
+    return 1 if done["failed"] else 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from xgblora.adapters.export import export_run
+
+    print(json.dumps(export_run(Path(args.run_dir), args.format, Path(args.out), args.rank), indent=2))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from xgblora.bench import main as bench_main
+
+    return bench_main(args)
+
+
+def _env(args: argparse.Namespace) -> int:  # noqa: ARG001
+    from xgblora.perf import environment
+
+    print(json.dumps(environment(), indent=2))
+    return 0
+
+
+HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "train": _train, "compare": _compare, "eval": _eval, "bench": _bench, "env": _env, "export": _export,
+    "demo": _demo}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,45 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `xgblora` console script; returns the exit code (2 for a user error)."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "eval":
-            return _run_eval(config_mod.from_namespace(config_mod.Config, args, EVAL_DEFAULTS))
-        if args.command == "train":
-            from xgblora.train import run
-
-            print(json.dumps(run(config_mod.from_namespace(config_mod.Config, args)), indent=2))
-            return 0
-        if args.command == "compare":
-            from xgblora.compare import compare
-
-            done = compare(config_mod.from_namespace(config_mod.CompareConfig, args))
-            print(done["summary"])
-            print(f"report: {done['html']}  figure: {done['loss_figure']}")
-            for name, message in done["failed"]:
-                print(f"FAILED {name}: {message}", file=sys.stderr)
-            return 1 if done["failed"] else 0
-        if args.command == "demo":
-            from xgblora.demo import run_demo
-
-            done = run_demo(Path(args.output_root), steps=args.steps)
-            print(f"untrained tiny-opt: accuracy {done['untrained_accuracy']:.3f}")
-            print(done["summary"])
-            print(f"report: {done['html']}  (also report.md, {done['loss_figure']})")
-            return 1 if done["failed"] else 0
-        if args.command == "export":
-            from xgblora.adapters.export import export_run
-
-            print(json.dumps(export_run(Path(args.run_dir), args.format, Path(args.out), args.rank), indent=2))
-            return 0
-        if args.command == "bench":
-            from xgblora.bench import main as bench_main
-
-            return bench_main(args)
-        if args.command == "env":
-            from xgblora.perf import environment
-
-            print(json.dumps(environment(), indent=2))
-            return 0
-        return _not_implemented(args.command)(args)
+        return HANDLERS[args.command](args)
     except UserError as exc:
         print(f"xgblora {args.command}: error: {exc}", file=sys.stderr)
         return 2
