@@ -237,16 +237,11 @@ def _check_yaml_value(cls: type, f: dataclasses.Field, value: Any, path: str) ->
         if optional:
             return None
         raise UserError(f"{where}: expected {base.__name__}, got null")
-    items = value if is_list else [value]
-    if is_list and not isinstance(value, list):
-        items = [value]
+    items = value if isinstance(value, list) and is_list else [value]
+    accepted = {bool: (bool,), float: (int, float), int: (int,), str: (str,)}[base]
     out = []
     for item in items:
-        ok = (isinstance(item, bool) if base is bool
-              else isinstance(item, (int, float)) and not isinstance(item, bool) if base is float
-              else isinstance(item, int) and not isinstance(item, bool) if base is int
-              else isinstance(item, str))
-        if not ok:
+        if not isinstance(item, accepted) or (isinstance(item, bool) and base is not bool):  # YAML true is no int
             raise UserError(f"{where}: expected {base.__name__}, got {type(item).__name__} {item!r}")
         choices = f.metadata.get("choices")
         if choices and item not in choices:
