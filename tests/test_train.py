@@ -314,3 +314,15 @@ def test_mezo_norm_penalty_is_weight_decay_of_twice_lambda(shared_data, tmp_path
     assert_same_tensors(adapter(tmp_path / "pen"), adapter(tmp_path / "wd"))
     assert not all(torch.equal(a, b) for a, b in zip(adapter(tmp_path / "pen").values(),
                                                       adapter(tmp_path / "none").values(), strict=True))
+
+
+def test_classification_objective_on_a_generation_task_is_a_user_error(tmp_path):
+    rows = tmp_path / "pairs.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"Q: {i}?\nA:", "response": str(i)}) + "\n" for i in range(12)))
+    cfg = Config(model_name="tiny-opt", task_name="custom", train_file=str(rows), num_train=8, num_eval=2,
+                 trainer="regular", method="lora", max_steps=2, train_as_classification=True,
+                 output_dir=str(tmp_path / "out"), result_file=str(tmp_path / "r.json"))
+    with pytest.raises(UserError, match="needs answer candidates; custom is a generation task") as err:
+        train.run(cfg)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out" / "results.json").exists()

@@ -124,7 +124,7 @@ class Bench:
         b = self.args.batch_size
         rows = [(self._cursor + k) % len(self.pool) for k in range(b)]
         self._cursor = (self._cursor + b) % len(self.pool)
-        batch = make_batch(self.pool, rows, self.tokenizer.pad_token_id, {r: [r] for r in rows}, [0] * len(self.pool))
+        batch = make_batch(self.pool, rows, self.tokenizer.pad_token_id, {r: [r] for r in rows})
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     # --- workloads: each runs one unit of work and returns nothing (timing is done outside)

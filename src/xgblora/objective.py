@@ -10,15 +10,15 @@ from xgblora.data.batching import TokenSeq, collate, target_logprobs
 
 
 def make_batch(seqs: Sequence[TokenSeq], examples: Sequence[int], pad_id: int, by_example: dict[int, list[int]],
-               golds: Sequence[int]) -> dict[str, torch.Tensor]:
-    """Collate the sequences of the given examples; with several candidates per example, add their grouping.
+               golds: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+    """Collate the sequences of the given examples; for classification (golds given) add their grouping.
 
     `by_example` maps an example index to the indices of its sequences in `seqs`; `golds` gives each example's
-    gold candidate index (used when all candidates are in the batch).
+    gold candidate index when the objective is cross-entropy over candidates (whatever this batch holds).
     """
     rows = [r for e in examples for r in by_example[e]]
     batch = collate([seqs[r] for r in rows], pad_id)
-    if any(len(by_example[e]) > 1 for e in examples):
+    if golds is not None:
         batch["group"] = torch.tensor([k for k, e in enumerate(examples) for _ in by_example[e]])
         batch["candidate"] = torch.tensor([seqs[r].candidate for r in rows])
         batch["gold"] = torch.tensor([golds[e] for e in examples])

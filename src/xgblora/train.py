@@ -181,6 +181,9 @@ def run(cfg: Config) -> dict[str, Any]:
         return results
     if not splits.train:
         raise UserError(f"--trainer {cfg.trainer} needs training examples: --num_train is {cfg.num_train}")
+    if cfg.train_as_classification and task.generation:
+        raise UserError(f"--train_as_classification needs answer candidates; {task.name} is a generation task "
+                        f"(train it on the answer tokens, the default)")
 
     method = setup_method(model, cfg)
     summary = _train(cfg, model, tokenizer, splits, method, score, device)
@@ -200,7 +203,7 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
     for row, s in enumerate(seqs):
         by_example.setdefault(s.example, []).append(row)
     lengths = [max(len(seqs[r].ids) for r in by_example[e]) for e in range(len(splits.train))]
-    golds = [ex.gold[0] if ex.gold else 0 for ex in splits.train]
+    golds = [ex.gold[0] for ex in splits.train] if cfg.train_as_classification else None
     stream = BatchStream(lengths, cfg.per_device_train_batch_size, cfg.seed, cfg.group_by_length)
     batches_per_epoch = math.ceil(len(lengths) / cfg.per_device_train_batch_size)
     max_steps = cfg.max_steps if cfg.max_steps > 0 else \
