@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from xgblora import models
-from xgblora.data.batching import collate, encode_pairs
+from xgblora.data.batching import TokenSeq, collate, encode_pairs, shared_prefix_groups
 from xgblora.data.tasks import Example
 from xgblora.evaluate import candidate_scores, evaluate, f1_score, generate_answers, normalize_answer
 
@@ -79,6 +79,64 @@ def test_sfc_and_demonstrations_match_reference():
     ref = [reference_score(model, tokenizer, ex.prompt, c, "sum") - reference_score(model, tokenizer, ex.sfc_prompt, c, "sum")
            for c in ex.candidates]
     assert got[0] == pytest.approx(ref, abs=2e-5)
+
+
+# Prompts of very different lengths (heavy left padding in the prompt batch), multi-token candidates, and
+# candidates that merge with the prompt's last characters when tokenised together (see _split_target). No
+# empty SFC prompt: the tiny tokenizer adds no BOS, so a one-token candidate after it has nothing to condition on.
+VARIED = [*(ex for ex in EXAMPLES if ex.sfc_prompt), Example("word " * 40 + "so it was", (" fine", " not fine at all"), (0,), sfc_prompt="it was"),
+          Example("ab", ("c", "cd", " e"), (0,), sfc_prompt="b"), Example("one", (" two",), (0,), sfc_prompt="one")]
+
+
+@pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])
+def test_prefix_cache_scores_equal_whole_sequence_scores(name):
+    """The cached-prompt path scores exactly what one whole pass per pair scores, also with SFC and demos."""
+    model, tokenizer = sharpened(name)
+    for kwargs in ({}, {"sfc": True}, {"demos": EXAMPLES[:2], "icl_sfc": True}):
+        cached = candidate_scores(model, tokenizer, VARIED, batch_size=3, **kwargs)
+        whole = candidate_scores(model, tokenizer, VARIED, batch_size=3, prefix_cache=False, **kwargs)
+        for got, want in zip(cached, whole, strict=True):
+            assert got == pytest.approx(want, abs=2e-5), kwargs
+    ex = VARIED[4]  # clean boundaries: also against the unpadded reference
+    ref = [reference_score(model, tokenizer, ex.prompt, c) for c in ex.candidates]
+    assert candidate_scores(model, tokenizer, VARIED, batch_size=4)[4] == pytest.approx(ref, abs=2e-5)
+
+
+def test_prefix_cache_runs_each_prompt_once():
+    """With the cache every prompt is fed to the model once, and identical calibration sequences once in all."""
+    model, tokenizer = sharpened("tiny-llama")
+    fed: list[tuple[bool, list[int]]] = []  # (against a cache, the row's real tokens)
+
+    def record(module, args, kwargs):  # noqa: ARG001
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"][:, -kwargs["input_ids"].shape[1]:]
+        cached = kwargs.get("past_key_values") is not None
+        fed.extend((cached, row[m.bool()].tolist()) for row, m in zip(ids, mask, strict=True))
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        candidate_scores(model, tokenizer, EXAMPLES, batch_size=2)
+        prompts = [tokenizer(ex.prompt)["input_ids"] for ex in EXAMPLES]
+        assert sorted(row for cached, row in fed if not cached) == sorted(prompts)
+        longest = max(len(tokenizer(ex.prompt + c)["input_ids"]) - len(p) for ex, p in zip(EXAMPLES, prompts, strict=True)
+                      for c in ex.candidates)
+        assert all(len(row) < longest for cached, row in fed if cached)  # candidates only, last token not fed
+        fed.clear()
+        same = [Example(f"text number {i}. It was", (" terrible", " great"), (0,), sfc_prompt=" It was")
+                for i in range(6)]
+        candidate_scores(model, tokenizer, same, sfc=True)
+        assert sum(row == tokenizer(" It was")["input_ids"] for _, row in fed) == 1
+    finally:
+        handle.remove()
+
+
+def test_shared_prefix_groups_stop_before_scored_tokens():
+    seqs = [TokenSeq((1, 2, 3, 4), 1, 0, 0), TokenSeq((1, 2, 3, 5, 6), 2, 0, 1),  # common 1 2 3, nothing scored
+            TokenSeq((1, 7, 8), 2, 1, 0), TokenSeq((1, 7, 8, 9), 1, 1, 1),  # 7 8 is scored in the first
+            TokenSeq((1, 2), 1, 2, 0),  # a single candidate: nothing to share
+            TokenSeq((5, 2), 1, 3, 0), TokenSeq((6, 2), 1, 3, 1)]  # no common first token
+    groups, alone = shared_prefix_groups(seqs)
+    assert [(g.rows, g.length) for g in groups] == [((0, 1), 3), ((2, 3), 1)]
+    assert alone == [4, 5, 6]
 
 
 def test_accuracy_takes_argmax_and_accepts_any_gold():

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 
 # the test_train.py helpers (tests/ is not a package, so they are imported by module name)
 from test_train import adapter, assert_same_tensors, records
@@ -188,6 +189,26 @@ def kill_and_resume(command: list[str], args: list[str], out: Path, logs: Path, 
     raise AssertionError(f"never finished: {history}")
 
 
+def alongside_uninterrupted(shared_data: Path, tmp_path: Path, interrupted):
+    """Run interrupted() in a thread (its subprocesses import torch meanwhile) while the uninterrupted reference
+    run goes in the main thread (the run installs signal handlers); returns (interrupted()'s result, reference)."""
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(interrupted)
+        whole = tmp_path / "whole"
+        assert cli.main(kill_args(shared_data, whole)) == 0
+        return done.result(), whole
+
+
+def assert_same_run(out: Path, whole: Path) -> None:
+    """The run in out finished with the reference's weights and metrics, and every metrics line parses."""
+    assert json.loads((out / "results.json").read_text())["steps"] == MAX_STEPS
+    assert_same_tensors(adapter(out), adapter(whole))
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)
+    assert records(out) == records(whole)
+    assert [r["step"] for r in records(out) if "loss" in r] == list(range(1, MAX_STEPS + 1))
+
+
 def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path):
     out = tmp_path / "killed"
     script = Path(sys.executable).with_name("xgblora")
@@ -196,16 +217,61 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(share
     # kill after the run has set up its model (importing torch takes seconds and is not interesting), at delays
     # that fall anywhere from before the first checkpoint to the last steps, checkpoint saves included
     delays = [rng.uniform(0.0, 0.8)] + [rng.uniform(0.3, 2.5) for _ in range(KILLS - 1)]
-    with ThreadPoolExecutor(1) as pool:  # the subprocesses start (imports) while the reference runs here
-        killed = pool.submit(kill_and_resume, command, kill_args(shared_data, out), out, tmp_path, delays)
-        whole = tmp_path / "whole"
-        assert cli.main(kill_args(shared_data, whole)) == 0  # the main thread: the run installs signal handlers
-        history = killed.result()
-
+    history, whole = alongside_uninterrupted(
+        shared_data, tmp_path, lambda: kill_and_resume(command, kill_args(shared_data, out), out, tmp_path, delays))
     assert any(rc == -signal.SIGKILL for _, rc in history) and any(resumed for resumed, _ in history), history
-    assert json.loads((out / "results.json").read_text())["steps"] == MAX_STEPS
-    assert_same_tensors(adapter(out), adapter(whole))
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        json.loads(line)
-    assert records(out) == records(whole)
-    assert [r["step"] for r in records(out) if "loss" in r] == list(range(1, MAX_STEPS + 1))
+    assert_same_run(out, whole)
+
+
+# ----------------------------------------------------------------------------- SIGKILL inside a checkpoint save
+
+# `python -c DYING_SAVE n ARGS...`: the xgblora command, except that its n-th checkpoint save writes half of the
+# weights file and SIGKILLs the process (n = 0: never)
+DYING_SAVE = """
+import os, signal, sys
+import safetensors.torch
+from xgblora import checkpoint, cli
+
+at, calls, real = int(sys.argv[1]), [], checkpoint.save_file
+
+def dying(tensors, filename, *args, **kwargs):
+    calls.append(filename)
+    if len(calls) == at:
+        data = safetensors.torch.save(tensors)
+        with open(filename, "wb") as f:
+            f.write(data[: len(data) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(tensors, filename, *args, **kwargs)
+
+checkpoint.save_file = dying
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def dying_save_run(at: int, args: list[str], stderr_path: Path) -> int:
+    """Run `xgblora ARGS` with its at-th checkpoint save killed mid-write (at 0: none); returns the exit status."""
+    with open(stderr_path, "wb") as stderr:
+        return subprocess.run([sys.executable, "-c", DYING_SAVE, str(at), *args], stdout=subprocess.DEVNULL,
+                              stderr=stderr, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300).returncode
+
+
+def test_sigkill_inside_a_checkpoint_save_keeps_the_last_whole_one_and_resumes_exactly(shared_data, tmp_path):
+    out = tmp_path / "killed"
+    root, args = out / "checkpoints", kill_args(shared_data, out)
+
+    def killed_in_a_save_then_resumed() -> tuple:
+        # saves come at steps 2, 4, ...: the 2nd (step 4) dies half-way through its weights file
+        assert dying_save_run(2, [*args, "--overwrite_output_dir"], tmp_path / "1.txt") == -signal.SIGKILL
+        seen = (sorted(p.name for p in root.iterdir()), checkpoint.resolve(root, "latest").name,
+                checkpoint.load(root / "step-2")[1]["step"], (out / "metrics.jsonl").read_text())
+        with pytest.raises(Exception):  # noqa: B017 - the kill did land mid-write: the weights are cut short
+            load_file(str(root / ".step-4.tmp" / checkpoint.WEIGHTS))
+        resumed = [*args, "--resume_from_checkpoint", "latest"]
+        assert dying_save_run(0, resumed, tmp_path / "2.txt") == 0, (tmp_path / "2.txt").read_text(errors="replace")
+        return seen
+
+    (names, latest, step, metrics), whole = alongside_uninterrupted(shared_data, tmp_path,
+                                                                    killed_in_a_save_then_resumed)
+    assert (names, latest, step) == ([".step-4.tmp", "step-2"], "step-2", 2)  # the torn folder is not "latest"
+    assert [json.loads(line)["step"] for line in metrics.splitlines()][-1] == 4  # flushed before the save
+    assert_same_run(out, whole)

@@ -64,7 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="Model weight dtype.")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     parser.add_argument("--eval_examples", "--eval-examples", type=int, default=32,
-                        help="Synthetic examples (2 candidates each) for the evaluation comparison.")
+                        help="Examples scored in the evaluation comparison (the first ones of the dev split).")
+    parser.add_argument("--eval_task", "--eval-task", default="RTE",
+                        help="Task whose templates and dev rows shape the evaluation workload (SST2, RTE, CB, ...).")
+    parser.add_argument("--data_dir", "--data-dir", default=None,
+                        help="Folder with <task>/dev.jsonl for the evaluation workload; without it, synthetic prompts "
+                             "of RTE's length (premise of ~50 words) with its template and Yes/No candidates.")
     parser.add_argument("--json", default=None, metavar="FILE", help="Write every figure to this JSON file.")
     parser.add_argument("--skip_hf", "--skip-hf", action="store_true",
                         help="Skip the Hugging Face Trainer + PEFT baseline.")
@@ -87,11 +92,26 @@ def synthetic_seqs(n: int, seq_len: int, n_target: int, vocab: int, seed: int = 
     return [TokenSeq(tuple(row), n_target, i, 0) for i, row in enumerate(ids)]
 
 
-def synthetic_examples(n: int, prompt_words: int, seed: int = 0) -> list[Example]:
-    """n classification examples with a random-word prompt and two candidates (" great" / " terrible")."""
+def synthetic_examples(n: int, premise_words: int = 50, seed: int = 0) -> list[Example]:
+    """n RTE-shaped examples: a random-word premise and hypothesis in RTE's template, candidates Yes / No."""
+    from xgblora.data.tasks import RTE
+
     rng = random.Random(seed)
-    return [Example(" ".join(rng.choice(_WORDS) for _ in range(prompt_words)) + " It was",
-                    (" great", " terrible"), (rng.randrange(2),)) for _ in range(n)]
+    words = lambda k: " ".join(rng.choice(_WORDS) for _ in range(k)).capitalize() + "."  # noqa: E731
+    return [RTE().examples({"premise": words(premise_words), "hypothesis": words(8),
+                            "label": rng.choice(["entailment", "not_entailment"])}, ("synthetic", i))[0]
+            for i in range(n)]
+
+
+def eval_examples(args: argparse.Namespace) -> tuple[list[Example], str]:
+    """The evaluation workload: the first eval_examples dev examples of eval_task, or synthetic RTE-shaped ones."""
+    if args.data_dir is None:
+        return synthetic_examples(args.eval_examples), "synthetic RTE-shaped (50-word premise)"
+    from xgblora.data.loading import load_rows
+    from xgblora.data.tasks import get_task
+
+    task = get_task(args.eval_task)
+    return load_rows(task, "eval", args.data_dir)[:args.eval_examples], f"{task.name} dev rows from {args.data_dir}"
 
 
 class Bench:
@@ -286,25 +306,34 @@ def per_candidate_scores(model: torch.nn.Module, tokenizer: Any, examples: list[
 
 
 def eval_comparison(bench: Bench, repeats: int, warmup: int) -> dict[str, Any]:
-    """xgblora.evaluate.candidate_scores (batched, logits for target positions only) vs per_candidate_scores."""
+    """candidate_scores (prompt KV cache reused, and without it) vs per_candidate_scores, and the workload's shape."""
     from xgblora.evaluate import candidate_scores
 
     args = bench.args
-    words = max(4, int(args.seq_len * 0.6))  # the tiny tokenizer spends about 1.5 tokens per word
-    examples = synthetic_examples(args.eval_examples, words)
-    model = bench.plain
+    examples, source = eval_examples(args)
+    model, tok = bench.plain, bench.tokenizer
     model.eval()
-    n_tokens = sum(len(bench.tokenizer(ex.prompt + c)["input_ids"]) for ex in examples for c in ex.candidates)
+    prompt_tokens = [len(tok(ex.prompt)["input_ids"]) for ex in examples]
+    pair_tokens = [len(tok(ex.prompt + c)["input_ids"]) for ex in examples for c in ex.candidates]
+    n_pairs = len(pair_tokens)
     times = time_interleaved({
-        "batched": lambda: candidate_scores(model, bench.tokenizer, examples, batch_size=args.batch_size),
-        "per_candidate": lambda: per_candidate_scores(model, bench.tokenizer, examples),
+        "batched": lambda: candidate_scores(model, tok, examples, batch_size=args.batch_size),
+        "batched_no_cache": lambda: candidate_scores(model, tok, examples, batch_size=args.batch_size,
+                                                     prefix_cache=False),
+        "per_candidate": lambda: per_candidate_scores(model, tok, examples),
     }, repeats, warmup, bench.device)
-    batched, single = _median(times["batched"]), _median(times["per_candidate"])
-    return {"eval_batched_s": batched, "eval_per_candidate_s": single,
-            "eval_examples_per_s": len(examples) / batched, "eval_tokens_per_s": n_tokens / batched,
+    batched, no_cache, single = (_median(times[k]) for k in ("batched", "batched_no_cache", "per_candidate"))
+    return {"eval_batched_s": batched, "eval_batched_no_cache_s": no_cache, "eval_per_candidate_s": single,
+            "eval_examples_per_s": len(examples) / batched, "eval_tokens_per_s": sum(pair_tokens) / batched,
+            "eval_no_cache_examples_per_s": len(examples) / no_cache,
             "eval_per_candidate_examples_per_s": len(examples) / single,
-            "eval_speedup_vs_per_candidate": single / batched, "eval_n_examples": len(examples),
-            "eval_n_pairs": 2 * len(examples), "eval_mean_tokens_per_pair": n_tokens / (2 * len(examples))}
+            "eval_speedup_vs_per_candidate": single / batched, "eval_no_cache_speedup_vs_per_candidate": single / no_cache,
+            "eval_source": source, "eval_n_examples": len(examples), "eval_n_pairs": n_pairs,
+            "eval_mean_prompt_tokens": statistics.mean(prompt_tokens), "eval_max_prompt_tokens": max(prompt_tokens),
+            "eval_candidates_per_example": n_pairs / len(examples),
+            "eval_mean_candidate_tokens": (sum(pair_tokens) - sum(p * len(ex.candidates) for p, ex in
+                                                                  zip(prompt_tokens, examples, strict=True))) / n_pairs,
+            "eval_mean_tokens_per_pair": sum(pair_tokens) / n_pairs}
 
 
 # ----------------------------------------------------------------------------- logging overhead
@@ -519,6 +548,7 @@ _TABLE = [
     ("fo_lora_speedup_vs_hf_peft", "AdamW LoRA speed-up vs HF+PEFT", "x"),
     ("eval_examples_per_s", "eval examples/s (batched)", ""),
     ("eval_tokens_per_s", "eval tokens/s (batched)", ""),
+    ("eval_no_cache_examples_per_s", "eval examples/s (batched, no cache)", ""),
     ("eval_per_candidate_examples_per_s", "eval examples/s (1 pair/forward)", ""),
     ("eval_speedup_vs_per_candidate", "eval speed-up vs 1 pair/forward", "x"),
     ("peak_mem_inference_mb", "peak memory, inference", "MiB"),
@@ -555,6 +585,11 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(f"{label:<36} {shown:>14} {target:>8}  {verdict}")
     if res.get("hf_note"):
         lines.append(f"HF baseline: {res['hf_note']}")
+    if "eval_source" in res:
+        lines.append(f"eval workload: {res['eval_source']}, {res['eval_n_examples']} examples, prompts of "
+                     f"{res['eval_mean_prompt_tokens']:.0f} tokens (max {res['eval_max_prompt_tokens']}), "
+                     f"{res['eval_candidates_per_example']:.1f} candidates of {res['eval_mean_candidate_tokens']:.1f} "
+                     f"tokens each, batch {res['batch_size']} prompts")
     return "\n".join(lines)
 
 

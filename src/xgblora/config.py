@@ -35,6 +35,8 @@ class Config:
                                     ("auto", "sdpa", "eager", "flash_attention_2"))
     trust_remote_code: bool = _opt(False, "Allow a hub model to run its own code (off unless you pass it).")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
+    head: str = _opt("auto", "What scores the labels: lm (a causal LM's candidate tokens), classifier (a new sequence-classification head, trained in every method), mlm (a masked LM's one-token label words at a mask, MeZO's encoder prompts); auto: lm for causal LMs, mlm for encoders saved with their MLM head, else classifier.",
+                     ("auto", "lm", "classifier", "mlm"))
     # task and data
     task_name: str = _opt("SST2", "SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, DROP, or custom.")
     data_dir: str | None = _opt(None, "Folder with <task>/{train,dev}.jsonl in GLUE/SuperGLUE field names (else HF datasets).")
@@ -111,6 +113,7 @@ class Config:
     result_file: str | None = _opt(None, "Where to copy results.json MeZO-style (default result/{TASK}-{MODEL}-...json).")
     tag: str = _opt("", "Tag in the MeZO-style result file name.")
     nan_policy: str = _opt("stop", "On a NaN/inf loss: stop (keep the last good checkpoint) or skip the step.", ("stop", "skip"))
+    ddp_timeout: int = _opt(1800, "Multi-process runs: seconds a rank waits for the others in a collective before it stops with an error.")
     seed: int = _opt(42, "Seed of everything except the train/dev sampling.")
     no_eval: bool = _opt(False, "Skip the final evaluation.")
 

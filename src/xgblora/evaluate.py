@@ -10,41 +10,112 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from xgblora.data.batching import demonstration_text, encode_pairs, iter_batches, target_logprobs
+from xgblora.data.batching import (
+    PrefixGroup,
+    TokenSeq,
+    collate_prefix_suffix,
+    demonstration_text,
+    encode_pairs,
+    iter_batches,
+    shared_prefix_groups,
+    target_logprobs,
+)
 from xgblora.data.tasks import Example, Task
 
 
+def caches_prefixes(model: PreTrainedModel) -> bool:
+    """Whether candidates can be scored against a cached prompt: a decoder-only LM with full attention in every layer."""
+    config = model.config
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    return (model.can_generate() and not config.is_encoder_decoder and layer_types == {"full_attention"}
+            and not getattr(config, "sliding_window", None))
+
+
+def prefix_cached_logprobs(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Log-probability of each scored suffix token of a `collate_prefix_suffix` batch, [rows, suffix width].
+
+    The shared prefixes run once with use_cache=True; their KV cache is expanded to one row per sequence and the
+    suffixes run against it. When every suffix is one token the prefixes' last logits score them all, and the
+    second pass is skipped.
+    """
+    owner, suffix_ids = batch["owner"], batch["suffix_input_ids"]
+    width = suffix_ids.shape[1]
+    out = model(input_ids=batch["prefix_input_ids"], attention_mask=batch["prefix_attention_mask"],
+                position_ids=batch["prefix_position_ids"], use_cache=width > 1, logits_to_keep=1)
+    logits = out.logits[owner]
+    if width > 1:
+        cache = out.past_key_values
+        cache.batch_select_indices(owner)
+        tail = model(input_ids=suffix_ids[:, :-1], attention_mask=batch["suffix_attention_mask"][:, :-1],
+                     position_ids=batch["suffix_position_ids"][:, :-1], past_key_values=cache, use_cache=True).logits
+        logits = torch.cat([logits, tail], dim=1)
+    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, suffix_ids.unsqueeze(-1)).squeeze(-1)
+    return logprobs * batch["target_mask"]
+
+
+def _group_batches(seqs: list[TokenSeq], groups: list[PrefixGroup], batch_size: int, pad_id: int,
+                   device: torch.device):
+    """Yield (sequence indices, prefix/suffix batch on device) over the groups, longest prefixes first."""
+    order = sorted(groups, key=lambda g: -g.length)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        batch = collate_prefix_suffix(seqs, chunk, pad_id)
+        yield [r for g in chunk for r in g.rows], {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 @torch.inference_mode()
-def _sum_logprobs(model: PreTrainedModel, seqs, batch_size: int, pad_id: int,
-                  side: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed target log-probability and target length of every sequence, in input order."""
+def _sum_logprobs(model: PreTrainedModel, seqs, batch_size: int, pad_id: int, side: str,
+                  prefix_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed target log-probability and target length of every sequence, in input order.
+
+    Identical sequences (e.g. SFC calibration prompts shared by all examples) are scored once. With
+    prefix_cache (left padding, a model that caches prefixes), the candidates of each example are scored
+    against its prompt's KV cache (`prefix_cached_logprobs`); the rest go through whole-sequence batches.
+    """
     device = next(model.parameters()).device
-    sums = torch.zeros(len(seqs), dtype=torch.float64)
-    counts = torch.zeros(len(seqs), dtype=torch.float64)
-    for idx, batch in iter_batches(seqs, batch_size, pad_id, device, side):
-        logprobs = target_logprobs(model, batch)
-        sums[idx] = logprobs.sum(-1).double().cpu()
+    first: dict[tuple[tuple[int, ...], int], int] = {}
+    unique: list[TokenSeq] = []
+    where = []
+    for s in seqs:
+        where.append(first.setdefault((s.ids, s.n_target), len(unique)))
+        if where[-1] == len(unique):
+            unique.append(s)
+    sums = torch.zeros(len(unique), dtype=torch.float64)
+    counts = torch.zeros(len(unique), dtype=torch.float64)
+    groups, alone = [], list(range(len(unique)))
+    if prefix_cache and side == "left" and caches_prefixes(model):
+        groups, alone = shared_prefix_groups(unique)
+    for idx, batch in iter_batches([unique[i] for i in alone], batch_size, pad_id, device, side):
+        idx = [alone[i] for i in idx]
+        sums[idx] = target_logprobs(model, batch).sum(-1).double().cpu()
         counts[idx] = batch["target_mask"].sum(-1).double().cpu()
-    return sums, counts
+    for idx, batch in _group_batches(unique, groups, batch_size, pad_id, device):
+        sums[idx] = prefix_cached_logprobs(model, batch).sum(-1).double().cpu()
+        counts[idx] = batch["target_mask"].sum(-1).double().cpu()
+    return sums[where], counts[where]
 
 
 def candidate_scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], *,
                      demos: Sequence[Example] = (), sfc: bool = False, icl_sfc: bool = False, batch_size: int = 8,
-                     max_length: int = 2048, padding_side: str = "left") -> list[list[float]]:
-    """Score every candidate of every example in length-sorted batches over all (example, candidate) pairs.
+                     max_length: int = 2048, padding_side: str = "left",
+                     prefix_cache: bool = True) -> list[list[float]]:
+    """Score every candidate of every example, batched across examples, longest first.
 
     The score is the mean log-probability of the candidate's tokens after the prompt (MeZO), or with SFC the
     summed log-probability minus that under the example's calibration prompt (surface-form competition).
+    With prefix_cache (and left padding) each prompt runs once and its candidates are scored against its KV
+    cache; otherwise, and for models without a cache, every (example, candidate) pair runs whole. batch_size
+    counts prompts in the first case and pairs in the second.
     """
     was_training = model.training
     model.eval()
     prefix = demonstration_text(demos)
     seqs = encode_pairs(tokenizer, examples, max_length, prefix=prefix)
-    sums, counts = _sum_logprobs(model, seqs, batch_size, tokenizer.pad_token_id, padding_side)
+    sums, counts = _sum_logprobs(model, seqs, batch_size, tokenizer.pad_token_id, padding_side, prefix_cache)
     if sfc or icl_sfc:
         calib = encode_pairs(tokenizer, examples, max_length, prefix=prefix if icl_sfc else "",
                              prompts=[ex.sfc_prompt for ex in examples])
-        calib_sums, _ = _sum_logprobs(model, calib, batch_size, tokenizer.pad_token_id, padding_side)
+        calib_sums, _ = _sum_logprobs(model, calib, batch_size, tokenizer.pad_token_id, padding_side, prefix_cache)
         values = sums - calib_sums
     else:
         values = sums / counts

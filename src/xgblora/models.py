@@ -11,6 +11,8 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -20,6 +22,13 @@ from transformers import (
 from xgblora.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# What scores a task's labels, and the model class that carries it: a causal LM over the candidate tokens, a new
+# sequence-classification head, or a masked LM reading label words at a mask token.
+HEAD_CLASSES = {"lm": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification,
+                "mlm": AutoModelForMaskedLM}
+ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "camembert", "deberta", "deberta-v2", "distilbert",
+                           "electra", "albert", "mpnet", "ernie", "modernbert"})
 
 # Built-in random models: (model_type, config overrides). The tiny ones are for tests and the demo; the
 # *-random ones have the shapes of real checkpoints, for benchmarks where no weights can be downloaded.
@@ -36,6 +45,8 @@ RANDOM_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-1b-random": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
                                       tie_word_embeddings=True)),
+    "tiny-bert": ("bert", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+                               max_position_embeddings=512)),
 }
 
 # Text the built-in tokenizer's BPE merges are learnt from: the words of the task templates and common English.
@@ -77,18 +88,47 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
                                    pad_token="<pad>", eos_token="</s>", bos_token="<s>", padding_side="left")
 
 
-def random_model(name: str, *, dtype: str = "float32", attn_implementation: str = "sdpa",
-                 seed: int = 0, **overrides: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Build a built-in random model (see RANDOM_MODELS) with the same weights for the same seed."""
+def random_model(name: str, *, dtype: str = "float32", attn_implementation: str = "sdpa", seed: int = 0,
+                 head: str = "lm", **overrides: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Build a built-in random model (see RANDOM_MODELS) with the same weights for the same seed.
+
+    Encoders get a mask token added to the tokenizer; `head` picks the model class (see HEAD_CLASSES), and a
+    classifier's label count comes from `num_labels` in overrides.
+    """
     model_type, shape = RANDOM_MODELS[name]
     tokenizer = tiny_tokenizer()
+    if model_type in ENCODER_TYPES:
+        tokenizer.add_special_tokens({"mask_token": "<mask>"})
     vocab = max(shape.get("vocab_size", 0), (len(tokenizer) + 63) // 64 * 64)
     config = AutoConfig.for_model(model_type, **{**shape, "vocab_size": vocab, **_special_ids(tokenizer), **overrides})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
-                                                 dtype=DTYPES[dtype])
+        model = HEAD_CLASSES[head].from_config(config, attn_implementation=attn_implementation, dtype=DTYPES[dtype])
     return model, tokenizer
+
+
+def resolve_head(requested: str, name_or_path: str, trust_remote_code: bool = False) -> str:
+    """'auto' -> lm for causal LMs; for encoders mlm when the checkpoint keeps its masked-LM head, else classifier."""
+    if name_or_path in RANDOM_MODELS:
+        model_type, architectures = RANDOM_MODELS[name_or_path][0], []
+    else:
+        try:
+            config = AutoConfig.from_pretrained(resolve_path(name_or_path), trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):
+            return "lm" if requested == "auto" else requested  # load() reports what is wrong with the model
+        model_type, architectures = config.model_type, config.architectures or []
+    encoder = model_type in ENCODER_TYPES
+    if requested == "auto":
+        if not encoder:
+            return "lm"
+        return "mlm" if any(a.endswith(("ForMaskedLM", "ForPreTraining")) for a in architectures) else "classifier"
+    if requested == "lm" and encoder:
+        raise UserError(f"--head lm needs a causal LM; {name_or_path} is an encoder ({model_type}): use "
+                        f"--head classifier or --head mlm")
+    if requested == "mlm" and not encoder:
+        raise UserError(f"--head mlm needs a masked LM; {name_or_path} ({model_type}) is not an encoder: use "
+                        f"--head lm or --head classifier")
+    return requested
 
 
 def choose_attention(requested: str, device: torch.device) -> str:
@@ -126,26 +166,34 @@ def resolve_path(name_or_path: str) -> str:
 
 
 def load(name_or_path: str, *, dtype: str = "float32", attn_implementation: str = "auto", device: str = "cpu",
-         trust_remote_code: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer ready for training: chosen dtype and attention, use_cache off, left padding."""
+         trust_remote_code: bool = False, head: str = "lm",
+         num_labels: int | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a model and its tokenizer ready for training: chosen dtype and attention, use_cache off.
+
+    `head` picks the class (HEAD_CLASSES); a classifier gets a new head of `num_labels` outputs. Causal LMs pad on
+    the left (every sequence ends in the last column), classifiers and masked LMs on the right.
+    """
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     target = choose_device(device)
     attn = choose_attention(attn_implementation, target)
+    labels = {"num_labels": num_labels} if head == "classifier" and num_labels is not None else {}
     if name_or_path in RANDOM_MODELS:
-        model, tokenizer = random_model(name_or_path, dtype=dtype, attn_implementation=attn)
+        model, tokenizer = random_model(name_or_path, dtype=dtype, attn_implementation=attn, head=head, **labels)
     else:
         path = resolve_path(name_or_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], low_cpu_mem_usage=True,
-                                                         attn_implementation=attn, trust_remote_code=trust_remote_code)
+            model = HEAD_CLASSES[head].from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn,
+                                                       trust_remote_code=trust_remote_code, **labels)
         except (OSError, ValueError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
             raise UserError(f"cannot load model {name_or_path!r}: not a built-in ({', '.join(RANDOM_MODELS)}), "
                             f"not a local folder, and not loadable from the hub or its cache ({first})") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
+    if model.config.pad_token_id is None:  # sequence classifiers find each row's last token through it
+        model.config.pad_token_id = tokenizer.pad_token_id
+    tokenizer.padding_side = "left" if head == "lm" else "right"
     model.config.use_cache = False
     return model.to(target), tokenizer

@@ -1,12 +1,44 @@
-"""Training objectives as MeZO defines them: loss on the gold candidate's tokens, or cross-entropy over candidates."""
+"""Training objectives: loss on the gold candidate's tokens, cross-entropy over candidates (MeZO), or over labels."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
-from xgblora.data.batching import TokenSeq, collate, target_logprobs
+from xgblora import encoders
+from xgblora.data.batching import TokenSeq, collate, target_logprobs, training_seqs
+from xgblora.data.tasks import Example
+
+
+@dataclass
+class TrainingSet:
+    """The tokenised training examples: each one's length (for length grouping) and how to batch a list of them."""
+
+    lengths: list[int]
+    batch: Callable[[Sequence[int]], dict[str, torch.Tensor]]
+
+
+def causal_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
+                        classification: bool) -> TrainingSet:
+    """A causal LM's training set: the gold continuation of each example, or all its candidates (classification)."""
+    seqs = training_seqs(tokenizer, examples, max_length, all_candidates=classification)
+    by_example: dict[int, list[int]] = {}
+    for row, s in enumerate(seqs):
+        by_example.setdefault(s.example, []).append(row)
+    lengths = [max(len(seqs[r].ids) for r in by_example[e]) for e in range(len(examples))]
+    golds = [ex.gold[0] for ex in examples] if classification else None
+    return TrainingSet(lengths, lambda idx: make_batch(seqs, idx, tokenizer.pad_token_id, by_example, golds))
+
+
+def label_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
+                       scoring: encoders.LabelScoring) -> TrainingSet:
+    """A classifier's or masked LM's training set: each example's prompt and gold label."""
+    seqs = encoders.encode(tokenizer, examples, max_length, scoring)
+    return TrainingSet([len(s.ids) for s in seqs],
+                       lambda idx: encoders.collate([seqs[i] for i in idx], tokenizer.pad_token_id, scoring))
 
 
 def make_batch(seqs: Sequence[TokenSeq], examples: Sequence[int], pad_id: int, by_example: dict[int, list[int]],
@@ -30,8 +62,11 @@ def per_example_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
 
     Without a "group" entry: the mean negative log-likelihood of each row's target tokens (the gold candidate or
     the response). With one (classification): cross-entropy over each example's candidates, scored by their mean
-    token log-probability, against the batch's "gold" candidate index of each example.
+    token log-probability, against the batch's "gold" candidate index of each example. With "labels" (a
+    classifier or masked LM): cross-entropy over the label logits.
     """
+    if "labels" in batch:
+        return encoders.label_loss(model, batch)
     logprobs = target_logprobs(model, batch)
     mean_lp = logprobs.sum(-1) / batch["target_mask"].sum(-1)
     if "group" not in batch:

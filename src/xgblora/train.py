@@ -17,19 +17,19 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from xgblora import checkpoint, models, perf
+from xgblora import checkpoint, distributed, encoders, models, perf
 from xgblora import config as config_mod
 from xgblora.adapters import export
 from xgblora.adapters.boosting import Boosting
 from xgblora.adapters.lora import LoRALinear, attach, prepare_full_ft
 from xgblora.config import Config
-from xgblora.data.batching import epoch_batches, training_seqs
+from xgblora.data.batching import epoch_batches
 from xgblora.data.loading import sample_splits
 from xgblora.data.tasks import get_task
 from xgblora.errors import UserError
 from xgblora.evaluate import evaluate
 from xgblora.logging import MetricsLog, setup_console_logging
-from xgblora.objective import make_batch, per_example_loss
+from xgblora.objective import TrainingSet, causal_training_set, label_training_set, per_example_loss
 from xgblora.optim import fo
 from xgblora.optim.zo import MeZO
 
@@ -87,7 +87,10 @@ def setup_method(model: torch.nn.Module, cfg: Config) -> Method:
     targets = cfg.lora_target_modules.split(",") if cfg.lora_target_modules else None
     report = attach(model, targets, r=cfg.rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
     log.info("%s", report)
-    named = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
+    named = [(n, p) for n, p in model.named_parameters()
+             if ".lora_" in n or n.split(".")[0] in encoders.CLASSIFIER_MODULES]
+    for _, p in named:  # adapters, and a new classification head: it trains in every method
+        p.requires_grad_(True)
     boosting = None
     if cfg.method == "xgblora":
         boosting = Boosting(report.modules, cfg.xgblora_steps_per_iteration, cfg.xgblora_layers_per_booster,
@@ -146,18 +149,26 @@ def graceful_stop() -> Iterator[dict[str, bool]]:
 def run(cfg: Config) -> dict[str, Any]:
     """Run what cfg asks for and return the final metrics (also written to results.json)."""
     setup_console_logging()
+    dist = distributed.setup(cfg)  # before the model loads: it picks this rank's GPU
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.trainer != "none" and (out / "results.json").exists() and not cfg.overwrite_output_dir \
             and not cfg.resume_from_checkpoint:
         raise UserError(f"{out} already holds a finished run; pass --overwrite_output_dir to redo it, "
                         f"or another --output_dir")
-    config_mod.dump(cfg, out / "config.yaml")
+    if dist.is_main:
+        config_mod.dump(cfg, out / "config.yaml")
     transformers.set_seed(cfg.seed)
     task = get_task(cfg.task_name, cfg)
     splits = sample_splits(task, cfg)
+    head = models.resolve_head(cfg.head, cfg.model_name, cfg.trust_remote_code)
+    words = encoders.label_words(task.name, splits.train, splits.dev, splits.eval) if head != "lm" else ()
+    if head != "lm" and (cfg.sfc or cfg.icl_sfc):
+        raise UserError(f"--sfc/--icl_sfc calibrate a causal LM's candidate scores; --head {head} has no surface forms")
     model, tokenizer = models.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation,
-                                   device=cfg.device, trust_remote_code=cfg.trust_remote_code)
+                                   device=cfg.device, trust_remote_code=cfg.trust_remote_code, head=head,
+                                   num_labels=len(words) or None)
+    scoring = encoders.build_scoring(head, tokenizer, words) if head != "lm" else None
     device = next(model.parameters()).device
     perf.enable_tf32(device)
     positions = getattr(model.config, "max_position_embeddings", None)
@@ -167,45 +178,50 @@ def run(cfg: Config) -> dict[str, Any]:
         cfg.max_length = positions
 
     def score(examples, demos=()) -> dict[str, float]:
+        if scoring is not None:  # no in-context demonstrations: the label is read from one input
+            return encoders.evaluate(model, tokenizer, examples, scoring, batch_size=cfg.per_device_eval_batch_size,
+                                     max_length=cfg.max_length)
         return evaluate(model, tokenizer, task, examples, demos=demos, sfc=cfg.sfc, icl_sfc=cfg.icl_sfc,
                         batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length,
                         max_new_tokens=cfg.max_new_tokens)
 
-    base = {"task": task.name, "model": cfg.model_name, "trainer": cfg.trainer, "seed": cfg.seed,
+    base = {"task": task.name, "model": cfg.model_name, "head": head, "trainer": cfg.trainer, "seed": cfg.seed,
             "num_eval": len(splits.eval), "device": str(device), "torch": torch.__version__}
     if cfg.trainer == "none":
         started = time.perf_counter()
-        results = {**score(splits.eval, splits.train), **base, "method": "none", "num_demos": len(splits.train),
+        results = {**score(splits.eval, splits.train), **base, "method": "none", "num_demos": len(splits.train) if scoring is None else 0,
                    "eval_runtime_s": round(time.perf_counter() - started, 3)}
-        write_results(cfg, results)
+        if dist.is_main:
+            write_results(cfg, results)
         return results
     if not splits.train:
         raise UserError(f"--trainer {cfg.trainer} needs training examples: --num_train is {cfg.num_train}")
-    if cfg.train_as_classification and task.generation:
+    if cfg.train_as_classification and task.generation and head == "lm":
         raise UserError(f"--train_as_classification needs answer candidates; {task.name} is a generation task "
                         f"(train it on the answer tokens, the default)")
 
     method = setup_method(model, cfg)
-    summary = _train(cfg, model, tokenizer, splits, method, score, device)
+    train_set = label_training_set(tokenizer, splits.train, cfg.max_length, scoring) if scoring is not None else \
+        causal_training_set(tokenizer, splits.train, cfg.max_length, cfg.train_as_classification)
+    summary = _train(cfg, model, tokenizer, splits, train_set, method, score, device, dist)
     results = {**base, **summary, "method": cfg.method, "num_train": len(splits.train)}
     if not cfg.no_eval:
-        results.update(score(splits.eval))
-    write_results(cfg, results)
+        results.update(score(splits.eval))  # every rank evaluates (FSDP needs them all); the main one writes
+    if dist.is_main:
+        write_results(cfg, results)
     return results
 
 
-def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device: torch.device) -> dict[str, Any]:
+def _train(cfg: Config, model, tokenizer, splits, train_set: TrainingSet, method: Method, score,
+           device: torch.device, dist: distributed.Distributed) -> dict[str, Any]:
     """The loop: batch -> step (AdamW or MeZO) -> boosting -> log -> eval -> checkpoint; returns run statistics."""
+    train_set = dist.shard(train_set)  # batch(global batch) collates this rank's shard of it
+    global_batch = cfg.per_device_train_batch_size * dist.world_size
     out = Path(cfg.output_dir)
     ckpt_root = out / "checkpoints"
-    seqs = training_seqs(tokenizer, splits.train, cfg.max_length, all_candidates=cfg.train_as_classification)
-    by_example: dict[int, list[int]] = {}
-    for row, s in enumerate(seqs):
-        by_example.setdefault(s.example, []).append(row)
-    lengths = [max(len(seqs[r].ids) for r in by_example[e]) for e in range(len(splits.train))]
-    golds = [ex.gold[0] for ex in splits.train] if cfg.train_as_classification else None
-    stream = BatchStream(lengths, cfg.per_device_train_batch_size, cfg.seed, cfg.group_by_length)
-    batches_per_epoch = math.ceil(len(lengths) / cfg.per_device_train_batch_size)
+    lengths = train_set.lengths
+    stream = BatchStream(lengths, global_batch, cfg.seed, cfg.group_by_length)
+    batches_per_epoch = math.ceil(len(lengths) / global_batch)
     max_steps = cfg.max_steps if cfg.max_steps > 0 else \
         math.ceil(cfg.num_train_epochs * batches_per_epoch / cfg.gradient_accumulation_steps)
     warmup = cfg.warmup_steps or int(cfg.warmup_ratio * max_steps)
@@ -220,19 +236,22 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             return per_example_loss(forward_model, batch)
 
+    loss_fn = dist.weighted(loss_fn)  # this rank's share of the global batch: the mean over ranks is global
     if cfg.trainer == "regular":
         optimizer = fo.build_optimizer(method.named_params, cfg.learning_rate, cfg.weight_decay,
                                        (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon)
         scheduler = fo.build_scheduler(optimizer, cfg.lr_scheduler_type, max_steps, warmup)
-        zo = None
+        zo, micro = None, MicroBatching(cfg.per_device_train_batch_size)
     else:  # MeZO: the schedule drives its lr through a stand-in optimizer, so both trainers share one schedule code
         optimizer, lr_holder = None, torch.optim.SGD([torch.zeros(1)], lr=cfg.learning_rate)
         scheduler = fo.build_scheduler(lr_holder, cfg.lr_scheduler_type, max_steps, warmup)
-        dual = cfg.zo_dual and cfg.method != "ft" and not cfg.train_as_classification
+        # the doubled batch carries adapter perturbations only: not a full model, a trainable head, or grouped rows
+        dual = cfg.zo_dual and bool(method.modules) and not cfg.train_as_classification \
+            and all(".lora_" in n for n, _ in method.named_params)
         # the norm penalty l(|A|^2 + |B|^2) has the exact gradient 2l*theta: under MeZO it is weight decay 2l
         decay = cfg.weight_decay + (2 * cfg.xgblora_norm_penalty if method.boosting is not None else 0.0)
         zo = MeZO(method.named_params, cfg.learning_rate, cfg.zo_eps, decay, cfg.zo_stochastic_rounding,
-                  dual_modules=method.modules if dual else None, seed=cfg.seed)
+                  dual_modules=method.modules if dual else None, seed=cfg.seed, reduce_losses=dist.all_mean)
 
     step, best, window = 0, None, (0.0, 0)
     if cfg.resume_from_checkpoint:
@@ -252,9 +271,11 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
         if method.boosting is not None and "boosting" in blobs:
             method.boosting.load_state_dict(blobs["boosting"])
         log.info("resumed from %s at step %d", path, step)
+    forward_model, optimizer = dist.prepare(forward_model, optimizer, method.named_params)  # FSDP, after loading
     metrics_path = out / "metrics.jsonl"
     metrics = MetricsLog(metrics_path, tensorboard_dir=out / "tensorboard" if cfg.report_to == "tensorboard" else None,
-                         resume=step > 0, resume_step=step if step > 0 else None)
+                         resume=step > 0, resume_step=step if step > 0 else None) if dist.is_main \
+        else distributed.SilentLog()
 
     def save(name: str) -> Path:
         metrics.flush()
@@ -269,25 +290,25 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
                 blobs["zo"] = zo.state_dict()
         if method.boosting is not None:  # the booster history is part of the model: final/ exports it
             blobs["boosting"] = method.boosting.state_dict()
-        tensors = method.trainable_state(with_bases=method.boosting is not None)
-        return checkpoint.save(ckpt_root, name, tensors, state, blobs)
+        tensors = dist.full_state(method.trainable_state(with_bases=method.boosting is not None), forward_model)
+        return checkpoint.save(ckpt_root, name, tensors, state, blobs) if dist.is_main else ckpt_root / name
 
     batches = iter(stream)
 
     def next_batch() -> dict[str, torch.Tensor]:
-        return _to(make_batch(seqs, next(batches), tokenizer.pad_token_id, by_example, golds), device)
+        return _to(train_set.batch(next(batches)), device)
 
     started, last_loss = time.perf_counter(), float("nan")
     window_loss, window_n = torch.tensor(window[0], dtype=torch.float32, device=device), int(window[1])
     progress = tqdm(total=max_steps, initial=step, desc=f"{cfg.method}/{cfg.trainer}", dynamic_ncols=True,
-                    disable=None)
+                    disable=None if dist.is_main else True)
     model.train(cfg.trainer == "regular")  # MeZO's forwards run in eval mode: no dropout between L+ and L-
     with graceful_stop() as stop:
         try:
             while step < max_steps:
                 lr = scheduler.get_last_lr()[0]
                 if optimizer is not None:
-                    loss = _adamw_step(cfg, method, optimizer, loss_fn, next_batch, device)
+                    loss = _adamw_step(cfg, method, optimizer, loss_fn, next_batch, device, micro, dist)
                 else:
                     plus, minus = zo.step(loss_fn, next_batch(), lr=lr)
                     loss = torch.tensor((plus + minus) / 2, device=device)
@@ -321,8 +342,9 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
                             save("best")
                 if cfg.save_strategy == "steps" and step % cfg.save_steps == 0 and step < max_steps:
                     save(f"step-{step}")
-                    checkpoint.prune(ckpt_root, cfg.save_total_limit)
-                if stop["stop"]:
+                    if dist.is_main:
+                        checkpoint.prune(ckpt_root, cfg.save_total_limit)
+                if dist.end_step(stop["stop"]):  # all ranks stop at the same step
                     path = save(f"step-{step}")
                     raise StopRequested(f"stopped at step {step}; checkpoint saved to {path}; "
                                         f"resume with --resume_from_checkpoint latest")
@@ -330,18 +352,21 @@ def _train(cfg: Config, model, tokenizer, splits, method: Method, score, device:
             progress.close()
             metrics.close()
     runtime = time.perf_counter() - started
+    dist.wait_for_main()  # its checkpoints are written before any rank reads "best"
     if cfg.load_best_model_at_end and best is not None and (ckpt_root / "best").is_dir():
         tensors, _, blobs = checkpoint.load(ckpt_root / "best")
         model.load_state_dict(tensors, strict=False)
         if method.boosting is not None:  # the boosters merged up to the best step, not those merged after it
             method.boosting.load_state_dict(blobs["boosting"])
         log.info("loaded the best dev checkpoint (step %d, %.4f)", best["step"], best["value"])
-    _save_final(cfg, model, tokenizer, method)
+    final_state = dist.model_state(forward_model)  # FSDP: the full weights, gathered (every rank takes part)
+    if dist.is_main:
+        _save_final(cfg, model, tokenizer, method, final_state)
     return {"trainable_params": trainable, "steps": step, "train_runtime_s": round(runtime, 3),
             "steps_per_second": round(step / runtime, 4) if runtime > 0 else None, "train_loss": last_loss,
             "peak_memory_mb": round(perf.peak_memory_mb(device), 1),
             **({f"dev_{k}": v for k, v in score(splits.dev).items()} if splits.dev and not cfg.no_eval else {}),
-            "boosters": len(method.boosting.history) if method.boosting is not None else 0}
+            "boosters": len(method.boosting.history) if method.boosting is not None else 0, **dist.summary()}
 
 
 def _autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
@@ -360,15 +385,67 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _adamw_step(cfg: Config, method: Method, optimizer, loss_fn, next_batch, device) -> torch.Tensor:
-    """One AdamW step over gradient_accumulation_steps micro-batches; returns the mean loss (a device tensor)."""
-    total = torch.zeros((), device=device)
-    for _ in range(cfg.gradient_accumulation_steps):
-        loss = loss_fn(next_batch()).mean() / cfg.gradient_accumulation_steps
-        if method.boosting is not None and cfg.xgblora_norm_penalty > 0:
-            loss = loss + method.boosting.norm_penalty(cfg.xgblora_norm_penalty) / cfg.gradient_accumulation_steps
-        loss.backward()
-        total += loss.detach()
+@dataclass
+class MicroBatching:
+    """Examples per forward/backward pass of an AdamW step: the batch size until CUDA runs out of memory."""
+
+    size: int
+
+    def halve(self, cfg: Config) -> None:
+        """Halve the micro-batch after an out-of-memory error and say so; below one example, a UserError."""
+        if self.size <= 1:
+            raise UserError(f"CUDA out of memory with a micro-batch of 1 example (--max_length {cfg.max_length}); "
+                            f"try --gradient_checkpointing, a smaller --max_length, or --trainer zo (MeZO keeps "
+                            f"no gradients or optimizer state)")
+        self.size = (self.size + 1) // 2
+        pieces = math.ceil(cfg.per_device_train_batch_size / self.size) * cfg.gradient_accumulation_steps
+        log.warning("CUDA out of memory: redoing the step with micro-batch %d and %d micro-batches per optimizer "
+                    "step (the same global batch of %d and the same gradient)", self.size, pieces,
+                    cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps)
+
+
+def _pieces(batch: dict[str, torch.Tensor], size: int) -> Iterator[tuple[dict[str, torch.Tensor], float]]:
+    """Cut a collated batch into pieces of at most `size` examples: (piece, its share of the batch's examples).
+
+    Rows are examples, except in a classification batch: there "group" maps each candidate row to its example
+    (rows of one example are adjacent) and "gold" has one entry per example.
+    """
+    group = batch.get("group")
+    n = len(batch["gold"]) if group is not None else len(batch["input_ids"])
+    if size >= n:
+        yield batch, 1.0
+        return
+    for start in range(0, n, size):
+        stop = min(start + size, n)
+        if group is None:
+            yield {k: v[start:stop] for k, v in batch.items()}, (stop - start) / n
+            continue
+        rows = (group >= start) & (group < stop)
+        piece = {k: v[start:stop] if k == "gold" else v[rows] for k, v in batch.items()}
+        piece["group"] = piece["group"] - start
+        yield piece, (stop - start) / n
+
+
+def _adamw_step(cfg: Config, method: Method, optimizer, loss_fn, next_batch, device,
+                micro: MicroBatching, dist: distributed.Distributed = distributed.LOCAL) -> torch.Tensor:
+    """One AdamW step over gradient_accumulation_steps batches; returns the mean loss (a device tensor).
+
+    Each batch goes forward and backward in micro-batches of at most micro.size examples, each loss weighted
+    by its share of the batch, so the gradient is the whole batch's. On CUDA out-of-memory the step starts
+    over from zero gradients with the micro-batch halved (twice the accumulation, the same gradient).
+    """
+    batches = [next_batch() for _ in range(cfg.gradient_accumulation_steps)]
+    while True:
+        try:
+            total = _accumulate(cfg, method, loss_fn, batches, micro.size, device)
+            break
+        except torch.OutOfMemoryError:
+            pass  # recovered below, once the error and the activations its traceback holds are released
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        micro.halve(cfg)
+    total = dist.reduce_step(total, (p for _, p in method.named_params))  # gradients and loss: means over ranks
     params = [p for _, p in method.named_params if p.grad is not None]
     fo.clip_grad_norm(params, cfg.max_grad_norm)
     if cfg.nan_policy == "skip" and not torch.isfinite(total):
@@ -379,12 +456,28 @@ def _adamw_step(cfg: Config, method: Method, optimizer, loss_fn, next_batch, dev
     return total
 
 
-def _save_final(cfg: Config, model, tokenizer, method: Method) -> None:
+def _accumulate(cfg: Config, method: Method, loss_fn, batches: list[dict[str, torch.Tensor]], size: int,
+                device: torch.device) -> torch.Tensor:
+    """Backward over the batches in micro-batches of at most `size` examples; returns the mean loss."""
+    total = torch.zeros((), device=device)
+    penalty = method.boosting is not None and cfg.xgblora_norm_penalty > 0
+    for batch in batches:
+        for piece, share in _pieces(batch, size):
+            loss = loss_fn(piece).mean() * share / len(batches)
+            if penalty:
+                loss = loss + method.boosting.norm_penalty(cfg.xgblora_norm_penalty) * share / len(batches)
+            loss.backward()
+            total += loss.detach()
+    return total
+
+
+def _save_final(cfg: Config, model, tokenizer, method: Method, state: dict[str, torch.Tensor] | None = None) -> None:
     """final/: a PEFT adapter (boosters concatenated) for lora/xgblora, the whole model for full fine-tuning."""
     final = Path(cfg.output_dir) / "final"
     if method.modules:
         history = method.boosting.history if method.boosting is not None else []
-        export.to_peft(method.modules, history, final, cfg.model_name)
+        head = {n: p for n, p in method.named_params if ".lora_" not in n}
+        export.to_peft(method.modules, history, final, cfg.model_name, head=head)
     else:
-        model.save_pretrained(final)
+        model.save_pretrained(final, state_dict=state)
         tokenizer.save_pretrained(final)

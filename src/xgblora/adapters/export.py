@@ -61,29 +61,42 @@ def _svd_factors(terms: list[Term], rank: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def _write_peft(factors: dict[str, tuple[torch.Tensor, torch.Tensor, int, float]], out_dir: Path,
-                base_model_name_or_path: str, fan_in_fan_out: bool = False) -> None:
-    """Write {module: (A, B, r, alpha)} as a PEFT LoRA adapter (the most common r/alpha, the rest as patterns)."""
+                base_model_name_or_path: str, fan_in_fan_out: bool = False,
+                head: dict[str, torch.Tensor] | None = None) -> None:
+    """Write {module: (A, B, r, alpha)} as a PEFT LoRA adapter (the most common r/alpha, the rest as patterns).
+
+    `head` ({parameter name: tensor}, a trained classification head) is saved whole as PEFT's modules_to_save of
+    a SEQ_CLS adapter.
+    """
     (r, alpha), _ = Counter((f[2], f[3]) for f in factors.values()).most_common(1)[0]
     differ = [name for name, f in factors.items() if (f[2], f[3]) != (r, alpha)]
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "peft_type": "LORA", "task_type": "SEQ_CLS" if head else "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
         "r": r, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": fan_in_fan_out,
         "target_modules": sorted(factors), "rank_pattern": {name: factors[name][2] for name in differ},
         "alpha_pattern": {name: factors[name][3] for name in differ}, "inference_mode": True,
-        "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+        "modules_to_save": sorted({name.split(".")[0] for name in head}) if head else None,
     }
     tensors = {}
     for name, (A, B, _, _) in factors.items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = A.contiguous()
         tensors[f"base_model.model.{name}.lora_B.weight"] = B.contiguous()
+    for name, tensor in (head or {}).items():
+        tensors[f"base_model.model.{name}"] = tensor.detach().float().cpu().contiguous()
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def to_peft(modules: dict[str, LoRALinear], history: list[dict[str, Any]], out_dir: Path,
-            base_model_name_or_path: str, rank: int | None = None, include_current: bool = True) -> dict[str, Any]:
-    """Write a PEFT LoRA adapter equal to all boosters (+ the current adapter) applied to the ORIGINAL base weights."""
+            base_model_name_or_path: str, rank: int | None = None, include_current: bool = True,
+            head: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Write a PEFT LoRA adapter equal to all boosters (+ the current adapter) applied to the ORIGINAL base weights.
+
+    `head`: a trained classification head's parameters, saved as the adapter's modules_to_save.
+    """
     if rank is not None and rank < 1:
         raise UserError(f"export rank must be at least 1, got {rank}")
     terms, current_only = _terms(modules, history, include_current)
@@ -104,7 +117,7 @@ def to_peft(modules: dict[str, LoRALinear], history: list[dict[str, Any]], out_d
             B = torch.cat([s * B for _, B, s in module_terms], dim=1)
             factors[name] = (A, B, A.shape[0], float(A.shape[0]))
 
-    _write_peft(factors, Path(out_dir), base_model_name_or_path)
+    _write_peft(factors, Path(out_dir), base_model_name_or_path, head=head)
     return {"rank": rank if rank is not None else max(f[2] for f in factors.values()), "modules": len(factors),
             "retained_energy": (kept_total / energy_total if energy_total > 0 else 1.0) if rank is not None else None,
             "retained_energy_per_module": energy if rank is not None else None}
@@ -134,8 +147,9 @@ def _pattern_value(pattern: dict[str, Any], name: str, default: Any) -> Any:
     return default
 
 
-def _read_adapter(folder: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-    """{module: (A, B, scaling)} of a PEFT LoRA adapter folder, read with safetensors (no peft import)."""
+def _read_adapter(folder: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, float]], dict[str, torch.Tensor]]:
+    """{module: (A, B, scaling)} of a PEFT LoRA adapter folder, and its modules_to_save tensors (a classification
+    head) by parameter name; read with safetensors (no peft import)."""
     try:
         config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
         tensors = load_file(str(folder / "adapter_model.safetensors"))
@@ -159,7 +173,8 @@ def _read_adapter(folder: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, f
         alpha = float(_pattern_value(alpha_pattern, name, config.get("lora_alpha", r)))
         scaling = alpha / (r ** 0.5 if config.get("use_rslora") else r)
         out[name] = (A, B.float(), scaling)
-    return out
+    head = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix) and ".lora_" not in k}
+    return out, head
 
 
 def _run_config(run_dir: Path) -> tuple[dict[str, Any], Path]:
@@ -215,7 +230,7 @@ def export_run(run_dir: Path, fmt: str, out: Path, rank: int | None = None) -> d
                             f"PEFT; use --format merged")
         shutil.copytree(final, out, dirs_exist_ok=True)
         return result
-    adapter = _read_adapter(final)
+    adapter, head = _read_adapter(final)
     result["modules"] = len(adapter)
     if fmt == "peft" and rank is None:
         out.mkdir(parents=True, exist_ok=True)
@@ -233,19 +248,29 @@ def export_run(run_dir: Path, fmt: str, out: Path, rank: int | None = None) -> d
             energy[name] = kept / total if total > 0 else 1.0
             kept_total, energy_total = kept_total + kept, energy_total + total
         fan_in_fan_out = bool(json.loads((final / "adapter_config.json").read_text()).get("fan_in_fan_out"))
-        _write_peft(factors, out, cfg["model_name"], fan_in_fan_out)
+        _write_peft(factors, out, cfg["model_name"], fan_in_fan_out, head=head)
         return {**result, "rank": rank, **_energy_report(energy, kept_total, energy_total)}
-    return {**result, **_merge_into_base(cfg, adapter, out)}
+    return {**result, **_merge_into_base(cfg, adapter, head, out)}
 
 
 def _merge_into_base(cfg: dict[str, Any], adapter: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
-                     out: Path) -> dict[str, Any]:
-    """Load the base model, add each module's scaling * B @ A (fp32, cast once), save model and tokenizer."""
+                     head: dict[str, torch.Tensor], out: Path) -> dict[str, Any]:
+    """Load the base model, add each module's scaling * B @ A (fp32, cast once), set a trained classification
+    head, save model and tokenizer."""
     from xgblora import models
 
     dtype = "float16" if cfg.get("load_float16") else "bfloat16" if cfg.get("load_bfloat16") else "float32"
-    model, tokenizer = models.load(cfg["model_name"], dtype=dtype, device="cpu",
-                                   trust_remote_code=bool(cfg.get("trust_remote_code")))
+    remote = bool(cfg.get("trust_remote_code"))
+    kind = models.resolve_head(cfg.get("head", "auto"), cfg["model_name"], remote)
+    # the head's output layer is its narrowest weight (labels < hidden size): [num_labels, hidden]
+    num_labels = min((t.shape[0] for t in head.values() if t.dim() == 2), default=None)
+    model, tokenizer = models.load(cfg["model_name"], dtype=dtype, device="cpu", trust_remote_code=remote,
+                                   head=kind, num_labels=num_labels)
+    if head:
+        missing = set(head) - dict(model.named_parameters()).keys()
+        if missing:
+            raise UserError(f"the adapter's head tensors {sorted(missing)[:3]} are not parameters of {cfg['model_name']}")
+        model.load_state_dict(head, strict=False)
     with torch.no_grad():
         for name, (A, B, scaling) in adapter.items():
             try:

@@ -160,3 +160,65 @@ def epoch_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int
         perm = torch.randperm(len(batches), generator=gen).tolist()
         batches = [batches[p] for p in perm]
     return batches
+
+
+@dataclass(frozen=True)
+class PrefixGroup:
+    """Sequences (indices into a TokenSeq list) whose first `length` tokens are the same and none of them scored."""
+
+    rows: tuple[int, ...]
+    length: int
+
+
+def shared_prefix_groups(seqs: Sequence[TokenSeq]) -> tuple[list[PrefixGroup], list[int]]:
+    """Group each example's sequences by their common prefix (cut before the first scored token of any of them).
+
+    Returns the groups worth scoring against one cached prefix (two or more sequences, a prefix of at least one
+    token) and the indices of the sequences that are not in any group (to score whole).
+    """
+    by_example: dict[int, list[int]] = {}
+    for row, s in enumerate(seqs):
+        by_example.setdefault(s.example, []).append(row)
+    groups, alone = [], []
+    for rows in by_example.values():
+        length = min(len(seqs[r].ids) - seqs[r].n_target for r in rows)
+        first = seqs[rows[0]].ids
+        for r in rows[1:]:
+            other = seqs[r].ids
+            length = next((k for k in range(length) if other[k] != first[k]), length)
+        if len(rows) > 1 and length > 0:
+            groups.append(PrefixGroup(tuple(rows), length))
+        else:
+            alone.extend(rows)
+    return groups, alone
+
+
+def collate_prefix_suffix(seqs: Sequence[TokenSeq], groups: Sequence[PrefixGroup],
+                          pad_id: int) -> dict[str, torch.Tensor]:
+    """A batch of shared prefixes (left-padded) and of the sequences' suffixes after them (right-padded).
+
+    prefix_*: one row per group, ending in the last column (input_ids, attention_mask, position_ids).
+    suffix_*: one row per sequence, in group order: the tokens after its group's prefix, positions continuing the
+    prefix's, an attention_mask over prefix + suffix columns; `owner` is the row's group (prefix row) and
+    `target_mask` marks the scored tokens among the suffix columns. Suffix column j is predicted by the logits
+    of suffix column j - 1, and column 0 by the prefix's last logits.
+    """
+    prefixes = [TokenSeq(seqs[g.rows[0]].ids[:g.length], 0, k, 0) for k, g in enumerate(groups)]
+    prefix = collate(prefixes, pad_id)
+    del prefix["target_mask"]
+    rows = [(k, seqs[r], g.length) for k, g in enumerate(groups) for r in g.rows]
+    width = max(len(s.ids) - n for _, s, n in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    target_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for row, (_, s, n) in enumerate(rows):
+        tail = len(s.ids) - n
+        ids[row, :tail] = torch.tensor(s.ids[n:])
+        mask[row, :tail] = 1
+        target_mask[row, tail - s.n_target:tail] = True
+    owner = torch.tensor([k for k, _, _ in rows])
+    lengths = torch.tensor([n for _, _, n in rows])
+    return {f"prefix_{k}": v for k, v in prefix.items()} | {
+        "suffix_input_ids": ids, "suffix_position_ids": lengths[:, None] + torch.arange(width),
+        "suffix_attention_mask": torch.cat([prefix["attention_mask"][owner], mask], dim=1),
+        "owner": owner, "target_mask": target_mask}

@@ -55,7 +55,8 @@ class MeZO:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], lr: float, eps: float,
                  weight_decay: float = 0.0, stochastic_rounding: bool | None = None,
-                 dual_modules: dict[str, LoRALinear] | None = None, seed: int = 0):
+                 dual_modules: dict[str, LoRALinear] | None = None, seed: int = 0,
+                 reduce_losses: Callable[[Tensor], Tensor] | None = None):
         if eps <= 0:
             raise ValueError(f"MeZO eps must be positive, got {eps}")
         self.lr, self.eps, self.weight_decay = lr, eps, weight_decay
@@ -70,6 +71,7 @@ class MeZO:
                 raise ValueError(f"dual-batch MeZO trains adapter weights only; {stray[:3]} are not "
                                  f"in any dual module")
         self._rng = torch.Generator().manual_seed(seed)
+        self._reduce_losses = reduce_losses  # data parallel: [L+, L-] of this rank's shard -> means over all ranks
         self._z_gens: Generators = {}
         self._round_gens: Generators = {}
         self.projected_grad = 0.0
@@ -89,7 +91,10 @@ class MeZO:
             plus, minus = self._dual_losses(loss_fn, batch, params, zs)
         else:
             plus, minus = self._two_pass_losses(loss_fn, batch, params, seed)
-        plus_f, minus_f = torch.stack([plus, minus]).tolist()  # the one host sync of the step
+        losses = torch.stack([plus, minus])
+        if self._reduce_losses is not None:
+            losses = self._reduce_losses(losses)
+        plus_f, minus_f = losses.tolist()  # the one host sync of the step
         g = (plus_f - minus_f) / (2 * self.eps)
         self.projected_grad = g
         usable = g if math.isfinite(g) else None

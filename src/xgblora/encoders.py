@@ -1,0 +1,176 @@
+"""Label scoring for a fixed label set: a sequence-classification head, or masked-LM prompt scoring (MeZO/LM-BFF).
+
+Both turn an example's prompt into logits over the task's labels, so training (cross-entropy) and evaluation
+(arg-max accuracy) are shared. The masked-LM path appends the mask token to the prompt and reads the MLM head's
+logits of the one-token label words at that position, as MeZO does for RoBERTa.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from xgblora.data.batching import length_grouped_batches
+from xgblora.data.tasks import Example
+from xgblora.errors import UserError
+
+HEADS = ("classifier", "mlm")
+CLASSIFIER_MODULES = ("classifier", "score", "pre_classifier")  # PEFT's names for SEQ_CLS heads, plus DistilBERT's
+
+
+@dataclass(frozen=True)
+class LabelScoring:
+    """How labels are scored: kind ('classifier' | 'mlm'), the label words, and (mlm) their token ids."""
+
+    kind: str
+    label_words: tuple[str, ...]
+    label_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class LabelSeq:
+    """One tokenised input, its gold label index, and (mlm) the position of its mask token."""
+
+    ids: tuple[int, ...]
+    label: int
+    mask_pos: int = -1
+
+
+def label_words(task_name: str, *example_sets: Sequence[Example]) -> tuple[str, ...]:
+    """The task's fixed label set (its candidates); UserError when candidates differ between examples."""
+    found: tuple[str, ...] | None = None
+    for ex in (ex for examples in example_sets for ex in examples):
+        if not ex.candidates:
+            raise UserError(f"{task_name} is a generation task: a classification or masked-LM head needs answer "
+                            f"candidates; use a causal LM (--head lm)")
+        if found is None:
+            found = ex.candidates
+        elif ex.candidates != found:
+            raise UserError(f"{task_name} has per-example answer candidates ({found!r} vs {ex.candidates!r}); a "
+                            f"classification or masked-LM head needs one fixed label set; use a causal LM (--head lm)")
+    if found is None:
+        raise UserError(f"{task_name}: no examples to take the label set from")
+    return found
+
+
+def build_scoring(kind: str, tokenizer: PreTrainedTokenizerBase, words: Sequence[str]) -> LabelScoring:
+    """LabelScoring for `kind`; for mlm every label word must be one token of this tokenizer."""
+    if kind == "classifier":
+        return LabelScoring(kind, tuple(words))
+    if kind != "mlm":
+        raise ValueError(f"unknown label scoring {kind!r}: choose one of {HEADS}")
+    if tokenizer.mask_token_id is None:
+        raise UserError("--head mlm needs a tokenizer with a mask token; this one has none (use --head classifier)")
+    ids = []
+    for word in words:
+        pieces = tokenizer.encode(word, add_special_tokens=False)
+        if len(pieces) != 1:
+            raise UserError(f"--head mlm scores one-token label words; {word!r} is {len(pieces)} tokens "
+                            f"({tokenizer.convert_ids_to_tokens(pieces)}) for this tokenizer (use --head classifier)")
+        ids.append(pieces[0])
+    return LabelScoring(kind, tuple(words), tuple(ids))
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
+           scoring: LabelScoring) -> list[LabelSeq]:
+    """Tokenise each example's prompt (mlm: followed by the mask token) in one tokenizer call.
+
+    Inputs longer than max_length lose tokens from the left, after a leading [CLS]/<s>, so the end of the prompt
+    (the cue and the mask) is kept; one warning gives the count.
+    """
+    texts = [ex.prompt.rstrip() + " " + tokenizer.mask_token if scoring.kind == "mlm" else ex.prompt
+             for ex in examples]
+    encoded = tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else []
+    head = [tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id]
+    out, truncated = [], 0
+    for ex, ids in zip(examples, encoded, strict=True):
+        if len(ids) > max_length:
+            truncated += 1
+            keep = 1 if ids[:1] == head else 0
+            ids = ids[:keep] + ids[len(ids) - (max_length - keep):]
+        mask_pos = len(ids) - 1 - ids[::-1].index(tokenizer.mask_token_id) if scoring.kind == "mlm" else -1
+        out.append(LabelSeq(tuple(ids), ex.gold[0] if ex.gold else -1, mask_pos))
+    if truncated:
+        warnings.warn(f"{truncated} of {len(out)} inputs were longer than max_length={max_length} tokens and were "
+                      f"truncated from the left (the end of the prompt is kept)", stacklevel=2)
+    return out
+
+
+def collate(seqs: Sequence[LabelSeq], pad_id: int, scoring: LabelScoring) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids and attention_mask, the labels, and (mlm) mask positions and label token ids per row."""
+    rows = [torch.tensor(s.ids) for s in seqs]
+    input_ids = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_id)
+    lengths = torch.tensor([len(s.ids) for s in seqs])
+    batch = {"input_ids": input_ids,
+             "attention_mask": (torch.arange(input_ids.shape[1]) < lengths[:, None]).long(),
+             "labels": torch.tensor([s.label for s in seqs])}
+    if scoring.kind == "mlm":  # per row, so that MeZO's doubled batch doubles them too
+        batch["mask_pos"] = torch.tensor([s.mask_pos for s in seqs])
+        batch["label_token_ids"] = torch.tensor([scoring.label_token_ids] * len(seqs))
+    return batch
+
+
+def _mlm_head(model: PreTrainedModel) -> nn.Module | None:
+    """The module mapping hidden states to vocabulary logits, where the architecture has it as one module."""
+    for name in ("cls", "lm_head"):  # BERT-likes, RoBERTa-likes
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module):
+            return head
+    return None
+
+
+def label_logits(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits over the labels, shape [B, n_labels]: the classifier's, or the MLM logits of the label words at the mask.
+
+    The MLM path runs the vocabulary projection on the mask positions only (one row per example instead of the
+    whole sequence) where the head is one module; otherwise it takes the full logits.
+    """
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    if "mask_pos" not in batch:
+        return model(**inputs).logits.float()
+    rows = torch.arange(batch["input_ids"].shape[0], device=batch["input_ids"].device)
+    head = _mlm_head(model)
+    if head is not None:
+        hidden = model.base_model(**inputs).last_hidden_state[rows, batch["mask_pos"]]
+        vocab_logits = head(hidden)
+    else:
+        vocab_logits = model(**inputs).logits[rows, batch["mask_pos"]]
+    return vocab_logits.float().gather(-1, batch["label_token_ids"])
+
+
+def label_loss(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy of each example's gold label, shape [B]."""
+    return nn.functional.cross_entropy(label_logits(model, batch), batch["labels"], reduction="none")
+
+
+@torch.inference_mode()
+def predict(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
+            scoring: LabelScoring, *, batch_size: int = 32, max_length: int = 512) -> list[list[float]]:
+    """Label logits of every example, in length-sorted batches."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    seqs = encode(tokenizer, examples, max_length, scoring)
+    scores: list[list[float]] = [[] for _ in examples]
+    for idx in length_grouped_batches(seqs, batch_size):
+        batch = collate([seqs[i] for i in idx], tokenizer.pad_token_id, scoring)
+        logits = label_logits(model, {k: v.to(device) for k, v in batch.items()})
+        for i, row in zip(idx, logits.tolist(), strict=True):
+            scores[i] = row
+    model.train(was_training)
+    return scores
+
+
+def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
+             scoring: LabelScoring, *, batch_size: int = 32, max_length: int = 512) -> dict[str, float]:
+    """{"accuracy": ...}: the arg-max label against each example's gold labels."""
+    if not examples:
+        return {}
+    scores = predict(model, tokenizer, examples, scoring, batch_size=batch_size, max_length=max_length)
+    correct = [max(range(len(s)), key=s.__getitem__) in ex.gold for s, ex in zip(scores, examples, strict=True)]
+    return {"accuracy": sum(correct) / len(correct)}
