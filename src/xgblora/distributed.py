@@ -97,7 +97,9 @@ class Distributed:
         requires_grad between boosters, a CUDA out-of-memory error halves the micro-batch on one rank only (more
         backward passes there), and shards of a short last batch differ in size. Adapter gradients are small, so
         losing DDP's overlap of communication with the backward pass costs little.
-        On FSDP the sharded parameters replace named_params' entries in place (clipping and checkpoints see them).
+        On FSDP the sharded parameters replace named_params' entries in place (clipping and checkpoints see them);
+        FSDP does need the same backward passes on every rank, so there an out-of-memory retry on one rank ends
+        the run with RankLostError once --ddp_timeout passes.
         """
         if self.world_size == 1 or optimizer is None or not self._fsdp:
             return model, optimizer
@@ -171,17 +173,19 @@ class Distributed:
     def _all_reduce_mean(self, tensors: list[Tensor], what: str) -> None:
         """Average tensors over ranks in place: one all-reduce per flat bucket of one dtype, up to BUCKET_BYTES."""
         bucket: list[Tensor] = []
+        size = 0
         for t in [*tensors, None]:
             if bucket and (t is None or t.dtype != bucket[0].dtype or t.device != bucket[0].device
-                           or sum(b.nbytes for b in bucket) + t.nbytes > BUCKET_BYTES):
+                           or size + t.nbytes > BUCKET_BYTES):
                 flat = torch.cat([b.reshape(-1) for b in bucket])
                 self._collective(lambda flat=flat: torch.distributed.all_reduce(flat), flat.nbytes, what)
                 flat.div_(self.world_size)
                 for b, part in zip(bucket, flat.split([b.numel() for b in bucket]), strict=True):
                     b.copy_(part.view_as(b))
-                bucket = []
+                bucket, size = [], 0
             if t is not None:
                 bucket.append(t)
+                size += t.nbytes
 
     def _collective(self, call: Callable[[], Any], nbytes: int, what: str) -> None:
         """Run one collective, count its payload, and turn a lost rank into one clear error."""
