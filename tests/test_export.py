@@ -30,13 +30,13 @@ for case in json.loads(sys.argv[1]):
     else:
         model = PeftModel.from_pretrained(models.load(case["model"])[0], case["dir"])
     model.eval()
-    ref = torch.load(case["logits"])
+    ref = torch.load(case["logits"], weights_only=True)
     with torch.no_grad():
-        logits = model(input_ids=torch.load(case["ids"])).logits
+        logits = model(input_ids=torch.load(case["ids"], weights_only=True)).logits
     out[case["id"]] = {"diff": (logits - ref).abs().max().item(), "scale": ref.abs().max().item()}
     if case["kind"] == "peft":
         with torch.no_grad(), model.disable_adapter():
-            out[case["id"]]["base_diff"] = (model(input_ids=torch.load(case["ids"])).logits - ref).abs().max().item()
+            out[case["id"]]["base_diff"] = (model(input_ids=torch.load(case["ids"], weights_only=True)).logits - ref).abs().max().item()
 print(json.dumps(out))
 """
 

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,8 +32,8 @@ for case in json.loads(sys.argv[1]):
         model = PeftModel.from_pretrained(models.load(case["model"])[0], case["dir"])
     model.eval()
     with torch.no_grad():
-        logits = model(input_ids=torch.load(case["ids"])).logits
-    out[case["id"]] = (logits - torch.load(case["logits"])).abs().max().item()
+        logits = model(input_ids=torch.load(case["ids"], weights_only=True)).logits
+    out[case["id"]] = (logits - torch.load(case["logits"], weights_only=True)).abs().max().item()
 print(json.dumps(out))
 """
 
@@ -147,16 +148,22 @@ def test_rank_one_retained_energy_matches_svdvals(runs: dict) -> None:
     ("rank_zero", "at least 1"),
     ("ft_peft", "full fine-tuning"),
     ("bad_format", "unknown export format"),
+    ("remote_code", "pass --trust_remote_code to export it merged"),
 ])
 def test_user_errors_are_one_line(runs: dict, tmp_path: Path, case: str, message: str) -> None:
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
     (unfinished / "config.yaml").write_text("model_name: tiny-opt\n")
     (tmp_path / "empty").mkdir()
+    remote = tmp_path / "remote"  # a run folder from elsewhere whose config.yaml asks for remote code
+    shutil.copytree(runs["xgb"], remote)
+    text = (remote / "config.yaml").read_text()
+    assert "trust_remote_code: false" in text
+    (remote / "config.yaml").write_text(text.replace("trust_remote_code: false", "trust_remote_code: true"))
     args = {"missing": (tmp_path / "nope", "peft", None), "no_config": (tmp_path / "empty", "peft", None),
             "unfinished": (unfinished, "peft", None), "rank_merged": (runs["xgb"], "merged", 4),
             "rank_zero": (runs["xgb"], "peft", 0), "ft_peft": (runs["ft"], "peft", None),
-            "bad_format": (runs["xgb"], "gguf", None)}[case]
+            "bad_format": (runs["xgb"], "gguf", None), "remote_code": (remote, "merged", None)}[case]
     with pytest.raises(UserError, match=message) as info:
         export_run(args[0], args[1], tmp_path / "out", rank=args[2])
     assert "\n" not in str(info.value)

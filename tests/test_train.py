@@ -297,6 +297,33 @@ def test_nan_loss_stops_with_a_one_line_error_naming_the_step(shared_data, tmp_p
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [2]
 
 
+@pytest.mark.parametrize("trainer", ["regular", "zo"])
+def test_nan_policy_skip_finishes_and_logs_strict_json(shared_data, tmp_path, monkeypatch, trainer):
+    real = train.per_example_loss
+    calls = {"n": 0}
+
+    def poisoned(model, batch):  # the third loss call is NaN: one skipped step
+        calls["n"] += 1
+        loss = real(model, batch)
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    monkeypatch.setattr(train, "per_example_loss", poisoned)
+    out = tmp_path / "run"
+    results = train.run(make_cfg(shared_data, out, trainer=trainer, max_steps=6, logging_steps=2, nan_policy="skip",
+                                 zo_dual=False, learning_rate=1e-3))
+    assert results["steps"] == 6 and math.isfinite(results["train_loss"])
+
+    def refuse(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    lines = [json.loads(line, parse_constant=refuse) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r for r in lines if "loss" in r]
+    # the third call is step 3 under AdamW (one call a step), step 2 under two-pass MeZO: logging window 2 or 1
+    window = 2 if trainer == "regular" else 1
+    assert [r.get("skipped", 0) for r in losses] == [int(w == window) for w in (1, 2, 3)]
+    assert all(math.isfinite(r["loss"]) for r in losses)
+
+
 def test_huge_learning_rate_stops_with_a_one_line_error(shared_data, tmp_path):
     cfg = make_cfg(shared_data, tmp_path / "run", method="ft", learning_rate=1e30, max_steps=20, logging_steps=1)
     with pytest.raises(UserError, match=r"at step \d+") as info:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from xgblora import config as config_mod
-from xgblora.errors import UserError
+from xgblora.errors import RankLostError, UserError
 
 COMMANDS = {
     "train": "Fine-tune a model (ft, lora or xgblora) with AdamW (--trainer regular) or MeZO (--trainer zo).",
@@ -68,7 +68,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from xgblora.adapters.export import export_run
 
-    print(json.dumps(export_run(Path(args.run_dir), args.format, Path(args.out), args.rank), indent=2))
+    print(json.dumps(export_run(Path(args.run_dir), args.format, Path(args.out), args.rank,
+                                trust_remote_code=args.trust_remote_code), indent=2))
     return 0
 
 
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--rank", type=int, default=None,
                            help="peft only: compress each module's summed delta to this rank by truncated SVD.")
             p.add_argument("--out", required=True, help="Folder to write.")
+            p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
+                           help="merged: let the base model run its own code (only when you pass it).")
         elif name == "bench":
             from xgblora.bench import add_arguments as add_bench_arguments
 
@@ -145,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"xgblora {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except RankLostError as exc:
+        print(f"xgblora {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as exc:
         print(f"xgblora {args.command}: interrupted" + (f": {exc}" if str(exc) else ""), file=sys.stderr)
         return 130

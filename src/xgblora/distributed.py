@@ -25,16 +25,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from xgblora.errors import UserError
+from xgblora.errors import RankLostError, UserError
 
 log = logging.getLogger("xgblora")
 
 LOSS_SCALE = "loss_scale"  # batch key: per row, the rank's share of the global batch (removed before the forward)
 BUCKET_BYTES = 25 * 2**20  # gradients are averaged in flat buckets of this size (DDP's default bucket size)
-
-
-class RankLostError(RuntimeError):
-    """A collective failed: another rank died, was killed, or did not answer within --ddp_timeout."""
 
 
 class Distributed:

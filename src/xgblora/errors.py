@@ -1,4 +1,4 @@
-"""UserError: a mistake a user can cause, reported as one line without a traceback."""
+"""Errors the CLI reports as one line without a traceback: UserError (exit 2) and RankLostError (exit 1)."""
 
 
 class UserError(Exception):
@@ -6,6 +6,10 @@ class UserError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+class RankLostError(RuntimeError):
+    """A collective failed in a multi-process run: another rank died, was killed, or did not answer in time."""
 
 
 def located(path: object, line: int | None, field: str | None, what: str) -> UserError:

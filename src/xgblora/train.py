@@ -256,7 +256,7 @@ def _train(cfg: Config, model, tokenizer, splits, train_set: TrainingSet, method
         zo = MeZO(method.named_params, cfg.learning_rate, cfg.zo_eps, decay, cfg.zo_stochastic_rounding,
                   dual_modules=method.modules if dual else None, seed=cfg.seed, reduce_losses=dist.all_mean)
 
-    step, best, window = 0, None, (0.0, 0)
+    step, best, window = 0, None, (0.0, 0.0, 0)  # logging window: sum of finite losses, their count, steps
     if cfg.resume_from_checkpoint:
         path = checkpoint.resolve(ckpt_root, cfg.resume_from_checkpoint)
         tensors, state, blobs = checkpoint.load(path)
@@ -283,7 +283,7 @@ def _train(cfg: Config, model, tokenizer, splits, train_set: TrainingSet, method
     def save(name: str) -> Path:
         metrics.flush()
         state = {"step": step, "epoch": stream.epoch, "cursor": stream.cursor, "best": best,
-                 "window": [float(window_loss), window_n], "rng": checkpoint.rng_state()}
+                 "window": [float(window_loss), float(window_finite), window_steps], "rng": checkpoint.rng_state()}
         blobs: dict[str, Any] = {}
         if not cfg.save_only_model:
             blobs["scheduler"] = scheduler.state_dict()
@@ -302,7 +302,8 @@ def _train(cfg: Config, model, tokenizer, splits, train_set: TrainingSet, method
         return _to(train_set.batch(next(batches)), device)
 
     started, last_loss = time.perf_counter(), float("nan")
-    window_loss, window_n = torch.tensor(window[0], dtype=torch.float32, device=device), int(window[1])
+    window_loss, window_finite = (torch.tensor(v, dtype=torch.float32, device=device) for v in window[:2])
+    window_steps = int(window[2])
     progress = tqdm(total=max_steps, initial=step, desc=f"{cfg.method}/{cfg.trainer}", dynamic_ncols=True,
                     disable=None if dist.is_main else True)
     model.train(cfg.trainer == "regular")  # MeZO's forwards run in eval mode: no dropout between L+ and L-
@@ -315,23 +316,32 @@ def _train(cfg: Config, model, tokenizer, splits, train_set: TrainingSet, method
                 else:
                     plus, minus = zo.step(loss_fn, next_batch(), lr=lr)
                     loss = torch.tensor((plus + minus) / 2, device=device)
+                    if not math.isfinite(plus - minus) and cfg.nan_policy == "skip":
+                        log.warning("non-finite MeZO loss at step %d; update skipped (--nan_policy skip)", step + 1)
                     lr_holder.step()  # a no-op (no gradients) that keeps the scheduler's step order
                 scheduler.step()
                 step += 1
-                window_loss += loss.detach()
-                window_n += 1
+                finite = torch.isfinite(loss.detach())  # kept on the device: no host sync per step
+                window_loss += torch.where(finite, loss.detach(), 0.0)
+                window_finite += finite
+                window_steps += 1
                 if method.boosting is not None:
                     event = method.boosting.after_step(step, float(loss) if cfg.xgblora_adaptive else None, optimizer)
                     if event is not None:
                         metrics.log({**event, "step": step})
                 if step % cfg.logging_steps == 0 or step == max_steps:
-                    last_loss = float(window_loss) / window_n  # the one host sync of the hot loop
+                    total, n_finite = torch.stack([window_loss, window_finite]).tolist()  # the one host sync
+                    skipped = window_steps - int(n_finite)
                     window_loss.zero_()
-                    window_n = 0
-                    if not math.isfinite(last_loss) and cfg.nan_policy == "stop":
-                        raise UserError(f"training loss is {last_loss} at step {step}; stopping. The last good "
-                                        f"checkpoint is under {ckpt_root} (try a lower --learning_rate)")
-                    metrics.log({"step": step, "loss": last_loss, "lr": lr,
+                    window_finite.zero_()
+                    window_steps = 0
+                    if skipped and cfg.nan_policy == "stop":
+                        raise UserError(f"training loss is nan or inf at step {step}; stopping. The last good "
+                                        f"checkpoint is under {ckpt_root} (try a lower --learning_rate, or "
+                                        f"--nan_policy skip)")
+                    last_loss = total / n_finite if n_finite else float("nan")
+                    record = {"step": step, "loss": last_loss if n_finite else None, "lr": lr}
+                    metrics.log({**record, **({"skipped": skipped} if skipped else {}),
                                  "elapsed_s": round(time.perf_counter() - started, 3)})
                     progress.set_postfix(loss=f"{last_loss:.4f}", refresh=False)
                 progress.update(1)
@@ -366,7 +376,7 @@ def _train(cfg: Config, model, tokenizer, splits, train_set: TrainingSet, method
     if dist.is_main:
         _save_final(cfg, model, tokenizer, method, final_state)
     return {"trainable_params": trainable, "steps": step, "train_runtime_s": round(runtime, 3),
-            "steps_per_second": round(step / runtime, 4) if runtime > 0 else None, "train_loss": last_loss,
+            "steps_per_second": round(step / runtime, 4) if runtime > 0 else None, "train_loss": last_loss if math.isfinite(last_loss) else None,
             "peak_memory_mb": round(perf.peak_memory_mb(device), 1),
             **({f"dev_{k}": v for k, v in score(splits.dev).items()} if splits.dev and not cfg.no_eval else {}),
             "boosters": len(method.boosting.history) if method.boosting is not None else 0, **dist.summary()}

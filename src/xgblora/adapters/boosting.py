@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any
 
@@ -93,7 +94,7 @@ class Boosting:
                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any] | None:
         """Call after every optimizer step (1-based count); merges the booster when it is due and says so."""
         if self.adaptive:
-            if loss is None or not self._observe(float(loss)):
+            if loss is None or not math.isfinite(loss) or not self._observe(float(loss)):  # a skipped step: no signal
                 return None
             self._rollback()
         elif step % self.steps_per_iteration:

@@ -210,8 +210,13 @@ def _energy_report(energy: dict[str, float], kept: float, total: float) -> dict[
             "retained_energy_min_module": worst}
 
 
-def export_run(run_dir: Path, fmt: str, out: Path, rank: int | None = None) -> dict[str, Any]:
-    """Export a finished run's final/ as a PEFT adapter (optionally SVD-compressed to `rank`) or a merged model."""
+def export_run(run_dir: Path, fmt: str, out: Path, rank: int | None = None,
+               trust_remote_code: bool = False) -> dict[str, Any]:
+    """Export a finished run's final/ as a PEFT adapter (optionally SVD-compressed to `rank`) or a merged model.
+
+    A merged export loads the base model; its own code runs only with trust_remote_code (the run's config.yaml
+    saying so is not enough: a run folder can come from anyone).
+    """
     run_dir, out = Path(run_dir), Path(out)
     if fmt not in ("peft", "merged"):
         raise UserError(f"unknown export format {fmt!r}: choose peft or merged")
@@ -250,17 +255,20 @@ def export_run(run_dir: Path, fmt: str, out: Path, rank: int | None = None) -> d
         fan_in_fan_out = bool(json.loads((final / "adapter_config.json").read_text()).get("fan_in_fan_out"))
         _write_peft(factors, out, cfg["model_name"], fan_in_fan_out, head=head)
         return {**result, "rank": rank, **_energy_report(energy, kept_total, energy_total)}
-    return {**result, **_merge_into_base(cfg, adapter, head, out)}
+    if cfg.get("trust_remote_code") and not trust_remote_code:
+        raise UserError(f"{run_dir} was trained with --trust_remote_code; pass --trust_remote_code to export it "
+                        f"merged (the base model runs its own code)")
+    return {**result, **_merge_into_base(cfg, adapter, head, out, trust_remote_code)}
 
 
 def _merge_into_base(cfg: dict[str, Any], adapter: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
-                     head: dict[str, torch.Tensor], out: Path) -> dict[str, Any]:
+                     head: dict[str, torch.Tensor], out: Path, trust_remote_code: bool) -> dict[str, Any]:
     """Load the base model, add each module's scaling * B @ A (fp32, cast once), set a trained classification
     head, save model and tokenizer."""
     from xgblora import models
 
     dtype = "float16" if cfg.get("load_float16") else "bfloat16" if cfg.get("load_bfloat16") else "float32"
-    remote = bool(cfg.get("trust_remote_code"))
+    remote = trust_remote_code
     kind = models.resolve_head(cfg.get("head", "auto"), cfg["model_name"], remote)
     # the head's output layer is its narrowest weight (labels < hidden size): [num_labels, hidden]
     num_labels = min((t.shape[0] for t in head.values() if t.dim() == 2), default=None)
