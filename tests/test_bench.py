@@ -35,6 +35,16 @@ def test_bench_quick_writes_every_key_and_prints_the_table(tmp_path, capsys):
         assert _positive(res[key]), (key, res[key])
     assert res["device"] == "cpu" and res["versions"]["torch"]
     assert res["batch_size"] == 2 and res["seq_len"] == 32
+    assert res["eval_source"].startswith("synthetic") and res["eval_candidates_per_example"] == 2
+    assert res["eval_mean_prompt_tokens"] > 50  # RTE-length prompts, not toy ones
+
+
+def test_eval_workload_reads_real_dev_rows(tmp_path, shared_data):
+    args = _args(tmp_path, "--data_dir", str(shared_data), "--eval_task", "CB", "--eval_examples", "5")
+    examples, source = bench.eval_examples(args)
+    assert len(examples) == 5 and "CB dev rows" in source
+    first = json.loads((shared_data / "cb" / "dev.jsonl").read_text().splitlines()[0])
+    assert first["premise"] in examples[0].prompt and examples[0].candidates == ("Yes", "No", "Maybe")
 
 
 def test_hf_peft_baseline_gives_a_speedup(tmp_path):

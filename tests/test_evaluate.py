@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from xgblora import models
-from xgblora.data.batching import TokenSeq, collate, encode_pairs, shared_prefix_groups
+from xgblora.data.batching import TokenSeq, collate, contiguous_head_input, encode_pairs, shared_prefix_groups
 from xgblora.data.tasks import Example
 from xgblora.evaluate import candidate_scores, evaluate, f1_score, generate_answers, normalize_answer
 
@@ -129,6 +129,23 @@ def test_prefix_cache_runs_each_prompt_once():
         handle.remove()
 
 
+@pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])
+def test_contiguous_head_input_keeps_the_logits(name):
+    """The hook gives the LM head a contiguous slice under logits_to_keep, and the same logits."""
+    model, _ = sharpened(name)
+    ids = torch.randint(3, model.config.vocab_size, (3, 10), generator=torch.Generator().manual_seed(0))
+    seen = []
+    probe = model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
+    with torch.no_grad():
+        plain = model(input_ids=ids, logits_to_keep=4).logits
+        handle = contiguous_head_input(model)
+        hooked = model(input_ids=ids, logits_to_keep=4).logits
+        handle.remove()
+    probe.remove()
+    assert seen == [False, True]
+    assert torch.equal(plain, hooked)
+
+
 def test_shared_prefix_groups_stop_before_scored_tokens():
     seqs = [TokenSeq((1, 2, 3, 4), 1, 0, 0), TokenSeq((1, 2, 3, 5, 6), 2, 0, 1),  # common 1 2 3, nothing scored
             TokenSeq((1, 7, 8), 2, 1, 0), TokenSeq((1, 7, 8, 9), 1, 1, 1),  # 7 8 is scored in the first
@@ -165,17 +182,34 @@ def test_greedy_generation_matches_manual_decoding(name):
     model, tokenizer = sharpened(name)
     examples = [Example("Title: x\nQuestion: who?\nAnswer:", (), (), answers=("bob",)), Example("Hi", (), (), answers=("a",))]
     got = generate_answers(model, tokenizer, examples, batch_size=2, max_new_tokens=6)
-    newline = tokenizer.encode("\n", add_special_tokens=False)[-1]
     for ex, answer in zip(examples, got, strict=True):
-        ids = tokenizer(ex.prompt)["input_ids"]
-        start = len(ids)
-        with torch.no_grad():
-            for _ in range(6):
-                nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-                if nxt in (newline, tokenizer.eos_token_id):
-                    break
-                ids.append(nxt)
-        assert answer == tokenizer.decode(ids[start:], skip_special_tokens=True).strip().split("\n")[0].strip()
+        assert answer == greedy_reference(model, tokenizer, tokenizer(ex.prompt)["input_ids"], 6)
+
+
+def greedy_reference(model, tokenizer, ids: list[int], max_new_tokens: int) -> str:
+    """Unbatched, unpadded greedy decoding from ids, stopped at a newline or end of sequence."""
+    newline = tokenizer.encode("\n", add_special_tokens=False)[-1]
+    ids, start = list(ids), len(ids)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            if nxt in (newline, tokenizer.eos_token_id):
+                break
+            ids.append(nxt)
+    return tokenizer.decode(ids[start:], skip_special_tokens=True).strip().split("\n")[0].strip()
+
+
+def test_generation_truncates_long_prompts_from_the_left_and_warns_once():
+    model, tokenizer = sharpened("tiny-opt")
+    long = Example("word " * 300 + "Title: x\nQuestion: who?\nAnswer:", (), (), answers=("bob",))
+    examples = [long, Example("Hi", (), (), answers=("a",)), long]
+    with pytest.warns(UserWarning, match=r"2 of 3 prompts were longer than max_length - max_new_tokens = 26 tokens") \
+            as caught:
+        got = generate_answers(model, tokenizer, examples, batch_size=2, max_length=32, max_new_tokens=6)
+    assert len([w for w in caught if "prompts were longer" in str(w.message)]) == 1
+    tail = tokenizer(long.prompt)["input_ids"][-26:]  # the end of the prompt: the question and "Answer:"
+    answer = greedy_reference(model, tokenizer, tail, 6)
+    assert got == [answer, greedy_reference(model, tokenizer, tokenizer("Hi")["input_ids"], 6), answer]
 
 
 def test_f1_and_normalisation_follow_squad():

@@ -13,6 +13,7 @@ from torch import nn
 
 from xgblora.adapters.lora import LoRALinear, attach
 from xgblora.models import load
+from xgblora.optim import zo
 from xgblora.optim.zo import MeZO, stochastic_round
 
 # ----------------------------------------------------------------------------- references from the docs
@@ -124,9 +125,33 @@ def check_one_step(model: nn.Module, named: list[tuple[str, nn.Parameter]], lr: 
         assert torch.equal(now[name], t), f"{name} is frozen and must not change"
 
 
-def test_one_step_full_model_matches_hand_computation(tiny):
+@pytest.mark.parametrize("chunk", [None, 64], ids=["whole", "cpu-pieces-of-64"])
+def test_one_step_full_model_matches_hand_computation(tiny, chunk, monkeypatch):
+    if chunk is not None:  # every tiny-opt weight of 128 elements or more is then drawn in pieces
+        monkeypatch.setattr(zo, "_CHUNK", chunk)
     model = copy.deepcopy(tiny)
     check_one_step(model, list(model.named_parameters()), lr=1e-3, eps=1e-3, wd=0.1, seed=11)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_z_pieces_are_the_whole_tensor_draw(dtype, monkeypatch):
+    """The reused-buffer pieces concatenate to torch.normal over each whole weight, in order, bit for bit."""
+    monkeypatch.setattr(zo, "_CHUNK", 32)
+    shapes = [(5,), (16,), (63,), (8, 8), (4, 33), (7, 29), (1000,), (3, 5)]
+    params = [nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes]
+    mezo = MeZO([(f"w{i}", p) for i, p in enumerate(params)], lr=0.0, eps=1.0)
+    gens = mezo._seeded({}, [(p, True) for p in params], 1234)
+    drawn = []
+    for p in params:
+        pieces = [(piece, z.clone()) for piece, z in mezo._z_pieces(p, gens)]
+        n = p.numel()
+        sizes = [n] if n < 64 else [32] * (n // 32 - 1) + [n - 32 * (n // 32 - 1)]  # the last takes the rest
+        assert [piece.numel() for piece, _ in pieces] == sizes
+        assert [piece.data_ptr() for piece, _ in pieces] == [p.data_ptr() + k * 32 * p.element_size()
+                                                              for k in range(len(sizes))]
+        drawn.append(torch.cat([z.flatten() for _, z in pieces]).view(p.shape))
+    for p, z, want in zip(params, drawn, reference_z(params, 1234), strict=True):
+        assert torch.equal(z, want), p.shape
 
 
 @pytest.mark.parametrize("r, active_every", [(4, 1), (1, 2)], ids=["lora-r4", "xgblora-r1-half-the-layers"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import re
 import string
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -14,6 +15,7 @@ from xgblora.data.batching import (
     PrefixGroup,
     TokenSeq,
     collate_prefix_suffix,
+    contiguous_head_input,
     demonstration_text,
     encode_pairs,
     iter_batches,
@@ -111,15 +113,19 @@ def candidate_scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     model.eval()
     prefix = demonstration_text(demos)
     seqs = encode_pairs(tokenizer, examples, max_length, prefix=prefix)
-    sums, counts = _sum_logprobs(model, seqs, batch_size, tokenizer.pad_token_id, padding_side, prefix_cache)
-    if sfc or icl_sfc:
-        calib = encode_pairs(tokenizer, examples, max_length, prefix=prefix if icl_sfc else "",
-                             prompts=[ex.sfc_prompt for ex in examples])
-        calib_sums, _ = _sum_logprobs(model, calib, batch_size, tokenizer.pad_token_id, padding_side, prefix_cache)
-        values = sums - calib_sums
-    else:
-        values = sums / counts
-    model.train(was_training)
+    calib = encode_pairs(tokenizer, examples, max_length, prefix=prefix if icl_sfc else "",
+                         prompts=[ex.sfc_prompt for ex in examples]) if sfc or icl_sfc else None
+    head_hook = contiguous_head_input(model)
+    try:
+        sums, counts = _sum_logprobs(model, seqs, batch_size, tokenizer.pad_token_id, padding_side, prefix_cache)
+        if calib is not None:
+            calib_sums, _ = _sum_logprobs(model, calib, batch_size, tokenizer.pad_token_id, padding_side,
+                                          prefix_cache)
+    finally:
+        if head_hook is not None:
+            head_hook.remove()
+        model.train(was_training)
+    values = sums - calib_sums if calib is not None else sums / counts
     scores: list[list[float]] = [[0.0] * len(ex.candidates) for ex in examples]
     for seq, value in zip(seqs, values.tolist(), strict=True):
         scores[seq.example][seq.candidate] = value
@@ -130,19 +136,31 @@ def candidate_scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
 def generate_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], *,
                      demos: Sequence[Example] = (), batch_size: int = 8, max_length: int = 2048,
                      max_new_tokens: int = 50) -> list[str]:
-    """Greedy answers, batched with left padding, stopped at a newline or end of sequence."""
+    """Greedy answers, batched with left padding, stopped at a newline or end of sequence.
+
+    Prompts longer than max_length - max_new_tokens tokens are cut from the left, so the question and the answer
+    cue at their end are kept (as MeZO does); one warning gives the count.
+    """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     prefix = demonstration_text(demos)
     newline = tokenizer.encode("\n", add_special_tokens=False)[-1:]
     stop = [t for t in [tokenizer.eos_token_id, *newline] if t is not None]
-    order = sorted(range(len(examples)), key=lambda i: -len(examples[i].prompt))
+    budget = max(1, max_length - max_new_tokens)
+    prompt_ids = tokenizer([prefix + ex.prompt for ex in examples], add_special_tokens=True)["input_ids"]
+    truncated = sum(len(ids) > budget for ids in prompt_ids)
+    if truncated:
+        warnings.warn(f"{truncated} of {len(prompt_ids)} prompts were longer than max_length - max_new_tokens = "
+                      f"{budget} tokens and were truncated from the left (the question and answer cue are kept)",
+                      stacklevel=2)
+    prompt_ids = [ids[-budget:] for ids in prompt_ids]
+    order = sorted(range(len(examples)), key=lambda i: -len(prompt_ids[i]))
     answers = [""] * len(examples)
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        enc = tokenizer([prefix + examples[i].prompt for i in idx], return_tensors="pt", padding=True,
-                        truncation=True, max_length=max(1, max_length - max_new_tokens)).to(device)
+        enc = tokenizer.pad({"input_ids": [prompt_ids[i] for i in idx]}, padding=True, padding_side="left",
+                            return_tensors="pt").to(device)
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
                              eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)

@@ -222,3 +222,16 @@ def collate_prefix_suffix(seqs: Sequence[TokenSeq], groups: Sequence[PrefixGroup
         "suffix_input_ids": ids, "suffix_position_ids": lengths[:, None] + torch.arange(width),
         "suffix_attention_mask": torch.cat([prefix["attention_mask"][owner], mask], dim=1),
         "owner": owner, "target_mask": target_mask}
+
+
+def contiguous_head_input(model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle | None:
+    """Hand the LM head a contiguous input (a forward pre-hook on the output embeddings); returns its handle.
+
+    With logits_to_keep, transformers passes the head a strided slice of the hidden states, and F.linear then
+    runs a batched matmul against the weight broadcast to every row instead of one GEMM: on the CPU (torch 2.13,
+    an opt-125m head over 8 x 17 positions) 2.2x slower in fp32 and 12x in bf16, for the same numbers.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return None
+    return head.register_forward_pre_hook(lambda _module, args: (args[0].contiguous(), *args[1:]))

@@ -8,14 +8,19 @@ How z is drawn (a test or another rank rebuilds it from this alone):
   ``gen = torch.Generator(device).manual_seed(s)``; then, in ``named_params`` order (repeats dropped,
   weights with ``requires_grad=False`` at step time skipped),
   ``z_p = torch.normal(0.0, 1.0, p.shape, generator=gen, device=p.device, dtype=p.dtype)``:
-  fp32 for fp32 and adapter weights, the weight's own dtype for half-precision weights.
+  fp32 for fp32 and adapter weights, the weight's own dtype for half-precision weights. On the CPU the same
+  numbers are drawn with ``normal_`` into one reused buffer, in pieces of ``_CHUNK`` elements of the flattened
+  weight (the last piece takes the remainder) once it has ``2 * _CHUNK`` or more: CPU ``normal_`` fills
+  uniforms in element order and transforms them in aligned blocks of 16, so the pieces concatenate to the
+  whole-tensor draw bit for bit (tests/test_zo.py checks it). This saves allocating (and page-faulting) a
+  fresh z as large as the largest weight three times per step.
 * stochastic rounding draws from a second generator per device seeded with ``s + 1``; z never depends on it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +30,7 @@ from xgblora.optim.fo import decays
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _SEED_BOUND = 2**62
+_CHUNK = 2**22  # elements of z drawn at a time on the CPU (a multiple of 16; see the module docstring)
 
 Trainable = list[tuple[nn.Parameter, bool]]  # (weight, whether it gets weight decay)
 Generators = dict[torch.device, torch.Generator]
@@ -74,6 +80,7 @@ class MeZO:
         self._reduce_losses = reduce_losses  # data parallel: [L+, L-] of this rank's shard -> means over all ranks
         self._z_gens: Generators = {}
         self._round_gens: Generators = {}
+        self._buffers: dict[torch.dtype, Tensor] = {}  # CPU z buffers, reused by every sweep
         self.projected_grad = 0.0
         self.last_seed: int | None = None
 
@@ -105,8 +112,8 @@ class MeZO:
         else:  # the weights sit at theta - eps z: restore them in the same sweep
             gens = self._seeded(self._z_gens, params, seed)
             for p, decay in params:
-                self._update(p, self._z(p, gens), self.eps, usable, lr, self.weight_decay if decay else 0.0,
-                             round_gens)
+                for piece, z in self._z_pieces(p, gens):
+                    self._update(piece, z, self.eps, usable, lr, self.weight_decay if decay else 0.0, round_gens)
         return plus_f, minus_f
 
     def _two_pass_losses(self, loss_fn: Callable[[dict], Tensor], batch: dict[str, Tensor],
@@ -150,10 +157,11 @@ class MeZO:
         return losses[:half].mean(), losses[half:].mean()
 
     def _perturb(self, params: Trainable, seed: int, scale: float) -> None:
-        """theta += scale z, regenerating z one tensor at a time."""
+        """theta += scale z, regenerating z one tensor (on the CPU, one piece of a large tensor) at a time."""
         gens = self._seeded(self._z_gens, params, seed)
         for p, _ in params:
-            p.add_(self._z(p, gens), alpha=scale)
+            for piece, z in self._z_pieces(p, gens):
+                piece.add_(z, alpha=scale)
 
     def _update(self, p: nn.Parameter, z: Tensor, shift: float, g: float | None, lr: float, wd: float,
                 round_gens: Generators) -> None:
@@ -176,7 +184,25 @@ class MeZO:
 
     @staticmethod
     def _z(p: nn.Parameter, gens: Generators) -> Tensor:
+        """p's z as a new tensor (the dual path holds the adapters' z for the whole step)."""
         return torch.normal(0.0, 1.0, p.shape, generator=gens[p.device], device=p.device, dtype=p.dtype)
+
+    def _z_pieces(self, p: nn.Parameter, gens: Generators) -> Iterator[tuple[Tensor, Tensor]]:
+        """(view of p, its z) pieces covering p; on the CPU z lives in a reused buffer, valid until the next piece."""
+        if p.device.type != "cpu" or not p.is_contiguous():
+            yield p, self._z(p, gens)
+            return
+        n, gen = p.numel(), gens[p.device]
+        buffer = self._buffers.get(p.dtype)
+        if buffer is None or buffer.numel() < min(n, 2 * _CHUNK):
+            buffer = self._buffers[p.dtype] = torch.empty(min(n, 2 * _CHUNK), dtype=p.dtype)
+        if n < 2 * _CHUNK:
+            yield p, buffer[:n].view(p.shape).normal_(generator=gen)
+            return
+        flat = p.view(-1)
+        starts = range(0, n - _CHUNK + 1, _CHUNK)
+        for start, end in zip(starts, [*starts[1:], n], strict=True):
+            yield flat[start:end], buffer[:end - start].normal_(generator=gen)
 
     @staticmethod
     def _seeded(cache: Generators, params: Trainable, seed: int) -> Generators:
