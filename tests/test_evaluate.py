@@ -17,9 +17,12 @@ EXAMPLES = [
 ]
 
 
-def sharpened(name: str) -> tuple[torch.nn.Module, object]:
-    """A tiny model with large random weights, so that positions and context change the scores a lot."""
-    model, tokenizer = models.load(name)
+def sharpened(name: str, raw: bool = False) -> tuple[torch.nn.Module, object]:
+    """A tiny model with large random weights, so that positions and context change the scores a lot.
+
+    raw: built without models.load's set-up (no contiguous LM-head hook).
+    """
+    model, tokenizer = models.random_model(name) if raw else models.load(name)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -48,6 +51,16 @@ def test_batched_scores_equal_unbatched_reference(name, side):
     for ex, scores in zip(EXAMPLES, got, strict=True):
         ref = [reference_score(model, tokenizer, ex.prompt, c) for c in ex.candidates]
         assert scores == pytest.approx(ref, abs=2e-5)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_an_empty_prompt_scores_its_candidates_after_the_bos_token(prefix_cache):
+    model, tokenizer = sharpened("tiny-opt")  # its tokenizer adds no BOS: the candidate would be the whole input
+    empty = [Example("", (" great", " terrible"), (0,)), EXAMPLES[0]]
+    got = candidate_scores(model, tokenizer, empty, batch_size=4, prefix_cache=prefix_cache)
+    bos = tokenizer.bos_token
+    assert got[0] == pytest.approx([reference_score(model, tokenizer, bos, c) for c in (" great", " terrible")],
+                                   abs=2e-5)
 
 
 def test_reference_detects_wrong_positions():
@@ -131,8 +144,8 @@ def test_prefix_cache_runs_each_prompt_once():
 
 @pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])
 def test_contiguous_head_input_keeps_the_logits(name):
-    """The hook gives the LM head a contiguous slice under logits_to_keep, and the same logits."""
-    model, _ = sharpened(name)
+    """The hook gives the LM head a contiguous slice under logits_to_keep, and the same logits; load() installs it."""
+    model, _ = sharpened(name, raw=True)
     ids = torch.randint(3, model.config.vocab_size, (3, 10), generator=torch.Generator().manual_seed(0))
     seen = []
     probe = model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
@@ -144,6 +157,11 @@ def test_contiguous_head_input_keeps_the_logits(name):
     probe.remove()
     assert seen == [False, True]
     assert torch.equal(plain, hooked)
+    loaded, _ = models.load(name)
+    loaded.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
+    with torch.no_grad():
+        loaded(input_ids=ids, logits_to_keep=4)
+    assert seen[-1] is True
 
 
 def test_shared_prefix_groups_stop_before_scored_tokens():

@@ -94,8 +94,9 @@ class Config:
     fp16: bool = _opt(False, "fp16 autocast with loss scaling (CUDA only).")
     gradient_checkpointing: bool = _opt(False, "Recompute activations in the backward pass to save memory.")
     compile: bool = _opt(False, "torch.compile the model.")
+    fused_adamw: bool = _opt(True, "AdamW's fused kernel where all weights sit on one CUDA or CPU device (false: torch's default).")
+    tf32: bool = _opt(True, "TF32 matmuls on Ampere or newer GPUs (false: full fp32 matmuls).")
     group_by_length: bool = _opt(True, "Batch examples of similar length together (less padding).")
-    dataloader_num_workers: int | None = _opt(None, "DataLoader workers (default: chosen from the device and data size).")
     # loop, logging, checkpoints
     output_dir: str = _opt("output", "Where the run writes config.yaml, metrics.jsonl, results.json and checkpoints.")
     overwrite_output_dir: bool = _opt(False, "Start over in an output_dir that holds a run.")

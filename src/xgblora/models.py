@@ -19,6 +19,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from xgblora.data.batching import contiguous_head_input
 from xgblora.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -195,5 +196,7 @@ def load(name_or_path: str, *, dtype: str = "float32", attn_implementation: str 
     if model.config.pad_token_id is None:  # sequence classifiers find each row's last token through it
         model.config.pad_token_id = tokenizer.pad_token_id
     tokenizer.padding_side = "left" if head == "lm" else "right"
+    if head == "lm":  # logits_to_keep hands the head a strided slice: one GEMM instead of a matmul per row
+        contiguous_head_input(model)
     model.config.use_cache = False
     return model.to(target), tokenizer

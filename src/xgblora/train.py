@@ -170,7 +170,8 @@ def run(cfg: Config) -> dict[str, Any]:
                                    num_labels=len(words) or None)
     scoring = encoders.build_scoring(head, tokenizer, words) if head != "lm" else None
     device = next(model.parameters()).device
-    perf.enable_tf32(device)
+    if cfg.tf32:
+        perf.enable_tf32(device)
     positions = getattr(model.config, "max_position_embeddings", None)
     if positions is not None and cfg.max_length > positions:
         log.debug("max_length %d exceeds %s's %d positions; using %d", cfg.max_length, cfg.model_name, positions,
@@ -242,7 +243,8 @@ def _train(cfg: Config, model, tokenizer, splits, train_set: TrainingSet, method
     loss_fn = dist.weighted(loss_fn)  # this rank's share of the global batch: the mean over ranks is global
     if cfg.trainer == "regular":
         optimizer = fo.build_optimizer(method.named_params, cfg.learning_rate, cfg.weight_decay,
-                                       (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon)
+                                       (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon,
+                                       fused=None if cfg.fused_adamw else False)
         scheduler = fo.build_scheduler(optimizer, cfg.lr_scheduler_type, max_steps, warmup)
         zo, micro = None, MicroBatching(cfg.per_device_train_batch_size)
     else:  # MeZO: the schedule drives its lr through a stand-in optimizer, so both trainers share one schedule code

@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from xgblora.data.tasks import Example
+from xgblora.errors import UserError
 
 ICL_SEPARATOR = "\n\n"  # MeZO's train_sep between demonstrations
 
@@ -65,6 +66,12 @@ def encode_pairs(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]
     out, truncated = [], 0
     for (i, j), p_ids, f_ids in zip(owners, prompt_ids, full_ids, strict=True):
         n_target = _split_target(p_ids, f_ids)
+        if n_target >= len(f_ids):  # an empty prompt: the first candidate token needs a token to be predicted from
+            start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+            if start is None:
+                raise UserError(f"example {i}: its prompt is empty and the tokenizer has no BOS/EOS token to "
+                                f"score candidate {j} after")
+            f_ids = [start, *f_ids]
         if len(f_ids) > max_length:
             truncated += 1
             f_ids = f_ids[-max_length:]
