@@ -9,7 +9,14 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from xgblora import encoders
-from xgblora.data.batching import TokenSeq, collate, target_logprobs, training_seqs
+from xgblora.data.batching import (
+    TokenSeq,
+    collate,
+    collate_packed,
+    packed_mean_logprobs,
+    target_logprobs,
+    training_seqs,
+)
 from xgblora.data.tasks import Example
 
 
@@ -22,9 +29,16 @@ class TrainingSet:
 
 
 def causal_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
-                        classification: bool) -> TrainingSet:
-    """A causal LM's training set: the gold continuation of each example, or all its candidates (classification)."""
+                        classification: bool, packed: bool = False) -> TrainingSet:
+    """A causal LM's training set: the gold continuation of each example, or all its candidates (classification).
+
+    packed: each batch is its examples end to end in one row, without padding (`batching.collate_packed`).
+    """
     seqs = training_seqs(tokenizer, examples, max_length, all_candidates=classification)
+    if packed:
+        if classification:
+            raise ValueError("packed batches hold one sequence per example: not the classification objective")
+        return TrainingSet([len(s.ids) for s in seqs], lambda idx: collate_packed([seqs[i] for i in idx]))
     by_example: dict[int, list[int]] = {}
     for row, s in enumerate(seqs):
         by_example.setdefault(s.example, []).append(row)
@@ -60,13 +74,15 @@ def make_batch(seqs: Sequence[TokenSeq], examples: Sequence[int], pad_id: int, b
 def per_example_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Loss of each example in the batch, shape [n_examples].
 
-    Without a "group" entry: the mean negative log-likelihood of each row's target tokens (the gold candidate or
-    the response). With one (classification): cross-entropy over each example's candidates, scored by their mean
-    token log-probability, against the batch's "gold" candidate index of each example. With "labels" (a
-    classifier or masked LM): cross-entropy over the label logits.
+    Without a "group" entry: the mean negative log-likelihood of each example's target tokens (the gold candidate
+    or the response), padded or packed. With one (classification): cross-entropy over each example's candidates,
+    scored by their mean token log-probability, against the batch's "gold" candidate index of each example. With
+    "labels" (a classifier or masked LM): cross-entropy over the label logits.
     """
     if "labels" in batch:
         return encoders.label_loss(model, batch)
+    if "target_index" in batch:
+        return -packed_mean_logprobs(model, batch)
     logprobs = target_logprobs(model, batch)
     mean_lp = logprobs.sum(-1) / batch["target_mask"].sum(-1)
     if "group" not in batch:

@@ -23,7 +23,7 @@ from xgblora.adapters import export
 from xgblora.adapters.boosting import Boosting
 from xgblora.adapters.lora import LoRALinear, attach, prepare_full_ft
 from xgblora.config import Config
-from xgblora.data.batching import epoch_batches
+from xgblora.data.batching import epoch_batches, packing_supported, split_packed
 from xgblora.data.loading import sample_splits
 from xgblora.data.tasks import get_task
 from xgblora.errors import UserError
@@ -204,9 +204,10 @@ def run(cfg: Config) -> dict[str, Any]:
         raise UserError(f"--train_as_classification needs answer candidates; {task.name} is a generation task "
                         f"(train it on the answer tokens, the default)")
 
+    packed = _packing(cfg, model, head)
     method = setup_method(model, cfg)
     train_set = label_training_set(tokenizer, splits.train, cfg.max_length, scoring) if scoring is not None else \
-        causal_training_set(tokenizer, splits.train, cfg.max_length, cfg.train_as_classification)
+        causal_training_set(tokenizer, splits.train, cfg.max_length, cfg.train_as_classification, packed)
     summary = _train(cfg, model, tokenizer, splits, train_set, method, score, device, dist)
     results = {**base, **summary, "method": cfg.method, "num_train": len(splits.train)}
     if not cfg.no_eval:
@@ -384,6 +385,32 @@ def _train(cfg: Config, model, tokenizer, splits, train_set: TrainingSet, method
             "boosters": len(method.boosting.history) if method.boosting is not None else 0, **dist.summary()}
 
 
+def _packing(cfg: Config, model: torch.nn.Module, head: str) -> bool:
+    """Whether training batches are packed: --packing, else on with flash attention; only where the model allows it.
+
+    With sdpa/eager the packed row's block-diagonal mask makes attention cost the square of the whole row, more
+    than the padding it saves after length grouping (BENCHMARKS.md); flash attention's varlen kernels do not.
+    """
+    if cfg.packing is False:
+        return False
+    attention = getattr(model.config, "_attn_implementation", "") or ""
+    if cfg.packing is None:
+        if not attention.startswith("flash") or head != "lm" or cfg.train_as_classification:
+            return False
+    elif head != "lm" or cfg.train_as_classification:
+        raise UserError("--packing needs a causal LM trained on the gold continuation (not --head classifier/mlm or "
+                        "--train_as_classification, whose candidates are scored side by side)")
+    if packing_supported(model):
+        log.info("packing each training batch into one row (no padding)")
+        return True
+    if cfg.packing:
+        raise UserError(f"--packing: this model ({model.config.model_type}, {attention} attention) lets packed "
+                        f"sequences attend to each other; use --packing false (length-grouped padding)")
+    log.info("packing is off: %s with %s attention does not keep packed sequences apart", model.config.model_type,
+             attention)
+    return False
+
+
 def _autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
     """bf16 autocast: on by default on CUDA devices that support it; --bf16 forces it; --fp16 on CUDA only."""
     if cfg.fp16:
@@ -423,15 +450,21 @@ def _pieces(batch: dict[str, torch.Tensor], size: int) -> Iterator[tuple[dict[st
     """Cut a collated batch into pieces of at most `size` examples: (piece, its share of the batch's examples).
 
     Rows are examples, except in a classification batch: there "group" maps each candidate row to its example
-    (rows of one example are adjacent) and "gold" has one entry per example.
+    (rows of one example are adjacent) and "gold" has one entry per example; and in a packed batch, whose one row
+    holds the examples end to end.
     """
     group = batch.get("group")
-    n = len(batch["gold"]) if group is not None else len(batch["input_ids"])
+    packed = "target_weight" in batch
+    n = len(batch["gold"]) if group is not None else batch["target_weight"].shape[1] if packed else \
+        len(batch["input_ids"])
     if size >= n:
         yield batch, 1.0
         return
     for start in range(0, n, size):
         stop = min(start + size, n)
+        if packed:
+            yield split_packed(batch, start, stop), (stop - start) / n
+            continue
         if group is None:
             yield {k: v[start:stop] for k, v in batch.items()}, (stop - start) / n
             continue

@@ -114,15 +114,88 @@ def collate(seqs: Sequence[TokenSeq], pad_id: int, side: str = "left") -> dict[s
     return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids, "target_mask": target_mask}
 
 
+PACKED_KEYS = ("input_ids", "position_ids", "target_index", "target_weight")
+
+
+def collate_packed(seqs: Sequence[TokenSeq]) -> dict[str, torch.Tensor]:
+    """Padding-free batch: the sequences end to end in one row, positions restarting at 0 (no attention_mask).
+
+    target_index [1, K]: the positions whose logits predict the K scored tokens (each one's previous position);
+    target_weight [1, n, K]: 1 / n_target where target k belongs to sequence i, so target_weight @ logprobs is
+    each sequence's mean target log-probability. transformers keeps the sequences apart from the restarting
+    position_ids (flash-attention varlen kernels; a block-diagonal mask elsewhere) for the model families that
+    pass position_ids to their mask: `packing_supported` checks a model.
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    index: list[int] = []
+    owner: list[int] = []
+    for i, s in enumerate(seqs):
+        end = len(ids) + len(s.ids)
+        ids.extend(s.ids)
+        positions.extend(range(len(s.ids)))
+        index.extend(range(end - s.n_target - 1, end - 1))
+        owner.extend([i] * s.n_target)
+    weight = torch.zeros(1, len(seqs), len(index))
+    weight[0, owner, torch.arange(len(index))] = torch.tensor([1.0 / seqs[i].n_target for i in owner])
+    return {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([positions]),
+            "target_index": torch.tensor([index]), "target_weight": weight}
+
+
+def split_packed(batch: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
+    """The packed batch of sequences start..stop-1 of a packed batch (its tokens are one contiguous slice)."""
+    starts = [*(batch["position_ids"][0] == 0).nonzero().flatten().tolist(), batch["input_ids"].shape[1]]
+    first, last = starts[start], starts[stop]
+    index = batch["target_index"]
+    keep = (index[0] >= first) & (index[0] < last)
+    return {"input_ids": batch["input_ids"][:, first:last], "position_ids": batch["position_ids"][:, first:last],
+            "target_index": index[:, keep] - first, "target_weight": batch["target_weight"][:, start:stop][:, :, keep],
+            **{k: v for k, v in batch.items() if k not in PACKED_KEYS}}
+
+
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
 def target_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Log-probability of each target token, shape [B, k] (zero where target_mask is False)."""
     target_mask = batch["target_mask"]
     k = target_mask.shape[1]
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"], logits_to_keep=k + 1).logits[:, :-1]
-    targets = batch["input_ids"][:, -k:]
-    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return logprobs * target_mask
+    return _token_logprobs(logits, batch["input_ids"][:, -k:]) * target_mask
+
+
+def packed_mean_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each packed sequence's mean target log-probability, shape [rows * n] (rows > 1: copies, e.g. dual MeZO)."""
+    index = batch["target_index"]
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], logits_to_keep=index,
+                   use_cache=False).logits  # transformers looks for packed sequences only without a cache
+    logprobs = _token_logprobs(logits, batch["input_ids"].gather(1, index + 1))
+    return (batch["target_weight"] @ logprobs.unsqueeze(-1)).reshape(-1)
+
+
+@torch.no_grad()
+def packing_supported(model: torch.nn.Module) -> bool:
+    """Whether the model keeps packed sequences apart: two random sequences packed score as they do alone.
+
+    Attention leaking across the boundary changes the second sequence's logits far beyond rounding (the
+    tolerance: 16 units of the weights' precision times the largest logit).
+    """
+    weight = model.get_input_embeddings().weight
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, weight.shape[0], (n,), generator=gen).tolist() for n in (6, 9)]
+    was_training = model.training
+    model.eval()
+    try:
+        alone = torch.cat([model(input_ids=torch.tensor([ids], device=weight.device)).logits[0] for ids in seqs])
+        positions = [p for ids in seqs for p in range(len(ids))]
+        packed = model(input_ids=torch.tensor([seqs[0] + seqs[1]], device=weight.device),
+                       position_ids=torch.tensor([positions], device=weight.device), use_cache=False).logits[0]
+    finally:
+        model.train(was_training)
+    alone, packed = alone.float(), packed.float()
+    return (packed - alone).abs().max().item() <= 16 * torch.finfo(weight.dtype).eps * alone.abs().max().item()
 
 
 def iter_batches(seqs: Sequence[TokenSeq], batch_size: int, pad_id: int, device: torch.device,
