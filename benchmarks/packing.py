@@ -1,0 +1,100 @@
+"""Padding-free packing against length-grouped padding: the same training batches, timed side by side.
+
+Real rows of a task (its gold continuations, tokenised as `xgblora train` does), an epoch's batches as the loop
+draws them (with and without length grouping), and for each batch a LoRA AdamW step and a dual MeZO step on the
+padded batch and on the packed one, interleaved. Reports the padding share of the padded batches and
+packed / padded step time; below 1 packing pays. The model must keep packed sequences apart (a Llama-family
+model; `batching.packing_supported`).
+
+    python benchmarks/packing.py --data_dir ../shared/data --model_name tiny-llama
+    python benchmarks/packing.py --data_dir ../shared/data --model_name llama-1b-random --dtype bfloat16 --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from xgblora import models
+from xgblora.adapters.lora import attach
+from xgblora.bench import time_interleaved
+from xgblora.config import Config
+from xgblora.data.batching import epoch_batches, packing_supported
+from xgblora.data.loading import sample_splits
+from xgblora.data.tasks import get_task
+from xgblora.objective import causal_training_set, per_example_loss
+from xgblora.optim import fo
+from xgblora.optim.zo import MeZO
+
+
+def steps_of(model: torch.nn.Module, modules: dict) -> dict:
+    """One LoRA AdamW step and one dual MeZO step, as functions of a batch."""
+    named = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
+    optimizer = fo.build_optimizer(named, lr=1e-4)
+    zo = MeZO(named, lr=1e-5, eps=1e-3, dual_modules=modules)
+
+    def adamw(batch):
+        model.train()
+        per_example_loss(model, batch).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def mezo(batch):
+        model.eval()
+        zo.step(lambda b: per_example_loss(model, b), batch)
+
+    return {"adamw": adamw, "mezo": mezo}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the comparison; print and return its figures."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data_dir", required=True)
+    parser.add_argument("--task_name", default="SST2")
+    parser.add_argument("--model_name", default="tiny-llama")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--num_train", type=int, default=512)
+    parser.add_argument("--max_length", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=8, help="Batches timed per setting (after 2 untimed).")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    model, tokenizer = models.load(args.model_name, dtype=args.dtype)
+    if not packing_supported(model):
+        raise SystemExit(f"{args.model_name} lets packed sequences attend to each other: nothing to compare")
+    modules = attach(model, r=8).modules
+    cfg = Config(task_name=args.task_name, data_dir=args.data_dir, num_train=args.num_train, num_eval=1)
+    examples = sample_splits(get_task(args.task_name, cfg), cfg).train
+    sets = {packed: causal_training_set(tokenizer, examples, args.max_length, False, packed)
+            for packed in (False, True)}
+    lengths = sets[False].lengths
+    steps = steps_of(model, modules)
+    out: dict = {"model": args.model_name, "dtype": args.dtype, "task": args.task_name, "batch_size": args.batch_size,
+                 "threads": torch.get_num_threads(), "mean_tokens_per_example": statistics.fmean(lengths)}
+    for grouped in (True, False):
+        batches = epoch_batches(lengths, args.batch_size, seed=0, epoch=0, group_by_length=grouped)[:args.steps + 2]
+        padded = [sets[False].batch(b) for b in batches]
+        packed = [sets[True].batch(b) for b in batches]
+        real = sum(int(b["attention_mask"].sum()) for b in padded)
+        tag = "grouped" if grouped else "shuffled"
+        out[f"{tag}_padding_share"] = 1 - real / sum(b["input_ids"].numel() for b in padded)
+        for kind, step in steps.items():
+            feeds = {"padded": iter(padded), "packed": iter(packed)}
+            times = time_interleaved({name: lambda f=feed, s=step: s(next(f)) for name, feed in feeds.items()},
+                                     repeats=args.steps, warmup=2, device=torch.device("cpu"))
+            padded_s, packed_s = sum(times["padded"]), sum(times["packed"])
+            out[f"{tag}_{kind}_padded_tokens_per_s"] = sum(int(b["attention_mask"].sum()) for b in padded[2:]) / padded_s
+            out[f"{tag}_{kind}_packed_over_padded"] = packed_s / padded_s
+    print(json.dumps(out, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+if __name__ == "__main__":
+    main()
