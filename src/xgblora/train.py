@@ -208,7 +208,7 @@ def run(cfg: Config) -> dict[str, Any]:
         raise UserError(f"--train_as_classification needs answer candidates; {task.name} is a generation task "
                         f"(train it on the answer tokens, the default)")
 
-    packed = _packing(cfg, model, head)
+    packed = _packing(cfg, model, head, device)
     method = setup_method(model, cfg)
     train_set = label_training_set(tokenizer, splits.train, cfg.max_length, scoring) if scoring is not None else \
         causal_training_set(tokenizer, splits.train, cfg.max_length, cfg.train_as_classification, packed)
@@ -389,7 +389,7 @@ def _train(cfg: Config, model, tokenizer, splits, train_set: TrainingSet, method
             "boosters": len(method.boosting.history) if method.boosting is not None else 0, **dist.summary()}
 
 
-def _packing(cfg: Config, model: torch.nn.Module, head: str) -> bool:
+def _packing(cfg: Config, model: torch.nn.Module, head: str, device: torch.device) -> bool:
     """Whether training batches are packed: --packing, else on with flash attention; only where the model allows it.
 
     With sdpa/eager the packed row's block-diagonal mask makes attention cost the square of the whole row, more
@@ -404,7 +404,10 @@ def _packing(cfg: Config, model: torch.nn.Module, head: str) -> bool:
     elif head != "lm" or cfg.train_as_classification:
         raise UserError("--packing needs a causal LM trained on the gold continuation (not --head classifier/mlm or "
                         "--train_as_classification, whose candidates are scored side by side)")
-    if packing_supported(model):
+    autocast = _autocast_dtype(cfg, device)
+    with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):  # as the training forwards
+        supported = packing_supported(model)
+    if supported:
         log.info("packing each training batch into one row (no padding)")
         return True
     if cfg.packing:

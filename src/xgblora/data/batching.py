@@ -180,22 +180,25 @@ def packing_supported(model: torch.nn.Module) -> bool:
     """Whether the model keeps packed sequences apart: two random sequences packed score as they do alone.
 
     Attention leaking across the boundary changes the second sequence's logits far beyond rounding (the
-    tolerance: 16 units of the weights' precision times the largest logit).
+    tolerance: 16 units of the logits' precision times the largest logit). A model that cannot run the packed
+    forward at all does not support packing either.
     """
     weight = model.get_input_embeddings().weight
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, weight.shape[0], (n,), generator=gen).tolist() for n in (6, 9)]
+    positions = [p for ids in seqs for p in range(len(ids))]
     was_training = model.training
     model.eval()
     try:
         alone = torch.cat([model(input_ids=torch.tensor([ids], device=weight.device)).logits[0] for ids in seqs])
-        positions = [p for ids in seqs for p in range(len(ids))]
         packed = model(input_ids=torch.tensor([seqs[0] + seqs[1]], device=weight.device),
                        position_ids=torch.tensor([positions], device=weight.device), use_cache=False).logits[0]
+    except (RuntimeError, TypeError, ValueError):
+        return False
     finally:
         model.train(was_training)
-    alone, packed = alone.float(), packed.float()
-    return (packed - alone).abs().max().item() <= 16 * torch.finfo(weight.dtype).eps * alone.abs().max().item()
+    tolerance = 16 * torch.finfo(alone.dtype).eps * alone.float().abs().max().item()
+    return (packed.float() - alone.float()).abs().max().item() <= tolerance
 
 
 def iter_batches(seqs: Sequence[TokenSeq], batch_size: int, pad_id: int, device: torch.device,
