@@ -97,7 +97,7 @@ class Config:
     fused_adamw: bool = _opt(True, "AdamW's fused kernel where all weights sit on one CUDA or CPU device (false: torch's default).")
     tf32: bool = _opt(True, "TF32 matmuls on Ampere or newer GPUs (false: full fp32 matmuls).")
     group_by_length: bool = _opt(True, "Batch examples of similar length together (less padding).")
-    packing: bool | None = _opt(None, "Padding-free batches: a batch's sequences end to end in one row (causal LMs, loss on the gold continuation; the model must keep packed sequences apart, which is checked). Default: on with flash attention (varlen kernels), off with sdpa/eager (see BENCHMARKS.md).")
+    packing: bool | None = _opt(None, "Padding-free batches: a batch's sequences end to end in one row (causal LMs, loss on the gold continuation; the model must keep packed sequences apart, which is checked). Default: on with flash attention (varlen kernels), off with sdpa/eager, where it pays only for large models (see BENCHMARKS.md).")
     # loop, logging, checkpoints
     output_dir: str = _opt("output", "Where the run writes config.yaml, metrics.jsonl, results.json and checkpoints.")
     overwrite_output_dir: bool = _opt(False, "Start over in an output_dir that holds a run.")
