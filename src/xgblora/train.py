@@ -399,10 +399,10 @@ def _packing(cfg: Config, model: torch.nn.Module, head: str, device: torch.devic
     if cfg.packing is False:
         return False
     attention = getattr(model.config, "_attn_implementation", "") or ""
-    if cfg.packing is None:
-        if not attention.startswith("flash") or head != "lm" or cfg.train_as_classification:
-            return False
-    elif head != "lm" or cfg.train_as_classification:
+    eligible = head == "lm" and not cfg.train_as_classification
+    if cfg.packing is None and not (eligible and attention.startswith("flash")):
+        return False
+    if not eligible:
         raise UserError("--packing needs a causal LM trained on the gold continuation (not --head classifier/mlm or "
                         "--train_as_classification, whose candidates are scored side by side)")
     autocast = _autocast_dtype(cfg, device)
