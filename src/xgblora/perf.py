@@ -60,7 +60,9 @@ def environment() -> dict[str, Any]:
         report["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
     report["defaults"] = {
         "device": str(device), "attn_implementation": choose_attention("auto", device),
-        "autocast": "bf16" if cuda and torch.cuda.is_bf16_supported() else "none (fp32; --bf16 to enable on CPU)",
+        "autocast": "bf16" if cuda and torch.cuda.is_bf16_supported() else
+                    "none (fp32; --bf16 to enable on this CPU)" if not cuda and report["bf16_supported"] else
+                    "none (fp32; no native bf16 here, where --bf16 would be emulated and slow)",
         "fused_adamw": True, "tf32": cuda and torch.cuda.get_device_capability(device)[0] >= 8,
         "use_cache_in_training": False, "padding": "dynamic, left, length-grouped",
         "packing": "on (flash attention, models that keep packed sequences apart)"
