@@ -7,7 +7,8 @@ packed / padded step time; below 1 packing pays. The model must keep packed sequ
 model; `batching.packing_supported`).
 
     python benchmarks/packing.py --data_dir ../shared/data --model_name tiny-llama
-    python benchmarks/packing.py --data_dir ../shared/data --model_name llama-1b-random --dtype bfloat16 --steps 4
+    python benchmarks/packing.py --data_dir ../shared/data --model_name llama-1b-random --batch_size 8 --steps 3 \
+        --num_train 256
 """
 
 from __future__ import annotations

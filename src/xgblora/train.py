@@ -462,7 +462,7 @@ def _pieces(batch: dict[str, torch.Tensor], size: int) -> Iterator[tuple[dict[st
     holds the examples end to end.
     """
     group = batch.get("group")
-    packed = "target_weight" in batch
+    packed = "target_index" in batch  # the key per_example_loss recognises a packed batch by
     n = len(batch["gold"]) if group is not None else batch["target_weight"].shape[1] if packed else \
         len(batch["input_ids"])
     if size >= n:
