@@ -4,7 +4,7 @@ Real rows of a task (its gold continuations, tokenised as `xgblora train` does),
 draws them (with and without length grouping), and for each batch a LoRA AdamW step and a dual MeZO step on the
 padded batch and on the packed one, interleaved. Reports the padding share of the padded batches and
 packed / padded step time; below 1 packing pays. The model must keep packed sequences apart (a Llama-family
-model; `batching.packing_supported`).
+model; `scoring.packing_supported`).
 
     python benchmarks/packing.py --data_dir ../shared/data --model_name tiny-llama
     python benchmarks/packing.py --data_dir ../shared/data --model_name llama-1b-random --batch_size 8 --steps 3 \
@@ -23,12 +23,13 @@ from xgblora import models
 from xgblora.adapters.lora import attach
 from xgblora.bench import time_interleaved
 from xgblora.config import Config
-from xgblora.data.batching import epoch_batches, packing_supported
 from xgblora.data.loading import sample_splits
+from xgblora.data.order import epoch_batches
 from xgblora.data.tasks import get_task
 from xgblora.objective import causal_training_set, per_example_loss
 from xgblora.optim import fo
 from xgblora.optim.zo import MeZO
+from xgblora.scoring import packing_supported
 
 
 def steps_of(model: torch.nn.Module, modules: dict) -> dict:

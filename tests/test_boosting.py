@@ -5,6 +5,7 @@ import logging
 
 import pytest
 import torch
+from conftest import forget_state_in
 from torch import nn
 
 from xgblora import models
@@ -39,7 +40,7 @@ def _train(model, opt, boosting, first: int, last: int) -> tuple[list[float], li
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-        if boosting is not None and (event := boosting.after_step(step, loss.item(), opt)) is not None:
+        if boosting is not None and (event := boosting.after_step(step, loss.item(), forget_state_in(opt))) is not None:
             events.append(event)
     return losses, events
 
@@ -86,7 +87,7 @@ def test_merge_invariants(caplog):
            for n, m in mods.items()}
     assert all(m.lora_A in opt.state for m in mods.values())
     with caplog.at_level(logging.INFO, logger="xgblora"):
-        event = boosting.after_step(3, 1.0, opt)
+        event = boosting.after_step(3, 1.0, forget_state_in(opt))
     assert event == {"event": "merge", "booster": 1, "step": 3, "modules": len(mods)}
     assert "XGBLoRA: merged booster 1 at step 3" in caplog.text
     assert len(boosting.history) == 1 and boosting.history[0]["step"] == 3
@@ -110,7 +111,7 @@ def test_merge_invariants(caplog):
     _train(model, opt, None, 1, 3)
     with torch.no_grad():
         before = model(input_ids=ids).logits
-        boosting.after_step(3, None, opt)
+        boosting.after_step(3, None, forget_state_in(opt))
         torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=1e-5, atol=2e-5)
     # training continues: the optimizer rebuilds the state of the fresh booster
     losses, _ = _train(model, opt, boosting, 4, 5)
@@ -139,7 +140,7 @@ def test_layer_sampling_frequency_and_activity():
         for m in mods.values():
             assert m.lora_A.requires_grad == m.active == m.lora_B.requires_grad
         counts[list(chosen)] += 1
-        boosting.after_step(step, None, None)
+        boosting.after_step(step, None)
     freq = counts / iterations
     bound = 5 * (0.25 * 0.75 / iterations) ** 0.5
     assert (freq - 0.25).abs().max() < bound
@@ -195,7 +196,7 @@ def test_adaptive_merge_after_plateau_rolls_back_to_best():
         if step == 5:  # the last step that improves on the best by more than 0.1 %
             best = {n: (m.lora_A.detach().clone(), m.lora_B.detach().clone(), m.base.weight.detach().clone())
                     for n, m in mods.items()}
-        event = boosting.after_step(step, loss, None)
+        event = boosting.after_step(step, loss)
         if event is not None:
             merged_at = step
             break
@@ -211,8 +212,8 @@ def test_adaptive_merge_after_plateau_rolls_back_to_best():
 def test_adaptive_does_not_merge_while_improving():
     boosting = Boosting(_fake_modules(1), steps_per_iteration=1, adaptive=True, patience=3, ema=0.9)
     boosting.begin()
-    assert all(boosting.after_step(s, 2.0 * 0.97 ** s, None) is None for s in range(1, 200))
-    assert boosting.after_step(200, None, None) is None
+    assert all(boosting.after_step(s, 2.0 * 0.97 ** s) is None for s in range(1, 200))
+    assert boosting.after_step(200, None) is None
 
 
 def _roundtrip(obj):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from xgblora import checkpoint
 from xgblora.errors import UserError
+from xgblora.train import checkpoint
 
 
 def test_save_load_round_trip_and_rng(tmp_path):

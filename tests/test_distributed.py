@@ -29,18 +29,13 @@ kind, shape = models.RANDOM_MODELS["tiny-opt"]
 models.RANDOM_MODELS["tiny-opt"] = (kind, {**shape, "dropout": 0.0})
 at = int(os.environ.get("XGBLORA_TEST_FAIL_AT_STEP", "0"))
 if at and os.environ["RANK"] == "1":
-    class Failing(train.tqdm):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.steps = kwargs.get("initial", 0)
-        def update(self, n=1):
-            super().update(n)
-            self.steps += n
-            if self.steps == at:
-                if os.environ["XGBLORA_TEST_FAIL_HOW"] == "exit":
-                    os._exit(17)
-                time.sleep(600)
-    train.tqdm = Failing
+    def fail(state):
+        if state.step == at:
+            if os.environ["XGBLORA_TEST_FAIL_HOW"] == "exit":
+                os._exit(17)
+            time.sleep(600)
+    run = train.run
+    train.run = lambda cfg: run(cfg, hooks=train.Hooks(on_step_end=[fail]))
 sys.exit(cli.main(["train", *sys.argv[1:]]))
 '''
 

@@ -19,6 +19,7 @@ from xgblora.config import Config
 from xgblora.data.tasks import Example
 from xgblora.demo import write_data
 from xgblora.errors import UserError
+from xgblora.objective import per_example_loss
 from xgblora.optim.zo import MeZO
 
 WORDS = (" terrible", " great")  # one token each in the built-in tokenizer
@@ -77,8 +78,8 @@ def test_mlm_scores_equal_full_vocabulary_logits_at_the_mask():
     scoring = encoders.build_scoring("mlm", tok, WORDS)
     batch = _batch(tok, scoring)
     fast = encoders.label_logits(model, batch)  # the vocabulary projection on mask rows only
-    full = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    mask_rows = (batch["input_ids"] == tok.mask_token_id).nonzero()
+    full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    mask_rows = (batch.input_ids == tok.mask_token_id).nonzero()
     assert mask_rows[:, 0].tolist() == [0, 1, 2]
     reference = full[mask_rows[:, 0], mask_rows[:, 1]][:, list(scoring.label_token_ids)]
     torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
@@ -116,7 +117,7 @@ def test_dual_batch_mezo_equals_two_passes_on_a_masked_lm():
         scoring = encoders.build_scoring("mlm", tok, WORDS)
         named = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
         zo = MeZO(named, lr=1e-2, eps=1e-2, dual_modules=report.modules if dual else None, seed=5)
-        losses[dual] = zo.step(lambda b, m=model: encoders.label_loss(m, b), _batch(tok, scoring))
+        losses[dual] = zo.step(lambda b, m=model: per_example_loss(m, b), _batch(tok, scoring))
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
     assert losses[True][0] != losses[True][1]
 
@@ -142,7 +143,7 @@ def test_peft_loads_the_exported_adapter_and_head(tmp_path):
         expected = encoders.label_logits(model, batch)
         base, _ = _model("classifier")
         loaded = PeftModel.from_pretrained(base, tmp_path).eval()
-        got = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        got = loaded(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from xgblora import models
-from xgblora.data.batching import TokenSeq, collate, contiguous_head_input, encode_pairs, shared_prefix_groups
+from xgblora.data.batching import TokenSeq, collate, encode_pairs, shared_prefix_groups
 from xgblora.data.tasks import Example
 from xgblora.evaluate import candidate_scores, evaluate, f1_score, generate_answers, normalize_answer
+from xgblora.scoring import contiguous_head_input
 
 EXAMPLES = [
     Example("the movie was long and dull. It was", (" terrible", " great"), (0,), sfc_prompt=" It was"),
@@ -44,10 +45,9 @@ def reference_score(model, tokenizer, prompt: str, candidate: str, reduce: str =
 
 
 @pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])
-@pytest.mark.parametrize("side", ["left", "right"])
-def test_batched_scores_equal_unbatched_reference(name, side):
+def test_batched_scores_equal_unbatched_reference(name):
     model, tokenizer = sharpened(name)
-    got = candidate_scores(model, tokenizer, EXAMPLES, batch_size=3, padding_side=side)
+    got = candidate_scores(model, tokenizer, EXAMPLES, batch_size=3)
     for ex, scores in zip(EXAMPLES, got, strict=True):
         ref = [reference_score(model, tokenizer, ex.prompt, c) for c in ex.candidates]
         assert scores == pytest.approx(ref, abs=2e-5)
@@ -72,11 +72,11 @@ def test_reference_detects_wrong_positions():
     seqs = encode_pairs(tokenizer, EXAMPLES, max_length=512)
     batch = collate(seqs, tokenizer.pad_token_id)
     with torch.no_grad():
-        right = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                      position_ids=batch["position_ids"]).logits
-        wrong = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                      position_ids=torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"])).logits
-    last = batch["attention_mask"][:, 0] == 0  # rows that carry padding
+        right = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                      position_ids=batch.position_ids).logits
+        wrong = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                      position_ids=torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids)).logits
+    last = batch.attention_mask[:, 0] == 0  # rows that carry padding
     assert (right[last, -1] - wrong[last, -1]).abs().max() > 1e-2
 
 

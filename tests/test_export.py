@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from conftest import forget_state_in
 from safetensors.torch import load_file
 
 from xgblora import models
@@ -58,7 +59,7 @@ def _train(name: str, r: int, steps: int, boosting_kwargs: dict | None):
         opt.step()
         opt.zero_grad()
         if boosting is not None:
-            boosting.after_step(step, loss.item(), opt)
+            boosting.after_step(step, loss.item(), forget_state_in(opt))
     model.eval()
     return model, tokenizer, report.modules, boosting
 

@@ -8,9 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
+from transformers import get_scheduler
 
+from xgblora.config import Config
 from xgblora.errors import UserError
-from xgblora.optim.fo import build_optimizer, build_scheduler, clip_grad_norm, param_groups
+from xgblora.optim.fo import build_optimizer, clip_grad_norm, param_groups
+from xgblora.optim.schedule import Schedule
 
 NAMES = {  # name -> gets weight decay
     "model.decoder.embed_tokens.weight": True,
@@ -91,16 +94,28 @@ def test_build_optimizer_picks_fused_by_device(monkeypatch, devices, expected):
 
 
 def schedule(kind: str, max_steps: int, warmup: int, lr: float = 0.1) -> list[float]:
-    """Learning rate at steps 0..max_steps as the loop sees it (scheduler.step() after each step)."""
-    param = nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([param], lr=lr)
-    sched = build_scheduler(opt, kind, max_steps, warmup)
+    """Learning rate at steps 0..max_steps as the loop reads it (the rate of the update after `step` steps)."""
+    return [Schedule(kind, lr, max_steps, warmup)(step) for step in range(max_steps + 1)]
+
+
+def hf_schedule(kind: str, max_steps: int, warmup: int, lr: float) -> list[float]:
+    """transformers.get_scheduler's rates over the same steps (scheduler.step() after each optimizer step)."""
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
+    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[kind]
+    sched = get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=max_steps)
     out = []
-    for _ in range(max_steps + 1):
+    for _ in range(max_steps + 3):  # past the end too: the rate stays at the schedule's floor
         out.append(sched.get_last_lr()[0])
         opt.step()
         sched.step()
     return out
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize("max_steps, warmup", [(1, 0), (10, 0), (10, 3), (37, 7), (5, 9)])
+def test_schedule_equals_transformers_get_scheduler_bit_for_bit(kind, max_steps, warmup):
+    want = hf_schedule(kind, max_steps, warmup, lr=0.123)
+    assert [Schedule(kind, 0.123, max_steps, warmup)(step) for step in range(len(want))] == want
 
 
 def hand(kind: str, step: int, max_steps: int, warmup: int, lr: float = 0.1) -> float:
@@ -129,9 +144,10 @@ def test_schedules_match_hand_formulas(kind, warmup):
 
 
 def test_unknown_schedule_is_a_user_error():
-    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     with pytest.raises(UserError, match="lr_scheduler_type"):
-        build_scheduler(opt, "polynomial", 10)
+        Config(lr_scheduler_type="polynomial")
+    with pytest.raises(ValueError, match="polynomial"):
+        Schedule("polynomial", 0.1, 10)
 
 
 def test_clip_grad_norm_scales_to_max_norm_and_returns_the_tensor():

@@ -6,11 +6,15 @@ import pytest
 import torch
 from test_train import adapter, make_cfg
 
-from xgblora import models, train
+from xgblora import models, objective, train
 from xgblora.config import Config
 from xgblora.data.tasks import Example
+from xgblora.distributed import LOCAL
 from xgblora.errors import UserError
 from xgblora.objective import causal_training_set, per_example_loss
+from xgblora.optim import fo
+from xgblora.train.loop import build_stepper
+from xgblora.train.setup import setup_method
 
 WORDS = ["a fine film", "dull", "the best story of the year", "boring and bad", "funny", "I love it",
          "terrible acting, terrible plot", "great", "not good", "very much fun", "bad", "a good time"]
@@ -20,8 +24,8 @@ EXAMPLES = [Example(f"{w} It was", (" terrible", " great"), (i % 2,)) for i, w i
 def rows_over(limit: int):
     """A per_example_loss that raises CUDA's out-of-memory error on batches of more than `limit` rows."""
     def loss(model, batch):
-        if batch["input_ids"].shape[0] > limit:
-            raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {batch['input_ids'].shape[0]} rows)")
+        if batch.input_ids.shape[0] > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {batch.input_ids.shape[0]} rows)")
         return per_example_loss(model, batch)
     return loss
 
@@ -31,7 +35,7 @@ def setup(method: str, classification: bool, **cfg_overrides):
     model, tokenizer = models.random_model("tiny-opt", dropout=0.0, seed=1)
     cfg = Config(method=method, trainer="regular", max_grad_norm=0.0, lora_target_modules="q_proj,v_proj,fc1",
                  train_as_classification=classification, **cfg_overrides)
-    method_ = train.setup_method(model, cfg)
+    method_ = setup_method(model, cfg)
     if method_.modules:  # B = 0 at the start would leave A without gradient: give every adapter weight one
         with torch.no_grad():
             for _, p in method_.named_params:
@@ -63,15 +67,15 @@ def test_split_step_has_the_gradient_of_the_whole_step(monkeypatch, method, clas
         reference = reference + method_.boosting.norm_penalty(cfg.xgblora_norm_penalty)
     grads = torch.autograd.grad(reference, params, allow_unused=True)
 
-    optimizer = torch.optim.SGD(params, lr=1.0)  # the update is the gradient itself
+    stepper = build_stepper(cfg, method_, lambda b: rows_over(limit)(model, b), LOCAL,
+                            torch.device("cpu"))
+    stepper.optimizer = torch.optim.SGD(params, lr=1.0)  # the update is the gradient itself
     feed = iter(batches)
-    micro = train.MicroBatching(size)
     said = []
-    monkeypatch.setattr(train.log, "warning", lambda message, *args: said.append(message % args))
-    loss = train._adamw_step(cfg, method_, optimizer, lambda b: rows_over(limit)(model, b), lambda: next(feed),
-                             torch.device("cpu"), micro)
+    monkeypatch.setattr(fo.log, "warning", lambda message, *args: said.append(message % args))
+    loss = stepper.step(lambda: next(feed), lr=1.0)
 
-    assert micro.size == sizes[-1]
+    assert stepper.micro_batch == sizes[-1]
     assert [int(w.split("micro-batch ")[1].split()[0]) for w in said if "out of memory" in w] == sizes
     assert float(loss) == pytest.approx(float(reference.detach()), rel=1e-5)
     moved = 0
@@ -84,11 +88,10 @@ def test_split_step_has_the_gradient_of_the_whole_step(monkeypatch, method, clas
 
 def test_out_of_memory_at_one_example_is_a_user_error_with_advice():
     model, method_, cfg, data = setup("lora", False, per_device_train_batch_size=2)
-    optimizer = torch.optim.SGD([p for _, p in method_.named_params], lr=1.0)
+    stepper = fo.AdamWStepper(method_.named_params, lambda b: rows_over(0)(model, b), micro_batch=2)
     with pytest.raises(UserError, match=r"CUDA out of memory with a micro-batch of 1 example .*"
                                         r"--gradient_checkpointing, a smaller --max_length, or --trainer zo"):
-        train._adamw_step(cfg, method_, optimizer, lambda b: rows_over(0)(model, b), lambda: data.batch([0, 1]),
-                          torch.device("cpu"), train.MicroBatching(2))
+        stepper.step(lambda: data.batch([0, 1]), lr=1.0)
 
 
 def test_run_with_out_of_memory_finishes_warns_once_and_trains_as_without(shared_data, tmp_path, monkeypatch,
@@ -99,7 +102,7 @@ def test_run_with_out_of_memory_finishes_warns_once_and_trains_as_without(shared
     whole = train.run(make_cfg(shared_data, tmp_path / "whole", **cfg))
     assert "out of memory" not in capsys.readouterr().err
 
-    monkeypatch.setattr(train, "per_example_loss", rows_over(5))
+    monkeypatch.setattr(objective, "per_example_loss", rows_over(5))
     split = train.run(make_cfg(shared_data, tmp_path / "split", **cfg))
     err = capsys.readouterr().err
     assert err.count("CUDA out of memory") == 1 and "redoing the step with micro-batch 4" in err

@@ -11,12 +11,15 @@ from test_train import adapter, make_cfg
 from xgblora import models, train
 from xgblora.adapters.lora import attach
 from xgblora.config import Config
-from xgblora.data.batching import packing_supported
 from xgblora.data.loading import sample_splits
 from xgblora.data.tasks import Example, get_task
 from xgblora.errors import UserError
 from xgblora.objective import causal_training_set, per_example_loss
+from xgblora.optim import fo
+from xgblora.optim.fo import micro_batches
 from xgblora.optim.zo import MeZO
+from xgblora.scoring import packing_supported
+from xgblora.train import setup
 
 # Instruction-style rows: answers of 1 to 9 tokens after prompts of very different lengths.
 INSTRUCTIONS = [Example(p, (), (), answers=(a,)) for p, a in [
@@ -53,8 +56,8 @@ def test_packed_batch_has_the_losses_and_gradients_of_the_padded_one(shared_data
     assert packed.lengths == padded.lengths
     order = [3, 0, 4, 1, 2] if rows == "instructions" else [5, 2, 11, 0, 7, 3]
     a, b = padded.batch(order), packed.batch(order)
-    assert b["input_ids"].shape == (1, sum(packed.lengths[i] for i in order))  # not one padding token
-    assert a["attention_mask"].sum() == b["input_ids"].numel()
+    assert b.input_ids.shape == (1, sum(packed.lengths[i] for i in order))  # not one padding token
+    assert a.attention_mask.sum() == b.input_ids.numel()
     params = [p for m in modules.values() for p in (m.lora_A, m.lora_B)]
     loss_a, loss_b = per_example_loss(model, a), per_example_loss(model, b)
     torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-5)
@@ -67,30 +70,29 @@ def test_split_packed_batch_pieces_have_the_whole_batchs_losses():
     model, tokenizer, _ = tiny_llama_with_lora()
     batch = causal_training_set(tokenizer, INSTRUCTIONS, 64, False, packed=True).batch(range(5))
     whole = per_example_loss(model, batch)
-    pieces = list(train._pieces(batch, 2))
+    pieces = list(micro_batches(batch, 2))
     assert [share for _, share in pieces] == [0.4, 0.4, 0.2]
     torch.testing.assert_close(torch.cat([per_example_loss(model, p) for p, _ in pieces]), whole)
 
 
 def test_out_of_memory_on_a_packed_batch_halves_it_with_the_same_gradient(monkeypatch):
     model, tokenizer, modules = tiny_llama_with_lora()
-    cfg = Config(method="lora", trainer="regular", max_grad_norm=0.0, per_device_train_batch_size=5)
-    method = train.Method([(n, p) for n, p in model.named_parameters() if p.requires_grad], modules)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     batch = causal_training_set(tokenizer, INSTRUCTIONS, 64, False, packed=True).batch(range(5))
-    params = [p for _, p in method.named_params]
+    params = [p for _, p in named]
     grads = torch.autograd.grad(per_example_loss(model, batch).mean(), params)
     before = [p.detach().clone() for p in params]
 
     def loss_fn(b):
-        if b["target_weight"].shape[1] > 2:
+        if b.target_weight.shape[1] > 2:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return per_example_loss(model, b)
 
-    monkeypatch.setattr(train.log, "warning", lambda *a: None)
-    micro = train.MicroBatching(5)
-    optimizer = torch.optim.SGD(params, lr=1.0)
-    train._adamw_step(cfg, method, optimizer, loss_fn, lambda: batch, torch.device("cpu"), micro)
-    assert micro.size == 2
+    monkeypatch.setattr(fo.log, "warning", lambda *a: None)
+    stepper = fo.AdamWStepper(named, loss_fn, max_grad_norm=0.0, micro_batch=5)
+    stepper.optimizer = torch.optim.SGD(params, lr=1.0)  # the update is the gradient itself
+    stepper.step(lambda: batch, lr=1.0)
+    assert stepper.micro_batch == 2
     for p, old, g in zip(params, before, grads, strict=True):
         torch.testing.assert_close(p.detach(), old - g, rtol=1e-5, atol=1e-6)
 
@@ -143,8 +145,8 @@ def test_packing_where_it_cannot_work_is_a_user_error(shared_data, tmp_path, ove
 
 def test_packing_defaults_off_with_sdpa(shared_data, tmp_path, monkeypatch):
     seen = []
-    real = train.causal_training_set
-    monkeypatch.setattr(train, "causal_training_set", lambda *a, **k: seen.append(a[-1]) or real(*a, **k))
+    real = setup.causal_training_set
+    monkeypatch.setattr(setup, "causal_training_set", lambda *a, **k: seen.append(k["packed"]) or real(*a, **k))
     train.run(make_cfg(shared_data, tmp_path, model_name="tiny-llama", max_steps=1, save_strategy="no",
                        no_eval=True))
     assert seen == [False]

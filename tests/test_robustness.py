@@ -23,11 +23,12 @@ from safetensors.torch import load_file
 # the test_train.py helpers (tests/ is not a package, so they are imported by module name)
 from test_train import adapter, assert_same_tensors, make_cfg, records
 
-from xgblora import checkpoint, cli, train
+from xgblora import cli, objective, train
 from xgblora.config import Config
 from xgblora.data.loading import load_rows, read_jsonl
 from xgblora.data.tasks import Task, get_task
 from xgblora.errors import UserError
+from xgblora.train import checkpoint
 
 # ----------------------------------------------------------------------------- data files: any input, clean errors
 
@@ -232,7 +233,8 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(share
 DYING_SAVE = """
 import os, signal, sys
 import safetensors.torch
-from xgblora import checkpoint, cli, train
+from xgblora import cli, objective, train
+from xgblora.train import checkpoint
 
 at, calls, real = int(sys.argv[1]), [], checkpoint.save_file
 
@@ -285,7 +287,7 @@ def test_sigkill_inside_a_checkpoint_save_keeps_the_last_whole_one_and_resumes_e
 def test_mezo_skips_a_non_finite_step_like_a_zero_gradient_one_and_runs_on(shared_data, tmp_path, monkeypatch,
                                                                           method, forwards):
     """--nan_policy skip under MeZO: the step whose losses are NaN leaves the weights as a zero estimate would."""
-    real = train.per_example_loss
+    real = objective.per_example_loss
 
     def run(name: str, value: float) -> list[dict]:
         calls = []
@@ -295,7 +297,7 @@ def test_mezo_skips_a_non_finite_step_like_a_zero_gradient_one_and_runs_on(share
             loss = real(model, batch)
             return torch.full_like(loss, value) if 2 * forwards < len(calls) <= 3 * forwards else loss
 
-        monkeypatch.setattr(train, "per_example_loss", loss_at_step_3)
+        monkeypatch.setattr(objective, "per_example_loss", loss_at_step_3)
         out = tmp_path / name
         results = train.run(make_cfg(shared_data, out, trainer="zo", method=method, learning_rate=1e-3,
                                      max_steps=6, logging_steps=1, nan_policy="skip", no_eval=True))

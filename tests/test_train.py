@@ -16,13 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from xgblora import checkpoint, cli, train
+from xgblora import cli, objective, perf, train
 from xgblora import config as config_mod
 from xgblora.config import Config
 from xgblora.data.loading import sample_splits
 from xgblora.data.tasks import get_task
 from xgblora.errors import UserError
 from xgblora.logging import read_metrics
+from xgblora.train import checkpoint
+from xgblora.train import results as results_mod
 
 
 def make_cfg(shared_data: Path, out: Path, **overrides) -> Config:
@@ -50,29 +52,21 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[key], b[key]), key
 
 
-def interrupt_at(monkeypatch: pytest.MonkeyPatch, at_step: int, how: str = "sigint") -> None:
-    """Interrupt the next run right after optimizer step `at_step`, through the progress bar's per-step update.
+def interrupt_at(at_step: int, how: str = "sigint") -> train.Hooks:
+    """Loop hooks that interrupt a run right after optimizer step `at_step`.
 
     "sigint" sends a real SIGINT to this process (the loop's own handler turns it into a checkpoint and a stop);
     "crash" raises, as a kill would stop the run without any checkpoint beyond the periodic ones.
     """
-    real_tqdm = train.tqdm
+    def interrupt(state: train.LoopState) -> None:
+        if state.step != at_step:
+            return
+        if how == "sigint":
+            os.kill(os.getpid(), signal.SIGINT)
+        else:
+            raise RuntimeError("simulated crash")
 
-    class Interrupting(real_tqdm):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.count = kwargs.get("initial", 0)
-
-        def update(self, n=1):
-            super().update(n)
-            self.count += n
-            if self.count == at_step:
-                if how == "sigint":
-                    os.kill(os.getpid(), signal.SIGINT)
-                else:
-                    raise RuntimeError("simulated crash")
-
-    monkeypatch.setattr(train, "tqdm", Interrupting)
+    return train.Hooks(on_step_end=[interrupt])
 
 
 # ----------------------------------------------------------------------------- learning
@@ -105,10 +99,8 @@ def test_sigint_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path, m
     expected = train.run(make_cfg(shared_data, whole, **overrides))
 
     split = tmp_path / "split"
-    with monkeypatch.context() as m:
-        interrupt_at(m, 7)  # mid logging window (3), between merges (4, 8)
-        with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):
-            train.run(make_cfg(shared_data, split, **overrides))
+    with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):  # mid logging window (3), between merges
+        train.run(make_cfg(shared_data, split, **overrides), hooks=interrupt_at(7))
     assert checkpoint.resolve(split / "checkpoints", "latest").name == "step-7"
     assert not (split / "results.json").exists()
     got = train.run(make_cfg(shared_data, split, resume_from_checkpoint="latest", **overrides))
@@ -127,10 +119,8 @@ def test_crash_after_a_periodic_checkpoint_resumes_exactly(shared_data, tmp_path
     train.run(make_cfg(shared_data, whole, **overrides))
 
     split = tmp_path / "split"
-    with monkeypatch.context() as m:
-        interrupt_at(m, 9, how="crash")  # the last checkpoint is step-5; steps 6..9 are redone on resume
-        with pytest.raises(RuntimeError, match="simulated crash"):
-            train.run(make_cfg(shared_data, split, **overrides))
+    with pytest.raises(RuntimeError, match="simulated crash"):  # the last checkpoint is step-5; 6..9 are redone
+        train.run(make_cfg(shared_data, split, **overrides), hooks=interrupt_at(9, how="crash"))
     assert [p.name for p in checkpoint.step_checkpoints(split / "checkpoints")] == ["step-5"]
     assert any(r["step"] > 5 for r in read_metrics(split / "metrics.jsonl"))  # logged before the crash
     train.run(make_cfg(shared_data, split, resume_from_checkpoint="latest", **overrides))
@@ -216,7 +206,7 @@ def test_mezo_style_result_file_default_name(shared_data, tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     cfg = make_cfg(shared_data, tmp_path / "run", trainer="zo", max_steps=2, result_file=None, num_dev=8)
     train.run(cfg)
-    expected = tmp_path / "result" / f"{train.result_file_tag(cfg)}-trainset0.json"
+    expected = tmp_path / "result" / f"{results_mod.result_file_tag(cfg)}-trainset0.json"
     assert expected.name == "SST2-tiny-opt-sampleeval16-ntrain64-ndev8-trainset0.json"
     assert json.loads(expected.read_text()) == json.loads((tmp_path / "run" / "results.json").read_text())
 
@@ -281,7 +271,7 @@ def test_train_as_classification_starts_near_log_candidates(shared_data, tmp_pat
 
 
 def test_nan_loss_stops_with_a_one_line_error_naming_the_step(shared_data, tmp_path, monkeypatch):
-    real = train.per_example_loss
+    real = objective.per_example_loss
     calls = {"n": 0}
 
     def poisoned(model, batch):
@@ -289,7 +279,7 @@ def test_nan_loss_stops_with_a_one_line_error_naming_the_step(shared_data, tmp_p
         loss = real(model, batch)
         return loss * float("nan") if calls["n"] >= 3 else loss
 
-    monkeypatch.setattr(train, "per_example_loss", poisoned)
+    monkeypatch.setattr(objective, "per_example_loss", poisoned)
     with pytest.raises(UserError) as info:
         train.run(make_cfg(shared_data, tmp_path / "run", max_steps=10, logging_steps=2, nan_policy="stop"))
     message = str(info.value)
@@ -299,7 +289,7 @@ def test_nan_loss_stops_with_a_one_line_error_naming_the_step(shared_data, tmp_p
 
 @pytest.mark.parametrize("trainer", ["regular", "zo"])
 def test_nan_policy_skip_finishes_and_logs_strict_json(shared_data, tmp_path, monkeypatch, trainer):
-    real = train.per_example_loss
+    real = objective.per_example_loss
     calls = {"n": 0}
 
     def poisoned(model, batch):  # the third loss call is NaN: one skipped step
@@ -307,7 +297,7 @@ def test_nan_policy_skip_finishes_and_logs_strict_json(shared_data, tmp_path, mo
         loss = real(model, batch)
         return loss * float("nan") if calls["n"] == 3 else loss
 
-    monkeypatch.setattr(train, "per_example_loss", poisoned)
+    monkeypatch.setattr(objective, "per_example_loss", poisoned)
     out = tmp_path / "run"
     results = train.run(make_cfg(shared_data, out, trainer=trainer, max_steps=6, logging_steps=2, nan_policy="skip",
                                  zo_dual=False, learning_rate=1e-3))
@@ -357,7 +347,7 @@ def test_classification_objective_on_a_generation_task_is_a_user_error(tmp_path)
 
 @pytest.mark.parametrize("native", [False, True])
 def test_bf16_on_a_cpu_without_native_bf16_warns(shared_data, tmp_path, monkeypatch, capsys, native):
-    monkeypatch.setattr(train.perf, "cpu_has_bf16", lambda: native)
+    monkeypatch.setattr(perf, "cpu_has_bf16", lambda: native)
     train.run(make_cfg(shared_data, tmp_path, bf16=True, max_steps=1, save_strategy="no", no_eval=True))
     warned = [line for line in capsys.readouterr().err.splitlines() if "no native bf16" in line]
     assert len(warned) == (0 if native else 1)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xgblora.adapters.lora import LoRALinear, attach
+from xgblora.data.batches import TokenBatch
 from xgblora.models import load
 from xgblora.optim import zo
 from xgblora.optim.zo import MeZO, stochastic_round
@@ -39,22 +40,24 @@ def no_decay(name: str) -> bool:
 def ce_loss_fn(model: nn.Module):
     """Per-example mean token cross-entropy of a causal LM: the loss_fn contract of MeZO.step."""
 
-    def loss_fn(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        ids = batch["input_ids"]
-        logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    def loss_fn(batch: TokenBatch) -> torch.Tensor:
+        ids = batch.input_ids
+        logits = model(input_ids=ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
         return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(dim=1)
 
     return loss_fn
 
 
-def random_batch(vocab: int, seed: int, rows: int = 4, length: int = 12) -> dict[str, torch.Tensor]:
-    """Random token ids (no padding)."""
+def random_batch(vocab: int, seed: int, rows: int = 4, length: int = 12) -> TokenBatch:
+    """Random token ids (no padding), every token after the first scored."""
     ids = torch.randint(3, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    return TokenBatch(input_ids=ids, attention_mask=torch.ones_like(ids),
+                      position_ids=torch.arange(length).expand(rows, length),
+                      target_mask=torch.ones(rows, length - 1, dtype=torch.bool))
 
 
 def loss_at(model: nn.Module, names: list[str], values: list[torch.Tensor],
-            batch: dict[str, torch.Tensor]) -> float:
+            batch: TokenBatch) -> float:
     """Mean loss of `model` with the named parameters set to `values` (the model is changed)."""
     params = dict(model.named_parameters())
     with torch.no_grad():

@@ -128,10 +128,14 @@ class Config:
             raise UserError(f"--eval_steps must be positive with --evaluation_strategy steps, got {self.eval_steps}")
         if self.save_strategy == "steps" and self.save_steps <= 0:
             raise UserError(f"--save_steps must be positive with --save_strategy steps, got {self.save_steps}")
-        _check_positive(self, "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                        "lora_r", "xgblora_steps_per_iteration", "logging_steps", "max_length", "learning_rate",
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise UserError(f"--{f.name} {getattr(self, f.name)!r}: choose one of {', '.join(choices)}")
+        _check_positive(self, "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                        "lora_r", "xgblora_steps_per_iteration", "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
                         "zo_eps")
-        for name in ("lora_dropout", "adam_beta1", "adam_beta2"):
+        for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
         if self.load_float16 and self.load_bfloat16:

@@ -2,8 +2,8 @@
 gradient and loss averaging, and MeZO by seed sharing (only the two losses cross the wire).
 
 Every rank builds the same global batch of `per_device_train_batch_size x world_size` examples (the same
-BatchStream, the same seed) and trains on its contiguous shard of it, so N ranks x b see exactly the data of
-1 rank x N*b. Each rank's loss is scaled by its shard's share of the global batch (n_r * world / n), so a plain
+batch order, the same seed) and trains on its contiguous shard of it, so N ranks x b see exactly the data of
+1 rank x N*b. Each shard's `loss_scale` is its share of the global batch (n_r * world / n), so a plain
 mean over ranks is the mean over the global batch, also for a short last batch of an epoch. A rank whose shard is
 empty (a global batch smaller than the world) runs one example with weight 0, so every rank takes part in each
 collective.
@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from xgblora.data.batches import Batch
 from xgblora.errors import RankLostError, UserError
 
 log = logging.getLogger("xgblora")
 
-LOSS_SCALE = "loss_scale"  # batch key: per row, the rank's share of the global batch (removed before the forward)
 BUCKET_BYTES = 25 * 2**20  # gradients are averaged in flat buckets of this size (DDP's default bucket size)
 
 
@@ -43,6 +43,8 @@ class Distributed:
         self.is_main = self.rank == 0
         self.timeout_s = timeout_s
         self.sharded = False  # the model was wrapped by FSDP (gradients reduce-scattered by FSDP itself)
+        self.device: str | None = None  # this rank's GPU, when it has one
+        self.model_only_checkpoints = False  # FSDP: checkpoints hold the gathered weights only
         self.bytes_per_step: list[int] = []  # all-reduce payload bytes of each training step, this run
         self._pending_bytes = 0
 
@@ -52,11 +54,9 @@ class Distributed:
         if self.world_size == 1:
             return train_set
 
-        def batch(indices: Sequence[int]) -> dict[str, Tensor]:
+        def batch(indices: Sequence[int]) -> Batch:
             mine, scale = self.shard_of(indices)
-            out = train_set.batch(mine)
-            out[LOSS_SCALE] = torch.full((len(out["input_ids"]),), scale)
-            return out
+            return dataclasses.replace(train_set.batch(mine), loss_scale=scale)
 
         return dataclasses.replace(train_set, batch=batch)
 
@@ -69,18 +69,6 @@ class Distributed:
         if not mine:  # more ranks than examples: run one example that does not count
             return list(indices[:1]), 0.0
         return mine, len(mine) * world / n
-
-    def weighted(self, loss_fn: Callable[[dict], Tensor]) -> Callable[[dict], Tensor]:
-        """loss_fn over a sharded batch: per-example losses times the rank's share, so the mean over ranks is global."""
-        if self.world_size == 1:
-            return loss_fn
-
-        def scaled(batch: dict[str, Tensor]) -> Tensor:
-            batch = dict(batch)
-            scale = batch.pop(LOSS_SCALE)  # one value for the whole shard, repeated per row to survive slicing
-            return loss_fn(batch) * scale[0]
-
-        return scaled
 
     # ------------------------------------------------------------------ model
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -201,13 +189,11 @@ LOCAL = Distributed()  # one process: every call hands its argument back
 def setup(cfg: Any) -> Distributed:
     """Join the process group that torchrun / accelerate launch describe in the environment (none: LOCAL).
 
-    The Accelerator picks the backend (NCCL on GPUs, gloo on the CPU), this rank's GPU and, from an accelerate
-    config, FSDP. Ranks other than the main one log warnings only. cfg.device follows the rank's GPU.
+    The Accelerator picks the backend (NCCL on GPUs, gloo on the CPU), this rank's GPU (`device`) and, from an
+    accelerate config, FSDP. Ranks other than the main one log warnings only.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return LOCAL
-    if cfg.ddp_timeout <= 0:
-        raise UserError(f"--ddp_timeout must be positive (seconds), got {cfg.ddp_timeout}")
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -219,19 +205,19 @@ def setup(cfg: Any) -> Distributed:
     if not dist.is_main:
         log.setLevel(logging.WARNING)
     if accelerator.device.type != "cpu":
-        cfg.device = str(accelerator.device)
+        dist.device = str(accelerator.device)
     if dist._fsdp:
-        _check_fsdp(cfg, accelerator)
+        dist.model_only_checkpoints = _check_fsdp(cfg, accelerator)
     log.info("data parallel: %d processes (%s), global batch %d", dist.world_size, accelerator.distributed_type,
              cfg.per_device_train_batch_size * dist.world_size)
     return dist
 
 
-def _check_fsdp(cfg: Any, accelerator: Any) -> None:
-    """FSDP shards full fine-tuning under AdamW; say what it does not do."""
+def _check_fsdp(cfg: Any, accelerator: Any) -> bool:
+    """FSDP shards full fine-tuning under AdamW; say what it does not do; whether checkpoints are model-only."""
     if cfg.method != "ft" or cfg.trainer != "regular":
         log.info("FSDP shards full fine-tuning under AdamW only; this run trains data-parallel without it")
-        return
+        return False
     if not accelerator.is_fsdp2:
         raise UserError("FSDP: set fsdp_version: 2 in the accelerate config (see examples/accelerate/fsdp.yaml)")
     if cfg.load_best_model_at_end:
@@ -240,11 +226,17 @@ def _check_fsdp(cfg: Any, accelerator: Any) -> None:
     if not cfg.save_only_model:
         log.warning("FSDP: checkpoints hold the gathered weights only (--save_only_model); a resume restarts the "
                     "optimizer state")
-        cfg.save_only_model = True
+    return True
 
 
 class SilentLog:
     """The metrics log of ranks other than the main one: records are dropped (the main process writes them)."""
+
+    def __enter__(self) -> SilentLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def log(self, record: dict) -> None:
         """Drop one record."""

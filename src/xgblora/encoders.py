@@ -15,12 +15,19 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from xgblora.data.batches import LabelBatch
 from xgblora.data.batching import length_grouped_batches
 from xgblora.data.tasks import Example
 from xgblora.errors import UserError
+from xgblora.scoring import eval_mode, label_logits
 
 HEADS = ("classifier", "mlm")
 CLASSIFIER_MODULES = ("classifier", "score", "pre_classifier")  # PEFT's names for SEQ_CLS heads, plus DistilBERT's
+
+
+def is_head_param(name: str) -> bool:
+    """Whether a parameter belongs to a new classification head (trained in every method, saved beside adapters)."""
+    return name.split(".")[0] in CLASSIFIER_MODULES
 
 
 @dataclass(frozen=True)
@@ -101,68 +108,30 @@ def encode(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_
     return out
 
 
-def collate(seqs: Sequence[LabelSeq], pad_id: int, scoring: LabelScoring) -> dict[str, torch.Tensor]:
+def collate(seqs: Sequence[LabelSeq], pad_id: int, scoring: LabelScoring) -> LabelBatch:
     """Right-padded input_ids and attention_mask, the labels, and (mlm) mask positions and label token ids per row."""
     rows = [torch.tensor(s.ids) for s in seqs]
     input_ids = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_id)
     lengths = torch.tensor([len(s.ids) for s in seqs])
-    batch = {"input_ids": input_ids,
-             "attention_mask": (torch.arange(input_ids.shape[1]) < lengths[:, None]).long(),
-             "labels": torch.tensor([s.label for s in seqs])}
-    if scoring.kind == "mlm":  # per row, so that MeZO's doubled batch doubles them too
-        batch["mask_pos"] = torch.tensor([s.mask_pos for s in seqs])
-        batch["label_token_ids"] = torch.tensor([scoring.label_token_ids] * len(seqs))
-    return batch
-
-
-def _mlm_head(model: PreTrainedModel) -> nn.Module | None:
-    """The module mapping hidden states to vocabulary logits, where the architecture has it as one module."""
-    for name in ("cls", "lm_head"):  # BERT-likes, RoBERTa-likes
-        head = getattr(model, name, None)
-        if isinstance(head, nn.Module):
-            return head
-    return None
-
-
-def label_logits(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Logits over the labels, shape [B, n_labels]: the classifier's, or the MLM logits of the label words at the mask.
-
-    The MLM path runs the vocabulary projection on the mask positions only (one row per example instead of the
-    whole sequence) where the head is one module; otherwise it takes the full logits.
-    """
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    if "mask_pos" not in batch:
-        return model(**inputs).logits.float()
-    rows = torch.arange(batch["input_ids"].shape[0], device=batch["input_ids"].device)
-    head = _mlm_head(model)
-    if head is not None:
-        hidden = model.base_model(**inputs).last_hidden_state[rows, batch["mask_pos"]]
-        vocab_logits = head(hidden)
-    else:
-        vocab_logits = model(**inputs).logits[rows, batch["mask_pos"]]
-    return vocab_logits.float().gather(-1, batch["label_token_ids"])
-
-
-def label_loss(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Cross-entropy of each example's gold label, shape [B]."""
-    return nn.functional.cross_entropy(label_logits(model, batch), batch["labels"], reduction="none")
+    mlm = scoring.kind == "mlm"
+    return LabelBatch(input_ids=input_ids, attention_mask=(torch.arange(input_ids.shape[1]) < lengths[:, None]).long(),
+                      labels=torch.tensor([s.label for s in seqs]),
+                      mask_pos=torch.tensor([s.mask_pos for s in seqs]) if mlm else None,
+                      label_token_ids=torch.tensor([scoring.label_token_ids] * len(seqs)) if mlm else None)
 
 
 @torch.inference_mode()
 def predict(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
             scoring: LabelScoring, *, batch_size: int = 32, max_length: int = 512) -> list[list[float]]:
     """Label logits of every example, in length-sorted batches."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     seqs = encode(tokenizer, examples, max_length, scoring)
     scores: list[list[float]] = [[] for _ in examples]
-    for idx in length_grouped_batches(seqs, batch_size):
-        batch = collate([seqs[i] for i in idx], tokenizer.pad_token_id, scoring)
-        logits = label_logits(model, {k: v.to(device) for k, v in batch.items()})
-        for i, row in zip(idx, logits.tolist(), strict=True):
-            scores[i] = row
-    model.train(was_training)
+    with eval_mode(model):
+        for idx in length_grouped_batches(seqs, batch_size):
+            batch = collate([seqs[i] for i in idx], tokenizer.pad_token_id, scoring).to(device)
+            for i, row in zip(idx, label_logits(model, batch).tolist(), strict=True):
+                scores[i] = row
     return scores
 
 

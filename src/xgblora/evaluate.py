@@ -15,14 +15,13 @@ from xgblora.data.batching import (
     PrefixGroup,
     TokenSeq,
     collate_prefix_suffix,
-    contiguous_head_input,
     demonstration_text,
     encode_pairs,
     iter_batches,
     shared_prefix_groups,
-    target_logprobs,
 )
 from xgblora.data.tasks import Example, Task
+from xgblora.scoring import contiguous_head_input, eval_mode, target_logprobs, token_logprobs
 
 
 def caches_prefixes(model: PreTrainedModel) -> bool:
@@ -51,8 +50,7 @@ def prefix_cached_logprobs(model: PreTrainedModel, batch: dict[str, torch.Tensor
         tail = model(input_ids=suffix_ids[:, :-1], attention_mask=batch["suffix_attention_mask"][:, :-1],
                      position_ids=batch["suffix_position_ids"][:, :-1], past_key_values=cache, use_cache=True).logits
         logits = torch.cat([logits, tail], dim=1)
-    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, suffix_ids.unsqueeze(-1)).squeeze(-1)
-    return logprobs * batch["target_mask"]
+    return token_logprobs(logits, suffix_ids) * batch["target_mask"]
 
 
 def _group_batches(seqs: list[TokenSeq], groups: list[PrefixGroup], batch_size: int, pad_id: int,
@@ -66,12 +64,12 @@ def _group_batches(seqs: list[TokenSeq], groups: list[PrefixGroup], batch_size: 
 
 
 @torch.inference_mode()
-def _sum_logprobs(model: PreTrainedModel, seqs, batch_size: int, pad_id: int, side: str,
+def _sum_logprobs(model: PreTrainedModel, seqs, batch_size: int, pad_id: int,
                   prefix_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed target log-probability and target length of every sequence, in input order.
 
     Identical sequences (e.g. SFC calibration prompts shared by all examples) are scored once. With
-    prefix_cache (left padding, a model that caches prefixes), the candidates of each example are scored
+    prefix_cache (and a model that caches prefixes), the candidates of each example are scored
     against its prompt's KV cache (`prefix_cached_logprobs`); the rest go through whole-sequence batches.
     """
     device = next(model.parameters()).device
@@ -85,12 +83,12 @@ def _sum_logprobs(model: PreTrainedModel, seqs, batch_size: int, pad_id: int, si
     sums = torch.zeros(len(unique), dtype=torch.float64)
     counts = torch.zeros(len(unique), dtype=torch.float64)
     groups, alone = [], list(range(len(unique)))
-    if prefix_cache and side == "left" and caches_prefixes(model):
+    if prefix_cache and caches_prefixes(model):
         groups, alone = shared_prefix_groups(unique)
-    for idx, batch in iter_batches([unique[i] for i in alone], batch_size, pad_id, device, side):
+    for idx, batch in iter_batches([unique[i] for i in alone], batch_size, pad_id, device):
         idx = [alone[i] for i in idx]
         sums[idx] = target_logprobs(model, batch).sum(-1).double().cpu()
-        counts[idx] = batch["target_mask"].sum(-1).double().cpu()
+        counts[idx] = batch.target_mask.sum(-1).double().cpu()
     for idx, batch in _group_batches(unique, groups, batch_size, pad_id, device):
         sums[idx] = prefix_cached_logprobs(model, batch).sum(-1).double().cpu()
         counts[idx] = batch["target_mask"].sum(-1).double().cpu()
@@ -99,32 +97,28 @@ def _sum_logprobs(model: PreTrainedModel, seqs, batch_size: int, pad_id: int, si
 
 def candidate_scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], *,
                      demos: Sequence[Example] = (), sfc: bool = False, icl_sfc: bool = False, batch_size: int = 8,
-                     max_length: int = 2048, padding_side: str = "left",
-                     prefix_cache: bool = True) -> list[list[float]]:
+                     max_length: int = 2048, prefix_cache: bool = True) -> list[list[float]]:
     """Score every candidate of every example, batched across examples, longest first.
 
     The score is the mean log-probability of the candidate's tokens after the prompt (MeZO), or with SFC the
     summed log-probability minus that under the example's calibration prompt (surface-form competition).
-    With prefix_cache (and left padding) each prompt runs once and its candidates are scored against its KV
+    With prefix_cache each prompt runs once and its candidates are scored against its KV
     cache; otherwise, and for models without a cache, every (example, candidate) pair runs whole. batch_size
     counts prompts in the first case and pairs in the second.
     """
-    was_training = model.training
-    model.eval()
     prefix = demonstration_text(demos)
     seqs = encode_pairs(tokenizer, examples, max_length, prefix=prefix)
     calib = encode_pairs(tokenizer, examples, max_length, prefix=prefix if icl_sfc else "",
                          prompts=[ex.sfc_prompt for ex in examples]) if sfc or icl_sfc else None
     head_hook = contiguous_head_input(model)
     try:
-        sums, counts = _sum_logprobs(model, seqs, batch_size, tokenizer.pad_token_id, padding_side, prefix_cache)
-        if calib is not None:
-            calib_sums, _ = _sum_logprobs(model, calib, batch_size, tokenizer.pad_token_id, padding_side,
-                                          prefix_cache)
+        with eval_mode(model):
+            sums, counts = _sum_logprobs(model, seqs, batch_size, tokenizer.pad_token_id, prefix_cache)
+            if calib is not None:
+                calib_sums, _ = _sum_logprobs(model, calib, batch_size, tokenizer.pad_token_id, prefix_cache)
     finally:
         if head_hook is not None:
             head_hook.remove()
-        model.train(was_training)
     values = sums - calib_sums if calib is not None else sums / counts
     scores: list[list[float]] = [[0.0] * len(ex.candidates) for ex in examples]
     for seq, value in zip(seqs, values.tolist(), strict=True):
@@ -141,8 +135,6 @@ def generate_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     Prompts longer than max_length - max_new_tokens tokens are cut from the left, so the question and the answer
     cue at their end are kept (as MeZO does); one warning gives the count.
     """
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     prefix = demonstration_text(demos)
     newline = tokenizer.encode("\n", add_special_tokens=False)[-1:]
@@ -157,16 +149,16 @@ def generate_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     prompt_ids = [ids[-budget:] for ids in prompt_ids]
     order = sorted(range(len(examples)), key=lambda i: -len(prompt_ids[i]))
     answers = [""] * len(examples)
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
-        enc = tokenizer.pad({"input_ids": [prompt_ids[i] for i in idx]}, padding=True, padding_side="left",
-                            return_tensors="pt").to(device)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                             eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        for i, text in zip(idx, texts, strict=True):
-            answers[i] = text.strip().split("\n")[0].strip()
-    model.train(was_training)
+    with eval_mode(model):
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            enc = tokenizer.pad({"input_ids": [prompt_ids[i] for i in idx]}, padding=True, padding_side="left",
+                                return_tensors="pt").to(device)
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
+                                 eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)
+            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            for i, text in zip(idx, texts, strict=True):
+                answers[i] = text.strip().split("\n")[0].strip()
     return answers
 
 

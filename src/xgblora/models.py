@@ -19,8 +19,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from xgblora.data.batching import contiguous_head_input
 from xgblora.errors import UserError
+from xgblora.scoring import contiguous_head_input
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

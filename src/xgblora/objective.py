@@ -1,4 +1,5 @@
-"""Training objectives: loss on the gold candidate's tokens, cross-entropy over candidates (MeZO), or over labels."""
+"""Training sets and the loss of each batch kind: the gold continuation's tokens, cross-entropy over candidates
+(MeZO's classification objective), or over a label head's labels."""
 
 from __future__ import annotations
 
@@ -9,15 +10,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from xgblora import encoders
-from xgblora.data.batching import (
-    TokenSeq,
-    collate,
-    collate_packed,
-    packed_mean_logprobs,
-    target_logprobs,
-    training_seqs,
-)
+from xgblora.data.batches import Batch, CandidateBatch, LabelBatch, PackedBatch, TokenBatch
+from xgblora.data.batching import TokenSeq, collate, collate_packed, training_seqs
 from xgblora.data.tasks import Example
+from xgblora.scoring import label_logits, packed_mean_logprobs, target_logprobs
 
 
 @dataclass
@@ -25,7 +21,7 @@ class TrainingSet:
     """The tokenised training examples: each one's length (for length grouping) and how to batch a list of them."""
 
     lengths: list[int]
-    batch: Callable[[Sequence[int]], dict[str, torch.Tensor]]
+    batch: Callable[[Sequence[int]], Batch]
 
 
 def causal_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
@@ -56,39 +52,60 @@ def label_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Ex
 
 
 def make_batch(seqs: Sequence[TokenSeq], examples: Sequence[int], pad_id: int, by_example: dict[int, list[int]],
-               golds: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
-    """Collate the sequences of the given examples; for classification (golds given) add their grouping.
+               golds: Sequence[int] | None = None) -> TokenBatch | CandidateBatch:
+    """Collate the sequences of the given examples; for classification (golds given) with their grouping.
 
     `by_example` maps an example index to the indices of its sequences in `seqs`; `golds` gives each example's
     gold candidate index when the objective is cross-entropy over candidates (whatever this batch holds).
     """
     rows = [r for e in examples for r in by_example[e]]
     batch = collate([seqs[r] for r in rows], pad_id)
-    if golds is not None:
-        batch["group"] = torch.tensor([k for k, e in enumerate(examples) for _ in by_example[e]])
-        batch["candidate"] = torch.tensor([seqs[r].candidate for r in rows])
-        batch["gold"] = torch.tensor([golds[e] for e in examples])
-    return batch
+    if golds is None:
+        return batch
+    return CandidateBatch(**vars(batch), group=torch.tensor([k for k, e in enumerate(examples) for _ in by_example[e]]),
+                          candidate=torch.tensor([seqs[r].candidate for r in rows]),
+                          gold=torch.tensor([golds[e] for e in examples]))
 
 
-def per_example_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Loss of each example in the batch, shape [n_examples].
+@dataclass
+class TrainingLoss:
+    """The training forward: per-example losses of a batch under the run's autocast. `model` is what runs (compiled
+    or wrapped by FSDP); the steppers call this object."""
 
-    Without a "group" entry: the mean negative log-likelihood of each example's target tokens (the gold candidate
-    or the response), padded or packed. With one (classification): cross-entropy over each example's candidates,
-    scored by their mean token log-probability, against the batch's "gold" candidate index of each example. With
-    "labels" (a classifier or masked LM): cross-entropy over the label logits.
+    model: torch.nn.Module
+    autocast: torch.dtype | None = None
+
+    def __call__(self, batch: Batch) -> torch.Tensor:
+        """Per-example losses [n_examples] (times the batch's loss_scale)."""
+        device_type = batch.input_ids.device.type
+        with torch.autocast(device_type, dtype=self.autocast, enabled=self.autocast is not None):
+            return per_example_loss(self.model, batch)
+
+
+def per_example_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Loss of each example in the batch, shape [n_examples], times the batch's loss_scale.
+
+    TokenBatch / PackedBatch: the mean negative log-likelihood of each example's target tokens (the gold candidate
+    or the response). CandidateBatch: cross-entropy over each example's candidates, scored by their mean token
+    log-probability. LabelBatch (a classifier or masked LM): cross-entropy over the label logits.
     """
-    if "labels" in batch:
-        return encoders.label_loss(model, batch)
-    if "target_index" in batch:
-        return -packed_mean_logprobs(model, batch)
-    logprobs = target_logprobs(model, batch)
-    mean_lp = logprobs.sum(-1) / batch["target_mask"].sum(-1)
-    if "group" not in batch:
-        return -mean_lp
-    group, candidate = batch["group"], batch["candidate"]
-    n_groups = int(group.max()) + 1
-    scores = mean_lp.new_full((n_groups, int(candidate.max()) + 1), float("-inf"))
-    scores[group, candidate] = mean_lp
-    return torch.nn.functional.cross_entropy(scores, batch["gold"], reduction="none")
+    match batch:
+        case LabelBatch():
+            losses = torch.nn.functional.cross_entropy(label_logits(model, batch), batch.labels, reduction="none")
+        case PackedBatch():
+            losses = -packed_mean_logprobs(model, batch)
+        case CandidateBatch():
+            losses = candidate_loss(model, batch)
+        case TokenBatch():
+            losses = -target_logprobs(model, batch).sum(-1) / batch.target_mask.sum(-1)
+        case _:
+            raise TypeError(f"no loss for a batch of type {type(batch).__name__}")
+    return losses * batch.loss_scale
+
+
+def candidate_loss(model: torch.nn.Module, batch: CandidateBatch) -> torch.Tensor:
+    """Cross-entropy over each example's candidates, scored by their mean token log-probability, shape [n]."""
+    mean_lp = target_logprobs(model, batch).sum(-1) / batch.target_mask.sum(-1)
+    scores = mean_lp.new_full((batch.n_examples, int(batch.candidate.max()) + 1), float("-inf"))
+    scores[batch.group, batch.candidate] = mean_lp
+    return torch.nn.functional.cross_entropy(scores, batch.gold, reduction="none")

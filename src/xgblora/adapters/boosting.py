@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -30,19 +31,11 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
 class Boosting:
     """Gradient boosting of low-rank adapters: train a booster, merge it into the base weights, start a fresh one."""
 
-    def __init__(self, modules: dict[str, LoRALinear], steps_per_iteration: int, layers_per_booster: int | None = None,
+    def __init__(self, modules: dict[str, LoRALinear], *, steps_per_iteration: int, layers_per_booster: int | None = None,
                  shrinkage: float = 1.0, adaptive: bool = False, patience: int = 50, threshold: float = 1e-3,
                  ema: float = 0.9, seed: int = 0):
         if not modules:
             raise UserError("XGBLoRA needs at least one adapted module")
-        if steps_per_iteration < 1:
-            raise UserError(f"--xgblora_steps_per_iteration must be at least 1, got {steps_per_iteration}")
-        if layers_per_booster is not None and layers_per_booster < 1:
-            raise UserError(f"--xgblora_layers_per_booster must be at least 1, got {layers_per_booster}")
-        if patience < 1:
-            raise UserError(f"--xgblora_adaptive_patience must be at least 1, got {patience}")
-        if not 0.0 <= ema < 1.0:
-            raise UserError(f"--xgblora_adaptive_ema must be in [0, 1), got {ema}")
         self.modules = dict(modules)
         self.blocks: dict[str, list[str]] = {}
         for name in self.modules:
@@ -91,17 +84,20 @@ class Boosting:
     # ------------------------------------------------------------------ schedule
 
     def after_step(self, step: int, loss: float | None,
-                   optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any] | None:
-        """Call after every optimizer step (1-based count); merges the booster when it is due and says so."""
+                   forget: Callable[[Iterable[torch.nn.Parameter]], None] | None = None) -> dict[str, Any] | None:
+        """Call after every optimizer step (1-based count); merges the booster when it is due and says so.
+
+        forget(params) is told which weights were re-initialised, so the optimizer drops their state.
+        """
         if self.adaptive:
             if loss is None or not math.isfinite(loss) or not self._observe(float(loss)):  # a skipped step: no signal
                 return None
             self._rollback()
         elif step % self.steps_per_iteration:
             return None
-        return self._merge(step, optimizer)
+        return self._merge(step, forget)
 
-    def _merge(self, step: int, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    def _merge(self, step: int, forget: Callable[[Iterable[torch.nn.Parameter]], None] | None) -> dict[str, Any]:
         active = self.active_modules()
         booster = len(self.history) + 1
         record = {}
@@ -111,10 +107,9 @@ class Boosting:
         self.history.append({"booster": booster, "step": step, "modules": record})
         for m in active.values():
             m.reset(self._generator)
-            for p in (m.lora_A, m.lora_B):
-                p.grad = None
-                if optimizer is not None:
-                    optimizer.state.pop(p, None)
+            m.lora_A.grad = m.lora_B.grad = None
+        if forget is not None:
+            forget([p for m in active.values() for p in (m.lora_A, m.lora_B)])
         self._choose_subset()
         self._start_tracking()
         log.info("XGBLoRA: merged booster %d at step %d", booster, step)

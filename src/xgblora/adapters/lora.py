@@ -24,6 +24,11 @@ _DEFAULT_TARGETS: dict[tuple[str, ...], list[str]] = {
 }
 
 
+def is_adapter_param(name: str) -> bool:
+    """Whether a parameter (by qualified name) is an adapter factor: LoRALinear's lora_A or lora_B."""
+    return ".lora_" in name or name.startswith("lora_")
+
+
 class LoRALinear(nn.Module):
     """A frozen nn.Linear plus scaling * B A in fp32; inactive -> the base alone; dual mode -> +/- perturbed halves."""
 

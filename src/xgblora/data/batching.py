@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from xgblora.data.batches import PackedBatch, TokenBatch
 from xgblora.data.tasks import Example
 from xgblora.errors import UserError
 
@@ -92,39 +93,29 @@ def length_grouped_batches(seqs: Sequence[TokenSeq], batch_size: int, shuffle_se
     return batches
 
 
-def collate(seqs: Sequence[TokenSeq], pad_id: int, side: str = "left") -> dict[str, torch.Tensor]:
-    """Pad a batch: input_ids, attention_mask, position_ids, and target_mask aligned with input_ids[:, -k:].
-
-    With left padding (the default) every sequence ends at the last column, so the scored tokens of all rows sit
-    in the last `k = max n_target` columns and the model computes logits for the last k + 1 positions only
-    (logits_to_keep). Right padding scores over the whole width (k = width - 1); it exists for cross-checks.
-    """
+def collate(seqs: Sequence[TokenSeq], pad_id: int) -> TokenBatch:
+    """Left-pad a batch: every sequence ends at the last column, so the scored tokens of all rows sit in the last
+    `k = max n_target` columns and the model computes logits for the last k + 1 positions only (logits_to_keep)."""
     width = max(len(s.ids) for s in seqs)
-    k = max(s.n_target for s in seqs) if side == "left" else width - 1
+    k = max(s.n_target for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     target_mask = torch.zeros((len(seqs), k), dtype=torch.bool)
     for row, s in enumerate(seqs):
-        start = width - len(s.ids) if side == "left" else 0
-        ids[row, start:start + len(s.ids)] = torch.tensor(s.ids)
-        mask[row, start:start + len(s.ids)] = 1
-        end = k - (width - start - len(s.ids))  # target_mask column of the row's last token
-        target_mask[row, end - s.n_target:end] = True
+        start = width - len(s.ids)
+        ids[row, start:] = torch.tensor(s.ids)
+        mask[row, start:] = 1
+        target_mask[row, k - s.n_target:] = True
     position_ids = (mask.cumsum(1) - 1).clamp(min=0)
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids, "target_mask": target_mask}
+    return TokenBatch(input_ids=ids, attention_mask=mask, position_ids=position_ids, target_mask=target_mask)
 
 
-PACKED_KEYS = ("input_ids", "position_ids", "target_index", "target_weight")
-
-
-def collate_packed(seqs: Sequence[TokenSeq]) -> dict[str, torch.Tensor]:
+def collate_packed(seqs: Sequence[TokenSeq]) -> PackedBatch:
     """Padding-free batch: the sequences end to end in one row, positions restarting at 0 (no attention_mask).
 
-    target_index [1, K]: the positions whose logits predict the K scored tokens (each one's previous position);
-    target_weight [1, n, K]: 1 / n_target where target k belongs to sequence i, so target_weight @ logprobs is
-    each sequence's mean target log-probability. transformers keeps the sequences apart from the restarting
-    position_ids (flash-attention varlen kernels; a block-diagonal mask elsewhere) for the model families that
-    pass position_ids to their mask: `packing_supported` checks a model.
+    transformers keeps the sequences apart from the restarting position_ids (flash-attention varlen kernels; a
+    block-diagonal mask elsewhere) for the model families that pass position_ids to their mask:
+    `scoring.packing_supported` checks a model.
     """
     ids: list[int] = []
     positions: list[int] = []
@@ -138,78 +129,15 @@ def collate_packed(seqs: Sequence[TokenSeq]) -> dict[str, torch.Tensor]:
         owner.extend([i] * s.n_target)
     weight = torch.zeros(1, len(seqs), len(index))
     weight[0, owner, torch.arange(len(index))] = torch.tensor([1.0 / seqs[i].n_target for i in owner])
-    return {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([positions]),
-            "target_index": torch.tensor([index]), "target_weight": weight}
+    return PackedBatch(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),
+                       target_index=torch.tensor([index]), target_weight=weight)
 
 
-def split_packed(batch: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
-    """The packed batch of sequences start..stop-1 of a packed batch (its tokens are one contiguous slice)."""
-    starts = [*(batch["position_ids"][0] == 0).nonzero().flatten().tolist(), batch["input_ids"].shape[1]]
-    first, last = starts[start], starts[stop]
-    index = batch["target_index"]
-    keep = (index[0] >= first) & (index[0] < last)
-    return {"input_ids": batch["input_ids"][:, first:last], "position_ids": batch["position_ids"][:, first:last],
-            "target_index": index[:, keep] - first, "target_weight": batch["target_weight"][:, start:stop][:, :, keep],
-            **{k: v for k, v in batch.items() if k not in PACKED_KEYS}}
-
-
-def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def target_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Log-probability of each target token, shape [B, k] (zero where target_mask is False)."""
-    target_mask = batch["target_mask"]
-    k = target_mask.shape[1]
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], logits_to_keep=k + 1).logits[:, :-1]
-    return _token_logprobs(logits, batch["input_ids"][:, -k:]) * target_mask
-
-
-def packed_mean_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Each packed sequence's mean target log-probability, shape [rows * n] (rows > 1: copies, e.g. dual MeZO)."""
-    index = batch["target_index"]
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], logits_to_keep=index,
-                   use_cache=False).logits  # transformers looks for packed sequences only without a cache
-    logprobs = _token_logprobs(logits, batch["input_ids"].gather(1, index + 1))
-    return (batch["target_weight"] @ logprobs.unsqueeze(-1)).reshape(-1)
-
-
-@torch.no_grad()
-def packing_supported(model: torch.nn.Module) -> bool:
-    """Whether the model keeps packed sequences apart: a sequence packed after two different ones scores the same.
-
-    Rows [A, C] and [B, C] with restarting position ids: without a leak across the boundary C's logits are the
-    same in both rows (masked keys add exact zeros; measured: 0.0 on Llama shapes in fp32 and bf16), with one they
-    differ by a third of the largest logit (OPT); 1e-3 of it is the bar. C must also score about as it does alone
-    (10%: bf16 rounding of a 16-layer model reaches 1.5%), so that the positions restart. A model that cannot run
-    the packed forward at all does not support packing.
-    """
-    weight = model.get_input_embeddings().weight
-    gen = torch.Generator().manual_seed(0)
-    a, b, c = (torch.randint(3, weight.shape[0], (n,), generator=gen).tolist() for n in (6, 6, 9))
-    positions = [*range(len(a)), *range(len(c))]
-    was_training = model.training
-    model.eval()
-    try:
-        packed = model(input_ids=torch.tensor([a + c, b + c], device=weight.device), use_cache=False,
-                       position_ids=torch.tensor([positions, positions], device=weight.device)).logits[:, len(a):]
-        alone = model(input_ids=torch.tensor([c], device=weight.device)).logits[0].float()
-    except (RuntimeError, TypeError, ValueError):
-        return False
-    finally:
-        model.train(was_training)
-    packed, scale = packed.float(), alone.abs().max().item()
-    leak = (packed[0] - packed[1]).abs().max().item()
-    return leak <= 1e-3 * scale and (packed[0] - alone).abs().max().item() <= 0.1 * scale
-
-
-def iter_batches(seqs: Sequence[TokenSeq], batch_size: int, pad_id: int, device: torch.device,
-                 side: str = "left") -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+def iter_batches(seqs: Sequence[TokenSeq], batch_size: int, pad_id: int,
+                 device: torch.device) -> Iterator[tuple[list[int], TokenBatch]]:
     """Yield (indices, batch on device) over seqs in length-sorted batches."""
     for idx in length_grouped_batches(seqs, batch_size):
-        batch = collate([seqs[i] for i in idx], pad_id, side)
-        yield idx, {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        yield idx, collate([seqs[i] for i in idx], pad_id).to(device)
 
 
 def gold_continuation(ex: Example) -> str:
@@ -227,25 +155,6 @@ def training_seqs(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example
         return encode_pairs(tokenizer, examples, max_length)
     gold_only = [Example(ex.prompt, (gold_continuation(ex),), (0,)) for ex in examples]
     return encode_pairs(tokenizer, gold_only, max_length)
-
-
-def epoch_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int,
-                  group_by_length: bool = True) -> list[list[int]]:
-    """One epoch's batches of example indices: a seeded shuffle, then (HF-style) length grouping within mega-batches.
-
-    The order depends only on (seed, epoch), so a resumed run sees the same batches as an uninterrupted one.
-    """
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = torch.randperm(len(lengths), generator=gen).tolist()
-    if group_by_length:
-        mega = batch_size * 50
-        order = [i for k in range(0, len(order), mega)
-                 for i in sorted(order[k:k + mega], key=lambda i: -lengths[i])]
-    batches = [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
-    if group_by_length and len(batches) > 1:  # length-sorted mega-batches would put the longest batches first
-        perm = torch.randperm(len(batches), generator=gen).tolist()
-        batches = [batches[p] for p in perm]
-    return batches
 
 
 @dataclass(frozen=True)
@@ -291,7 +200,6 @@ def collate_prefix_suffix(seqs: Sequence[TokenSeq], groups: Sequence[PrefixGroup
     """
     prefixes = [TokenSeq(seqs[g.rows[0]].ids[:g.length], 0, k, 0) for k, g in enumerate(groups)]
     prefix = collate(prefixes, pad_id)
-    del prefix["target_mask"]
     rows = [(k, seqs[r], g.length) for k, g in enumerate(groups) for r in g.rows]
     width = max(len(s.ids) - n for _, s, n in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -304,20 +212,8 @@ def collate_prefix_suffix(seqs: Sequence[TokenSeq], groups: Sequence[PrefixGroup
         target_mask[row, tail - s.n_target:tail] = True
     owner = torch.tensor([k for k, _, _ in rows])
     lengths = torch.tensor([n for _, _, n in rows])
-    return {f"prefix_{k}": v for k, v in prefix.items()} | {
-        "suffix_input_ids": ids, "suffix_position_ids": lengths[:, None] + torch.arange(width),
-        "suffix_attention_mask": torch.cat([prefix["attention_mask"][owner], mask], dim=1),
+    return {"prefix_input_ids": prefix.input_ids, "prefix_attention_mask": prefix.attention_mask,
+            "prefix_position_ids": prefix.position_ids,
+            "suffix_input_ids": ids, "suffix_position_ids": lengths[:, None] + torch.arange(width),
+            "suffix_attention_mask": torch.cat([prefix.attention_mask[owner], mask], dim=1),
         "owner": owner, "target_mask": target_mask}
-
-
-def contiguous_head_input(model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle | None:
-    """Hand the LM head a contiguous input (a forward pre-hook on the output embeddings); returns its handle.
-
-    With logits_to_keep, transformers passes the head a strided slice of the hidden states, and F.linear then
-    runs a batched matmul against the weight broadcast to every row instead of one GEMM: on the CPU (torch 2.13,
-    an opt-125m head over 8 x 17 positions) 2.2x slower in fp32 and 12x in bf16, for the same numbers.
-    """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
-        return None
-    return head.register_forward_pre_hook(lambda _module, args: (args[0].contiguous(), *args[1:]))

@@ -1,5 +1,8 @@
 """Zeroth-order optimisation (MeZO, Malladi et al. 2023): seeded perturbations, two-point estimate, update.
 
+`MeZO.step(loss_fn, batch, lr)` is the algorithm; `ZOStepper.step(next_batch, lr)` is what the training loop
+calls (the same interface as the AdamW stepper): one batch, one MeZO step, the NaN policy, the loss as a tensor.
+
 How z is drawn (a test or another rank rebuilds it from this alone):
 
 * step seeds: ``rng = torch.Generator().manual_seed(seed)``; each step draws
@@ -19,14 +22,18 @@ How z is drawn (a test or another rank rebuilds it from this alone):
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
 
 from xgblora.adapters.lora import LoRALinear
+from xgblora.data.batches import Batch
 from xgblora.optim.fo import decays
+
+log = logging.getLogger("xgblora")
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _SEED_BOUND = 2**62
@@ -85,7 +92,7 @@ class MeZO:
         self.last_seed: int | None = None
 
     @torch.no_grad()
-    def step(self, loss_fn: Callable[[dict], Tensor], batch: dict[str, Tensor],
+    def step(self, loss_fn: Callable[[Batch], Tensor], batch: Batch,
              lr: float | None = None) -> tuple[float, float]:
         """One step; loss_fn(batch) gives per-example losses [B]; returns (L+, L-) after one host sync."""
         lr = self.lr if lr is None else lr
@@ -116,7 +123,7 @@ class MeZO:
                     self._update(piece, z, self.eps, usable, lr, self.weight_decay if decay else 0.0, round_gens)
         return plus_f, minus_f
 
-    def _two_pass_losses(self, loss_fn: Callable[[dict], Tensor], batch: dict[str, Tensor],
+    def _two_pass_losses(self, loss_fn: Callable[[Batch], Tensor], batch: Batch,
                          params: Trainable, seed: int) -> tuple[Tensor, Tensor]:
         """L+ at theta + eps z, L- at theta - eps z; leaves the weights at theta - eps z (theta on error)."""
         offset = 0.0
@@ -133,7 +140,7 @@ class MeZO:
             raise
         return plus, minus
 
-    def _dual_losses(self, loss_fn: Callable[[dict], Tensor], batch: dict[str, Tensor],
+    def _dual_losses(self, loss_fn: Callable[[Batch], Tensor], batch: Batch,
                      params: Trainable, zs: list[Tensor]) -> tuple[Tensor, Tensor]:
         """L+ and L- from one forward over the doubled batch, each adapter branch perturbed per half."""
         z_of = {id(p): z for (p, _), z in zip(params, zs, strict=True)}
@@ -146,7 +153,7 @@ class MeZO:
                 m.set_dual_perturbation(torch.zeros_like(m.lora_A) if z_A is None else z_A,
                                         torch.zeros_like(m.lora_B) if z_B is None else z_B, self.eps)
                 perturbed.append(m)
-            losses = loss_fn({k: torch.cat([v, v]) if isinstance(v, Tensor) else v for k, v in batch.items()})
+            losses = loss_fn(batch.doubled())
         finally:
             for m in perturbed:
                 m.clear_dual_perturbation()
@@ -224,3 +231,37 @@ class MeZO:
         self._rng.set_state(state["rng"])
         self.projected_grad = state["projected_grad"]
         self.last_seed = state["last_seed"]
+
+
+class ZOStepper:
+    """The loop's MeZO step: next_batch() -> one MeZO step at lr -> (L+ + L-) / 2 as a device tensor.
+
+    A non-finite estimate leaves the weights as they were (MeZO restores them); under --nan_policy skip that is
+    said at once, under stop the loop raises at its next logging step.
+    """
+
+    def __init__(self, mezo: MeZO, loss_fn: Callable[[Batch], Tensor], *, nan_policy: str = "stop",
+                 device: torch.device | str = "cpu"):
+        self.mezo, self.loss_fn, self.nan_policy, self.device = mezo, loss_fn, nan_policy, torch.device(device)
+
+    def step(self, next_batch: Callable[[], Batch], lr: float) -> Tensor:
+        """One MeZO step on the next batch; returns the mean of the two perturbed losses."""
+        plus, minus = self.mezo.step(self.loss_fn, next_batch(), lr=lr)
+        if not math.isfinite(plus - minus) and self.nan_policy == "skip":
+            log.warning("non-finite MeZO loss; update skipped (--nan_policy skip)")
+        return torch.tensor((plus + minus) / 2, device=self.device)
+
+    def forget(self, params: Iterable[nn.Parameter]) -> None:
+        """MeZO keeps no per-weight state: nothing to drop when a booster is re-initialised."""
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """MeZO is not sharded: every rank holds the whole model and applies the same update."""
+        return model
+
+    def state_dict(self) -> dict:
+        """The MeZO state (its step-seed generator)."""
+        return {"zo": self.mezo.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict() returned."""
+        self.mezo.load_state_dict(state["zo"])

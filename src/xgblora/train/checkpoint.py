@@ -1,4 +1,10 @@
-"""Checkpoints written atomically (temporary folder, fsync, rename): weights, optimizer blobs, loop state, RNG states."""
+"""Checkpoints: the one module that knows their layout. Written atomically (temporary folder, fsync, rename).
+
+A checkpoint folder holds `trainable.safetensors` (the trainable weights, plus the merged-into base weights of
+adapted layers under XGBLoRA), `trainer_state.json` (the loop state and the RNG states) and `state.pt` (each
+component's `state_dict()` under its name: the stepper's optimizer state, the booster history). `Checkpointer`
+saves and restores a run's components side by side; the functions below it are the atomic file operations.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,9 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -111,3 +118,57 @@ def prune(root: Path, keep: int | None) -> None:
     found = step_checkpoints(root)
     for path in found[: max(0, len(found) - keep)]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+class Stateful(Protocol):
+    """A component that saves and restores itself."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Checkpointer:
+    """Save and restore a run: the model's trainable tensors, the loop state, the RNG states, and named components.
+
+    `model_components` are part of the model (the XGBLoRA booster history: final/ exports it) and are saved even
+    with save_only_model; `components` (the stepper) only without it. Only the main process writes.
+    """
+
+    def __init__(self, root: Path, *, model: torch.nn.Module, tensors: Callable[[], dict[str, torch.Tensor]],
+                 components: dict[str, Stateful], model_components: dict[str, Stateful],
+                 save_only_model: bool = False, is_main: bool = True):
+        self.root, self.model, self.tensors = root, model, tensors
+        self.components = {} if save_only_model else components
+        self.model_components = model_components
+        self.is_main = is_main
+
+    def save(self, name: str, loop_state: dict[str, Any]) -> Path:
+        """Write root/name (every rank calls it: gathering sharded weights needs them all)."""
+        tensors = self.tensors()
+        if not self.is_main:
+            return self.root / name
+        blobs = {key: c.state_dict() for key, c in {**self.components, **self.model_components}.items()}
+        return save(self.root, name, tensors, {**loop_state, "rng": rng_state()}, blobs)
+
+    def restore(self, requested: str) -> tuple[Path, dict[str, Any]]:
+        """Load a checkpoint ('latest' or a folder) into the model, the RNGs and the components; return its path
+        and the loop state."""
+        path = resolve(self.root, requested)
+        state, blobs = self._load_into_model(path)
+        set_rng_state(state.pop("rng"))
+        for key, component in self.components.items():
+            if key in blobs:  # absent when the checkpoint was saved with save_only_model
+                component.load_state_dict(blobs[key])
+        return path, state
+
+    def load_model(self, path: Path) -> dict[str, Any]:
+        """Load a checkpoint's weights and model components (not the stepper); return its loop state."""
+        return self._load_into_model(path)[0]
+
+    def _load_into_model(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        tensors, state, blobs = load(path)
+        self.model.load_state_dict(tensors, strict=False)
+        for key, component in self.model_components.items():
+            component.load_state_dict(blobs[key])
+        return state, blobs

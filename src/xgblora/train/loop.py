@@ -1,0 +1,309 @@
+"""The training loop and the run's state: one `Trainer` owns the stepper, the schedule, the batch stream, the
+logged-loss window, boosting, evaluation and checkpoints; `Trainer.fit()` reads top to bottom.
+
+Resuming is exact: a checkpoint holds the loop state (step, epoch, cursor, best, the logging window in flight),
+the RNG states, the stepper's state and the booster history, and the learning rate is a function of the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from tqdm.auto import tqdm
+
+from xgblora import distributed, perf
+from xgblora.config import Config
+from xgblora.data.batches import Batch
+from xgblora.data.order import BatchStream
+from xgblora.distributed import Distributed
+from xgblora.errors import UserError
+from xgblora.logging import MetricsLog
+from xgblora.objective import TrainingLoss, TrainingSet
+from xgblora.optim.fo import AdamWStepper
+from xgblora.optim.schedule import Schedule
+from xgblora.optim.zo import MeZO, ZOStepper
+from xgblora.train.checkpoint import Checkpointer, prune
+from xgblora.train.results import save_final
+from xgblora.train.setup import Method, RunSetup
+
+log = logging.getLogger("xgblora")
+
+
+class Stepper(Protocol):
+    """One optimizer step per call: AdamW (optim.fo) or MeZO (optim.zo)."""
+
+    def step(self, next_batch: Callable[[], Batch], lr: float) -> torch.Tensor: ...
+
+    def forget(self, params: Any) -> None: ...
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class LossWindow:
+    """The training losses since the last log, summed on the device: no host sync per step, one when drained."""
+
+    def __init__(self, device: torch.device):
+        self.total = torch.zeros((), device=device)
+        self.finite = torch.zeros((), device=device)
+        self.steps = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        """Count one step's loss (a non-finite one counts as a skipped step)."""
+        ok = torch.isfinite(loss.detach())
+        self.total += torch.where(ok, loss.detach(), 0.0)
+        self.finite += ok
+        self.steps += 1
+
+    def drain(self) -> tuple[float | None, int]:
+        """(mean of the finite losses or None, number of non-finite ones); the window starts over."""
+        total, finite = torch.stack([self.total, self.finite]).tolist()  # the one host sync
+        skipped = self.steps - int(finite)
+        self.total.zero_()
+        self.finite.zero_()
+        self.steps = 0
+        return (total / finite if finite else None), skipped
+
+    def state_dict(self) -> list[float]:
+        """[sum of finite losses, their count, steps] of the window in flight."""
+        return [float(self.total), float(self.finite), self.steps]
+
+    def load_state_dict(self, values: list[float]) -> None:
+        """Restore what state_dict() returned."""
+        self.total.fill_(values[0])
+        self.finite.fill_(values[1])
+        self.steps = int(values[2])
+
+
+@dataclass
+class LoopState:
+    """Where the run stands: steps done, the data cursor, the best dev score, the logging window."""
+
+    stream: BatchStream
+    window: LossWindow
+    step: int = 0
+    best: dict[str, Any] | None = None
+    last_loss: float | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loop state as JSON values."""
+        return {"step": self.step, "epoch": self.stream.epoch, "cursor": self.stream.cursor, "best": self.best,
+                "window": self.window.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict() returned."""
+        self.step, self.best = state["step"], state["best"]
+        self.stream.epoch, self.stream.cursor = state["epoch"], state["cursor"]
+        self.window.load_state_dict(state["window"])
+
+
+@dataclass
+class Hooks:
+    """Callbacks into the loop: on_step_end(state) runs after each step's update and logging."""
+
+    on_step_end: list[Callable[[LoopState], None]] = field(default_factory=list)
+
+
+class StopRequested(KeyboardInterrupt):
+    """SIGINT/SIGTERM arrived: the loop saved a checkpoint and stopped."""
+
+
+@contextlib.contextmanager
+def graceful_stop() -> Iterator[dict[str, bool]]:
+    """Turn SIGINT/SIGTERM into a flag the loop checks after each step (the step in flight finishes)."""
+    flag = {"stop": False}
+
+    def handler(signum, frame):  # noqa: ARG001
+        if flag["stop"]:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        flag["stop"] = True
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Distributed,
+                  device: torch.device) -> Stepper:
+    """AdamW (--trainer regular) or MeZO (--trainer zo) over the method's trainable parameters."""
+    boosting = method.boosting
+    if cfg.trainer == "regular":
+        penalty = (lambda: boosting.norm_penalty(cfg.xgblora_norm_penalty)) \
+            if boosting is not None and cfg.xgblora_norm_penalty > 0 else None
+        return AdamWStepper(method.named_params, loss_fn, weight_decay=cfg.weight_decay,
+                            betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                            fused=None if cfg.fused_adamw else False, max_grad_norm=cfg.max_grad_norm,
+                            accumulation=cfg.gradient_accumulation_steps, micro_batch=cfg.per_device_train_batch_size,
+                            nan_policy=cfg.nan_policy, penalty=penalty, dist=dist)
+    # the doubled batch carries adapter perturbations only: not a full model, a trainable head, or grouped rows
+    dual = cfg.zo_dual and bool(method.modules) and not method.head and not cfg.train_as_classification
+    # the norm penalty l(|A|^2 + |B|^2) has the exact gradient 2l*theta: under MeZO it is weight decay 2l
+    decay = cfg.weight_decay + (2 * cfg.xgblora_norm_penalty if boosting is not None else 0.0)
+    mezo = MeZO(method.named_params, cfg.learning_rate, cfg.zo_eps, decay, cfg.zo_stochastic_rounding,
+                dual_modules=method.modules if dual else None, seed=cfg.seed, reduce_losses=dist.all_mean)
+    return ZOStepper(mezo, loss_fn, nan_policy=cfg.nan_policy, device=device)
+
+
+def total_steps(cfg: Config, n_examples: int, global_batch: int) -> int:
+    """--max_steps, else the optimizer steps of --num_train_epochs epochs."""
+    if cfg.max_steps > 0:
+        return cfg.max_steps
+    return math.ceil(cfg.num_train_epochs * math.ceil(n_examples / global_batch) / cfg.gradient_accumulation_steps)
+
+
+class Trainer:
+    """The state of one training run and the loop over it."""
+
+    def __init__(self, run: RunSetup, method: Method, train_set: TrainingSet, dist: Distributed,
+                 hooks: Hooks | None = None):
+        cfg = self.cfg = run.cfg
+        self.run, self.method, self.dist, self.hooks = run, method, dist, hooks or Hooks()
+        train_set = dist.shard(train_set)  # batch(global batch) collates this rank's shard of it
+        global_batch = cfg.per_device_train_batch_size * dist.world_size
+        stream = BatchStream(train_set.lengths, global_batch, cfg.seed, cfg.group_by_length)
+        self.max_steps = total_steps(cfg, len(train_set.lengths), global_batch)
+        self.schedule = Schedule(cfg.lr_scheduler_type, cfg.learning_rate, self.max_steps,
+                                 cfg.warmup_steps or int(cfg.warmup_ratio * self.max_steps))
+        if cfg.gradient_checkpointing and cfg.trainer == "regular":
+            run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.loss_fn = TrainingLoss(torch.compile(run.model) if cfg.compile else run.model, run.autocast)
+        self.stepper = build_stepper(cfg, method, self.loss_fn, dist, run.device)
+        self.state = LoopState(stream, LossWindow(run.device))
+        self.checkpointer = self._checkpointer()
+        if cfg.resume_from_checkpoint:
+            path, loop_state = self.checkpointer.restore(cfg.resume_from_checkpoint)
+            self.state.load_state_dict(loop_state)
+            log.info("resumed from %s at step %d", path, self.state.step)
+        self.loss_fn.model = self.stepper.prepare(self.loss_fn.model)  # FSDP wraps after loading
+        batches = iter(stream)
+        self.next_batch = lambda: train_set.batch(next(batches)).to(run.device)
+
+    def _checkpointer(self) -> Checkpointer:
+        boosting = self.method.boosting
+        with_bases = boosting is not None  # merged boosters live in the base weights
+
+        def tensors() -> dict[str, torch.Tensor]:
+            return self.dist.full_state(self.method.trainable_state(with_bases), self.loss_fn.model)
+
+        return Checkpointer(Path(self.cfg.output_dir) / "checkpoints", model=self.run.model, tensors=tensors,
+                            components={"stepper": self.stepper},
+                            model_components={"boosting": boosting} if boosting is not None else {},
+                            save_only_model=self.cfg.save_only_model, is_main=self.dist.is_main)
+
+    def fit(self) -> dict[str, Any]:
+        """Train to max_steps (or a stop signal); return the run's statistics."""
+        cfg, state = self.cfg, self.state
+        started = time.perf_counter()
+        self.run.model.train(cfg.trainer == "regular")  # MeZO's forwards run in eval mode: no dropout in L+ vs L-
+        with graceful_stop() as stop, self._metrics() as self.metrics, self._progress() as self.progress:
+            while state.step < self.max_steps:
+                lr = self.schedule(state.step)
+                loss = self.stepper.step(self.next_batch, lr)
+                state.step += 1
+                state.window.add(loss)
+                self._boost(loss)
+                if state.step % cfg.logging_steps == 0 or state.step == self.max_steps:
+                    self._log(lr, started)
+                self.progress.update(1)
+                for hook in self.hooks.on_step_end:
+                    hook(state)
+                if cfg.evaluation_strategy == "steps" and state.step % cfg.eval_steps == 0:
+                    self._evaluate()
+                if cfg.save_strategy == "steps" and state.step % cfg.save_steps == 0 and state.step < self.max_steps:
+                    self._save_periodic()
+                if self.dist.end_step(stop["stop"]):  # all ranks stop at the same step
+                    self._stop()
+        return self._finish(time.perf_counter() - started)
+
+    def _metrics(self) -> MetricsLog | distributed.SilentLog:
+        out, step = Path(self.cfg.output_dir), self.state.step
+        if not self.dist.is_main:
+            return distributed.SilentLog()
+        return MetricsLog(out / "metrics.jsonl", resume=step > 0, resume_step=step if step > 0 else None,
+                          tensorboard_dir=out / "tensorboard" if self.cfg.report_to == "tensorboard" else None)
+
+    def _progress(self) -> tqdm:
+        return tqdm(total=self.max_steps, initial=self.state.step, desc=f"{self.cfg.method}/{self.cfg.trainer}",
+                    dynamic_ncols=True, disable=None if self.dist.is_main else True)
+
+    def _boost(self, loss: torch.Tensor) -> None:
+        """XGBLoRA: merge the booster when due (the adaptive merge reads the loss: a host sync it alone pays)."""
+        if self.method.boosting is None:
+            return
+        observed = float(loss) if self.cfg.xgblora_adaptive else None
+        event = self.method.boosting.after_step(self.state.step, observed, self.stepper.forget)
+        if event is not None:
+            self.metrics.log({**event, "step": self.state.step})
+
+    def _log(self, lr: float, started: float) -> None:
+        """Drain the loss window into metrics.jsonl; a non-finite loss stops the run under --nan_policy stop."""
+        step = self.state.step
+        mean, skipped = self.state.window.drain()
+        if skipped and self.cfg.nan_policy == "stop":
+            raise UserError(f"training loss is nan or inf at step {step}; stopping. The last good checkpoint is "
+                            f"under {self.checkpointer.root} (try a lower --learning_rate, or --nan_policy skip)")
+        self.state.last_loss = mean
+        self.metrics.log({"step": step, "loss": mean, "lr": lr, **({"skipped": skipped} if skipped else {}),
+                          "elapsed_s": round(time.perf_counter() - started, 3)})
+        if mean is not None:
+            self.progress.set_postfix(loss=f"{mean:.4f}", refresh=False)
+
+    def _evaluate(self) -> None:
+        """Score the dev split; keep the best step (and its checkpoint with --load_best_model_at_end)."""
+        splits, state = self.run.splits, self.state
+        dev = self.run.score(splits.dev or splits.eval)
+        self.metrics.log({"step": state.step, **{f"eval_{k}": v for k, v in dev.items()}})
+        value = next(iter(dev.values()))
+        if state.best is None or value > state.best["value"]:
+            state.best = {"value": value, "step": state.step}
+            if self.cfg.load_best_model_at_end:
+                self._save("best")
+
+    def _save(self, name: str) -> Path:
+        self.metrics.flush()
+        return self.checkpointer.save(name, self.state.state_dict())
+
+    def _save_periodic(self) -> None:
+        self._save(f"step-{self.state.step}")
+        if self.dist.is_main:
+            prune(self.checkpointer.root, self.cfg.save_total_limit)
+
+    def _stop(self) -> None:
+        path = self._save(f"step-{self.state.step}")
+        raise StopRequested(f"stopped at step {self.state.step}; checkpoint saved to {path}; resume with "
+                            f"--resume_from_checkpoint latest")
+
+    def _finish(self, runtime: float) -> dict[str, Any]:
+        """Reload the best checkpoint if asked, write final/, and return the run's statistics."""
+        cfg, state, method = self.cfg, self.state, self.method
+        self.dist.wait_for_main()  # its checkpoints are written before any rank reads "best"
+        best_dir = self.checkpointer.root / "best"
+        if cfg.load_best_model_at_end and state.best is not None and best_dir.is_dir():
+            self.checkpointer.load_model(best_dir)  # the boosters merged up to the best step, not after it
+            log.info("loaded the best dev checkpoint (step %d, %.4f)", state.best["step"], state.best["value"])
+        final_state = self.dist.model_state(self.loss_fn.model)  # FSDP: the full weights (every rank takes part)
+        if self.dist.is_main:
+            save_final(cfg, self.run.model, self.run.tokenizer, method, final_state)
+        dev = self.run.score(self.run.splits.dev) if self.run.splits.dev and not cfg.no_eval else {}
+        return {"trainable_params": sum(p.numel() for _, p in method.named_params), "steps": state.step,
+                "train_runtime_s": round(runtime, 3),
+                "steps_per_second": round(state.step / runtime, 4) if runtime > 0 else None,
+                "train_loss": state.last_loss, "peak_memory_mb": round(perf.peak_memory_mb(self.run.device), 1),
+                **{f"dev_{k}": v for k, v in dev.items()},
+                "boosters": len(method.boosting.history) if method.boosting is not None else 0,
+                **self.dist.summary()}

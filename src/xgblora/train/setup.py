@@ -1,0 +1,199 @@
+"""Everything a run needs before its first step: task and splits, model and head, what trains, the training set,
+and the packing and autocast policies. The config is resolved here once (max_length capped to the model's
+positions, the device, model-only checkpoints under FSDP) and written to config.yaml; nothing changes it after."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from xgblora import config as config_mod
+from xgblora import encoders, models, perf
+from xgblora.adapters.boosting import Boosting
+from xgblora.adapters.lora import LoRALinear, attach, is_adapter_param, prepare_full_ft
+from xgblora.config import Config
+from xgblora.data.loading import Splits, sample_splits
+from xgblora.data.tasks import Example, Task, get_task
+from xgblora.distributed import Distributed
+from xgblora.errors import UserError
+from xgblora.evaluate import evaluate
+from xgblora.objective import TrainingSet, causal_training_set, label_training_set
+from xgblora.scoring import packing_supported
+
+log = logging.getLogger("xgblora")
+
+
+@dataclass
+class Method:
+    """What trains: the adapter (or, for full fine-tuning, every) parameters, a new head's parameters, the adapted
+    modules and the XGBLoRA schedule. `named_params` is what the stepper updates: trainable, then head."""
+
+    trainable: list[tuple[str, torch.nn.Parameter]]
+    head: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list)
+    modules: dict[str, LoRALinear] = field(default_factory=dict)
+    boosting: Boosting | None = None
+
+    def __post_init__(self) -> None:
+        self.named_params = [*self.trainable, *self.head]  # one list: FSDP replaces its entries in place
+
+    def trainable_state(self, with_bases: bool) -> dict[str, torch.Tensor]:
+        """Tensors a checkpoint must hold; with_bases adds the (merged-into) base weights of adapted modules."""
+        state = dict(self.named_params)
+        if with_bases:
+            state.update({f"{name}.base.weight": m.base.weight for name, m in self.modules.items()})
+        return state
+
+
+def setup_method(model: torch.nn.Module, cfg: Config) -> Method:
+    """Prepare full fine-tuning, LoRA, or XGBLoRA boosters on the model, and say what trains."""
+    if cfg.method == "ft":
+        count = prepare_full_ft(model)
+        log.info("full fine-tuning: %s trainable parameters", f"{count:,}")
+        return Method(list(model.named_parameters()))
+    targets = cfg.lora_target_modules.split(",") if cfg.lora_target_modules else None
+    report = attach(model, targets, r=cfg.rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
+    log.info("%s", report)
+    adapters = [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
+    head = [(n, p) for n, p in model.named_parameters() if encoders.is_head_param(n)]
+    for _, p in head:  # a new classification head trains in every method
+        p.requires_grad_(True)
+    boosting = None
+    if cfg.method == "xgblora":
+        boosting = Boosting(report.modules, steps_per_iteration=cfg.xgblora_steps_per_iteration,
+                            layers_per_booster=cfg.xgblora_layers_per_booster, shrinkage=cfg.xgblora_shrinkage,
+                            adaptive=cfg.xgblora_adaptive, patience=cfg.xgblora_adaptive_patience,
+                            threshold=cfg.xgblora_adaptive_threshold, ema=cfg.xgblora_adaptive_ema, seed=cfg.seed)
+        boosting.begin()
+    return Method(adapters, head, report.modules, boosting)
+
+
+@dataclass
+class RunSetup:
+    """A loaded run: the resolved config, the task's splits, the model and how it scores examples."""
+
+    cfg: Config
+    task: Task
+    splits: Splits
+    head: str
+    model: torch.nn.Module
+    tokenizer: Any
+    scoring: encoders.LabelScoring | None
+    device: torch.device
+
+    def score(self, examples: list[Example], demos: list[Example] | tuple = ()) -> dict[str, float]:
+        """The task's metric on examples (a label head reads one input: no in-context demonstrations)."""
+        cfg = self.cfg
+        if self.scoring is not None:
+            return encoders.evaluate(self.model, self.tokenizer, examples, self.scoring,
+                                     batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length)
+        return evaluate(self.model, self.tokenizer, self.task, examples, demos=demos, sfc=cfg.sfc,
+                        icl_sfc=cfg.icl_sfc, batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length,
+                        max_new_tokens=cfg.max_new_tokens)
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """The autocast dtype of training forwards (None: off)."""
+        return autocast_dtype(self.cfg, self.device)
+
+
+def load_run(cfg: Config, dist: Distributed) -> RunSetup:
+    """Task, splits, head and model; the config resolved against them and written to config.yaml."""
+    transformers.set_seed(cfg.seed)
+    task = get_task(cfg.task_name, cfg)
+    splits = sample_splits(task, cfg)
+    head = models.resolve_head(cfg.head, cfg.model_name, cfg.trust_remote_code)
+    words = encoders.label_words(task.name, splits.train, splits.dev, splits.eval) if head != "lm" else ()
+    if head != "lm" and (cfg.sfc or cfg.icl_sfc):
+        raise UserError(f"--sfc/--icl_sfc calibrate a causal LM's candidate scores; --head {head} has no surface forms")
+    model, tokenizer = models.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation,
+                                   device=dist.device or cfg.device, trust_remote_code=cfg.trust_remote_code,
+                                   head=head, num_labels=len(words) or None)
+    device = next(model.parameters()).device
+    cfg = resolve(cfg, model, dist)
+    if dist.is_main:
+        config_mod.dump(cfg, Path(cfg.output_dir) / "config.yaml")
+    _warn_on_emulated_bf16(cfg, device)
+    if cfg.tf32:
+        perf.enable_tf32(device)
+    scoring = encoders.build_scoring(head, tokenizer, words) if head != "lm" else None
+    return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device)
+
+
+def resolve(cfg: Config, model: torch.nn.Module, dist: Distributed) -> Config:
+    """The config that runs: max_length within the model's positions, the rank's device, FSDP's checkpoints."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    max_length = min(cfg.max_length, positions) if positions is not None else cfg.max_length
+    if max_length < cfg.max_length:
+        log.debug("max_length %d exceeds %s's %d positions; using %d", cfg.max_length, cfg.model_name, positions,
+                  positions)
+    return dataclasses.replace(cfg, max_length=max_length, device=dist.device or cfg.device,
+                               save_only_model=cfg.save_only_model or dist.model_only_checkpoints)
+
+
+def _warn_on_emulated_bf16(cfg: Config, device: torch.device) -> None:
+    if device.type == "cpu" and (cfg.bf16 or cfg.dtype_name != "float32") and not perf.cpu_has_bf16():
+        log.warning("this CPU has no native bf16 arithmetic (no avx512_bf16, AMX or Arm bf16): half precision runs "
+                    "emulated, 24x slower than fp32 for an all-MiniLM-L6-v2 training step on a 2-core AMD EPYC; "
+                    "drop --bf16 / --load_bfloat16 / --load_float16 on this machine")
+
+
+def training_set(run: RunSetup) -> TrainingSet:
+    """The tokenised training examples, packed or padded, for the run's head and objective."""
+    cfg = run.cfg
+    if not run.splits.train:
+        raise UserError(f"--trainer {cfg.trainer} needs training examples: --num_train is {cfg.num_train}")
+    if cfg.train_as_classification and run.task.generation and run.head == "lm":
+        raise UserError(f"--train_as_classification needs answer candidates; {run.task.name} is a generation task "
+                        f"(train it on the answer tokens, the default)")
+    if run.scoring is not None:
+        return label_training_set(run.tokenizer, run.splits.train, cfg.max_length, run.scoring)
+    return causal_training_set(run.tokenizer, run.splits.train, cfg.max_length, cfg.train_as_classification,
+                               packed=packing_enabled(run))
+
+
+def packing_enabled(run: RunSetup) -> bool:
+    """Whether training batches are packed: --packing, else on with flash attention; only where the model allows it.
+
+    With sdpa/eager the packed row's block-diagonal mask makes attention cost the square of the whole row: on the
+    CPU more than length grouping's few percent of padding on small models, a little less on 1B ones
+    (BENCHMARKS.md); flash attention's varlen kernels compute no cross-sequence pairs.
+    """
+    cfg, model = run.cfg, run.model
+    if cfg.packing is False:
+        return False
+    attention = getattr(model.config, "_attn_implementation", "") or ""
+    eligible = run.head == "lm" and not cfg.train_as_classification
+    if cfg.packing is None and not (eligible and attention.startswith("flash")):
+        return False
+    if not eligible:
+        raise UserError("--packing needs a causal LM trained on the gold continuation (not --head classifier/mlm or "
+                        "--train_as_classification, whose candidates are scored side by side)")
+    with torch.autocast(run.device.type, dtype=run.autocast, enabled=run.autocast is not None):  # as in training
+        supported = packing_supported(model)
+    if supported:
+        log.info("packing each training batch into one row (no padding)")
+        return True
+    if cfg.packing:
+        raise UserError(f"--packing: this model ({model.config.model_type}, {attention} attention) lets packed "
+                        f"sequences attend to each other; use --packing false (length-grouped padding)")
+    log.info("packing is off: %s with %s attention does not keep packed sequences apart", model.config.model_type,
+             attention)
+    return False
+
+
+def autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast: on by default on CUDA devices that support it; --bf16 forces it; --fp16 on CUDA only."""
+    if cfg.fp16:
+        if device.type != "cuda":
+            raise UserError("--fp16 autocast needs a CUDA device; on CPU use --bf16 (this CPU may support it)")
+        return torch.float16
+    use_bf16 = cfg.bf16 if cfg.bf16 is not None else (device.type == "cuda" and torch.cuda.is_bf16_supported())
+    if not use_bf16 or cfg.dtype_name != "float32":
+        return None
+    return torch.bfloat16
