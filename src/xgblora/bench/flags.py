@@ -1,0 +1,41 @@
+"""The flags of `xgblora bench`, and the smallest sizes that --quick shrinks them to."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `xgblora bench`."""
+    parser.add_argument("--model_name", "--model-name", default="tiny-opt",
+                        help="A built-in random model (tiny-opt, opt-125m-random, ...), a hub id or a local path.")
+    parser.add_argument("--batch_size", "--batch-size", type=int, default=8, help="Training batch size (rows).")
+    parser.add_argument("--seq_len", "--seq-len", type=int, default=128, help="Tokens per synthetic sequence.")
+    parser.add_argument("--target_len", "--target-len", type=int, default=0,
+                        help="Scored (target) tokens per sequence; 0 = seq_len // 8.")
+    parser.add_argument("--repeats", type=int, default=5, help="Timed repetitions per workload (medians taken).")
+    parser.add_argument("--warmup", type=int, default=2, help="Untimed repetitions first.")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="Model weight dtype.")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    parser.add_argument("--eval_examples", "--eval-examples", type=int, default=32,
+                        help="Examples scored in the evaluation comparison (the first ones of the dev split).")
+    parser.add_argument("--eval_task", "--eval-task", default="RTE",
+                        help="Task whose templates and dev rows shape the evaluation workload (SST2, RTE, CB, ...).")
+    parser.add_argument("--data_dir", "--data-dir", default=None,
+                        help="Folder with <task>/dev.jsonl for the evaluation workload; without it, synthetic prompts "
+                             "of RTE's length (premise of ~50 words) with its template and Yes/No candidates.")
+    parser.add_argument("--json", default=None, metavar="FILE", help="Write every figure to this JSON file.")
+    parser.add_argument("--skip_hf", "--skip-hf", action="store_true",
+                        help="Skip the Hugging Face Trainer + PEFT baseline.")
+    parser.add_argument("--skip_memory", "--skip-memory", action="store_true",
+                        help="Skip the per-workload peak-memory subprocesses.")
+    parser.add_argument("--quick", action="store_true", help="Smallest sizes (for tests): batch 2, 32 tokens.")
+
+
+def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
+    """With --quick, shrink sizes and repetitions to the smallest useful ones (in place)."""
+    if args.quick:
+        args.batch_size, args.seq_len = min(args.batch_size, 2), min(args.seq_len, 32)
+        args.repeats, args.warmup = min(args.repeats, 2), min(args.warmup, 1)
+        args.eval_examples = min(args.eval_examples, 4)
+    return args

@@ -1,0 +1,108 @@
+"""Peak memory of each workload, measured in a fresh subprocess per workload.
+
+On the CPU the figure is the peak RSS sampled while the workload runs: the process-lifetime peak (ru_maxrss) is
+reached while the model is built. RSS counts everything the process imported, so this module (what a worker
+imports) leaves out the HF Trainer + PEFT baseline; on CUDA the figure is max_memory_allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from xgblora.bench.timing import sync_device
+from xgblora.bench.workloads import Bench
+from xgblora.models import choose_device
+from xgblora.perf import peak_memory_mb
+
+MEMORY_WORKLOADS = ("inference", "zo", "zo_full", "adamw")
+_ARG_KEYS = ("model_name", "batch_size", "seq_len", "target_len", "repeats", "warmup", "dtype", "device",
+             "eval_examples")
+_WORKER_CODE = ("import json,sys; from xgblora.bench import memory_worker; "
+                "print(json.dumps(memory_worker(json.loads(sys.argv[1]))))")
+
+
+def _rss_mb() -> float:
+    """Current resident set size of this process (Linux /proc), MiB."""
+    with open("/proc/self/statm", encoding="ascii") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class RssSampler(threading.Thread):
+    """Samples the current RSS every `interval` seconds until stopped; `.peak_mb` is the largest sample.
+
+    The process-lifetime peak (ru_maxrss) is useless for comparing workloads on the CPU: building the model
+    peaks higher than any workload. Sampling while the workload runs measures the workload alone.
+    """
+
+    def __init__(self, interval: float = 5e-4) -> None:
+        super().__init__(daemon=True)
+        self.interval, self.peak_mb, self._stop_event = interval, _rss_mb(), threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.peak_mb = max(self.peak_mb, _rss_mb())
+            time.sleep(self.interval)
+
+    def stop(self) -> float:
+        """Stop sampling and return the peak (MiB)."""
+        self._stop_event.set()
+        self.join()
+        self.peak_mb = max(self.peak_mb, _rss_mb())
+        return self.peak_mb
+
+
+def memory_worker(config: dict[str, Any]) -> dict[str, float]:
+    """In a fresh process: set up one workload, run it a few times, and report its peak memory (MiB)."""
+    args = argparse.Namespace(**config["args"])
+    kind = config["kind"]
+    bench = Bench(args, with_lora=kind in ("zo", "adamw"), with_plain=kind in ("inference", "zo_full"))
+    batch = bench.next_batch()
+    if bench.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(bench.device)
+    setup_mb = peak_memory_mb(bench.device)
+    fn = {"inference": bench.forward, "zo": bench.zo_step, "zo_full": bench.zo_full_step,
+          "adamw": bench.adamw_step}[kind]
+    gc.collect()
+    sampler = RssSampler() if bench.device.type == "cpu" else None
+    if sampler is not None:
+        sampler.start()
+    for _ in range(3):
+        fn(batch)
+    sync_device(bench.device)
+    peak = sampler.stop() if sampler is not None else peak_memory_mb(bench.device)
+    return {"peak_mb": peak, "setup_peak_mb": setup_mb}
+
+
+def measure_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """Peak memory of each workload, each in its own subprocess (run concurrently; peaks are per process)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    procs = {}
+    for kind in MEMORY_WORKLOADS[:2] if args.quick else MEMORY_WORKLOADS:  # --quick: just the ratio's two
+        config = json.dumps({"kind": kind, "args": {k: v for k, v in vars(args).items() if k in _ARG_KEYS}})
+        procs[kind] = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, config], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, env=env)
+    out: dict[str, Any] = {}
+    for kind, proc in procs.items():
+        stdout, stderr = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"memory worker {kind!r} failed:\n{stderr[-2000:]}")
+        result = json.loads(stdout.strip().splitlines()[-1])
+        out[f"peak_mem_{kind}_mb"] = result["peak_mb"]
+        out[f"setup_mem_{kind}_mb"] = result["setup_peak_mb"]
+    out["zo_peak_mem_over_inference"] = out["peak_mem_zo_mb"] / out["peak_mem_inference_mb"]
+    for kind in ("zo_full", "adamw"):
+        if f"peak_mem_{kind}_mb" in out:
+            out[f"{kind}_peak_mem_over_inference"] = out[f"peak_mem_{kind}_mb"] / out["peak_mem_inference_mb"]
+    out["memory_kind"] = "cuda max_memory_allocated" if choose_device(args.device).type == "cuda" \
+        else "peak RSS sampled while the workload runs (model set-up excluded)"
+    return out
