@@ -20,33 +20,31 @@ import statistics
 import torch
 
 from xgblora import models
-from xgblora.adapters.lora import attach
-from xgblora.bench import time_interleaved
+from xgblora.adapters.lora import attach, is_adapter_param
+from xgblora.bench.timing import time_interleaved
 from xgblora.config import Config
 from xgblora.data.loading import sample_splits
 from xgblora.data.order import epoch_batches
 from xgblora.data.tasks import get_task
-from xgblora.objective import causal_training_set, per_example_loss
-from xgblora.optim import fo
-from xgblora.optim.zo import MeZO
+from xgblora.objective import TrainingLoss, causal_training_set
+from xgblora.optim.fo import AdamWStepper
+from xgblora.optim.zo import MeZO, ZOStepper
 from xgblora.scoring import packing_supported
 
 
-def steps_of(model: torch.nn.Module, modules: dict) -> dict:
-    """One LoRA AdamW step and one dual MeZO step, as functions of a batch."""
-    named = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
-    optimizer = fo.build_optimizer(named, lr=1e-4)
-    zo = MeZO(named, lr=1e-5, eps=1e-3, dual_modules=modules)
+def steps_of(model: torch.nn.Module, modules: dict, batch_size: int) -> dict:
+    """One LoRA AdamW step and one dual MeZO step (the steppers of `xgblora train`), as functions of a batch."""
+    named = [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
+    adamw_stepper = AdamWStepper(named, TrainingLoss(model), max_grad_norm=0.0, micro_batch=batch_size)
+    zo_stepper = ZOStepper(MeZO(named, lr=1e-5, eps=1e-3, dual_modules=modules), TrainingLoss(model))
 
     def adamw(batch):
         model.train()
-        per_example_loss(model, batch).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        adamw_stepper.step(lambda: batch, lr=1e-4)
 
     def mezo(batch):
         model.eval()
-        zo.step(lambda b: per_example_loss(model, b), batch)
+        zo_stepper.step(lambda: batch, lr=1e-5)
 
     return {"adamw": adamw, "mezo": mezo}
 
@@ -74,22 +72,22 @@ def main(argv: list[str] | None = None) -> dict:
     sets = {packed: causal_training_set(tokenizer, examples, args.max_length, False, packed)
             for packed in (False, True)}
     lengths = sets[False].lengths
-    steps = steps_of(model, modules)
+    steps = steps_of(model, modules, args.batch_size)
     out: dict = {"model": args.model_name, "dtype": args.dtype, "task": args.task_name, "batch_size": args.batch_size,
                  "threads": torch.get_num_threads(), "mean_tokens_per_example": statistics.fmean(lengths)}
     for grouped in (True, False):
         batches = epoch_batches(lengths, args.batch_size, seed=0, epoch=0, group_by_length=grouped)[:args.steps + 2]
         padded = [sets[False].batch(b) for b in batches]
         packed = [sets[True].batch(b) for b in batches]
-        real = sum(int(b["attention_mask"].sum()) for b in padded)
+        real = sum(int(b.attention_mask.sum()) for b in padded)
         tag = "grouped" if grouped else "shuffled"
-        out[f"{tag}_padding_share"] = 1 - real / sum(b["input_ids"].numel() for b in padded)
+        out[f"{tag}_padding_share"] = 1 - real / sum(b.input_ids.numel() for b in padded)
         for kind, step in steps.items():
             feeds = {"padded": iter(padded), "packed": iter(packed)}
             times = time_interleaved({name: lambda f=feed, s=step: s(next(f)) for name, feed in feeds.items()},
                                      repeats=args.steps, warmup=2, device=torch.device("cpu"))
             padded_s, packed_s = sum(times["padded"]), sum(times["packed"])
-            out[f"{tag}_{kind}_padded_tokens_per_s"] = sum(int(b["attention_mask"].sum()) for b in padded[2:]) / padded_s
+            out[f"{tag}_{kind}_padded_tokens_per_s"] = sum(int(b.attention_mask.sum()) for b in padded[2:]) / padded_s
             out[f"{tag}_{kind}_packed_over_padded"] = packed_s / padded_s
     print(json.dumps(out, indent=2))
     if args.json:

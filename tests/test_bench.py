@@ -6,12 +6,13 @@ import math
 
 import pytest
 
-from xgblora import bench
+from xgblora.bench import flags, suite, table, workloads
+from xgblora.bench.baselines import hf_vs_xgblora
 
 
 def _args(tmp_path, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
+    flags.add_arguments(parser)
     return parser.parse_args(["--quick", "--model_name", "tiny-opt", "--device", "cpu",
                               "--json", str(tmp_path / "bench.json"), *extra])
 
@@ -21,11 +22,11 @@ def _positive(value) -> bool:
 
 
 def test_bench_quick_writes_every_key_and_prints_the_table(tmp_path, capsys):
-    assert bench.main(_args(tmp_path, "--skip_hf")) == 0
+    assert suite.main(_args(tmp_path, "--skip_hf")) == 0
     out = capsys.readouterr().out
     assert "MeZO LoRA step / two forwards" in out and "target" in out
     res = json.loads((tmp_path / "bench.json").read_text())
-    for key in bench.REQUIRED_KEYS:
+    for key in table.REQUIRED_KEYS:
         if key == "fo_lora_speedup_vs_hf_peft":
             assert res[key] is None  # --skip_hf
             continue
@@ -41,7 +42,7 @@ def test_bench_quick_writes_every_key_and_prints_the_table(tmp_path, capsys):
 
 def test_eval_workload_reads_real_dev_rows(tmp_path, shared_data):
     args = _args(tmp_path, "--data_dir", str(shared_data), "--eval_task", "CB", "--eval_examples", "5")
-    examples, source = bench.eval_examples(args)
+    examples, source = workloads.eval_examples(args)
     assert len(examples) == 5 and "CB dev rows" in source
     first = json.loads((shared_data / "cb" / "dev.jsonl").read_text().splitlines()[0])
     assert first["premise"] in examples[0].prompt and examples[0].candidates == ("Yes", "No", "Maybe")
@@ -49,8 +50,8 @@ def test_eval_workload_reads_real_dev_rows(tmp_path, shared_data):
 
 def test_hf_peft_baseline_gives_a_speedup(tmp_path):
     pytest.importorskip("peft")
-    b = bench.Bench(bench.apply_quick(_args(tmp_path)))
-    res = bench.hf_vs_xgblora(b, steps=3, warmup=1)
+    b = workloads.Bench(flags.apply_quick(_args(tmp_path)))
+    res = hf_vs_xgblora(b, steps=3, warmup=1)
     assert res["hf_steps_timed"] == 3
     assert _positive(res["fo_lora_speedup_vs_hf_peft"])
     assert _positive(res["hf_peft_train_tokens_per_s"])

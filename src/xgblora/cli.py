@@ -74,7 +74,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from xgblora.bench import main as bench_main
+    from xgblora.bench.suite import main as bench_main
 
     return bench_main(args)
 
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
                            help="merged: let the base model run its own code (only when you pass it).")
         elif name == "bench":
-            from xgblora.bench import add_arguments as add_bench_arguments
+            from xgblora.bench.flags import add_arguments as add_bench_arguments
 
             add_bench_arguments(p)
         elif name == "demo":

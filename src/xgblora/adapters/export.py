@@ -14,7 +14,7 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from xgblora.adapters.lora import LoRALinear, unwrap
+from xgblora.adapters.lora import LoRALinear, add_delta_, is_adapter_param, lora_delta, unwrap
 from xgblora.errors import UserError
 
 # One low-rank term of a module's total update: scale * B @ A.
@@ -173,7 +173,7 @@ def _read_adapter(folder: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Ten
         alpha = float(_pattern_value(alpha_pattern, name, config.get("lora_alpha", r)))
         scaling = alpha / (r ** 0.5 if config.get("use_rslora") else r)
         out[name] = (A, B.float(), scaling)
-    head = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix) and ".lora_" not in k}
+    head = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix) and not is_adapter_param(k)}
     return out, head
 
 
@@ -285,13 +285,13 @@ def _merge_into_base(cfg: dict[str, Any], adapter: dict[str, tuple[torch.Tensor,
                 weight = model.get_submodule(name).weight
             except AttributeError:
                 raise UserError(f"adapter module {name!r} is not a module of {cfg['model_name']}") from None
-            delta = scaling * (B.float() @ A.float())
+            delta = lora_delta(A, B, scaling)
             if delta.shape != weight.shape and delta.T.shape == weight.shape:  # Conv1D (fan_in_fan_out) layout
                 delta = delta.T
             if delta.shape != weight.shape:
                 raise UserError(f"adapter module {name!r}: delta {tuple(delta.shape)} does not fit the base weight "
                                 f"{tuple(weight.shape)}")
-            weight.copy_((weight.float() + delta).to(weight.dtype))
+            add_delta_(weight, delta)
     model.config.use_cache = True  # models.load turns it off for training; a merged export is for inference
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -29,6 +29,17 @@ def is_adapter_param(name: str) -> bool:
     return ".lora_" in name or name.startswith("lora_")
 
 
+def lora_delta(A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+    """The dense update of a low-rank branch, scale * B @ A, in fp32: the one formula every merge uses."""
+    return scale * (B.float() @ A.float())
+
+
+@torch.no_grad()
+def add_delta_(weight: torch.Tensor, delta: torch.Tensor) -> None:
+    """weight += delta, summed in fp32 and cast to the weight's dtype once (no double rounding in half precision)."""
+    weight.copy_((weight.to(torch.float32) + delta).to(weight.dtype))
+
+
 class LoRALinear(nn.Module):
     """A frozen nn.Linear plus scaling * B A in fp32; inactive -> the base alone; dual mode -> +/- perturbed halves."""
 
@@ -79,13 +90,12 @@ class LoRALinear(nn.Module):
 
     def delta_weight(self) -> torch.Tensor:
         """The branch as a dense fp32 (out, in) matrix: scaling * B @ A."""
-        return self.scaling * (self.lora_B @ self.lora_A)
+        return lora_delta(self.lora_A, self.lora_B, self.scaling)
 
     @torch.no_grad()
     def merge(self, shrinkage: float = 1.0) -> None:
         """base.weight += shrinkage * delta, summed in fp32 and cast to the weight's dtype once."""
-        weight = self.base.weight
-        weight.copy_((weight.to(torch.float32) + shrinkage * self.delta_weight()).to(weight.dtype))
+        add_delta_(self.base.weight, lora_delta(self.lora_A, self.lora_B, shrinkage * self.scaling))
 
     @torch.no_grad()
     def reset(self, generator: torch.Generator | None = None) -> None:

@@ -27,7 +27,7 @@ from xgblora.perf import peak_memory_mb
 MEMORY_WORKLOADS = ("inference", "zo", "zo_full", "adamw")
 _ARG_KEYS = ("model_name", "batch_size", "seq_len", "target_len", "repeats", "warmup", "dtype", "device",
              "eval_examples")
-_WORKER_CODE = ("import json,sys; from xgblora.bench import memory_worker; "
+_WORKER_CODE = ("import json,sys; from xgblora.bench.memory import memory_worker; "
                 "print(json.dumps(memory_worker(json.loads(sys.argv[1]))))")
 
 

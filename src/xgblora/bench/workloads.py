@@ -9,12 +9,13 @@ import torch
 
 from xgblora import models
 from xgblora.adapters import lora
+from xgblora.data.batches import TokenBatch
 from xgblora.data.batching import TokenSeq
 from xgblora.data.loading import load_rows
 from xgblora.data.tasks import RTE, Example, get_task
-from xgblora.objective import make_batch, per_example_loss
-from xgblora.optim import fo
-from xgblora.optim.zo import MeZO
+from xgblora.objective import TrainingLoss, make_batch, per_example_loss
+from xgblora.optim.fo import AdamWStepper
+from xgblora.optim.zo import MeZO, ZOStepper
 
 _WORDS = ("the", "movie", "was", "great", "and", "story", "fun", "but", "ending", "felt", "long", "so", "I",
           "would", "not", "see", "it", "again", "this", "film", "is", "a", "good", "one", "with", "some", "bad",
@@ -63,56 +64,54 @@ class Bench:
         self.n_target = args.target_len or max(1, args.seq_len // 8)
         self.pool = synthetic_seqs(max(64, 4 * args.batch_size), args.seq_len, self.n_target, self.vocab)
         self._cursor = 0
-        self._zo_dual = self._zo_full = self._adamw = None
+        self._steppers: dict[str, AdamWStepper | ZOStepper] = {}
 
-    def next_batch(self) -> dict[str, torch.Tensor]:
+    def next_batch(self) -> TokenBatch:
         """The next training batch from the pool, collated exactly as `xgblora train` does, on the device."""
         b = self.args.batch_size
         rows = [(self._cursor + k) % len(self.pool) for k in range(b)]
         self._cursor = (self._cursor + b) % len(self.pool)
-        batch = make_batch(self.pool, rows, self.tokenizer.pad_token_id, {r: [r] for r in rows})
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return make_batch(self.pool, rows, self.tokenizer.pad_token_id, {r: [r] for r in rows}).to(self.device)
 
-    # --- workloads: each runs one unit of work and returns nothing (timing is done outside)
+    # --- workloads: each runs one unit of work (timing is done outside)
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, batch: TokenBatch) -> torch.Tensor:
         """One plain forward (per-example loss, no gradients) of the model without adapters."""
         self.plain.eval()
         with torch.no_grad():
             return per_example_loss(self.plain, batch)
 
-    def lora_forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def lora_forward(self, batch: TokenBatch) -> torch.Tensor:
         """One forward (no gradients) of the model with LoRA adapters attached."""
         self.lora_model.eval()
         with torch.no_grad():
             return per_example_loss(self.lora_model, batch)
 
-    def zo_step(self, batch: dict[str, torch.Tensor]) -> None:
-        """One MeZO step on the LoRA adapters with the dual-batch forward (as `xgblora train --trainer zo`)."""
-        if self._zo_dual is None:
-            named = [(n, p) for n, p in self.lora_model.named_parameters() if ".lora_" in n]
-            self._zo_dual = MeZO(named, lr=1e-5, eps=1e-3, dual_modules=self.lora_report.modules)
+    def zo_step(self, batch: TokenBatch) -> torch.Tensor:
+        """One MeZO step on the LoRA adapters with the dual-batch forward: the stepper `xgblora train --trainer zo`
+        runs."""
+        if "zo" not in self._steppers:
+            mezo = MeZO(self._adapters(), lr=1e-5, eps=1e-3, dual_modules=self.lora_report.modules)
+            self._steppers["zo"] = ZOStepper(mezo, TrainingLoss(self.lora_model), device=self.device)
         self.lora_model.eval()
-        self._zo_dual.step(lambda b: per_example_loss(self.lora_model, b), batch)
+        return self._steppers["zo"].step(lambda: batch, lr=1e-5)
 
-    def zo_full_step(self, batch: dict[str, torch.Tensor]) -> None:
+    def zo_full_step(self, batch: TokenBatch) -> torch.Tensor:
         """One full-model MeZO step (two forwards, three in-place sweeps over all weights)."""
-        if self._zo_full is None:
+        if "zo_full" not in self._steppers:
             lora.prepare_full_ft(self.plain)
-            self._zo_full = MeZO(list(self.plain.named_parameters()), lr=1e-7, eps=1e-3)
+            mezo = MeZO(list(self.plain.named_parameters()), lr=1e-7, eps=1e-3)
+            self._steppers["zo_full"] = ZOStepper(mezo, TrainingLoss(self.plain), device=self.device)
         self.plain.eval()
-        self._zo_full.step(lambda b: per_example_loss(self.plain, b), batch)
+        return self._steppers["zo_full"].step(lambda: batch, lr=1e-7)
 
-    def adamw_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One AdamW LoRA step: forward, backward, clip to 1.0, fused AdamW, zero_grad (as `xgblora train`)."""
-        if self._adamw is None:
-            named = [(n, p) for n, p in self.lora_model.named_parameters() if ".lora_" in n]
-            self._adamw = (fo.build_optimizer(named, lr=1e-4), [p for _, p in named])
-        optimizer, params = self._adamw
+    def adamw_step(self, batch: TokenBatch) -> torch.Tensor:
+        """One AdamW LoRA step (forward, backward, clip to 1.0, fused AdamW): the stepper of `xgblora train`."""
+        if "adamw" not in self._steppers:
+            self._steppers["adamw"] = AdamWStepper(self._adapters(), TrainingLoss(self.lora_model),
+                                                   max_grad_norm=1.0, micro_batch=self.args.batch_size)
         self.lora_model.train()
-        loss = per_example_loss(self.lora_model, batch).mean()
-        loss.backward()
-        fo.clip_grad_norm(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return self._steppers["adamw"].step(lambda: batch, lr=1e-4)
+
+    def _adapters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.lora_model.named_parameters() if lora.is_adapter_param(n)]

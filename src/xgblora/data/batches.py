@@ -53,13 +53,8 @@ class Batch:
 
 
 @dataclass(kw_only=True)
-class TokenBatch(Batch):
-    """Left-padded token rows; target_mask [rows, k] marks the scored tokens among the last k columns."""
-
-    input_ids: Tensor
-    attention_mask: Tensor
-    position_ids: Tensor
-    target_mask: Tensor
+class RowBatch(Batch):
+    """A batch with one example per row of input_ids."""
 
     @property
     def n_examples(self) -> int:
@@ -69,6 +64,16 @@ class TokenBatch(Batch):
     def split(self: B, start: int, stop: int) -> B:
         """Rows start..stop-1."""
         return self._map(lambda t: t[start:stop])
+
+
+@dataclass(kw_only=True)
+class TokenBatch(RowBatch):
+    """Left-padded token rows; target_mask [rows, k] marks the scored tokens among the last k columns."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    target_mask: Tensor
 
 
 @dataclass(kw_only=True)
@@ -126,7 +131,7 @@ class PackedBatch(Batch):
 
 
 @dataclass(kw_only=True)
-class LabelBatch(Batch):
+class LabelBatch(RowBatch):
     """Right-padded inputs and gold labels of a label head; a masked-LM head adds, per row, the mask token's
     position and the label words' token ids (per row, so that the dual batch doubles them too)."""
 
@@ -135,12 +140,3 @@ class LabelBatch(Batch):
     labels: Tensor
     mask_pos: Tensor | None = None
     label_token_ids: Tensor | None = None
-
-    @property
-    def n_examples(self) -> int:
-        """One example per row."""
-        return self.input_ids.shape[0]
-
-    def split(self: B, start: int, stop: int) -> B:
-        """Rows start..stop-1."""
-        return self._map(lambda t: t[start:stop])
