@@ -77,8 +77,9 @@ class TrainingLoss:
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """Per-example losses [n_examples] (times the batch's loss_scale)."""
-        device_type = batch.input_ids.device.type
-        with torch.autocast(device_type, dtype=self.autocast, enabled=self.autocast is not None):
+        if self.autocast is None:
+            return per_example_loss(self.model, batch)
+        with torch.autocast(batch.input_ids.device.type, dtype=self.autocast):
             return per_example_loss(self.model, batch)
 
 
@@ -100,7 +101,7 @@ def per_example_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
             losses = -target_logprobs(model, batch).sum(-1) / batch.target_mask.sum(-1)
         case _:
             raise TypeError(f"no loss for a batch of type {type(batch).__name__}")
-    return losses * batch.loss_scale
+    return losses if batch.loss_scale == 1.0 else losses * batch.loss_scale  # one process: no extra kernel
 
 
 def candidate_loss(model: torch.nn.Module, batch: CandidateBatch) -> torch.Tensor:
