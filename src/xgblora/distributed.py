@@ -71,8 +71,8 @@ class Distributed:
         return mine, len(mine) * world / n
 
     # ------------------------------------------------------------------ model
-    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                named_params: list[tuple[str, nn.Parameter]]) -> tuple[nn.Module, Any]:
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                named_params: list[tuple[str, nn.Parameter]]) -> tuple[nn.Module, torch.optim.Optimizer]:
         """AdamW on the whole model under an FSDP accelerate config: shard model and optimizer; else hand back.
 
         Everything else (LoRA, XGBLoRA, full fine-tuning without FSDP) is not wrapped in DDP: its gradients are
@@ -85,7 +85,7 @@ class Distributed:
         FSDP does need the same backward passes on every rank, so there an out-of-memory retry on one rank ends
         the run with RankLostError once --ddp_timeout passes.
         """
-        if self.world_size == 1 or optimizer is None or not self._fsdp:
+        if self.world_size == 1 or not self._fsdp:
             return model, optimizer
         model, optimizer = self.accelerator.prepare(model, optimizer)
         named_params[:] = list(self.accelerator.unwrap_model(model).named_parameters())
