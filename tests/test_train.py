@@ -101,7 +101,7 @@ def test_sigint_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path, m
     split = tmp_path / "split"
     with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):  # mid logging window (3), between merges
         train.run(make_cfg(shared_data, split, **overrides), hooks=interrupt_at(7))
-    assert checkpoint.resolve(split / "checkpoints", "latest").name == "step-7"
+    assert checkpoint.load_requested(split / "checkpoints", "latest")[0].name == "step-7"
     assert not (split / "results.json").exists()
     got = train.run(make_cfg(shared_data, split, resume_from_checkpoint="latest", **overrides))
 

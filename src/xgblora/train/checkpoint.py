@@ -1,15 +1,18 @@
-"""Checkpoints: the one module that knows their layout. Written atomically (temporary folder, fsync, rename).
+"""Checkpoints: the one module that knows their layout. Written atomically (temporary folder, fsync, rename) and
+verified when loaded.
 
 A checkpoint folder holds `trainable.safetensors` (the trainable weights, plus the merged-into base weights of
-adapted layers under XGBLoRA), `trainer_state.json` (the loop state and the RNG states) and `state.pt` (each
-component's `state_dict()` under its name: the stepper's optimizer state, the booster history). `Checkpointer`
-saves and restores a run's components side by side; the functions below it are the atomic file operations.
+adapted layers under XGBLoRA), `trainer_state.json` (the loop state and the RNG states), `state.pt` (each
+component's `state_dict()` under its name: the stepper's optimizer state, the booster history) and
+`manifest.json` (the size and SHA-256 of each of those files). `Checkpointer` saves and restores a run's
+components side by side; the functions above it are the file operations.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
+import logging
 import random
 import re
 import shutil
@@ -19,12 +22,17 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from xgblora import atomic
 from xgblora.errors import UserError
 
-WEIGHTS, BLOBS, STATE = "trainable.safetensors", "state.pt", "trainer_state.json"
+WEIGHTS, BLOBS, STATE, MANIFEST = "trainable.safetensors", "state.pt", "trainer_state.json", "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+log = logging.getLogger("xgblora")
+# what a checkpoint holds: (trainable tensors, loop state, component state_dicts)
+Contents = tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]
 
 
 def rng_state() -> dict[str, Any]:
@@ -55,42 +63,103 @@ def _to_tuple(value: Any) -> Any:
     return tuple(_to_tuple(v) for v in value) if isinstance(value, list) else value
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save(root: Path, name: str, tensors: dict[str, torch.Tensor], state: dict[str, Any],
          blobs: dict[str, Any] | None = None) -> Path:
-    """Write root/name atomically: a kill at any moment leaves either the old checkpoint or the new one, whole."""
+    """Write root/name whole, with a manifest of its files: a kill at any moment leaves the old checkpoint or the
+    new one. A failed write (a full disk, an I/O error) removes the partial folder and raises a one-line UserError
+    that says how much space the checkpoint needs."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    path = root / name
     root.mkdir(parents=True, exist_ok=True)
-    final, tmp = root / name, root / f".{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS))
-    if blobs is not None:
-        torch.save(blobs, tmp / BLOBS)
-    (tmp / STATE).write_text(json.dumps(state), encoding="utf-8")
-    for f in tmp.iterdir():
-        with open(f, "rb+") as handle:
-            os.fsync(handle.fileno())
-    old = root / f".{name}.old"
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    shutil.rmtree(old, ignore_errors=True)
-    return final
+    try:
+        with atomic.replaced_folder(path) as tmp:
+            save_file(tensors, str(tmp / WEIGHTS))
+            if blobs is not None:
+                torch.save(blobs, tmp / BLOBS)
+            (tmp / STATE).write_text(json.dumps(state), encoding="utf-8")
+            write_manifest(tmp)
+    # the writers report a failed write in their own way: safetensors as SafetensorError, torch.save as
+    # RuntimeError ("unexpected pos"), Python as OSError (all three seen on a full disk)
+    except (OSError, SafetensorError, RuntimeError) as exc:
+        raise _save_failed(path, exc, _nbytes(tensors) + _nbytes(blobs)) from None
+    return path
 
 
-def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """Read a checkpoint: (tensors, loop state, blobs); blobs load with weights_only=True (no pickle of code)."""
-    if not (path / STATE).is_file() or not (path / WEIGHTS).is_file():
-        raise UserError(f"{path}: not a checkpoint (expected {WEIGHTS} and {STATE})")
+def _nbytes(value: Any) -> int:
+    """The bytes of the tensors in a nested dict/list (what a checkpoint file of them needs, give or take)."""
+    if isinstance(value, torch.Tensor):
+        return value.nelement() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _save_failed(path: Path, exc: BaseException, needed: int) -> UserError:
+    free = shutil.disk_usage(path.parent).free
+    return UserError(f"could not save checkpoint {path} ({exc.__class__.__name__}: {exc}); it needs about "
+                     f"{_size(needed)} and {_size(free)} are free on that disk. The earlier checkpoints "
+                     f"are intact: free some space (or lower --save_total_limit), then resume with "
+                     f"--resume_from_checkpoint latest")
+
+
+def _size(n: int) -> str:
+    """n bytes for a person: '512 bytes', '3.2 MiB', '1.5 GiB'."""
+    if n < 2**20:
+        return f"{n:,} bytes"
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Record the size and SHA-256 of every file in folder (sha256 runs at about 1.7 GB/s with SHA-NI: see
+    BENCHMARKS.md for what it adds to a save and a resume)."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+    manifest = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+
+
+class DamagedCheckpoint(UserError):
+    """A checkpoint whose files are missing, cut short or changed since they were written."""
+
+
+def verify(path: Path) -> None:
+    """Check every file of the checkpoint against its manifest; DamagedCheckpoint names the first that differs."""
+    if not (path / MANIFEST).is_file():
+        raise DamagedCheckpoint(f"{path}: damaged checkpoint: no {MANIFEST} (copied in part, or saved by an "
+                                f"xgblora that wrote none)")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DamagedCheckpoint(f"{path}: damaged checkpoint: cannot read its {MANIFEST} "
+                                f"({exc.__class__.__name__})") from None
+    for name, expected in manifest.items():
+        file = path / name
+        if not file.is_file():
+            raise DamagedCheckpoint(f"{path}: damaged checkpoint: {name} is missing")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise DamagedCheckpoint(f"{path}: damaged checkpoint: {name} has {size} bytes, {expected['bytes']} "
+                                    f"were written")
+        if _sha256(file) != expected["sha256"]:
+            raise DamagedCheckpoint(f"{path}: damaged checkpoint: {name} does not match its SHA-256 (changed "
+                                    f"after it was written)")
+
+
+def load(path: Path) -> Contents:
+    """Verify and read a checkpoint: (tensors, loop state, blobs); blobs load with weights_only=True (no pickle
+    of code)."""
+    if not any((path / name).is_file() for name in (MANIFEST, WEIGHTS, STATE)):
+        raise UserError(f"{path}: not a checkpoint (expected {WEIGHTS}, {STATE} and {MANIFEST})")
+    verify(path)
     blobs = torch.load(path / BLOBS, weights_only=True) if (path / BLOBS).is_file() else {}
     return load_file(str(path / WEIGHTS)), json.loads((path / STATE).read_text(encoding="utf-8")), blobs
 
@@ -101,14 +170,21 @@ def step_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resolve(root: Path, requested: str) -> Path:
-    """'latest' -> the newest step checkpoint under root; otherwise the given folder."""
+def load_requested(root: Path, requested: str) -> tuple[Path, Contents]:
+    """Load the given folder, or for 'latest' the newest intact step checkpoint under root (warning about each
+    damaged one passed over); returns its path and what load() read."""
     if requested != "latest":
-        return Path(requested)
+        return Path(requested), load(Path(requested))
     found = step_checkpoints(root)
     if not found:
         raise UserError(f"--resume_from_checkpoint latest: no checkpoint under {root}")
-    return found[-1]
+    for path in reversed(found):
+        try:
+            return path, load(path)
+        except DamagedCheckpoint as exc:
+            log.warning("%s; resuming from an earlier checkpoint", exc)
+    raise UserError(f"--resume_from_checkpoint latest: every checkpoint under {root} is damaged "
+                    f"({', '.join(p.name for p in found)}); see the warnings above")
 
 
 def prune(root: Path, keep: int | None) -> None:
@@ -154,8 +230,8 @@ class Checkpointer:
     def restore(self, requested: str) -> tuple[Path, dict[str, Any]]:
         """Load a checkpoint ('latest' or a folder) into the model, the RNGs and the components; return its path
         and the loop state."""
-        path = resolve(self.root, requested)
-        state, blobs = self._load_into_model(path)
+        path, (tensors, state, blobs) = load_requested(self.root, requested)
+        self._into_model(tensors, blobs)
         set_rng_state(state.pop("rng"))
         for key, component in self.components.items():
             if key in blobs:  # absent when the checkpoint was saved with save_only_model
@@ -164,11 +240,11 @@ class Checkpointer:
 
     def load_model(self, path: Path) -> dict[str, Any]:
         """Load a checkpoint's weights and model components (not the stepper); return its loop state."""
-        return self._load_into_model(path)[0]
-
-    def _load_into_model(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         tensors, state, blobs = load(path)
+        self._into_model(tensors, blobs)
+        return state
+
+    def _into_model(self, tensors: dict[str, torch.Tensor], blobs: dict[str, Any]) -> None:
         self.model.load_state_dict(tensors, strict=False)
         for key, component in self.model_components.items():
             component.load_state_dict(blobs[key])
-        return state, blobs

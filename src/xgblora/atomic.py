@@ -1,0 +1,80 @@
+"""Outputs written whole: each file or folder is written under a hidden temporary name beside its place, fsynced,
+then renamed into place. A path that exists therefore holds a complete output; a kill part-way leaves the previous
+output (or none) and a hidden `.NAME.tmp`, which the next write of that output removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def temporary_name(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (POSIX: the directory entry is data of the directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` whole: readers see the old file or the new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_name(path)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_text(path: Path, text: str) -> None:
+    """write_bytes of UTF-8 text."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def _fsync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        fsync_dir(Path(folder))
+
+
+@contextlib.contextmanager
+def replaced_folder(path: Path) -> Iterator[Path]:
+    """Yield an empty temporary folder to fill; when the block ends, swap it in for `path` (a previous `path` is
+    removed after the swap). When the block raises, the temporary folder is removed and `path` is left as it was."""
+    path = Path(path)
+    tmp, old = temporary_name(path), path.with_name(f".{path.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed write
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not path.exists():  # the swap itself failed: put the previous output back
+            os.replace(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
