@@ -1,5 +1,6 @@
 """Shared test set-up: offline hub, the shared benchmark data, small helpers."""
 
+import logging
 import os
 from pathlib import Path
 
@@ -24,3 +25,17 @@ def shared_data() -> Path:
 def forget_state_in(optimizer: torch.optim.Optimizer):
     """A Boosting `forget` callback: drop the optimizer state of the re-initialised weights (as the steppers do)."""
     return lambda params: [optimizer.state.pop(p, None) for p in params]
+
+
+@pytest.fixture
+def xgblora_log(caplog, monkeypatch):
+    """caplog on the "xgblora" logger at INFO, whether or not run() has set up console logging (which stops the
+    logger's records from reaching the root logger, where caplog listens)."""
+    logger = logging.getLogger("xgblora")
+    monkeypatch.setattr(logger, "propagate", False)  # each record reaches caplog once, through the handler below
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="xgblora"):
+            yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)

@@ -83,7 +83,7 @@ DAMAGE = {"truncated": (truncate, "has {n} bytes, {m} were written"),
 
 @pytest.mark.parametrize("file", [checkpoint.WEIGHTS, checkpoint.BLOBS, checkpoint.STATE])
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_damaged_checkpoint_is_refused_and_latest_falls_back_with_a_warning(tmp_path, caplog, damage, file):
+def test_damaged_checkpoint_is_refused_and_latest_falls_back_with_a_warning(tmp_path, xgblora_log, damage, file):
     for step in (1, 2):
         checkpoint.save(tmp_path, f"step-{step}", {"w": torch.full((64,), float(step))}, {"step": step},
                         {"stepper": {"m": torch.ones(64)}})
@@ -94,10 +94,9 @@ def test_damaged_checkpoint_is_refused_and_latest_falls_back_with_a_warning(tmp_
     expected = what.format(n=size - 7, m=size)
     with pytest.raises(checkpoint.DamagedCheckpoint, match=re.escape(f"{file} {expected}")):
         checkpoint.load(tmp_path / "step-2")
-    with caplog.at_level(logging.WARNING, logger="xgblora"):
-        path, (tensors, state, _) = checkpoint.load_requested(tmp_path, "latest")
+    path, (tensors, state, _) = checkpoint.load_requested(tmp_path, "latest")
     assert path.name == "step-1" and state["step"] == 1 and torch.equal(tensors["w"], torch.ones(64))
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [r.getMessage() for r in xgblora_log.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and str(tmp_path / "step-2") in warnings[0] and file in warnings[0], warnings
 
 

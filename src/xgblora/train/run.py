@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from xgblora import distributed
 from xgblora.config import Config
 from xgblora.errors import UserError
 from xgblora.logging import setup_console_logging
+from xgblora.train.lock import run_lock
 from xgblora.train.loop import Hooks, Trainer
 from xgblora.train.results import write_results
 from xgblora.train.setup import RunSetup, load_run, setup_method, training_set
@@ -26,6 +28,12 @@ def run(cfg: Config, hooks: Hooks | None = None) -> dict[str, Any]:
     dist = distributed.setup(cfg)  # before the model loads: it picks this rank's GPU
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    with run_lock(out) if dist.is_main else contextlib.nullcontext():  # the main process owns the folder
+        return _run(cfg, dist, out, hooks)
+
+
+def _run(cfg: Config, dist: distributed.Distributed, out: Path, hooks: Hooks | None) -> dict[str, Any]:
+    """Inside the run lock: refuse a finished run's folder, set up, evaluate or train, write results.json."""
     if cfg.trainer != "none" and (out / "results.json").exists() and not cfg.overwrite_output_dir \
             and not cfg.resume_from_checkpoint:
         raise UserError(f"{out} already holds a finished run; pass --overwrite_output_dir to redo it, "
