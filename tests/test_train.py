@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from xgblora.data.loading import sample_splits
 from xgblora.data.tasks import get_task
 from xgblora.errors import UserError
 from xgblora.logging import read_metrics
-from xgblora.train import checkpoint
+from xgblora.train import checkpoint, loop
 from xgblora.train import results as results_mod
 
 
@@ -230,6 +231,42 @@ def test_save_total_limit_and_load_best_model_at_end(shared_data, tmp_path):
     for name, value in tensors.items():
         peft = f"base_model.model.{name}.weight"
         assert torch.equal(final[peft], value), name
+
+
+def test_save_total_limit_counts_the_stop_checkpoint_and_never_prunes_best(shared_data, tmp_path):
+    out = tmp_path / "run"
+    cfg = make_cfg(shared_data, out, max_steps=12, save_steps=2, save_total_limit=2, evaluation_strategy="steps",
+                   eval_steps=2, num_dev=16, load_best_model_at_end=True)
+    root = out / "checkpoints"
+    with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):
+        train.run(cfg, hooks=interrupt_at(7))
+    assert [p.name for p in checkpoint.step_checkpoints(root)] == ["step-6", "step-7"]
+    best_step = checkpoint.load(root / "best")[1]["step"]
+    train.run(dataclasses.replace(cfg, resume_from_checkpoint="latest"))
+    assert [p.name for p in checkpoint.step_checkpoints(root)] == ["step-8", "step-10"]
+    assert checkpoint.load(root / "best")[1]["step"] >= best_step  # kept (or bettered), never pruned
+
+
+def test_a_resumed_run_counts_the_time_of_every_part_and_its_resumes(shared_data, tmp_path, monkeypatch):
+    """A fake training clock that each step moves on: 10 s a step before the Ctrl-C at step 7, 1 s a step after."""
+    clock = [0.0]
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def tick(seconds: float) -> train.Hooks:
+        return train.Hooks(on_step_end=[lambda state: clock.__setitem__(0, clock[0] + seconds)])
+
+    out = tmp_path / "run"
+    cfg = make_cfg(shared_data, out, max_steps=14, logging_steps=1, save_strategy="no", no_eval=True)
+    with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):
+        train.run(cfg, hooks=train.Hooks(on_step_end=tick(10.0).on_step_end + interrupt_at(7).on_step_end))
+    saved = checkpoint.load(out / "checkpoints" / "step-7")[1]
+    assert (saved["runtime_s"], saved["resumes"]) == (70.0, 0)
+    results = train.run(dataclasses.replace(cfg, resume_from_checkpoint="latest"), hooks=tick(1.0))
+    assert (results["train_runtime_s"], results["resumes"]) == (77.0, 1)
+    assert results["steps_per_second"] == round(14 / 77, 4)
+    assert json.loads((out / "results.json").read_text())["resumes"] == 1
+    elapsed = [r["elapsed_s"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert elapsed == [10.0 * s for s in range(7)] + [70.0 + s for s in range(7)]  # logged before the step's tick
 
 
 def test_load_best_model_at_end_with_xgblora_exports_the_best_model(shared_data, tmp_path):

@@ -3,6 +3,8 @@ logged-loss window, boosting, evaluation and checkpoints; `Trainer.fit()` reads 
 
 Resuming is exact: a checkpoint holds the loop state (step, epoch, cursor, best, the logging window in flight),
 the RNG states, the stepper's state and the booster history, and the learning rate is a function of the step.
+It also holds the training time up to the save and the number of resumes, so that the run's statistics cover
+every part of it.
 """
 
 from __future__ import annotations
@@ -89,24 +91,33 @@ class LossWindow:
 
 @dataclass
 class LoopState:
-    """Where the run stands: steps done, the data cursor, the best dev score, the logging window."""
+    """Where the run stands: steps done, the data cursor, the best dev score, the logging window, and the
+    training time and resumes of all its parts so far."""
 
     stream: BatchStream
     window: LossWindow
     step: int = 0
     best: dict[str, Any] | None = None
     last_loss: float | None = None
+    resumes: int = 0
+    earlier_parts_s: float = 0.0  # training time of the parts before this one, up to the checkpoint resumed
+    part_started: float = field(default_factory=time.perf_counter)
+
+    def runtime_s(self) -> float:
+        """Training time of the whole run so far: the earlier parts' and this part's."""
+        return self.earlier_parts_s + time.perf_counter() - self.part_started
 
     def state_dict(self) -> dict[str, Any]:
         """The loop state as JSON values."""
         return {"step": self.step, "epoch": self.stream.epoch, "cursor": self.stream.cursor, "best": self.best,
-                "window": self.window.state_dict()}
+                "window": self.window.state_dict(), "runtime_s": self.runtime_s(), "resumes": self.resumes}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict() returned."""
         self.step, self.best = state["step"], state["best"]
         self.stream.epoch, self.stream.cursor = state["epoch"], state["cursor"]
         self.window.load_state_dict(state["window"])
+        self.earlier_parts_s, self.resumes = state["runtime_s"], state["resumes"]
 
 
 @dataclass
@@ -188,6 +199,7 @@ class Trainer:
         if cfg.resume_from_checkpoint:
             path, loop_state = self.checkpointer.restore(cfg.resume_from_checkpoint)
             self.state.load_state_dict(loop_state)
+            self.state.resumes += 1
             log.info("resumed from %s at step %d", path, self.state.step)
         self.loss_fn.model = self.stepper.prepare(self.loss_fn.model)  # FSDP wraps after loading
         batches = iter(stream)
@@ -208,7 +220,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to max_steps (or a stop signal); return the run's statistics."""
         cfg, state = self.cfg, self.state
-        started = time.perf_counter()
+        state.part_started = time.perf_counter()  # set-up and resuming are not training time
         self.run.model.train(cfg.trainer == "regular")  # MeZO's forwards run in eval mode: no dropout in L+ vs L-
         with graceful_stop() as stop, self._metrics() as self.metrics, self._progress() as self.progress:
             while state.step < self.max_steps:
@@ -218,17 +230,17 @@ class Trainer:
                 state.window.add(loss)
                 self._boost(loss)
                 if state.step % cfg.logging_steps == 0 or state.step == self.max_steps:
-                    self._log(lr, started)
+                    self._log(lr)
                 self.progress.update(1)
                 for hook in self.hooks.on_step_end:
                     hook(state)
                 if cfg.evaluation_strategy == "steps" and state.step % cfg.eval_steps == 0:
                     self._evaluate()
                 if cfg.save_strategy == "steps" and state.step % cfg.save_steps == 0 and state.step < self.max_steps:
-                    self._save_periodic()
+                    self._save_step()
                 if self.dist.end_step(stop["stop"]):  # all ranks stop at the same step
                     self._stop()
-        return self._finish(time.perf_counter() - started)
+        return self._finish()
 
     def _metrics(self) -> MetricsLog | distributed.SilentLog:
         out, step = Path(self.cfg.output_dir), self.state.step
@@ -250,7 +262,7 @@ class Trainer:
         if event is not None:
             self.metrics.log({**event, "step": self.state.step})
 
-    def _log(self, lr: float, started: float) -> None:
+    def _log(self, lr: float) -> None:
         """Drain the loss window into metrics.jsonl; a non-finite loss stops the run under --nan_policy stop."""
         step = self.state.step
         mean, skipped = self.state.window.drain()
@@ -259,7 +271,7 @@ class Trainer:
                             f"under {self.checkpointer.root} (try a lower --learning_rate, or --nan_policy skip)")
         self.state.last_loss = mean
         self.metrics.log({"step": step, "loss": mean, "lr": lr, **({"skipped": skipped} if skipped else {}),
-                          "elapsed_s": round(time.perf_counter() - started, 3)})
+                          "elapsed_s": round(self.state.runtime_s(), 3)})
         if mean is not None:
             self.progress.set_postfix(loss=f"{mean:.4f}", refresh=False)
 
@@ -278,19 +290,23 @@ class Trainer:
         self.metrics.flush()
         return self.checkpointer.save(name, self.state.state_dict())
 
-    def _save_periodic(self) -> None:
-        self._save(f"step-{self.state.step}")
+    def _save_step(self) -> Path:
+        """Save step-N, then prune the step checkpoints to --save_total_limit (periodic and stop saves alike)."""
+        path = self._save(f"step-{self.state.step}")
         if self.dist.is_main:
             prune(self.checkpointer.root, self.cfg.save_total_limit)
+        return path
 
     def _stop(self) -> None:
-        path = self._save(f"step-{self.state.step}")
+        path = self._save_step()
         raise StopRequested(f"stopped at step {self.state.step}; checkpoint saved to {path}; resume with "
                             f"--resume_from_checkpoint latest")
 
-    def _finish(self, runtime: float) -> dict[str, Any]:
-        """Reload the best checkpoint if asked, write final/, and return the run's statistics."""
+    def _finish(self) -> dict[str, Any]:
+        """Reload the best checkpoint if asked, write final/, and return the run's statistics (time and speed over
+        every part of the run: a step redone after a kill counts once, and so does its time)."""
         cfg, state, method = self.cfg, self.state, self.method
+        runtime = state.runtime_s()
         self.dist.wait_for_main()  # its checkpoints are written before any rank reads "best"
         best_dir = self.checkpointer.root / "best"
         if cfg.load_best_model_at_end and state.best is not None and best_dir.is_dir():
@@ -302,7 +318,7 @@ class Trainer:
         dev = self.run.score(self.run.splits.dev) if self.run.splits.dev and not cfg.no_eval else {}
         return {"trainable_params": sum(p.numel() for _, p in method.named_params), "steps": state.step,
                 "train_runtime_s": round(runtime, 3),
-                "steps_per_second": round(state.step / runtime, 4) if runtime > 0 else None,
+                "steps_per_second": round(state.step / runtime, 4) if runtime > 0 else None, "resumes": state.resumes,
                 "train_loss": state.last_loss, "peak_memory_mb": round(perf.peak_memory_mb(self.run.device), 1),
                 **{f"dev_{k}": v for k, v in dev.items()},
                 "boosters": len(method.boosting.history) if method.boosting is not None else 0,
