@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import KILLED, run_dying_on_write
 from safetensors.torch import load_file
 
 from xgblora import cli, models
-from xgblora.adapters.export import export_run
+from xgblora.adapters.export import EXPORT_RECORD, export_run
 from xgblora.config import Config
 from xgblora.demo import LABEL_WORDS, TEMPLATE, write_data
 from xgblora.errors import UserError
@@ -174,3 +175,38 @@ def test_cli_bad_run_dir_exits_2_with_one_line(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "xgblora export: error:" in err
     assert not (tmp_path / "out").exists()
+
+
+# the file whose opening for writing kills `xgblora export` part-way (after the weights are written)
+EXPORT_KILLS = {"peft-svd": (["--format", "peft", "--rank", "1"], r"^adapter_config\.json$"),
+                "merged": (["--format", "merged"], r"^tokenizer_config\.json$")}
+
+
+@pytest.mark.parametrize("case", list(EXPORT_KILLS))
+def test_export_killed_part_way_leaves_no_folder_and_a_rerun_writes_it_whole(runs: dict, tmp_path: Path,
+                                                                            case: str) -> None:
+    flags, pattern = EXPORT_KILLS[case]
+    out, args = tmp_path / "out", ["export", str(runs["xgb"]), "--out", str(tmp_path / "out"), *flags]
+    assert run_dying_on_write(pattern, args, tmp_path / "stderr.txt") == KILLED
+    assert not out.exists()  # a half-written export cannot pass for a finished one
+    assert cli.main(args) == 0
+    assert cli.main(["export", str(runs["xgb"]), "--out", str(tmp_path / "whole"), *flags]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "whole").iterdir()) and EXPORT_RECORD in names
+    for name in set(names) - {EXPORT_RECORD}:
+        assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "stderr.txt", "whole"]  # no .out.tmp left
+
+
+def test_export_replaces_its_own_folder_whole_and_never_a_folder_of_other_files(runs: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    export_run(runs["xgb"], "peft", out, rank=1)
+    export_run(runs["xgb"], "merged", out)  # an earlier export: replaced whole, no adapter files left over
+    assert "adapter_config.json" not in {p.name for p in out.iterdir()}
+    assert json.loads((out / EXPORT_RECORD).read_text())["format"] == "merged"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(UserError, match="holds files that xgblora export did not write"):
+        export_run(runs["xgb"], "peft", mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# faults and test_train are helpers in tests/ (not a package, so they are imported by module name)
+from faults import KILLED, run_dying_on_write
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
-
-# the test_train.py helpers (tests/ is not a package, so they are imported by module name)
 from test_train import adapter, assert_same_tensors, make_cfg, records
 
 from xgblora import cli, objective, train
@@ -311,3 +312,35 @@ def test_mezo_skips_a_non_finite_step_like_a_zero_gradient_one_and_runs_on(share
     final = "adapter_model.safetensors" if method == "lora" else "model.safetensors"
     assert_same_tensors(load_file(str(tmp_path / "nan" / "final" / final)),
                         load_file(str(tmp_path / "zero" / "final" / final)))
+
+
+# ----------------------------------------------------------------------------- SIGKILL while writing an output
+
+def compare_args(shared_data: Path, root: Path) -> list[str]:
+    return ["compare", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(shared_data),
+            "--methods", "xgblora", "lora", "--seeds", "0", "--trainer", "regular", "--max_steps", "4",
+            "--xgblora_steps_per_iteration", "2", "--num_train", "16", "--num_eval", "8", "--max_length", "32",
+            "--output_root", str(root), "--device", "cpu"]
+
+
+# the file whose opening for writing kills `xgblora compare`, and the output that must then not exist
+COMPARE_KILLS = {"final": (r"^adapter_config\.json$", "SST2-xgblora-regular-seed0/final"),
+                 "results": (r"results\.json", "SST2-xgblora-regular-seed0/results.json"),
+                 "report": (r"report\.html", "report.html")}
+
+
+@pytest.mark.parametrize("case", list(COMPARE_KILLS))
+def test_compare_killed_while_writing_an_output_leaves_no_half_output_and_a_rerun_finishes(shared_data, tmp_path,
+                                                                                          case):
+    """Also: the first run's "running" line reaches the console (logging is set up before the first run)."""
+    root, (pattern, output) = tmp_path / "cmp", COMPARE_KILLS[case]
+    args = compare_args(shared_data, root)
+    assert run_dying_on_write(pattern, args, tmp_path / "stderr.txt") == KILLED
+    assert "SST2-xgblora-regular-seed0: running" in (tmp_path / "stderr.txt").read_text(errors="replace")
+    assert not (root / output).exists()  # no half-written output that could pass for a finished one
+    assert cli.main(args) == 0
+    for name in ("SST2-xgblora-regular-seed0", "SST2-lora-regular-seed0"):
+        assert json.loads((root / name / "results.json").read_text())["steps"] == 4
+        assert load_file(str(root / name / "final" / "adapter_model.safetensors"))
+    assert (root / "report.html").read_text().endswith("</html>\n")
+    assert not [p for p in root.rglob("*") if p.name.endswith((".tmp", ".old", ".lock"))]

@@ -11,6 +11,7 @@ from typing import Any
 from xgblora import report, train
 from xgblora.config import CompareConfig, Config
 from xgblora.errors import UserError
+from xgblora.logging import setup_console_logging
 
 log = logging.getLogger("xgblora")
 
@@ -43,12 +44,17 @@ def run_configs(cfg: CompareConfig) -> list[Config]:
 
 def compare(cfg: CompareConfig) -> dict[str, Any]:
     """Run every (method, seed) of cfg not yet finished, keep going past failures, and write the report."""
+    setup_console_logging()  # before the first run's "running" line (each run sets it up again, harmlessly)
     figure = Path(cfg.loss_figure_path) if cfg.loss_figure_path else None
     return run_all(run_configs(cfg), Path(cfg.output_root), figure)
 
 
 def run_all(configs: list[Config], output_root: Path, loss_figure_path: Path | None = None) -> dict[str, Any]:
-    """Run each config whose folder holds no results.json yet (or all, with overwrite_output_dir), then report."""
+    """Run each config whose folder holds no results.json yet (or all, with overwrite_output_dir), then report.
+
+    results.json is written whole, and last, so that a folder holding one is a finished run: a run killed
+    part-way (even while writing it) is run again.
+    """
     finished, failed = [], []
     for run_cfg in configs:
         out = Path(run_cfg.output_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 import json
 import math
 import os
@@ -15,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from xgblora import atomic
 from xgblora.errors import UserError
 from xgblora.logging import read_metrics
 
@@ -289,9 +291,9 @@ def plot_losses(runs: Sequence[RunSummary], path: Path, smoothing: float = 0.9) 
             _plot_dev(row_axes[1], by_label, eval_keys[(task, model)], colors, where)
     if len(groups) == 1:
         fig.suptitle(" · ".join(next(iter(groups))) + ": " + " vs ".join(labels), fontsize=12, fontweight="bold")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    path, png = Path(path), io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
+    atomic.write_bytes(path, png.getvalue())
     return path
 
 
@@ -386,7 +388,7 @@ def write_report(runs: list[RunSummary], out_root: Path, loss_figure_path: Path 
         figure_link = Path(os.path.relpath(figure.resolve(), out_root.resolve())).as_posix()
     except ValueError:  # another drive on Windows
         figure_link = figure.resolve().as_uri()
-    markdown_path.write_text(_markdown(tables, figure_link), encoding="utf-8")
+    atomic.write_text(markdown_path, _markdown(tables, figure_link))
     run_dirs = [str(run.run_dir) for run in runs]
-    html_path.write_text(_html(tables, figure.read_bytes(), run_dirs), encoding="utf-8")
+    atomic.write_text(html_path, _html(tables, figure.read_bytes(), run_dirs))
     return {"rows": rows, "loss_figure": figure, "markdown": markdown_path, "html": html_path}

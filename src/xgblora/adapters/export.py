@@ -14,6 +14,7 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from xgblora import atomic
 from xgblora.adapters.lora import LoRALinear, add_delta_, is_adapter_param, lora_delta, unwrap
 from xgblora.errors import UserError
 
@@ -135,6 +136,7 @@ def merged(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> None:
 # ----------------------------------------------------------------------------- `xgblora export`
 
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+EXPORT_RECORD = "xgblora_export.json"  # what was exported from where; marks a folder an export may replace
 
 
 def _pattern_value(pattern: dict[str, Any], name: str, default: Any) -> Any:
@@ -196,9 +198,13 @@ def _run_config(run_dir: Path) -> tuple[dict[str, Any], Path]:
 
 
 def _check_out(out: Path, run_dir: Path) -> None:
-    """Refuse to write into the run's own final/ folder or over a file."""
+    """Refuse to write into the run's own final/ folder, over a file, or over a folder of someone else's files
+    (an export replaces its folder whole)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_RECORD).is_file():
+        raise UserError(f"--out {out}: the folder holds files that xgblora export did not write; choose a new or "
+                        f"empty folder (an export replaces its folder whole)")
     if out.resolve() == (run_dir / "final").resolve() or out.resolve() == run_dir.resolve():
         raise UserError(f"--out {out}: choose a folder other than the run's own")
 
@@ -226,19 +232,28 @@ def export_run(run_dir: Path, fmt: str, out: Path, rank: int | None = None,
         raise UserError(f"--rank must be at least 1, got {rank}")
     cfg, final = _run_config(run_dir)
     _check_out(out, run_dir)
+    with atomic.replaced_folder(out) as folder:  # a folder at `out` is a whole export; a kill leaves .out.tmp
+        result = {"format": fmt, "out": str(out), "base_model": cfg["model_name"],
+                  **_export_into(folder, cfg, final, run_dir, fmt, rank, trust_remote_code)}
+        (folder / EXPORT_RECORD).write_text(json.dumps({**result, "run_dir": str(run_dir)}, indent=2) + "\n",
+                                            encoding="utf-8")
+    return result
+
+
+def _export_into(out: Path, cfg: dict[str, Any], final: Path, run_dir: Path, fmt: str, rank: int | None,
+                 trust_remote_code: bool) -> dict[str, Any]:
+    """Write the export into the (temporary) folder `out`; return what it holds (modules, rank, energy)."""
     is_adapter = (final / "adapter_config.json").is_file()
-    result: dict[str, Any] = {"format": fmt, "out": str(out), "base_model": cfg["model_name"], "modules": 0,
-                              "rank": None, "retained_energy": None}
+    result: dict[str, Any] = {"modules": 0, "rank": None, "retained_energy": None}
     if not is_adapter:  # full fine-tuning: final/ is the whole model
         if fmt == "peft":
             raise UserError(f"{run_dir} is a full fine-tuning run (method ft): it has no adapter to export as "
                             f"PEFT; use --format merged")
-        shutil.copytree(final, out, dirs_exist_ok=True)
+        shutil.copytree(final, out, dirs_exist_ok=True)  # `out` is the empty temporary folder
         return result
     adapter, head = _read_adapter(final)
     result["modules"] = len(adapter)
     if fmt == "peft" and rank is None:
-        out.mkdir(parents=True, exist_ok=True)
         for name in _ADAPTER_FILES:
             shutil.copy2(final / name, out / name)
         result["rank"] = max(A.shape[0] for A, _, _ in adapter.values())

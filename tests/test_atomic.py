@@ -1,0 +1,52 @@
+"""Outputs written whole: a failure at any point leaves the previous output as it was and no temporary behind."""
+
+import errno
+import os
+
+import pytest
+
+from xgblora import atomic
+
+
+def test_write_text_replaces_whole_and_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "results.json"
+    atomic.write_text(path, "old")
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "fsync", no_space)
+    with pytest.raises(OSError, match="No space left"):
+        atomic.write_text(path, "new")
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+
+
+def test_replaced_folder_swaps_in_the_new_folder_only_when_the_block_ends(tmp_path):
+    folder = tmp_path / "final"
+    with atomic.replaced_folder(folder) as tmp:
+        (tmp / "a").write_text("1")
+    with pytest.raises(RuntimeError), atomic.replaced_folder(folder) as tmp:
+        (tmp / "b").write_text("2")
+        raise RuntimeError("killed part-way")
+    assert [p.name for p in tmp_path.iterdir()] == ["final"] and [p.name for p in folder.iterdir()] == ["a"]
+    with atomic.replaced_folder(folder) as tmp:
+        (tmp / "c").write_text("3")
+    assert [p.name for p in tmp_path.iterdir()] == ["final"] and [p.name for p in folder.iterdir()] == ["c"]
+
+
+def test_a_failed_swap_puts_the_previous_folder_back(tmp_path, monkeypatch):
+    folder = tmp_path / "final"
+    with atomic.replaced_folder(folder) as tmp:
+        (tmp / "a").write_text("1")
+    real, calls = os.replace, []
+
+    def second_fails(src, dst):  # the old folder moves aside, then the new one fails to move in
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", second_fails)
+    with pytest.raises(OSError, match="Input/output error"), atomic.replaced_folder(folder) as tmp:
+        (tmp / "b").write_text("2")
+    assert [p.name for p in tmp_path.iterdir()] == ["final"] and [p.name for p in folder.iterdir()] == ["a"]
