@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -22,7 +23,7 @@ from faults import KILLED, run_dying_on_write
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
-from test_train import adapter, assert_same_tensors, make_cfg, records
+from test_train import adapter, assert_same_tensors, interrupt_at, make_cfg, records
 
 from xgblora import cli, objective, train
 from xgblora.config import Config
@@ -344,3 +345,52 @@ def test_compare_killed_while_writing_an_output_leaves_no_half_output_and_a_reru
         assert load_file(str(root / name / "final" / "adapter_model.safetensors"))
     assert (root / "report.html").read_text().endswith("</html>\n")
     assert not [p for p in root.rglob("*") if p.name.endswith((".tmp", ".old", ".lock"))]
+
+
+# ----------------------------------------------------------------------------- a full disk, a damaged checkpoint
+
+def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_and_it_resumes_later(shared_data, tmp_path,
+                                                                                  monkeypatch, capsys):
+    out = tmp_path / "run"
+    args = kill_args(shared_data, out)
+    real, saves = checkpoint.save_file, []
+
+    def disk_full_at_the_second_save(tensors, filename, *rest, **kwargs):
+        saves.append(filename)
+        if len(saves) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tensors, filename, *rest, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_file", disk_full_at_the_second_save)
+    assert cli.main([*args, "--overwrite_output_dir"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith("xgblora train: error: could not save checkpoint ")
+    assert "step-4 (OSError: [Errno 28] No space left on device); it needs about" in errors[0]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]  # no .step-4.tmp
+    assert not (out / "results.json").exists() and not (out / "xgblora.lock").exists()
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    assert cli.main([*args, "--resume_from_checkpoint", "latest"]) == 0
+    assert json.loads((out / "results.json").read_text())["resumes"] == 1
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_and_the_resume_is_still_exact(shared_data, tmp_path,
+                                                                                xgblora_log):
+    overrides = dict(method="xgblora", max_steps=10, save_steps=3, xgblora_steps_per_iteration=4,
+                     logging_steps=1, no_eval=True)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    expected = train.run(make_cfg(shared_data, whole, **overrides))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train.run(make_cfg(shared_data, split, **overrides), hooks=interrupt_at(8, how="crash"))
+    weights = split / "checkpoints" / "step-6" / checkpoint.WEIGHTS
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01  # one bit of one weight: the file still loads, with another number in it
+    weights.write_bytes(bytes(data))
+    got = train.run(make_cfg(shared_data, split, resume_from_checkpoint="latest", **overrides))
+    messages = [r.getMessage() for r in xgblora_log.records]
+    assert any("step-6: damaged checkpoint" in m and checkpoint.WEIGHTS in m for m in messages), messages
+    assert any("resumed from" in m and m.endswith("step-3 at step 3") for m in messages), messages
+    assert_same_tensors(adapter(split), adapter(whole))
+    assert records(split) == records(whole)
+    assert got["train_loss"] == expected["train_loss"]
