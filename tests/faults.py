@@ -1,12 +1,16 @@
 """Fault injection for tests: run the `xgblora` command in a child process that SIGKILLs itself the moment it opens
-a file for writing whose name matches a pattern (the file is created, nothing is written: a write cut short)."""
+a file for writing whose name matches a pattern (the file is created, nothing is written: a write cut short); and
+a fork server that launches many runs quickly, for a test to kill at random moments."""
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 # `python -c DIE_ON_WRITE PATTERN ARGS...`: the xgblora command, except that Python's open() (builtins.open and
@@ -38,3 +42,56 @@ def run_dying_on_write(pattern: str, args: list[str], stderr_path: Path) -> int:
 
 
 KILLED = -signal.SIGKILL
+
+
+# `python -c FORK_SERVER`: reads one JSON [args, stderr path] a line; forks a child that runs `xgblora ARGS` with
+# stderr to that file, and prints the child's pid, then (when it ends) its exit status (-9: SIGKILL)
+FORK_SERVER = """
+import json, os, sys, traceback
+from xgblora import cli, train  # torch, transformers and xgblora imported once, before any fork
+
+for line in sys.stdin:
+    args, stderr_path = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        try:
+            code = cli.main(args)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stderr.flush()
+        os._exit(code)
+    print(pid, flush=True)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+class ForkServer:
+    """Launches `xgblora ARGS` as forks of one process that has imported torch and xgblora: a launch starts in well
+    under a second instead of about four, so a soak test can kill and resume a run many times within CI's time.
+    Each launch is a process of its own, killed and resumed like any other."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", FORK_SERVER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.proc.stdout], daemon=True).start()
+
+    def start(self, args: list[str], stderr_path: Path) -> int:
+        """Launch `xgblora ARGS` (stderr to stderr_path); return its pid."""
+        self.proc.stdin.write(json.dumps([args, str(stderr_path)]) + "\n")
+        self.proc.stdin.flush()
+        return int(self.lines.get(timeout=60))
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit status of the last launch, or None when it is still running after `timeout` seconds."""
+        try:
+            return int(self.lines.get(timeout=timeout))
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -13,13 +14,14 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 # faults and test_train are helpers in tests/ (not a package, so they are imported by module name)
-from faults import KILLED, run_dying_on_write
+from faults import KILLED, ForkServer, run_dying_on_write
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -144,9 +146,10 @@ def test_json_python_cannot_hold_is_a_user_error(tmp_path, line):
 
 # ----------------------------------------------------------------------------- SIGKILL at random moments
 
-MAX_STEPS = 24
-# two kills keep the test near 20 s on 2 cores (each launch imports torch); set more for a longer soak
-KILLS = max(1, int(os.environ.get("XGBLORA_TEST_KILLS", "2")))
+MAX_STEPS, SAVE_STEPS = 24, 2
+# the soak: 10 kills take about a minute on 2 cores; set XGBLORA_TEST_KILLS for a longer one
+KILLS = max(1, int(os.environ.get("XGBLORA_TEST_KILLS", "10")))
+TIMING = {"train_runtime_s", "steps_per_second", "peak_memory_mb", "resumes"}  # fields of a run's time and parts
 
 
 def kill_args(shared_data: Path, out: Path) -> list[str]:
@@ -156,38 +159,52 @@ def kill_args(shared_data: Path, out: Path) -> list[str]:
             "--xgblora_steps_per_iteration", "4", "--xgblora_layers_per_booster", "1",
             "--lora_target_modules", "q_proj,v_proj,fc1", "--learning_rate", "3e-3",
             "--lr_scheduler_type", "constant", "--max_steps", str(MAX_STEPS), "--logging_steps", "1",
-            "--save_steps", "2", "--save_total_limit", "2", "--max_length", "32",
+            "--save_steps", str(SAVE_STEPS), "--save_total_limit", "2", "--max_length", "32",
             "--per_device_train_batch_size", "4", "--output_dir", str(out), "--result_file", str(out / "mezo.json"),
             "--device", "cpu", "--seed", "3"]
 
 
-def kill_and_resume(command: list[str], args: list[str], out: Path, logs: Path, delays: list[float]) -> list:
-    """Launch the run; SIGKILL launch i `delays[i]` seconds after its model is set up; resume (or restart when no
-    checkpoint exists yet) until a launch finishes. Returns (resumed?, exit status) per launch."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    history = []
-    for launch in range(len(delays) + 3):
-        resume = bool(checkpoint.step_checkpoints(out / "checkpoints"))
-        extra = ["--resume_from_checkpoint", "latest"] if resume else ["--overwrite_output_dir"]
+def training_started(pid: int, metrics: Path) -> bool:
+    """Whether process `pid` holds metrics.jsonl open, which its training loop does from its first step (Linux)."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # an fd closed meanwhile
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == str(metrics):
+                return True
+    return False
+
+
+def wait_until(server: ForkServer, condition) -> int | None:
+    """Wait until condition() holds (None) or the launch ends (its exit status)."""
+    while (rc := server.wait(0.005)) is None and not condition():
+        pass
+    return rc
+
+
+def kill_and_resume(server: ForkServer, args: list[str], out: Path, logs: Path, kill_at: list[float],
+                    step_s: float) -> list:
+    """Launch the run, SIGKILL launch i at kill_at[i] (in steps: 7.5 is half-way through step 8; a launch resumed
+    past it dies within its first half step), and resume (or restart when no checkpoint exists yet) until a launch
+    finishes. The moment is found from the checkpoint just before it, which the launch is seen to write, plus the
+    rest at the launch's own pace (`step_s` seconds a step until it is measured). Returns (resumed?, exit status)
+    per launch."""
+    rng, metrics, history = random.Random(len(kill_at)), Path(os.path.realpath(out / "metrics.jsonl")), []
+    for launch in range(len(kill_at) + 3):
+        found = checkpoint.step_checkpoints(out / "checkpoints")
+        extra = ["--resume_from_checkpoint", "latest"] if found else ["--overwrite_output_dir"]
+        resumed = int(found[-1].name.split("-")[1]) if found else 0
         stderr_path = logs / f"stderr-{launch}.txt"
-        with open(stderr_path, "wb") as stderr:
-            proc = subprocess.Popen(command + args + extra, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
-        try:
-            if launch < len(delays):
-                deadline = time.monotonic() + 60
-                while proc.poll() is None and time.monotonic() < deadline \
-                        and b"trainable parameters" not in stderr_path.read_bytes():
-                    time.sleep(0.01)
-                try:
-                    proc.wait(timeout=delays[launch])
-                except subprocess.TimeoutExpired:
-                    proc.send_signal(signal.SIGKILL)
-            rc = proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        history.append((resume, rc))
+        pid = server.start(args + extra, stderr_path)
+        rc = wait_until(server, partial(training_started, pid, metrics)) if launch < len(kill_at) else None
+        if launch < len(kill_at) and rc is None:
+            at = max(kill_at[launch], resumed + rng.uniform(0, 0.5))
+            before = max(resumed, int(at) - int(at) % SAVE_STEPS)  # the last checkpoint before the moment
+            started, saved = time.monotonic(), out / "checkpoints" / f"step-{before}"
+            if before > resumed and (rc := wait_until(server, saved.is_dir)) is None:
+                step_s = (time.monotonic() - started) / (before - resumed)  # this launch's pace, on a busy machine
+            if rc is None and (rc := server.wait((at - before) * step_s)) is None:
+                os.kill(pid, signal.SIGKILL)
+        rc = server.wait(120) if rc is None else rc
+        history.append((bool(found), rc))
         if rc != -signal.SIGKILL:
             assert rc == 0, stderr_path.read_text(errors="replace")
             return history
@@ -205,26 +222,37 @@ def alongside_uninterrupted(shared_data: Path, tmp_path: Path, interrupted):
 
 
 def assert_same_run(out: Path, whole: Path) -> None:
-    """The run in out finished with the reference's weights and metrics, and every metrics line parses."""
-    assert json.loads((out / "results.json").read_text())["steps"] == MAX_STEPS
+    """The run in out finished with the reference's weights, metrics and results (timing fields aside), and every
+    metrics line parses."""
     assert_same_tensors(adapter(out), adapter(whole))
     for line in (out / "metrics.jsonl").read_text().splitlines():
         json.loads(line)
     assert records(out) == records(whole)
     assert [r["step"] for r in records(out) if "loss" in r] == list(range(1, MAX_STEPS + 1))
+    got, expected = (json.loads((path / "results.json").read_text()) for path in (out, whole))
+    assert {k: v for k, v in got.items() if k not in TIMING} == {k: v for k, v in expected.items() if k not in TIMING}
+    assert got["steps"] == MAX_STEPS
 
 
-def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path):
-    out = tmp_path / "killed"
-    script = Path(sys.executable).with_name("xgblora")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "xgblora.cli"]
-    rng = random.Random(20240611)
-    # kill after the run has set up its model (importing torch takes seconds and is not interesting), at delays
-    # that fall anywhere from before the first checkpoint to the last steps, checkpoint saves included
-    delays = [rng.uniform(0.0, 0.8)] + [rng.uniform(0.3, 2.5) for _ in range(KILLS - 1)]
-    history, whole = alongside_uninterrupted(
-        shared_data, tmp_path, lambda: kill_and_resume(command, kill_args(shared_data, out), out, tmp_path, delays))
-    assert any(rc == -signal.SIGKILL for _, rc in history) and any(resumed for resumed, _ in history), history
+def test_sigkill_at_10_random_moments_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path):
+    whole, out = tmp_path / "whole", tmp_path / "killed"
+    server = ForkServer()
+    try:
+        server.start(kill_args(shared_data, whole), tmp_path / "stderr-whole.txt")
+        assert server.wait(120) == 0, (tmp_path / "stderr-whole.txt").read_text(errors="replace")
+        step_s = json.loads((whole / "results.json").read_text())["train_runtime_s"] / MAX_STEPS
+        # 10 moments spread at random over the first 85% of the run, one in each tenth of it: steps, merges and
+        # checkpoint saves alike (found by progress, so that a loaded or fast machine still needs every kill)
+        rng = random.Random(20240611)
+        kill_at = [(i + rng.random()) / KILLS * 0.85 * MAX_STEPS for i in range(KILLS)]
+        history = kill_and_resume(server, kill_args(shared_data, out), out, tmp_path, kill_at, step_s)
+    finally:
+        server.close()
+    assert sum(rc == -signal.SIGKILL for _, rc in history) == KILLS, history
+    resumed = sum(resumed for resumed, _ in history)
+    assert resumed >= KILLS // 2, history
+    # a resumed part killed before its next checkpoint left nothing behind, its resume included
+    assert 1 <= json.loads((out / "results.json").read_text())["resumes"] <= resumed
     assert_same_run(out, whole)
 
 
