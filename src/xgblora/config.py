@@ -72,7 +72,7 @@ class Config:
     xgblora_adaptive_threshold: float = _opt(1e-3, "Adaptive merge: relative improvement of the loss EMA that counts.")
     xgblora_adaptive_ema: float = _opt(0.9, "Adaptive merge: EMA decay of the training loss.")
     # optimisation
-    trainer: str = _opt("none", "none (zero-shot / in-context evaluation), regular (AdamW) or zo (MeZO).", ("none", "regular", "zo"))
+    trainer: str = _opt("regular", "regular (AdamW), zo (MeZO), or none (evaluate only: what `xgblora eval` runs).", ("none", "regular", "zo"))
     learning_rate: float = _opt(1e-5, "Peak learning rate.")
     zo_eps: float = _opt(1e-3, "MeZO perturbation size epsilon.")
     zo_dual: bool = _opt(True, "MeZO with adapters: both perturbed losses from one forward over a doubled batch.")
@@ -112,7 +112,7 @@ class Config:
     load_best_model_at_end: bool = _opt(False, "Reload the best dev checkpoint at the end.")
     resume_from_checkpoint: str | None = _opt(None, "Checkpoint folder, or 'latest'.")
     report_to: str = _opt("none", "Also log to: none or tensorboard.", ("none", "tensorboard"))
-    result_file: str | None = _opt(None, "Where to copy results.json MeZO-style (default result/{TASK}-{MODEL}-...json).")
+    result_file: str | None = _opt(None, "Also copy results.json here, as MeZO's run.py does; 'auto': MeZO's name, result/{TASK}-{MODEL}-...-trainset{SEED}.json (what `xgblora mezo` writes). Never over an existing file.")
     tag: str = _opt("", "Tag in the MeZO-style result file name.")
     nan_policy: str = _opt("stop", "On a NaN/inf loss: stop (keep the last good checkpoint) or skip the step.", ("stop", "skip"))
     ddp_timeout: int = _opt(1800, "Multi-process runs: seconds a rank waits for the others in a collective before it stops with an error.")
@@ -165,6 +165,7 @@ class Config:
 class CompareConfig(Config):
     """Options of `xgblora compare`: the train options plus the methods, seeds and where the report goes."""
 
+    trainer: str = _opt("zo", "Trainer of the methods given without one (METHOD:TRAINER names its own).", ("regular", "zo"))
     output_root: str = _opt("compare", "Folder holding one sub-folder per run and the report.")
     loss_figure_path: str | None = _opt(None, "Where to write the loss figure (default <output_root>/loss.png).")
     seeds: list[int] = _opt([0], "Seeds to run each method with.")

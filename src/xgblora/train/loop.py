@@ -265,8 +265,8 @@ class Trainer:
 
     def _evaluate(self) -> None:
         """Score the dev split; keep the best step (and its checkpoint with --load_best_model_at_end)."""
-        splits, state = self.run.splits, self.state
-        dev = self.run.score(splits.dev or splits.eval)
+        state = self.state
+        dev = self.run.score(self.run.splits.dev)
         self.metrics.log({"step": state.step, **{f"eval_{k}": v for k, v in dev.items()}})
         value = next(iter(dev.values()))
         if state.best is None or value > state.best["value"]:

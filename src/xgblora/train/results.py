@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,8 @@ import torch
 from xgblora.adapters import export
 from xgblora.config import Config
 from xgblora.train.setup import Method
+
+log = logging.getLogger("xgblora")
 
 
 def result_file_tag(cfg: Config) -> str:
@@ -25,14 +28,32 @@ def result_file_tag(cfg: Config) -> str:
     return tag
 
 
-def write_results(cfg: Config, results: dict[str, Any]) -> None:
-    """Write results.json into the output folder and MeZO's copy (--result_file, or result/<tag>-trainset<i>.json)."""
+def write_results(cfg: Config, results: dict[str, Any]) -> Path | None:
+    """Write results.json into the output folder, and MeZO's copy where --result_file asks for one; returns the copy.
+
+    The copy never replaces a file: two runs with the same MeZO tag (a re-run, another seed of a sweep that
+    leaves the tag alone) get `-2`, `-3`, ... before `.json`, and the log names the file written.
+    """
     text = json.dumps(results, indent=2, sort_keys=True) + "\n"
     (Path(cfg.output_dir) / "results.json").write_text(text, encoding="utf-8")
-    name = f"{result_file_tag(cfg)}-trainset{cfg.train_set_seed}.json"
-    copy = Path(cfg.result_file) if cfg.result_file else Path("result") / name
-    copy.parent.mkdir(parents=True, exist_ok=True)
-    copy.write_text(text, encoding="utf-8")
+    if not cfg.result_file:
+        return None
+    wanted = Path(cfg.result_file)
+    if cfg.result_file == "auto":
+        wanted = Path("result") / f"{result_file_tag(cfg)}-trainset{cfg.train_set_seed}.json"
+    wanted.parent.mkdir(parents=True, exist_ok=True)
+    copy, n = wanted, 1
+    while True:
+        try:
+            with open(copy, "x", encoding="utf-8") as f:  # "x" fails if the file exists: no race between runs
+                f.write(text)
+            break
+        except FileExistsError:
+            n += 1
+            copy = wanted.with_name(f"{wanted.stem}-{n}{wanted.suffix}")
+    if n > 1:
+        log.warning("%s exists (another run's result); wrote this run's to %s", wanted, copy)
+    return copy
 
 
 def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Method,
