@@ -40,8 +40,15 @@ class Config:
     # task and data
     task_name: str = _opt("SST2", "SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, DROP, or custom.")
     data_dir: str | None = _opt(None, "Folder with <task>/{train,dev}.jsonl in GLUE/SuperGLUE field names (else HF datasets).")
-    train_file: str | None = _opt(None, "Custom task: JSONL training file.")
-    eval_file: str | None = _opt(None, "Custom task: JSONL evaluation file (default: drawn from train_file).")
+    train_file: str | None = _opt(None, "Custom task: training data: JSON/JSONL, CSV/TSV, parquet, arrow, a save_to_disk folder, or a dataset id.")
+    eval_file: str | None = _opt(None, "Custom task: evaluation data, in any form --train_file takes (default: drawn from train_file).")
+    columns: str | None = _opt(None, "Custom task: map your column names to ours, OURS=THEIRS,... (e.g. prompt=question,completion=answer).")
+    data_format: str = _opt("auto", "Custom instruction data: messages (chat turns), prompt_completion (also prompt/response; a conversational prompt/completion is a chat), text (language modelling); auto: from each row's fields.",
+                            ("auto", "messages", "prompt_completion", "text"))
+    chat_template: str | None = _opt(None, "A Jinja chat template file, replacing the tokenizer's (conversation rows need one).")
+    train_on_prompt: bool = _opt(False, "Instruction data: the prompt (user and system turns) carries loss too, not only the answers.")
+    loss_mean: str = _opt("auto", "Loss of a batch: the mean over its target tokens (token) or of each example's mean (example); auto: token for instruction data, example for MeZO's tasks.",
+                          ("auto", "token", "example"))
     template: str | None = _opt(None, "Custom classification task: prompt template with {field} slots, e.g. '{text} It was'.")
     label_words: str | None = _opt(None, "Custom classification task: comma-separated verbalizers, one per label, in label order.")
     label_names: str | None = _opt(None, "Custom classification task: comma-separated label values as they appear in the file (default 0,1,...).")
@@ -105,6 +112,7 @@ class Config:
     evaluation_strategy: str = _opt("no", "Evaluate on dev every eval_steps (steps) or never (no).", ("no", "steps"),
                                     aliases=("eval_strategy",))
     eval_steps: int = _opt(500, "Evaluate every N steps.")
+    log_samples: int = _opt(0, "Instruction data: also log N of the dev generations (prompt, prediction, reference) to metrics.jsonl at each evaluation.")
     save_strategy: str = _opt("steps", "Checkpoint every save_steps (steps) or never (no).", ("no", "steps"))
     save_steps: int = _opt(500, "Checkpoint every N steps.")
     save_total_limit: int | None = _opt(None, "Keep at most this many checkpoints.")

@@ -264,13 +264,17 @@ class Trainer:
             self.progress.set_postfix(loss=f"{mean:.4f}", refresh=False)
 
     def _evaluate(self) -> None:
-        """Score the dev split; keep the best step (and its checkpoint with --load_best_model_at_end)."""
+        """Score the dev split; keep the best step (and its checkpoint with --load_best_model_at_end).
+
+        The first metric decides: the highest accuracy or F1, the lowest loss (instruction data)."""
         state = self.state
-        dev = self.run.score(self.run.splits.dev)
-        self.metrics.log({"step": state.step, **{f"eval_{k}": v for k, v in dev.items()}})
-        value = next(iter(dev.values()))
-        if state.best is None or value > state.best["value"]:
-            state.best = {"value": value, "step": state.step}
+        dev, predictions = self.run.score_and_predict(self.run.splits.dev)
+        samples = {"samples": predictions[:self.cfg.log_samples]} if self.cfg.log_samples and predictions else {}
+        self.metrics.log({"step": state.step, **{f"eval_{k}": v for k, v in dev.items()}, **samples})
+        name, value = next(iter(dev.items()))
+        score = -value if name in ("loss", "perplexity") else value
+        if state.best is None or score > state.best["score"]:
+            state.best = {"value": value, "score": score, "step": state.step}
             if self.cfg.load_best_model_at_end:
                 self._save("best")
 

@@ -56,6 +56,16 @@ def write_results(cfg: Config, results: dict[str, Any]) -> Path | None:
     return copy
 
 
+def write_predictions(cfg: Config, records: list[dict[str, Any]]) -> None:
+    """predictions.jsonl: one generation of the evaluation split per line (nothing when there are none)."""
+    if not records:
+        return
+    path = Path(cfg.output_dir) / "predictions.jsonl"
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    partial.replace(path)
+
+
 def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Method,
                state: dict[str, torch.Tensor] | None = None) -> None:
     """final/: a PEFT adapter (boosters concatenated) for lora/xgblora, the whole model for full fine-tuning."""

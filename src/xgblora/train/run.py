@@ -14,7 +14,7 @@ from xgblora.config import Config
 from xgblora.errors import UserError
 from xgblora.logging import setup_console_logging
 from xgblora.train.loop import Hooks, Trainer
-from xgblora.train.results import write_results
+from xgblora.train.results import write_predictions, write_results
 from xgblora.train.setup import RunSetup, load_run, setup_method, training_set
 
 log = logging.getLogger("xgblora")
@@ -46,7 +46,9 @@ def _evaluate_only(setup: RunSetup) -> dict[str, Any]:
         log.warning("--head classifier without training scores with a new, untrained head: expect chance accuracy")
     started = time.perf_counter()
     demos = setup.splits.train if setup.scoring is None else ()
-    return {**setup.score(setup.splits.eval, demos), "method": "none", "num_demos": len(demos),
+    metrics, predictions = setup.score_and_predict(setup.splits.eval, demos)
+    write_predictions(setup.cfg, predictions)
+    return {**metrics, "method": "none", "num_demos": len(demos),
             "eval_runtime_s": round(time.perf_counter() - started, 3)}
 
 
@@ -70,5 +72,7 @@ def _train(setup: RunSetup, dist: distributed.Distributed, hooks: Hooks | None) 
     summary = Trainer(setup, method, train_set, dist, hooks).fit()
     results = {**summary, "method": cfg.method, "num_train": len(setup.splits.train)}
     if not cfg.no_eval:
-        results.update(setup.score(setup.splits.eval))
+        metrics, predictions = setup.score_and_predict(setup.splits.eval)
+        write_predictions(cfg, predictions)
+        results.update(metrics)
     return results
