@@ -13,9 +13,10 @@ import pytest
 import torch
 from tokenizers import processors
 
-from xgblora import models, train
+from xgblora import config as config_mod
+from xgblora import models, scoring, train
 from xgblora.config import Config
-from xgblora.data import chat
+from xgblora.data import formats
 from xgblora.data.batching import collate, collate_packed
 from xgblora.data.loading import load_rows
 from xgblora.data.tasks import CustomTask, Example
@@ -132,13 +133,13 @@ def _scored_text(tokenizer, seq) -> list[str]:
 
 def test_a_multi_turn_conversation_scores_its_assistant_turns_and_their_eos(chat_model):
     _, tokenizer = chat_model
-    (seq,) = chat.instruction_seqs(tokenizer, [Example("", (), (), messages=CONVERSATION)], 1024)
+    (seq,) = formats.instruction_seqs(tokenizer, [Example("", (), (), messages=CONVERSATION)], 1024)
     assert _scored_text(tokenizer, seq) == ["4</s>\n", "6, since 3+3=6</s>\n"]  # the template's end of turn
-    assert tokenizer.decode(seq.ids) == chat.render(tokenizer, CONVERSATION, generation_prompt=False)
-    (completion_only,) = chat.instruction_seqs(tokenizer, [Example("", (), (), messages=CONVERSATION,
+    assert tokenizer.decode(seq.ids) == formats.render(tokenizer, CONVERSATION, generation_prompt=False)
+    (completion_only,) = formats.instruction_seqs(tokenizer, [Example("", (), (), messages=CONVERSATION,
                                                                    trained_from=4)], 1024)
     assert _scored_text(tokenizer, completion_only) == ["6, since 3+3=6</s>\n"]
-    (everything,) = chat.instruction_seqs(tokenizer, [Example("", (), (), messages=CONVERSATION)], 1024,
+    (everything,) = formats.instruction_seqs(tokenizer, [Example("", (), (), messages=CONVERSATION)], 1024,
                                           train_on_prompt=True)
     assert everything.target_offsets() == list(range(1, len(everything.ids)))
 
@@ -149,7 +150,7 @@ def test_eos_is_appended_where_the_template_ends_a_turn_without_it(chat_model):
                                     eos_token="</s>", bos_token="<s>")
     tokenizer.chat_template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
                                "{% if add_generation_prompt %}[assistant] {% endif %}")
-    (seq,) = chat.instruction_seqs(tokenizer, [Example("", (), (), messages=CONVERSATION[1:3])], 1024)
+    (seq,) = formats.instruction_seqs(tokenizer, [Example("", (), (), messages=CONVERSATION[1:3])], 1024)
     assert _scored_text(tokenizer, seq) == [" 4\n</s>"]  # " 4" is one token that starts in the prompt
     assert seq.ids[-1] == tokenizer.eos_token_id
 
@@ -163,14 +164,14 @@ def test_bos_once_whether_or_not_the_template_writes_it(chat_model):
     ex = Example("", (), (), messages=CONVERSATION[1:3])
     for template in (models.ZEPHYR_CHAT_TEMPLATE, "{{ bos_token }}" + models.ZEPHYR_CHAT_TEMPLATE):
         tokenizer.chat_template = template
-        (seq,) = chat.instruction_seqs(tokenizer, [ex], 1024)
+        (seq,) = formats.instruction_seqs(tokenizer, [ex], 1024)
         assert seq.ids.count(tokenizer.bos_token_id) == 1 and seq.ids[0] == tokenizer.bos_token_id, template
-        assert chat.prompt_ids(tokenizer, ex).count(tokenizer.bos_token_id) == 1
+        assert formats.prompt_ids(tokenizer, ex).count(tokenizer.bos_token_id) == 1
 
 
 def test_prompt_completion_and_text_rows_score_their_answer_and_eos(chat_model):
     _, tokenizer = chat_model
-    pair, text = chat.instruction_seqs(tokenizer, [Example("What is 2+2?", (), (), answers=("4",)),
+    pair, text = formats.instruction_seqs(tokenizer, [Example("What is 2+2?", (), (), answers=("4",)),
                                                    Example("", (), (), answers=("Once upon a time.",))], 1024)
     assert _scored_text(tokenizer, pair) == [" 4</s>"] and pair.ids[-1] == tokenizer.eos_token_id
     assert _scored_text(tokenizer, text) == ["Once upon a time.</s>"]
@@ -181,15 +182,15 @@ def test_templates_that_fail_or_are_missing_are_one_line_errors(chat_model, tmp_
     tokenizer = base.__class__(tokenizer_object=base.backend_tokenizer, pad_token="<pad>", eos_token="</s>")
     ex = Example("", (), (), messages=CONVERSATION[1:3], source="chat.jsonl:7")
     with pytest.raises(UserError, match="this tokenizer has no chat template.*--chat_template FILE"):
-        chat.instruction_seqs(tokenizer, [ex], 1024)
+        formats.instruction_seqs(tokenizer, [ex], 1024)
     (tmp_path / "bad.jinja").write_text("{{ raise_exception('only user turns') }}")
-    chat.set_chat_template(tokenizer, str(tmp_path / "bad.jinja"))
+    formats.set_chat_template(tokenizer, str(tmp_path / "bad.jinja"))
     with pytest.raises(UserError, match=r"chat\.jsonl:7: the chat template failed to render \(TemplateError: only"):
-        chat.instruction_seqs(tokenizer, [ex], 1024)
+        formats.instruction_seqs(tokenizer, [ex], 1024)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% endif %}{% endfor %}"
     with pytest.raises(UserError, match=r"chat\.jsonl:7: the chat template renders the start of this conversation "
                                         r"differently when more turns follow \(assistant turn 1\)"):
-        chat.instruction_seqs(tokenizer, [ex], 1024)
+        formats.instruction_seqs(tokenizer, [ex], 1024)
 
 
 # ----------------------------------------------------------------------------- loss and generation
@@ -198,7 +199,7 @@ def test_token_mean_loss_is_huggingfaces_masked_label_loss(chat_model):
     model, tokenizer = chat_model
     examples = [Example("", (), (), messages=CONVERSATION), Example("Hi", (), (), answers=("there, friend",)),
                 Example("", (), (), answers=("A short text.",))]
-    seqs = chat.instruction_seqs(tokenizer, examples, 1024)
+    seqs = formats.instruction_seqs(tokenizer, examples, 1024)
     batch = collate(seqs, tokenizer.pad_token_id).token_mean()
     ours = per_example_loss(model, batch).mean()
     labels = torch.full_like(batch.input_ids, -100)  # HF's reference: -100 everywhere but the target tokens
@@ -213,9 +214,26 @@ def test_token_mean_loss_is_huggingfaces_masked_label_loss(chat_model):
     torch.testing.assert_close(packed, reference, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("leaf", [True, False])  # a model's logits are no leaf: their backward overwrites them
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_target_logprobs_match_autograd_of_log_softmax(monkeypatch, dtype, leaf):
+    monkeypatch.setattr(scoring, "LOGPROB_CHUNK_ROWS", 3)  # 5 positions a row: two chunks, the second one short
+    x = torch.randn(2, 6, 37, dtype=dtype, requires_grad=True)  # the last position predicts nothing
+    targets, weights = torch.randint(0, 37, (2, 5)), torch.randn(2, 5)
+    logits = x if leaf else x * 2
+    ours = scoring.token_logprobs(logits, targets)
+    (grad,) = torch.autograd.grad((ours * weights).sum(), x)
+    logits = x if leaf else x * 2
+    reference = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    (reference_grad,) = torch.autograd.grad((reference * weights).sum(), x)
+    assert ours.dtype == torch.float32 and grad.dtype == dtype
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad, reference_grad, rtol=1e-6, atol=1e-6)
+
+
 def test_generation_stops_at_a_stop_token(chat_model):
     model, tokenizer = chat_model
-    prompt = chat.prompt_ids(tokenizer, Example("", (), (), messages=CONVERSATION[1:3]))
+    prompt = formats.prompt_ids(tokenizer, Example("", (), (), messages=CONVERSATION[1:3]))
     free = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                           pad_token_id=tokenizer.pad_token_id, eos_token_id=None)[0, len(prompt):].tolist()
     stop = free[2]
@@ -261,3 +279,17 @@ def test_a_chat_model_trains_on_gsm8k_as_messages_prompt_completion_and_renamed_
         assert math.isfinite(results["loss"]) and results["perplexity"] == pytest.approx(math.exp(results["loss"]))
         predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
         assert len(predictions) == 4 and all(p["reference"].rsplit("#### ", 1)[1] for p in predictions)
+
+
+@pytest.mark.parametrize("name", ["chat.yaml", "text.yaml", "gsm8k_prompt_completion.yaml"])
+def test_the_example_configs_run(shared_data, tmp_path, monkeypatch, name):
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # the examples' paths are relative to the checkout, as their commands are run
+    values = config_mod.read_yaml(Config, str(root / "examples" / "sft" / name))
+    if "gsm8k" in values["train_file"]:
+        values.update(train_file=str(shared_data / "gsm8k" / "train.jsonl"),
+                      eval_file=str(shared_data / "gsm8k" / "test.jsonl"), num_train=16, num_dev=2, num_eval=2)
+    values.update(output_dir=str(tmp_path / "out"), max_steps=2, eval_steps=1, save_steps=1, max_new_tokens=4,
+                  max_length=128, device="cpu")
+    results = train.run(Config(**values))
+    assert results["steps"] == 2 and math.isfinite(results["loss"])

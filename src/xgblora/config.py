@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from xgblora.errors import UserError
+from xgblora.trackers import parse_report_to
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -119,7 +120,7 @@ class Config:
     save_only_model: bool = _opt(False, "Checkpoints hold the trainable weights only (no optimizer state; not resumable exactly).")
     load_best_model_at_end: bool = _opt(False, "Reload the best dev checkpoint at the end.")
     resume_from_checkpoint: str | None = _opt(None, "Checkpoint folder, or 'latest'.")
-    report_to: str = _opt("none", "Also log to: none or tensorboard.", ("none", "tensorboard"))
+    report_to: str = _opt("none", "Also log to trackers, comma-separated: tensorboard, wandb, mlflow, trackio (through Accelerate's trackers; their files go to output_dir), or none.")
     result_file: str | None = _opt(None, "Also copy results.json here, as MeZO's run.py does; 'auto': MeZO's name, result/{TASK}-{MODEL}-...-trainset{SEED}.json (what `xgblora mezo` writes). Never over an existing file.")
     tag: str = _opt("", "Tag in the MeZO-style result file name.")
     nan_policy: str = _opt("stop", "On a NaN/inf loss: stop (keep the last good checkpoint) or skip the step.", ("stop", "skip"))
@@ -146,6 +147,7 @@ class Config:
         for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        parse_report_to(self.report_to)
         if self.load_float16 and self.load_bfloat16:
             raise UserError("--load_float16 and --load_bfloat16 cannot both be set")
         if self.trainer == "zo" and self.gradient_accumulation_steps != 1:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from xgblora.data import chat
+from xgblora.data import formats
 from xgblora.data.batching import iter_batches
 from xgblora.data.tasks import Example
 from xgblora.evaluate import f1_score, generate, normalize_answer
@@ -31,7 +31,7 @@ def token_loss(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examp
                max_length: int, batch_size: int, train_on_prompt: bool = False,
                stop_ids: Sequence[int] = ()) -> float:
     """Mean negative log-likelihood over the target tokens of every example (the training targets and mask)."""
-    seqs = chat.instruction_seqs(tokenizer, examples, max_length, train_on_prompt, stop_ids)
+    seqs = formats.instruction_seqs(tokenizer, examples, max_length, train_on_prompt, stop_ids)
     device = next(model.parameters()).device
     total, count = 0.0, 0
     with eval_mode(model):
@@ -57,7 +57,7 @@ def evaluate_instructions(model: PreTrainedModel, tokenizer: PreTrainedTokenizer
     answerable = [ex for ex in examples if ex.prompt or ex.messages]
     if not answerable:
         return metrics, []
-    prompts = [chat.prompt_ids(tokenizer, ex) for ex in answerable]
+    prompts = [formats.prompt_ids(tokenizer, ex) for ex in answerable]
     predictions = [text.strip() for text in generate(model, tokenizer, prompts, stop_ids, batch_size=batch_size,
                                                      max_length=max_length, max_new_tokens=max_new_tokens)]
     references = [ex.answers[0] for ex in answerable]
@@ -65,7 +65,7 @@ def evaluate_instructions(model: PreTrainedModel, tokenizer: PreTrainedTokenizer
     metrics["f1"] = _mean([f1_score(p, r) for p, r in zip(predictions, references, strict=True)])
     if all("####" in r for r in references):
         metrics["accuracy"] = _mean([_same_number(p, r) for p, r in zip(predictions, references, strict=True)])
-    records = [{"prompt": chat.prompt_text(tokenizer, ex), "prediction": p, "reference": r}
+    records = [{"prompt": formats.prompt_text(tokenizer, ex), "prediction": p, "reference": r}
                for ex, p, r in zip(answerable, predictions, references, strict=True)]
     return metrics, records
 

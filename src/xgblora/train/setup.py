@@ -18,7 +18,7 @@ from xgblora import encoders, models, perf
 from xgblora.adapters.boosting import Boosting
 from xgblora.adapters.lora import LoRALinear, attach, is_adapter_param, prepare_full_ft
 from xgblora.config import Config
-from xgblora.data import chat
+from xgblora.data import formats
 from xgblora.data.loading import Splits, sample_splits
 from xgblora.data.tasks import Example, Task, get_task
 from xgblora.distributed import Distributed
@@ -111,7 +111,7 @@ class RunSetup:
     def stop_ids(self) -> list[int]:
         """Tokens that end an answer: the tokenizer's EOS and the model's generation EOS (e.g. an end-of-turn)."""
         generation = getattr(self.model, "generation_config", None)
-        return chat.stop_token_ids(self.tokenizer, getattr(generation, "eos_token_id", None))
+        return formats.stop_token_ids(self.tokenizer, getattr(generation, "eos_token_id", None))
 
     @property
     def autocast(self) -> torch.dtype | None:
@@ -132,7 +132,7 @@ def load_run(cfg: Config, dist: Distributed) -> RunSetup:
                                    device=dist.device or cfg.device, trust_remote_code=cfg.trust_remote_code,
                                    head=head, num_labels=len(words) or None)
     if cfg.chat_template:
-        chat.set_chat_template(tokenizer, cfg.chat_template)
+        formats.set_chat_template(tokenizer, cfg.chat_template)
     device = next(model.parameters()).device
     cfg = resolve(cfg, model, dist)
     if dist.is_main:
@@ -174,7 +174,7 @@ def training_set(run: RunSetup) -> TrainingSet:
         return label_training_set(run.tokenizer, run.splits.train, cfg.max_length, run.scoring)
     token_mean = cfg.loss_mean == "token" or (cfg.loss_mean == "auto" and run.task.instruction)
     if run.task.instruction:
-        seqs = chat.instruction_seqs(run.tokenizer, run.splits.train, cfg.max_length, cfg.train_on_prompt,
+        seqs = formats.instruction_seqs(run.tokenizer, run.splits.train, cfg.max_length, cfg.train_on_prompt,
                                      run.stop_ids)
         return sequence_training_set(seqs, run.tokenizer.pad_token_id, packing_enabled(run), token_mean)
     return causal_training_set(run.tokenizer, run.splits.train, cfg.max_length, cfg.train_as_classification,
