@@ -116,6 +116,8 @@ def _load_dataset(source: str, split: str) -> list[dict[str, Any]]:
     import datasets  # slow to import; JSONL does without it
 
     path = Path(source)
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # stderr stays one line when the file is bad
     try:
         if path.is_dir() and any((path / name).exists() for name in ("dataset_info.json", "dataset_dict.json")):
             loaded = datasets.load_from_disk(str(path))
@@ -131,6 +133,9 @@ def _load_dataset(source: str, split: str) -> list[dict[str, Any]]:
     except Exception as exc:  # noqa: BLE001 -- parse errors, offline hub, not found...: all mean "cannot load"
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise UserError(f"{source}: cannot load with datasets ({type(exc).__name__}: {first})") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     return _pick_split(loaded, source, split).to_list()
 
 
