@@ -1,7 +1,7 @@
 """Read a user's data file, folder or dataset id into rows, with the user's column names mapped to ours.
 
-JSONL (and .json holding one object per line) is parsed here, line by line, so that an error names the file, the
-line and the field. Every other source goes through `datasets`: CSV/TSV, parquet, arrow, JSON arrays, a
+JSONL (and .json holding one object per line, or one array of objects) is parsed here, so that an error names the
+file, the line (or row) and the field. Every other source goes through `datasets`: CSV/TSV, parquet, arrow, a
 `save_to_disk` folder, a folder of data files, or a dataset id on the hub (`datasets.load_dataset`, which works
 offline for local files). Their errors name the row (1-based) and the column.
 """
@@ -89,8 +89,10 @@ def read_rows(source: str, split: str = "train", columns: dict[str, str] | None 
     split: 'train' or 'eval', the split taken from a source that holds several (a DatasetDict folder, a hub id).
     """
     path = Path(source)
-    if path.is_file() and path.suffix.lower() in (".jsonl", ".json") and not _is_json_array(path):
-        rows: list[tuple[Where, dict]] = [((str(path), n), row) for n, row in read_jsonl(path)]
+    if path.is_file() and path.suffix.lower() == ".json" and _is_json_array(path):
+        rows: list[tuple[Where, dict]] = _json_array_rows(path)
+    elif path.is_file() and path.suffix.lower() in (".jsonl", ".json"):
+        rows = [((str(path), n), row) for n, row in read_jsonl(path)]
     else:
         rows = [((source, f"row {i}"), row) for i, row in enumerate(_load_dataset(source, split), 1)]
         if not rows:
@@ -100,7 +102,27 @@ def read_rows(source: str, split: str = "train", columns: dict[str, str] | None 
 
 def _is_json_array(path: Path) -> bool:
     with open(path, "rb") as f:
-        return f.read(4096).lstrip().startswith(b"[")
+        return f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+
+
+def _json_array_rows(path: Path) -> list[tuple[Where, dict]]:
+    """The objects of a .json file holding one array (parsed here, not by pyarrow, which can crash on bad input)."""
+    try:
+        values = json.loads(_read_bytes(path).decode("utf-8-sig"))
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text; save the file as UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise located(path, exc.lineno, None, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:
+        raise UserError(f"{path}: not valid JSON ({type(exc).__name__})") from None
+    if not isinstance(values, list) or not values:
+        raise UserError(f"{path}: expected a non-empty JSON array of objects")
+    rows = []
+    for i, value in enumerate(values, 1):
+        if not isinstance(value, dict):
+            raise located(path, f"row {i}", None, f"expected a JSON object, got {_JSON_TYPES.get(type(value), 'null')}")
+        rows.append(((str(path), f"row {i}"), value))
+    return rows
 
 
 def _rename(row: dict, columns: dict[str, str], where: Where) -> dict:
@@ -122,7 +144,10 @@ def _load_dataset(source: str, split: str) -> list[dict[str, Any]]:
         if path.is_dir() and any((path / name).exists() for name in ("dataset_info.json", "dataset_dict.json")):
             loaded = datasets.load_from_disk(str(path))
         elif path.is_file():
-            builder, options = _BUILDERS.get(path.suffix.lower(), ("json", {}))
+            if path.suffix.lower() not in _BUILDERS:
+                raise UserError(f"{source}: unknown file type {path.suffix!r}; use .jsonl, .json, .csv, .tsv, "
+                                f".parquet or .arrow, a save_to_disk folder or a dataset id")
+            builder, options = _BUILDERS[path.suffix.lower()]
             loaded = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
         elif path.suffix.lower() in (*_BUILDERS, ".jsonl", ".json") or source.startswith((".", "/", "~")):
             raise UserError(f"{source}: no such file")
