@@ -70,7 +70,7 @@ class Config:
     lora_r: int | None = _opt(None, "Adapter rank (default 8 for LoRA, 1 for XGBLoRA).", aliases=("lora_rank",))
     lora_alpha: float = _opt(16.0, "Adapter scaling numerator: delta = (alpha / r) B A.")
     lora_dropout: float = _opt(0.0, "Dropout on the adapter branch's input.")
-    lora_target_modules: str | None = _opt(None, "Comma-separated module-name suffixes to adapt (default: attention query and value).")
+    lora_target_modules: str | None = _opt(None, "What to adapt, as PEFT's target_modules: comma-separated module-name suffixes (q_proj,v_proj), all-linear (every linear layer of the transformer blocks; never the LM head or a classifier head), or a regular expression matched against the whole module name. Default: the attention query and value (MeZO's and the LoRA paper's choice).")
     xgblora_steps_per_iteration: int = _opt(1000, "Steps per booster before it is merged and re-initialised.")
     xgblora_layers_per_booster: int | None = _opt(None, "Random subset of layers that carries the booster each iteration (all when unset).")
     xgblora_shrinkage: float = _opt(1.0, "Merge step size: W += shrinkage * delta.")

@@ -58,8 +58,7 @@ def setup_method(model: torch.nn.Module, cfg: Config) -> Method:
         count = prepare_full_ft(model)
         log.info("full fine-tuning: %s trainable parameters", f"{count:,}")
         return Method(list(model.named_parameters()))
-    targets = cfg.lora_target_modules.split(",") if cfg.lora_target_modules else None
-    report = attach(model, targets, r=cfg.rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
+    report = attach(model, cfg.lora_target_modules, r=cfg.rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
     log.info("%s", report)
     adapters = [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
     head = [(n, p) for n, p in model.named_parameters() if encoders.is_head_param(n)]
