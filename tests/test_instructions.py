@@ -11,7 +11,9 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from peft import PeftModel
 from tokenizers import processors
+from transformers import AutoTokenizer
 
 from xgblora import config as config_mod
 from xgblora import models, scoring, train
@@ -279,6 +281,12 @@ def test_a_chat_model_trains_on_gsm8k_as_messages_prompt_completion_and_renamed_
         assert math.isfinite(results["loss"]) and results["perplexity"] == pytest.approx(math.exp(results["loss"]))
         predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
         assert len(predictions) == 4 and all(p["reference"].rsplit("#### ", 1)[1] for p in predictions)
+    final = tmp_path / "messages" / "final"  # the adapter with its tokenizer, chat template and model card
+    assert AutoTokenizer.from_pretrained(final).chat_template == models.ZEPHYR_CHAT_TEMPLATE
+    card = (final / "README.md").read_text()
+    assert "base_model: tiny-llama-chat" in card and "AutoPeftModelForCausalLM" in card and "| loss |" in card
+    peft_model = PeftModel.from_pretrained(models.load("tiny-llama-chat")[0], final)
+    assert sum("lora_A" in n for n, _ in peft_model.named_parameters()) == 4  # q, v of two layers
 
 
 @pytest.mark.parametrize("name", ["chat.yaml", "text.yaml", "gsm8k_prompt_completion.yaml"])

@@ -73,6 +73,59 @@ def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Meth
     if method.modules:
         history = method.boosting.history if method.boosting is not None else []
         export.to_peft(method.modules, history, final, cfg.model_name, head=dict(method.head))
+        tokenizer.save_pretrained(final)  # the tokenizer and its chat template travel with the adapter
     else:
         model.save_pretrained(final, state_dict=state)
         tokenizer.save_pretrained(final)
+
+
+def _auto_class(final: Path, adapter: bool) -> str:
+    """The Auto class that loads final/: PEFT's for an adapter (by its task type), transformers' for a model."""
+    if adapter:
+        task = json.loads((final / "adapter_config.json").read_text(encoding="utf-8")).get("task_type")
+        return "AutoPeftModelForSequenceClassification" if task == "SEQ_CLS" else "AutoPeftModelForCausalLM"
+    architectures = json.loads((final / "config.json").read_text(encoding="utf-8")).get("architectures") or [""]
+    for suffix in ("ForSequenceClassification", "ForMaskedLM"):
+        if architectures[0].endswith(suffix):
+            return f"AutoModel{suffix}"
+    return "AutoModelForCausalLM"
+
+
+def write_model_card(cfg: Config, results: dict[str, Any]) -> None:
+    """final/README.md: what was trained from what, on which data, with which results, and how to load it."""
+    final = Path(cfg.output_dir) / "final"
+    if not final.is_dir():
+        return
+    adapter = (final / "adapter_config.json").exists()
+    data = cfg.train_file if cfg.task_name.lower() == "custom" else cfg.task_name
+    metrics = {k: v for k, v in results.items() if isinstance(v, float) and k not in ("train_runtime_s",)}
+    rows = "".join(f"| {k} | {v:.4g} |\n" for k, v in sorted(metrics.items()))
+    auto = _auto_class(final, adapter)
+    load = f"from {'peft' if adapter else 'transformers'} import {auto}\nmodel = {auto}.from_pretrained(\"{final}\")"
+    card = f"""---
+base_model: {cfg.model_name}
+library_name: {"peft" if adapter else "transformers"}
+tags: [xgblora, {cfg.method}, {"mezo" if cfg.trainer == "zo" else "adamw"}]
+---
+
+# {Path(cfg.output_dir).name}
+
+{"A LoRA adapter" if adapter else "A model"} fine-tuned from `{cfg.model_name}` with xgblora: method `{cfg.method}`
+(rank {cfg.rank}, alpha {cfg.lora_alpha:g}), trainer `{cfg.trainer}` ({"MeZO" if cfg.trainer == "zo" else "AdamW"}),
+{results.get("steps")} steps at learning rate {cfg.learning_rate:g}, on {results.get("num_train")} examples of `{data}`.
+The resolved options are in `../config.yaml`.
+
+## Results
+
+| metric | value |
+|---|---|
+{rows}
+## Use
+
+```python
+from transformers import AutoTokenizer
+{load}
+tokenizer = AutoTokenizer.from_pretrained("{final}")
+```
+"""
+    (final / "README.md").write_text(card, encoding="utf-8")

@@ -14,7 +14,7 @@ from xgblora.config import Config
 from xgblora.errors import UserError
 from xgblora.logging import setup_console_logging
 from xgblora.train.loop import Hooks, Trainer
-from xgblora.train.results import write_predictions, write_results
+from xgblora.train.results import write_model_card, write_predictions, write_results
 from xgblora.train.setup import RunSetup, load_run, setup_method, training_set
 
 log = logging.getLogger("xgblora")
@@ -37,6 +37,7 @@ def run(cfg: Config, hooks: Hooks | None = None) -> dict[str, Any]:
     results = {**base, **(_evaluate_only(setup) if cfg.trainer == "none" else _train(setup, dist, hooks))}
     if dist.is_main:
         write_results(setup.cfg, results)
+        write_model_card(setup.cfg, results)
     return results
 
 
