@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# MeZO-style launcher: the environment variables of MeZO's mezo.sh and the XGBLoRA fork, calling `xgblora train`.
+# MeZO-style launcher: the environment variables of MeZO's mezo.sh and the XGBLoRA fork, calling `xgblora mezo`
+# (MeZO's run.py defaults; the results also land in result/<tag>-trainset<SEED>.json, as MeZO's do).
 #   MODE=ft|lora|xgblora TASK=SST2 MODEL=facebook/opt-350m BS=16 LR=1e-5 EPS=1e-3 SEED=0 TRAIN=1000 DEV=500
 #   STEPS=20000 EVAL_STEPS=4000 XGBLORA_STEPS=1000 PRECISION=float16|bfloat16|float32
 #   bash examples/mezo.sh [extra xgblora train flags]
@@ -21,7 +22,7 @@ case "$MODE" in
   xgblora) EXTRA=(--xgblora --xgblora_steps_per_iteration "$XGBLORA_STEPS") ;;
   *) echo "mezo.sh: MODE must be ft, lora or xgblora, got '$MODE'" >&2; exit 2 ;;
 esac
-exec xgblora train \
+exec xgblora mezo \
   --model_name "$MODEL" --task_name "$TASK" --output_dir "result/$TASK-$MODEL_NAME-$TAG" --tag "$TAG" \
   --train_set_seed "$SEED" --num_train "$TRAIN" --num_dev "$DEV" --num_eval "$EVAL" --logging_steps 10 \
   --max_steps "$STEPS" --trainer zo "${LOAD[@]}" --learning_rate "$LR" --zo_eps "$EPS" \

@@ -74,7 +74,7 @@ def test_compare_writes_runs_and_report_then_reuses_and_overwrites(shared_data, 
     for run in runs:
         results = json.loads((run / "results.json").read_text())
         assert results["steps"] == 4 and "accuracy" in results
-        assert json.loads((run / "mezo_result.json").read_text()) == results
+        assert not (run / "mezo_result.json").exists()
     for name in ("loss.png", "report.html", "report.md"):
         assert (root / name).is_file() and (root / name).stat().st_size > 0, name
     assert "report:" in capsys.readouterr().out
@@ -87,3 +87,19 @@ def test_compare_writes_runs_and_report_then_reuses_and_overwrites(shared_data, 
 
     assert cli.main(args + ["--overwrite"]) == 0
     assert all((run / "results.json").stat().st_mtime > old for run in runs)
+
+
+def test_train_trains_by_default_and_mezo_keeps_run_py_defaults(shared_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    common = ["--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(shared_data), "--num_eval", "8",
+              "--max_length", "64", "--device", "cpu"]
+    assert cli.main(["train", *common, "--num_train", "16", "--max_steps", "2", "--output_dir", "t"]) == 0
+    trained = json.loads((tmp_path / "t" / "results.json").read_text())
+    assert (trained["trainer"], trained["steps"]) == ("regular", 2)  # AdamW when --trainer is not given
+
+    assert cli.main(["mezo", *common, "--output_dir", "m"]) == 0  # MeZO's run.py: zero-shot, result/ copy
+    evaluated = json.loads((tmp_path / "m" / "results.json").read_text())
+    assert (evaluated["trainer"], evaluated["num_demos"]) == ("none", 0)
+    assert json.loads((tmp_path / "result" / "SST2-tiny-opt-sampleeval8-trainset0.json").read_text()) == evaluated
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "result", "t"]
+    capsys.readouterr()

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from xgblora.config import Config
-from xgblora.data.loading import load_rows, read_jsonl, sample_splits
+from xgblora.data.loading import load_rows, sample_splits
+from xgblora.data.sources import read_jsonl
 from xgblora.data.tasks import get_task
 from xgblora.errors import UserError
 

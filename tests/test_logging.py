@@ -3,12 +3,16 @@
 import builtins
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
 
+from xgblora import train
+from xgblora.config import Config
 from xgblora.errors import UserError
-from xgblora.logging import MetricsLog, read_metrics, setup_console_logging
+from xgblora.logging import MetricsLog, ProgressLine, read_metrics, setup_console_logging
+from xgblora.trackers import open_trackers
 
 
 def _records(n: int, start: int = 1) -> list[dict]:
@@ -145,8 +149,8 @@ def test_tensorboard_mirror_writes_events(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tb_dir = tmp_path / "tb"
-    with MetricsLog(tmp_path / "metrics.jsonl", tensorboard_dir=tb_dir) as log:
+    tb_dir = tmp_path / "tensorboard"
+    with MetricsLog(tmp_path / "metrics.jsonl", trackers=open_trackers(("tensorboard",), tmp_path, "run", {})) as log:
         for record in _records(5):
             log.log(record)
         log.log({"step": 5, "eval_accuracy": 0.8})
@@ -157,6 +161,43 @@ def test_tensorboard_mirror_writes_events(tmp_path):
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "eval/accuracy", "merge/booster", "merge/modules"} <= tags
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5]
+
+
+def test_report_to_several_trackers_in_a_run(shared_data, tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    mlflow = pytest.importorskip("mlflow")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "run"
+    train.run(Config(model_name="tiny-opt", task_name="SST2", data_dir=str(shared_data), num_train=16, num_eval=4,
+                     max_steps=4, logging_steps=1, method="lora", max_length=64, device="cpu", save_strategy="no",
+                     output_dir=str(out), report_to="tensorboard,mlflow"))
+    losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(losses)
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("xgblora").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(losses)
+    assert run.data.params["method"] == "lora"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing in the working directory
+
+
+def test_unknown_tracker_is_a_one_line_error():
+    with pytest.raises(UserError, match=r"--report_to 'tensorboard,neptune': unknown tracker 'neptune'"):
+        Config(report_to="tensorboard,neptune")
+
+
+def test_progress_lines_when_the_log_is_not_a_terminal(caplog):
+    line = ProgressLine(max_steps=100, start_step=0, enabled=True)
+    line.count(5000)
+    with caplog.at_level(logging.INFO, logger="xgblora"):
+        line.report(10, 1.23456, 3e-4)
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert re.fullmatch(r"step 10/100  loss 1\.2346  lr 0\.0003  \d+ tokens/s  ETA \d+m\d\ds", message), message
 
 
 def test_console_logging_is_idempotent(capsys):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from xgblora import models
+from xgblora.adapters.export import to_peft
 from xgblora.adapters.lora import LoRALinear, attach, default_targets, lora_modules, prepare_full_ft, unwrap
 from xgblora.errors import UserError
 
@@ -234,12 +235,63 @@ def test_default_targets():
         default_targets(fake("mystery"))
 
 
-def test_gpt2_conv1d_is_a_clear_user_error():
+def _peft_targets(model: nn.Module, target_modules) -> set[str]:
+    """The module names PEFT itself adapts for target_modules (its own matcher, on a copy of the model)."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=target_modules))
+    return {name.removeprefix("base_model.model.") for name, m in peft_model.named_modules()
+            if hasattr(m, "lora_A") and isinstance(m.lora_A, nn.ModuleDict)}
+
+
+def test_all_linear_adapts_the_seven_projections_of_every_llama_block_as_peft_does():
+    model, _ = models.load("tiny-llama")
+    report = attach(copy.deepcopy(model), "all-linear", r=2)
+    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    assert set(report.modules) == {f"model.layers.{i}.{p}" for i in range(2) for p in projections}
+    assert set(report.modules) == _peft_targets(model, "all-linear")
+
+
+@pytest.mark.parametrize("spec", [r".*\.(q_proj|o_proj)", "q_proj,mlp.up_proj", ["k_proj", "down_proj"]])
+def test_regex_and_suffix_targets_select_what_peft_selects(spec):
+    model, _ = models.load("tiny-llama")
+    peft_spec = spec.split(",") if isinstance(spec, str) and "," in spec else spec
+    assert set(attach(copy.deepcopy(model), spec, r=2).modules) == _peft_targets(model, peft_spec)
+
+
+def test_a_bad_regex_is_a_user_error():
+    model, _ = models.load("tiny-llama")
+    with pytest.raises(UserError, match=r"not a valid regular expression"):
+        attach(model, ".*(q_proj")
+
+
+def test_gpt2_conv1d_adapter_matches_peft_exports_and_merges_in_its_layout(tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
-    with pytest.raises(UserError, match="Conv1D"):
-        attach(model)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64)).eval()
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
+                                                                 fan_in_fan_out=True))
+    base = copy.deepcopy(model)
+    report = attach(model, r=4, alpha=8.0)  # gpt2's default target: c_attn, a Conv1D
+    assert set(report.modules) == {f"transformer.h.{i}.attn.c_attn" for i in range(2)}
+    for name, module in report.modules.items():
+        assert module.fan_in_fan_out and (module.in_features, module.out_features) == (32, 96)
+        torch.nn.init.normal_(module.lora_B)
+        peft_layer = peft_model.get_submodule(f"base_model.model.{name}")
+        peft_layer.lora_A["default"].weight.data.copy_(module.lora_A)
+        peft_layer.lora_B["default"].weight.data.copy_(module.lora_B)
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        ours, theirs = model(ids).logits, peft_model(ids).logits
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        to_peft(report.modules, [], tmp_path / "adapter", "gpt2-tiny")
+        exported = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        torch.testing.assert_close(exported(ids).logits, theirs, rtol=1e-5, atol=1e-5)
+        unwrap(model)  # merged into the (in, out) Conv1D weight
+        torch.testing.assert_close(model(ids).logits, theirs, rtol=1e-5, atol=1e-5)
 
 
 def test_prepare_full_ft():

@@ -24,6 +24,8 @@ SST2_RUN = ["--task_name", "SST2", "--data_dir", "{d}", "--num_train", "8", "--n
 CUSTOM_CLS = ["--task_name", "custom", "--train_file", "{d}/t.jsonl", "--template", "{text} It was",
               "--label_words", "terrible,great"]
 CUSTOM = ["--task_name", "custom", "--train_file", "{d}/t.jsonl"]
+CHAT = [*CUSTOM, "--model_name", "tiny-llama-chat", "--num_train", "1", "--max_steps", "1"]
+CHAT_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
 # (name, files to write under {d}, the arguments of `xgblora train`, the message after "error: " as a regex over
 # the whole rest of the line; {d} is the test's folder in both). Arguments are written as the user types them.
@@ -117,6 +119,32 @@ CASES = [
     ("resume-without-checkpoint", SST2, [*SST2_RUN, "--trainer", "regular", "--max_steps", "1",
                                          "--resume_from_checkpoint", "latest"],
      r"--resume_from_checkpoint latest: no checkpoint under \S+/out/checkpoints"),
+    # instruction and chat data, other file formats, column maps, chat templates, trackers
+    ("chat-no-assistant", {"t.jsonl": jsonl({"messages": [{"role": "user", "content": "hi"}]})}, CHAT,
+     r'{d}/t\.jsonl:1: field "messages": no message with role "assistant" to train on'),
+    ("chat-role-missing", {"t.jsonl": jsonl({"messages": [{"content": "hi"}]})}, CHAT,
+     r'{d}/t\.jsonl:1: field "messages\[0\]\.role": missing'),
+    ("instruction-no-known-field", {"t.jsonl": jsonl({"question": "q", "answer": "a"})}, CUSTOM,
+     r'{d}/t\.jsonl:1: field "messages": missing: instruction rows hold "messages", "prompt" and "completion" '
+     r'\(or "response"\), or "text" \(--columns maps other names\); the row has: question, answer'),
+    ("csv-column-missing", {"t.csv": "question,answer\nq,a\n"},
+     ["--task_name", "custom", "--train_file", "{d}/t.csv", "--columns", "prompt=question,completion=solution"],
+     r'{d}/t\.csv, row 1: field "solution": missing \(--columns maps it to \'completion\'\); the row has: '
+     r"question, answer"),
+    ("columns-bad", {"t.jsonl": jsonl({"prompt": "p", "completion": "c"})}, [*CUSTOM, "--columns", "prompt:question"],
+     r"--columns 'prompt:question': 'prompt:question' is not OURS=THEIRS \(e\.g\. prompt=question\)"),
+    ("no-such-parquet", {}, ["--task_name", "custom", "--train_file", "{d}/t.parquet"], r"{d}/t\.parquet: no such file"),
+    ("chat-no-template", {"t.jsonl": jsonl(CHAT_ROW, CHAT_ROW)}, [*CUSTOM, "--model_name", "tiny-llama", "--num_train", "1"],
+     r"this tokenizer has no chat template, so conversation rows cannot be rendered; pass --chat_template FILE "
+     r"\(a Jinja template\), or use prompt/completion rows"),
+    ("chat-template-fails", {"t.jsonl": jsonl(CHAT_ROW, CHAT_ROW), "bad.jinja": "{{ raise_exception('no system role') }}"},
+     [*CHAT, "--chat_template", "{d}/bad.jinja"],
+     r"{d}/t\.jsonl:\d: the chat template failed to render \(TemplateError: no system role\)"),
+    ("chat-template-file-missing", {"t.jsonl": jsonl(CHAT_ROW, CHAT_ROW)}, [*CHAT, "--chat_template", "{d}/none.jinja"],
+     r"--chat_template {d}/none\.jinja: cannot read \(FileNotFoundError: .*\)"),
+    ("report-to-unknown", {}, [*SST2_RUN, "--report_to", "neptune"],
+     r"--report_to 'neptune': unknown tracker 'neptune'; choose from none, tensorboard, wandb, mlflow, trackio "
+     r"\(several: comma-separated\)"),
 ]
 
 

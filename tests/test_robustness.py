@@ -29,7 +29,8 @@ from test_train import adapter, assert_same_tensors, interrupt_at, make_cfg, rec
 
 from xgblora import cli, objective, train
 from xgblora.config import Config
-from xgblora.data.loading import load_rows, read_jsonl
+from xgblora.data.loading import load_rows
+from xgblora.data.sources import read_jsonl
 from xgblora.data.tasks import Task, get_task
 from xgblora.errors import UserError
 from xgblora.train import checkpoint

@@ -5,7 +5,8 @@ from collections import Counter
 import pytest
 
 from xgblora.config import Config
-from xgblora.data.loading import load_rows, read_jsonl
+from xgblora.data.loading import load_rows
+from xgblora.data.sources import read_jsonl
 from xgblora.data.tasks import TASKS, CustomTask, Example, get_task
 from xgblora.errors import UserError
 
@@ -254,7 +255,7 @@ def test_custom_classification_task():
 def test_custom_instruction_task():
     task = custom()
     assert (task.metric, task.generation) == ("f1", True)
-    expected = [Example("2+2=", (), (), answers=("4",))]
+    expected = [Example("2+2=", (), (), answers=("4",), source="t:1")]
     assert task.examples({"prompt": "2+2=", "response": "4"}, ("t", 1)) == expected
 
 

@@ -203,13 +203,26 @@ def adapter_params(out: Path) -> dict[str, torch.Tensor]:
     return {k: t[-1:] if ".lora_A." in k else t[:, -1:] for k, t in tensors.items()}
 
 
-def test_mezo_style_result_file_default_name(shared_data, tmp_path, monkeypatch):
+def test_result_copy_only_when_asked_and_never_over_another_runs_file(shared_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = make_cfg(shared_data, tmp_path / "run", trainer="zo", max_steps=2, result_file=None, num_dev=8)
-    train.run(cfg)
+    train.run(make_cfg(shared_data, tmp_path / "plain", trainer="zo", max_steps=1, result_file=None))
+    assert not (tmp_path / "result").exists()  # nothing lands in the working directory unasked
+
+    cfg = make_cfg(shared_data, tmp_path / "run", trainer="zo", max_steps=2, result_file="auto", num_dev=8)
     expected = tmp_path / "result" / f"{results_mod.result_file_tag(cfg)}-trainset0.json"
     assert expected.name == "SST2-tiny-opt-sampleeval16-ntrain64-ndev8-trainset0.json"
-    assert json.loads(expected.read_text()) == json.loads((tmp_path / "run" / "results.json").read_text())
+    expected.parent.mkdir()
+    expected.write_text("a user's file")
+    train.run(cfg)
+    assert expected.read_text() == "a user's file"
+    second = expected.with_name(expected.stem + "-2.json")
+    assert json.loads(second.read_text()) == json.loads((tmp_path / "run" / "results.json").read_text())
+
+
+@pytest.mark.parametrize("flags", [dict(load_best_model_at_end=True), dict(evaluation_strategy="steps", eval_steps=1)])
+def test_choosing_on_dev_needs_a_dev_split(shared_data, tmp_path, flags):
+    with pytest.raises(UserError, match=r"needs a dev split.*pass --num_dev N"):
+        train.run(make_cfg(shared_data, tmp_path / "run", max_steps=2, num_dev=None, **flags))
 
 
 def test_save_total_limit_and_load_best_model_at_end(shared_data, tmp_path):

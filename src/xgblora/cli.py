@@ -1,4 +1,4 @@
-"""The `xgblora` command: train, compare, eval, bench, env, export, demo."""
+"""The `xgblora` command: train, mezo, compare, eval, bench, env, export, demo."""
 
 from __future__ import annotations
 
@@ -18,14 +18,17 @@ COMMANDS = {
     "train": "Fine-tune a model (ft, lora or xgblora) with AdamW (--trainer regular) or MeZO (--trainer zo).",
     "compare": "Run XGBLoRA and LoRA (or any methods) side by side over seeds; write a loss figure and tables.",
     "eval": "Zero-shot or in-context evaluation (k demonstrations with --num_train k); writes results.json.",
+    "mezo": "MeZO's run.py as it is: its flags and defaults (no training unless --trainer; result/ copy).",
     "bench": "Measure speed and memory against baselines.",
     "env": "Print the environment report (versions, device, attention backends, chosen defaults).",
     "export": "Export a run as a PEFT adapter or a merged model.",
     "demo": "Offline demo: XGBLoRA vs LoRA under AdamW and MeZO on a built-in task, with a report.",
 }
 
-# Per-command defaults that differ from the dataclass's: MeZO's run.py evaluates zero-shot unless --num_train k.
+# Per-command defaults that differ from the dataclass's. MeZO's run.py evaluates zero-shot unless given --trainer
+# and --num_train k, and copies its results to result/<tag>.json; `xgblora mezo` keeps that for its command lines.
 EVAL_DEFAULTS = {"num_train": 0}
+MEZO_DEFAULTS = {"num_train": 0, "trainer": "none", "result_file": "auto"}
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -41,6 +44,13 @@ def _eval(args: argparse.Namespace) -> int:
     cfg = config_mod.from_namespace(config_mod.Config, args, EVAL_DEFAULTS)
     cfg.trainer = "none"
     print(json.dumps(run(cfg), indent=2))
+    return 0
+
+
+def _mezo(args: argparse.Namespace) -> int:
+    from xgblora.train import run
+
+    print(json.dumps(run(config_mod.from_namespace(config_mod.Config, args, MEZO_DEFAULTS)), indent=2))
     return 0
 
 
@@ -87,7 +97,7 @@ def _env(args: argparse.Namespace) -> int:  # noqa: ARG001
 
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "train": _train, "compare": _compare, "eval": _eval, "bench": _bench, "env": _env, "export": _export,
+    "train": _train, "mezo": _mezo, "compare": _compare, "eval": _eval, "bench": _bench, "env": _env, "export": _export,
     "demo": _demo}
 
 
@@ -105,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
-        if name in ("train", "eval"):
+        if name in ("train", "eval", "mezo"):
             config_mod.add_arguments(p, config_mod.Config)
         elif name == "compare":
             config_mod.add_arguments(p, config_mod.CompareConfig)
@@ -130,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _unrecognized(command: str, unknown: list[str]) -> UserError:
     """The error for flags the command does not have, suggesting the closest option of train, eval or compare."""
-    cls = {"train": config_mod.Config, "eval": config_mod.Config, "compare": config_mod.CompareConfig}.get(command)
+    cls = {"train": config_mod.Config, "eval": config_mod.Config, "mezo": config_mod.Config, "compare": config_mod.CompareConfig}.get(command)
     names = [f.name for f in dataclasses.fields(cls)] if cls is not None else []
     flag = next((a for a in unknown if a.startswith("--")), "")
     close = difflib.get_close_matches(flag[2:].split("=")[0].replace("-", "_"), names, n=1) if flag else []

@@ -28,16 +28,15 @@ def parse_method(spec: str, default_trainer: str) -> tuple[str, str]:
 
 def run_configs(cfg: CompareConfig) -> list[Config]:
     """One train config per (method, seed), each in its own folder under output_root."""
-    default_trainer = cfg.trainer if cfg.trainer != "none" else "zo"
     base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
     configs = []
     for spec in cfg.methods:
-        method, trainer = parse_method(spec, default_trainer)
+        method, trainer = parse_method(spec, cfg.trainer)
         for seed in cfg.seeds:
             out = Path(cfg.output_root) / f"{cfg.task_name}-{method}-{trainer}-seed{seed}"
             values = {**base, "method": method, "trainer": trainer, "seed": seed, "output_dir": str(out),
                       "lora": False, "xgblora": False, "overwrite_output_dir": cfg.overwrite,
-                      "result_file": str(out / "mezo_result.json")}
+                      "result_file": None}  # each run's results.json is in its folder
             configs.append(Config(**values))
     return configs
 

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from xgblora.errors import UserError
+from xgblora.trackers import parse_report_to
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -40,8 +41,15 @@ class Config:
     # task and data
     task_name: str = _opt("SST2", "SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, DROP, or custom.")
     data_dir: str | None = _opt(None, "Folder with <task>/{train,dev}.jsonl in GLUE/SuperGLUE field names (else HF datasets).")
-    train_file: str | None = _opt(None, "Custom task: JSONL training file.")
-    eval_file: str | None = _opt(None, "Custom task: JSONL evaluation file (default: drawn from train_file).")
+    train_file: str | None = _opt(None, "Custom task: training data: JSON/JSONL, CSV/TSV, parquet, arrow, a save_to_disk folder, or a dataset id.")
+    eval_file: str | None = _opt(None, "Custom task: evaluation data, in any form --train_file takes (default: drawn from train_file).")
+    columns: str | None = _opt(None, "Custom task: map your column names to ours, OURS=THEIRS,... (e.g. prompt=question,completion=answer).")
+    data_format: str = _opt("auto", "Custom instruction data: messages (chat turns), prompt_completion (also prompt/response; a conversational prompt/completion is a chat), text (language modelling); auto: from each row's fields.",
+                            ("auto", "messages", "prompt_completion", "text"))
+    chat_template: str | None = _opt(None, "A Jinja chat template file, replacing the tokenizer's (conversation rows need one).")
+    train_on_prompt: bool = _opt(False, "Instruction data: the prompt (user and system turns) carries loss too, not only the answers.")
+    loss_mean: str = _opt("auto", "Loss of a batch: the mean over its target tokens (token) or of each example's mean (example); auto: token for instruction data, example for MeZO's tasks.",
+                          ("auto", "token", "example"))
     template: str | None = _opt(None, "Custom classification task: prompt template with {field} slots, e.g. '{text} It was'.")
     label_words: str | None = _opt(None, "Custom classification task: comma-separated verbalizers, one per label, in label order.")
     label_names: str | None = _opt(None, "Custom classification task: comma-separated label values as they appear in the file (default 0,1,...).")
@@ -62,7 +70,7 @@ class Config:
     lora_r: int | None = _opt(None, "Adapter rank (default 8 for LoRA, 1 for XGBLoRA).", aliases=("lora_rank",))
     lora_alpha: float = _opt(16.0, "Adapter scaling numerator: delta = (alpha / r) B A.")
     lora_dropout: float = _opt(0.0, "Dropout on the adapter branch's input.")
-    lora_target_modules: str | None = _opt(None, "Comma-separated module-name suffixes to adapt (default: attention query and value).")
+    lora_target_modules: str | None = _opt(None, "What to adapt, as PEFT's target_modules: comma-separated module-name suffixes (q_proj,v_proj), all-linear (every linear layer of the transformer blocks; never the LM head or a classifier head), or a regular expression matched against the whole module name. Default: the attention query and value (MeZO's and the LoRA paper's choice).")
     xgblora_steps_per_iteration: int = _opt(1000, "Steps per booster before it is merged and re-initialised.")
     xgblora_layers_per_booster: int | None = _opt(None, "Random subset of layers that carries the booster each iteration (all when unset).")
     xgblora_shrinkage: float = _opt(1.0, "Merge step size: W += shrinkage * delta.")
@@ -72,7 +80,7 @@ class Config:
     xgblora_adaptive_threshold: float = _opt(1e-3, "Adaptive merge: relative improvement of the loss EMA that counts.")
     xgblora_adaptive_ema: float = _opt(0.9, "Adaptive merge: EMA decay of the training loss.")
     # optimisation
-    trainer: str = _opt("none", "none (zero-shot / in-context evaluation), regular (AdamW) or zo (MeZO).", ("none", "regular", "zo"))
+    trainer: str = _opt("regular", "regular (AdamW), zo (MeZO), or none (evaluate only: what `xgblora eval` runs).", ("none", "regular", "zo"))
     learning_rate: float = _opt(1e-5, "Peak learning rate.")
     zo_eps: float = _opt(1e-3, "MeZO perturbation size epsilon.")
     zo_dual: bool = _opt(True, "MeZO with adapters: both perturbed losses from one forward over a doubled batch.")
@@ -105,14 +113,15 @@ class Config:
     evaluation_strategy: str = _opt("no", "Evaluate on dev every eval_steps (steps) or never (no).", ("no", "steps"),
                                     aliases=("eval_strategy",))
     eval_steps: int = _opt(500, "Evaluate every N steps.")
+    log_samples: int = _opt(0, "Instruction data: also log N of the dev generations (prompt, prediction, reference) to metrics.jsonl at each evaluation.")
     save_strategy: str = _opt("steps", "Checkpoint every save_steps (steps) or never (no).", ("no", "steps"))
     save_steps: int = _opt(500, "Checkpoint every N steps.")
     save_total_limit: int | None = _opt(None, "Keep at most this many checkpoints.")
     save_only_model: bool = _opt(False, "Checkpoints hold the trainable weights only (no optimizer state; not resumable exactly).")
     load_best_model_at_end: bool = _opt(False, "Reload the best dev checkpoint at the end.")
     resume_from_checkpoint: str | None = _opt(None, "Checkpoint folder, or 'latest'.")
-    report_to: str = _opt("none", "Also log to: none or tensorboard.", ("none", "tensorboard"))
-    result_file: str | None = _opt(None, "Where to copy results.json MeZO-style (default result/{TASK}-{MODEL}-...json).")
+    report_to: str = _opt("none", "Also log to trackers, comma-separated: tensorboard, wandb, mlflow, trackio (through Accelerate's trackers; their files go to output_dir), or none.")
+    result_file: str | None = _opt(None, "Also copy results.json here, as MeZO's run.py does; 'auto': MeZO's name, result/{TASK}-{MODEL}-...-trainset{SEED}.json (what `xgblora mezo` writes). Never over an existing file.")
     tag: str = _opt("", "Tag in the MeZO-style result file name.")
     nan_policy: str = _opt("stop", "On a NaN/inf loss: stop (keep the last good checkpoint) or skip the step.", ("stop", "skip"))
     ddp_timeout: int = _opt(1800, "Multi-process runs: seconds a rank waits for the others in a collective before it stops with an error.")
@@ -138,6 +147,7 @@ class Config:
         for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        parse_report_to(self.report_to)
         if self.load_float16 and self.load_bfloat16:
             raise UserError("--load_float16 and --load_bfloat16 cannot both be set")
         if self.trainer == "zo" and self.gradient_accumulation_steps != 1:
@@ -165,6 +175,7 @@ class Config:
 class CompareConfig(Config):
     """Options of `xgblora compare`: the train options plus the methods, seeds and where the report goes."""
 
+    trainer: str = _opt("zo", "Trainer of the methods given without one (METHOD:TRAINER names its own).", ("regular", "zo"))
     output_root: str = _opt("compare", "Folder holding one sub-folder per run and the report.")
     loss_figure_path: str | None = _opt(None, "Where to write the loss figure (default <output_root>/loss.png).")
     seeds: list[int] = _opt([0], "Seeds to run each method with.")

@@ -30,7 +30,7 @@ def sentiment_rows(n: int, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def write_data(folder: Path, n_train: int = 512, n_eval: int = 200, seed: int = 0) -> tuple[Path, Path]:
+def write_data(folder: Path, n_train: int = 576, n_eval: int = 200, seed: int = 0) -> tuple[Path, Path]:
     """Write the demo task's train.jsonl and eval.jsonl (disjoint seeds) into folder."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -51,7 +51,7 @@ def demo_configs(out: Path, steps: int, num_eval: int) -> list[Config]:
     train_file, eval_file = write_data(out / "data")
     common: dict[str, Any] = dict(model_name="tiny-opt", task_name="custom", train_file=str(train_file),
                                   eval_file=str(eval_file), template=TEMPLATE, label_words=LABEL_WORDS,
-                                  num_train=512, num_eval=num_eval, train_as_classification=True, lora_alpha=16,
+                                  num_train=512, num_dev=64, num_eval=num_eval, train_as_classification=True, lora_alpha=16,
                                   evaluation_strategy="steps", save_strategy="no", output_root=str(out), seeds=[0],
                                   methods=["xgblora", "lora"])
     adamw = CompareConfig(**common, trainer="regular", max_steps=steps, learning_rate=3e-3,

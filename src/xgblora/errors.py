@@ -12,7 +12,8 @@ class RankLostError(RuntimeError):
     """A collective failed in a multi-process run: another rank died, was killed, or did not answer in time."""
 
 
-def located(path: object, line: int | None, field: str | None, what: str) -> UserError:
-    """Build a UserError that names the file, the line and the field: 'data.jsonl:3: field "label": ...'."""
-    where = str(path) + (f":{line}" if line is not None else "")
+def located(path: object, line: int | str | None, field: str | None, what: str) -> UserError:
+    """A UserError naming the file, the line (or a row) and the field: 'data.jsonl:3: field "label": ...',
+    'data.csv, row 3: field "label": ...'."""
+    where = str(path) + (f":{line}" if isinstance(line, int) else f", {line}" if line else "")
     return UserError(f"{where}: " + (f'field "{field}": ' if field else "") + what)

@@ -130,36 +130,46 @@ def candidate_scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
 def generate_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], *,
                      demos: Sequence[Example] = (), batch_size: int = 8, max_length: int = 2048,
                      max_new_tokens: int = 50) -> list[str]:
-    """Greedy answers, batched with left padding, stopped at a newline or end of sequence.
+    """MeZO's generation protocol (SQuAD, DROP): greedy answers stopped at a newline or EOS, first line kept."""
+    prefix = demonstration_text(demos)
+    prompt_ids = tokenizer([prefix + ex.prompt for ex in examples], add_special_tokens=True)["input_ids"]
+    newline = tokenizer.encode("\n", add_special_tokens=False)[-1:]
+    stop = [t for t in [tokenizer.eos_token_id, *newline] if t is not None]
+    texts = generate(model, tokenizer, prompt_ids, stop, batch_size=batch_size, max_length=max_length,
+                     max_new_tokens=max_new_tokens)
+    return [text.strip().split("\n")[0].strip() for text in texts]
+
+
+@torch.inference_mode()
+def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[Sequence[int]],
+             stop_ids: Sequence[int], *, batch_size: int = 8, max_length: int = 2048,
+             max_new_tokens: int = 50) -> list[str]:
+    """Greedy continuations of tokenised prompts, batched with left padding, each stopped at a stop token.
 
     Prompts longer than max_length - max_new_tokens tokens are cut from the left, so the question and the answer
     cue at their end are kept (as MeZO does); one warning gives the count.
     """
     device = next(model.parameters()).device
-    prefix = demonstration_text(demos)
-    newline = tokenizer.encode("\n", add_special_tokens=False)[-1:]
-    stop = [t for t in [tokenizer.eos_token_id, *newline] if t is not None]
     budget = max(1, max_length - max_new_tokens)
-    prompt_ids = tokenizer([prefix + ex.prompt for ex in examples], add_special_tokens=True)["input_ids"]
     truncated = sum(len(ids) > budget for ids in prompt_ids)
     if truncated:
         warnings.warn(f"{truncated} of {len(prompt_ids)} prompts were longer than max_length - max_new_tokens = "
                       f"{budget} tokens and were truncated from the left (the question and answer cue are kept)",
                       stacklevel=2)
-    prompt_ids = [ids[-budget:] for ids in prompt_ids]
-    order = sorted(range(len(examples)), key=lambda i: -len(prompt_ids[i]))
-    answers = [""] * len(examples)
+    prompt_ids = [list(ids[-budget:]) for ids in prompt_ids]
+    order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))
+    texts = [""] * len(prompt_ids)
     with eval_mode(model):
         for start in range(0, len(order), batch_size):
             idx = order[start:start + batch_size]
             enc = tokenizer.pad({"input_ids": [prompt_ids[i] for i in idx]}, padding=True, padding_side="left",
                                 return_tensors="pt").to(device)
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                                 eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)
-            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-            for i, text in zip(idx, texts, strict=True):
-                answers[i] = text.strip().split("\n")[0].strip()
-    return answers
+                                 eos_token_id=list(stop_ids), pad_token_id=tokenizer.pad_token_id)
+            decoded = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            for i, text in zip(idx, decoded, strict=True):
+                texts[i] = text
+    return texts
 
 
 def normalize_answer(text: str) -> str:

@@ -1,4 +1,5 @@
-"""Run logging: a buffered JSONL metrics log (one file handle per run, optional TensorBoard mirror) and the console logger."""
+"""Run logging: a buffered JSONL metrics log (one file handle per run, mirrored to --report_to trackers) and the
+console logger."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from xgblora.errors import UserError, located
+
+if TYPE_CHECKING:
+    from accelerate.tracking import GeneralTracker
 
 LOGGER_NAME = "xgblora"
 _log = std_logging.getLogger(LOGGER_NAME)
@@ -81,15 +86,15 @@ class MetricsLog:
     flush() also fsyncs (at checkpoints and exit).
     """
 
-    def __init__(self, path: Path, flush_every: int = 20, tensorboard_dir: Path | None = None, resume: bool = False,
-                 *, resume_step: int | None = None, flush_interval_s: float = 30.0):
+    def __init__(self, path: Path, flush_every: int = 20, trackers: Sequence[GeneralTracker] = (),
+                 resume: bool = False, *, resume_step: int | None = None, flush_interval_s: float = 30.0):
         if flush_every < 1:
             raise ValueError(f"flush_every must be at least 1, got {flush_every}")
         self.path = Path(path)
         self.flush_every = flush_every
         self.flush_interval_s = flush_interval_s
         self._pending: list[str] = []
-        self._tensorboard = None
+        self.trackers = list(trackers)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._handle = open(self.path, "a+b")  # noqa: SIM115 -- held for the run, closed by close()
         try:
@@ -97,8 +102,6 @@ class MetricsLog:
                 self._repair(resume_step)
             else:
                 self._handle.truncate(0)
-            if tensorboard_dir is not None:
-                self._tensorboard = self._open_tensorboard(Path(tensorboard_dir), resume_step if resume else None)
         except BaseException:
             self._handle.close()
             raise
@@ -126,32 +129,22 @@ class MetricsLog:
             self._handle.write(b"\n")
             self._handle.flush()
 
-    @staticmethod
-    def _open_tensorboard(log_dir: Path, resume_step: int | None) -> Any:
-        """A SummaryWriter on log_dir (events after resume_step discarded); a clear error when tensorboard is missing."""
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise UserError("--report_to tensorboard needs the tensorboard package: "
-                            "pip install 'xgblora[tensorboard]'") from None
-        purge = resume_step + 1 if resume_step is not None else None
-        return SummaryWriter(log_dir=str(log_dir), purge_step=purge)
-
     def log(self, record: dict) -> None:
-        """Append one record (it must have "step") as a JSON line; mirror its numbers to TensorBoard when enabled."""
+        """Append one record (it must have "step") as a JSON line; mirror its numbers to the trackers."""
         if "step" not in record:
             raise ValueError(f"a metrics record needs a 'step' key, got keys {sorted(record)}")
         if self._handle.closed:
             raise ValueError(f"{self.path}: the metrics log is closed")
         self._pending.append(json.dumps(record, default=_jsonable) + "\n")
-        if self._tensorboard is not None:
+        if self.trackers:
             self._mirror(record)
         if len(self._pending) >= self.flush_every or time.monotonic() - self._last_write >= self.flush_interval_s:
             self._write()
 
     def _mirror(self, record: dict) -> None:
-        """Numeric fields as TensorBoard scalars: train/<key>, eval/<metric> for eval_<metric>, <event>/<key> for events."""
+        """Numeric fields as tracker scalars: train/<key>, eval/<metric> for eval_<metric>, <event>/<key> for events."""
         step, event = int(record["step"]), record.get("event")
+        scalars = {}
         for key, value in record.items():
             if key in ("step", "event") or isinstance(value, bool) or not isinstance(value, numbers.Real):
                 continue
@@ -161,7 +154,9 @@ class MetricsLog:
                 tag = f"eval/{key[len('eval_'):]}"
             else:
                 tag = f"train/{key}"
-            self._tensorboard.add_scalar(tag, value, step)
+            scalars[tag] = value
+        for tracker in self.trackers:
+            tracker.log(scalars, step=step)
 
     def _write(self) -> None:
         """Hand the pending records to the OS in one write (whole lines only)."""
@@ -175,8 +170,10 @@ class MetricsLog:
         """Write every pending record and fsync, so that the file survives a crash (at checkpoints and exit)."""
         self._write()
         os.fsync(self._handle.fileno())
-        if self._tensorboard is not None:
-            self._tensorboard.flush()
+        for tracker in self.trackers:
+            flush = getattr(getattr(tracker, "tracker", None), "flush", None)  # TensorBoard's writer has one
+            if flush is not None:
+                flush()
 
     def close(self) -> None:
         """Flush and close the file (and the TensorBoard writer); closing twice is harmless."""
@@ -186,14 +183,44 @@ class MetricsLog:
             self.flush()
         finally:
             self._handle.close()
-            if self._tensorboard is not None:
-                self._tensorboard.close()
+            for tracker in self.trackers:
+                tracker.finish()
 
     def __enter__(self) -> MetricsLog:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+class ProgressLine:
+    """Plain progress lines for a log that is not a terminal (nohup, SLURM, CI), where tqdm's bar is off: step,
+    loss, learning rate, tokens/s (this process's non-padding input tokens) and the time left at this pace."""
+
+    def __init__(self, max_steps: int, start_step: int, enabled: bool | None = None):
+        self.max_steps, self.start_step, self.tokens = max_steps, start_step, 0
+        self.enabled = not sys.stderr.isatty() if enabled is None else enabled
+        self.started = time.perf_counter()
+
+    def count(self, tokens: int) -> None:
+        """Add a training batch's tokens."""
+        self.tokens += tokens
+
+    def report(self, step: int, loss: float | None, lr: float) -> None:
+        """Log one line (when enabled)."""
+        if not self.enabled:
+            return
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        left = (self.max_steps - step) * elapsed / max(step - self.start_step, 1)
+        loss_text = f"{loss:.4f}" if loss is not None else "nan"
+        _log.info("step %d/%d  loss %s  lr %.3g  %.0f tokens/s  ETA %s", step, self.max_steps, loss_text, lr,
+                  self.tokens / elapsed, _duration(left))
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 class _ConsoleHandler(std_logging.Handler):

@@ -38,6 +38,8 @@ RANDOM_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                              word_embed_proj_dim=64, max_position_embeddings=1024)),
     "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, max_position_embeddings=1024)),
+    "tiny-llama-chat": ("llama", dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=1024)),
     "opt-125m-random": ("opt", dict(vocab_size=50272, hidden_size=768, num_hidden_layers=12, ffn_dim=3072,
                                     num_attention_heads=12, word_embed_proj_dim=768, max_position_embeddings=2048)),
     "opt-350m-random": ("opt", dict(vocab_size=50272, hidden_size=1024, num_hidden_layers=24, ffn_dim=4096,
@@ -49,6 +51,14 @@ RANDOM_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-bert": ("bert", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
                                max_position_embeddings=512)),
 }
+
+# TinyLlama-1.1B-Chat-v1.0's chat template (Zephyr's): the built-in *-chat models carry it, so that chat data can
+# be tried and tested offline with a template a real model ships.
+ZEPHYR_CHAT_TEMPLATE = (
+    "{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] + "
+    "eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + eos_token }}"
+    "\n{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n"
+    "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}")
 
 # Text the built-in tokenizer's BPE merges are learnt from: the words of the task templates and common English.
 _TOKENIZER_CORPUS = """\
@@ -98,6 +108,8 @@ def random_model(name: str, *, dtype: str = "float32", attn_implementation: str 
     """
     model_type, shape = RANDOM_MODELS[name]
     tokenizer = tiny_tokenizer()
+    if name.endswith("-chat"):
+        tokenizer.chat_template = ZEPHYR_CHAT_TEMPLATE
     if model_type in ENCODER_TYPES:
         tokenizer.add_special_tokens({"mask_token": "<mask>"})
     vocab = max(shape.get("vocab_size", 0), (len(tokenizer) + 63) // 64 * 64)

@@ -25,22 +25,37 @@ class TrainingSet:
 
 
 def causal_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
-                        classification: bool, packed: bool = False) -> TrainingSet:
+                        classification: bool, packed: bool = False, token_mean: bool = False) -> TrainingSet:
     """A causal LM's training set: the gold continuation of each example, or all its candidates (classification).
 
     packed: each batch is its examples end to end in one row, without padding (`batching.collate_packed`).
     """
     seqs = training_seqs(tokenizer, examples, max_length, all_candidates=classification)
+    if not classification:
+        return sequence_training_set(seqs, tokenizer.pad_token_id, packed, token_mean)
     if packed:
-        if classification:
-            raise ValueError("packed batches hold one sequence per example: not the classification objective")
-        return TrainingSet([len(s.ids) for s in seqs], lambda idx: collate_packed([seqs[i] for i in idx]))
+        raise ValueError("packed batches hold one sequence per example: not the classification objective")
     by_example: dict[int, list[int]] = {}
     for row, s in enumerate(seqs):
         by_example.setdefault(s.example, []).append(row)
     lengths = [max(len(seqs[r].ids) for r in by_example[e]) for e in range(len(examples))]
-    golds = [ex.gold[0] for ex in examples] if classification else None
+    golds = [ex.gold[0] for ex in examples]
     return TrainingSet(lengths, lambda idx: make_batch(seqs, idx, tokenizer.pad_token_id, by_example, golds))
+
+
+def sequence_training_set(seqs: Sequence[TokenSeq], pad_id: int, packed: bool = False,
+                          token_mean: bool = False) -> TrainingSet:
+    """A training set of one scored sequence per example, batched padded or packed; token_mean: a batch's loss is
+    the mean over its target tokens, else the mean of each example's mean."""
+    lengths = [len(s.ids) for s in seqs]
+    if packed:
+        return TrainingSet(lengths, lambda idx: collate_packed([seqs[i] for i in idx], token_mean))
+
+    def batch(idx: Sequence[int]) -> TokenBatch:
+        padded = collate([seqs[i] for i in idx], pad_id)
+        return padded.token_mean() if token_mean else padded
+
+    return TrainingSet(lengths, batch)
 
 
 def label_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
@@ -52,16 +67,14 @@ def label_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Ex
 
 
 def make_batch(seqs: Sequence[TokenSeq], examples: Sequence[int], pad_id: int, by_example: dict[int, list[int]],
-               golds: Sequence[int] | None = None) -> TokenBatch | CandidateBatch:
-    """Collate the sequences of the given examples; for classification (golds given) with their grouping.
+               golds: Sequence[int]) -> CandidateBatch:
+    """Collate every candidate sequence of the given examples, grouped by example, for cross-entropy over them.
 
     `by_example` maps an example index to the indices of its sequences in `seqs`; `golds` gives each example's
-    gold candidate index when the objective is cross-entropy over candidates (whatever this batch holds).
+    gold candidate index.
     """
     rows = [r for e in examples for r in by_example[e]]
     batch = collate([seqs[r] for r in rows], pad_id)
-    if golds is None:
-        return batch
     return CandidateBatch(**vars(batch), group=torch.tensor([k for k, e in enumerate(examples) for _ in by_example[e]]),
                           candidate=torch.tensor([seqs[r].candidate for r in rows]),
                           gold=torch.tensor([golds[e] for e in examples]))
@@ -87,7 +100,8 @@ def per_example_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Loss of each example in the batch, shape [n_examples], times the batch's loss_scale.
 
     TokenBatch / PackedBatch: the mean negative log-likelihood of each example's target tokens (the gold candidate
-    or the response). CandidateBatch: cross-entropy over each example's candidates, scored by their mean token
+    or the response), or with token-mean weights its summed NLL times n / (the batch's target tokens), so that the
+    mean over examples is the mean over the batch's tokens. CandidateBatch: cross-entropy over each example's candidates, scored by their mean token
     log-probability. LabelBatch (a classifier or masked LM): cross-entropy over the label logits.
     """
     match batch:
@@ -98,7 +112,8 @@ def per_example_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         case CandidateBatch():
             losses = candidate_loss(model, batch)
         case TokenBatch():
-            losses = -target_logprobs(model, batch).sum(-1) / batch.target_mask.sum(-1)
+            nll = -target_logprobs(model, batch).sum(-1)
+            losses = nll / batch.target_mask.sum(-1) if batch.nll_weight is None else nll * batch.nll_weight
         case _:
             raise TypeError(f"no loss for a batch of type {type(batch).__name__}")
     return losses if batch.loss_scale == 1.0 else losses * batch.loss_scale  # one process: no extra kernel

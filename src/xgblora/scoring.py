@@ -23,8 +23,65 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
         model.train(was_training)
 
 
+# Positions of logits turned into fp32 at a time by token_logprobs' backward: 1024 of a 128k vocabulary are 0.5 GiB.
+LOGPROB_CHUNK_ROWS = 1024
+
+
+class _TargetLogprob(torch.autograd.Function):
+    """log softmax(logits)[target] in chunks of positions, without an fp32 [positions, vocab] tensor.
+
+    torch.log_softmax(logits.float()).gather(...) keeps the fp32 log-softmax of every position for its backward,
+    which adds a [positions, vocab] scatter of the gradient, and slicing the logits first (`logits[:, :-1]`) adds a
+    full-size zero-filled gradient in the slice's backward. For long targets over a large vocabulary these, not the
+    model, set the peak. Here the forward keeps the logits (which the head produced anyway) and each position's
+    logsumexp; the backward recomputes one chunk's softmax at a time and writes the gradient, in the logits' dtype,
+    over the logits themselves when they are a model's output, not a leaf (as Liger's cross-entropy does): nothing
+    reads them after the loss, and the graph is backpropagated once (the steppers never retain it). Fused head + loss kernels (Liger, Unsloth) go further,
+    computing no logits at all, at the price of reaching into the model's forward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, overwrite: bool) -> torch.Tensor:
+        out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for row, positions in _chunks(targets):
+            chunk = logits[row, positions].float()
+            lse[row, positions] = torch.logsumexp(chunk, dim=-1)
+            out[row, positions] = chunk.gather(-1, targets[row, positions, None]).squeeze(-1) - lse[row, positions]
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.overwrite = overwrite
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, targets, lse = ctx.saved_tensors
+        # overwritten chunk by chunk: each chunk is read before it is written
+        grad_logits = logits.detach() if ctx.overwrite else torch.empty_like(logits)
+        grad_logits[:, targets.shape[1]:] = 0  # positions past the targets predict nothing
+        for row, positions in _chunks(targets):
+            grad = grad_out[row, positions, None].float()
+            chunk = torch.exp(logits[row, positions].float() - lse[row, positions, None]).mul_(-grad)  # -softmax
+            chunk.scatter_add_(-1, targets[row, positions, None], grad)  # + onehot(target)
+            grad_logits[row, positions] = chunk
+        return grad_logits, None, None
+
+
+def _chunks(targets: torch.Tensor) -> Iterator[tuple[int, slice]]:
+    """(row, positions) covering targets [rows, T] in runs of at most LOGPROB_CHUNK_ROWS positions."""
+    rows, length = targets.shape
+    for row in range(rows):
+        for start in range(0, length, LOGPROB_CHUNK_ROWS):
+            yield row, slice(start, min(start + LOGPROB_CHUNK_ROWS, length))
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) of every position from its logits, in fp32: [..., vocab] and [...] -> [...]."""
+    """log p(target) in fp32 from logits [rows, >= T, vocab] whose first T positions predict targets [rows, T].
+
+    Chunked (`_TargetLogprob`) when gradients flow; without them the plain formula, whose temporaries die at once.
+    """
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _TargetLogprob.apply(logits, targets, not logits.is_leaf)
+    logits = logits[:, :targets.shape[1]]
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
@@ -36,7 +93,7 @@ def target_logprobs(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     """
     k = batch.target_mask.shape[1]
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   position_ids=batch.position_ids, logits_to_keep=k + 1).logits[:, :-1]
+                   position_ids=batch.position_ids, logits_to_keep=k + 1).logits  # the last one predicts nothing
     return token_logprobs(logits, batch.input_ids[:, -k:]) * batch.target_mask
 
 

@@ -118,7 +118,8 @@ def to_peft(modules: dict[str, LoRALinear], history: list[dict[str, Any]], out_d
             B = torch.cat([s * B for _, B, s in module_terms], dim=1)
             factors[name] = (A, B, A.shape[0], float(A.shape[0]))
 
-    _write_peft(factors, Path(out_dir), base_model_name_or_path, head=head)
+    fan_in_fan_out = any(m.fan_in_fan_out for m in modules.values())  # GPT-2's Conv1D layers
+    _write_peft(factors, Path(out_dir), base_model_name_or_path, fan_in_fan_out, head=head)
     return {"rank": rank if rank is not None else max(f[2] for f in factors.values()), "modules": len(factors),
             "retained_energy": (kept_total / energy_total if energy_total > 0 else 1.0) if rank is not None else None,
             "retained_energy_per_module": energy if rank is not None else None}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,17 +42,28 @@ def add_delta_(weight: torch.Tensor, delta: torch.Tensor) -> None:
     weight.copy_((weight.to(torch.float32) + delta).to(weight.dtype))
 
 
-class LoRALinear(nn.Module):
-    """A frozen nn.Linear plus scaling * B A in fp32; inactive -> the base alone; dual mode -> +/- perturbed halves."""
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's Conv1D: a linear layer whose weight is stored (in, out), PEFT's fan_in_fan_out layout."""
+    return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus scaling * B A in fp32; inactive -> the base alone; dual mode -> +/- perturbed halves.
+
+    The base is an nn.Linear (weight (out, in)) or GPT-2's Conv1D (weight (in, out): `fan_in_fan_out`); A and B have
+    the same shapes for both, and a merge adds the delta in the base's own layout.
+    """
+
+    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0):
         super().__init__()
         if r < 1:
             raise UserError(f"LoRA rank must be at least 1, got {r}")
         self.base = base
         for p in base.parameters():
             p.requires_grad_(False)
-        self.in_features, self.out_features = base.in_features, base.out_features
+        self.fan_in_fan_out = is_conv1d(base)
+        out_features, in_features = base.weight.shape[::-1] if self.fan_in_fan_out else base.weight.shape
+        self.in_features, self.out_features = in_features, out_features
         self.r, self.alpha = r, float(alpha)
         self.scaling = self.alpha / r
         device = base.weight.device
@@ -94,8 +107,9 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merge(self, shrinkage: float = 1.0) -> None:
-        """base.weight += shrinkage * delta, summed in fp32 and cast to the weight's dtype once."""
-        add_delta_(self.base.weight, lora_delta(self.lora_A, self.lora_B, shrinkage * self.scaling))
+        """base.weight += shrinkage * delta (transposed for Conv1D), summed in fp32 and cast to its dtype once."""
+        delta = lora_delta(self.lora_A, self.lora_B, shrinkage * self.scaling)
+        add_delta_(self.base.weight, delta.T if self.fan_in_fan_out else delta)
 
     @torch.no_grad()
     def reset(self, generator: torch.Generator | None = None) -> None:
@@ -145,32 +159,47 @@ def default_targets(model: nn.Module) -> list[str]:
 
 
 def _linear_suffixes(model: nn.Module, limit: int = 12) -> list[str]:
-    names = dict.fromkeys(name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear))
+    names = dict.fromkeys(name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m))
     return list(names)[:limit]
 
 
-def _matches(name: str, targets: list[str]) -> bool:
-    return any(name == t or name.endswith("." + t) for t in targets)
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
-def attach(model: nn.Module, targets: list[str] | None = None, r: int = 8, alpha: float = 16.0,
+_IN_A_BLOCK = re.compile(r"\.\d+\.")  # ".3." in "model.layers.3.self_attn.q_proj": a numbered transformer block
+_REGEX_CHARS = set("*()[]|^$\\+?{}")
+
+
+def target_matcher(spec: str | list[str] | None, model: nn.Module) -> Callable[[str], bool]:
+    """Which module names to adapt, as PEFT reads target_modules: `all-linear` (every linear layer of the numbered
+    transformer blocks, so never the LM head, a pooler or a new classifier head), a regular expression matched
+    against the whole qualified name (a spec holding regex characters), or name suffixes (comma-separated or a
+    list: exactly the name or its last dotted parts). None: the model family's attention query and value."""
+    if isinstance(spec, str) and spec.strip() == "all-linear":
+        return lambda name: bool(_IN_A_BLOCK.search(name))
+    if isinstance(spec, str) and _REGEX_CHARS & set(spec):
+        try:
+            pattern = re.compile(spec)
+        except re.error as exc:
+            raise UserError(f"LoRA target modules {spec!r}: not a valid regular expression ({exc})") from None
+        return lambda name: pattern.fullmatch(name) is not None
+    suffixes = [t.strip() for t in (spec.split(",") if isinstance(spec, str) else spec or default_targets(model))]
+    suffixes = [t for t in suffixes if t]
+    return lambda name: any(name == t or name.endswith("." + t) for t in suffixes)
+
+
+def attach(model: nn.Module, targets: str | list[str] | None = None, r: int = 8, alpha: float = 16.0,
            dropout: float = 0.0) -> AttachReport:
-    """Freeze the model and wrap every nn.Linear whose qualified name ends with a target suffix in a LoRALinear."""
+    """Freeze the model and wrap every linear layer (nn.Linear or GPT-2's Conv1D) that `targets` selects
+    (`target_matcher`) in a LoRALinear."""
     if lora_modules(model):
         raise UserError("the model already has LoRA adapters attached")
-    targets = [t.strip() for t in (targets or default_targets(model)) if t.strip()]
-    matched = []
-    for name, module in model.named_modules():
-        if not name or not _matches(name, targets):
-            continue
-        if type(module).__name__ == "Conv1D":
-            raise UserError(f"LoRA target {name!r} is a GPT-2 style Conv1D, which is not supported; "
-                            f"choose nn.Linear targets with --lora_target_modules")
-        if isinstance(module, nn.Linear):
-            matched.append((name, module))
+    selected = target_matcher(targets, model)
+    matched = [(name, m) for name, m in model.named_modules() if name and _is_linear(m) and selected(name)]
     if not matched:
-        raise UserError(f"LoRA target modules {', '.join(targets)}: no nn.Linear in the model has a name ending "
-                        f"with one of them (linear layers in this model: {', '.join(_linear_suffixes(model))})")
+        raise UserError(f"LoRA target modules {targets or default_targets(model)}: no linear layer of the model "
+                        f"matches (linear layers in this model: {', '.join(_linear_suffixes(model))})")
     for p in model.parameters():
         p.requires_grad_(False)
     modules: dict[str, LoRALinear] = {}

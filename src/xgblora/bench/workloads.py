@@ -10,10 +10,10 @@ import torch
 from xgblora import models
 from xgblora.adapters import lora
 from xgblora.data.batches import TokenBatch
-from xgblora.data.batching import TokenSeq
+from xgblora.data.batching import TokenSeq, collate
 from xgblora.data.loading import load_rows
 from xgblora.data.tasks import RTE, Example, get_task
-from xgblora.objective import TrainingLoss, make_batch, per_example_loss
+from xgblora.objective import TrainingLoss, per_example_loss
 from xgblora.optim.fo import AdamWStepper
 from xgblora.optim.zo import MeZO, ZOStepper
 
@@ -71,7 +71,7 @@ class Bench:
         b = self.args.batch_size
         rows = [(self._cursor + k) % len(self.pool) for k in range(b)]
         self._cursor = (self._cursor + b) % len(self.pool)
-        return make_batch(self.pool, rows, self.tokenizer.pad_token_id, {r: [r] for r in rows}).to(self.device)
+        return collate([self.pool[r] for r in rows], self.tokenizer.pad_token_id).to(self.device)
 
     # --- workloads: each runs one unit of work (timing is done outside)
 

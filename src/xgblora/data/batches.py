@@ -68,12 +68,27 @@ class RowBatch(Batch):
 
 @dataclass(kw_only=True)
 class TokenBatch(RowBatch):
-    """Left-padded token rows; target_mask [rows, k] marks the scored tokens among the last k columns."""
+    """Left-padded token rows; target_mask [rows, k] marks the scored tokens among the last k columns.
+
+    nll_weight [rows] weighs each row's summed target negative log-likelihood in its loss; None means one over its
+    target count (each example's mean). `token_mean()` sets it so the mean over rows is the mean over all tokens.
+    """
 
     input_ids: Tensor
     attention_mask: Tensor
     position_ids: Tensor
     target_mask: Tensor
+    nll_weight: Tensor | None = None
+
+    def token_mean(self: B) -> B:
+        """The batch whose loss is the mean over all its scored tokens: each row's weight n_rows / n_tokens.
+
+        A split keeps these weights, so the micro-batches of a batch, weighted by their share of its rows, add up
+        to the same token mean.
+        """
+        n_tokens = self.target_mask.sum()
+        weight = torch.full((self.n_examples,), self.n_examples, dtype=torch.float32) / n_tokens
+        return dataclasses.replace(self, nll_weight=weight)
 
 
 @dataclass(kw_only=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import warnings
 from collections.abc import Iterator, Sequence
@@ -19,12 +20,35 @@ ICL_SEPARATOR = "\n\n"  # MeZO's train_sep between demonstrations
 
 @dataclass(frozen=True)
 class TokenSeq:
-    """One tokenised sequence whose last `n_target` tokens are scored (a candidate, or a training target)."""
+    """One tokenised sequence whose last `n_target` tokens hold the scored ones (a candidate, or a training target).
+
+    `loss_mask` marks which of those last n_target tokens are scored (None: all of them): a multi-turn conversation
+    scores its assistant turns, not the user turns between them. Its first entry is True.
+    """
 
     ids: tuple[int, ...]
     n_target: int
     example: int  # index of the example it came from
     candidate: int  # index of the candidate (0 for generation / instruction targets)
+    loss_mask: tuple[bool, ...] | None = None
+
+    def target_offsets(self) -> list[int]:
+        """Positions in `ids` of the scored tokens."""
+        start = len(self.ids) - self.n_target
+        if self.loss_mask is None:
+            return list(range(start, len(self.ids)))
+        return [start + k for k, scored in enumerate(self.loss_mask) if scored]
+
+    def truncated(self, max_length: int) -> TokenSeq:
+        """The sequence cut from the left to max_length tokens, keeping at least one token before the targets."""
+        cut = len(self.ids) - max_length
+        if cut <= 0:
+            return self
+        n_target = min(self.n_target, max_length - 1)
+        mask = self.loss_mask[self.n_target - n_target:] if self.loss_mask is not None else None
+        while mask is not None and mask and not mask[0]:  # the window starts at a scored token
+            mask, n_target = mask[1:], n_target - 1
+        return dataclasses.replace(self, ids=self.ids[cut:], n_target=n_target, loss_mask=mask or None)
 
 
 def demonstration_text(demos: Sequence[Example]) -> str:
@@ -73,11 +97,9 @@ def encode_pairs(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]
                 raise UserError(f"example {i}: its prompt is empty and the tokenizer has no BOS/EOS token to "
                                 f"score candidate {j} after")
             f_ids = [start, *f_ids]
-        if len(f_ids) > max_length:
-            truncated += 1
-            f_ids = f_ids[-max_length:]
-            n_target = min(n_target, max_length - 1)
-        out.append(TokenSeq(tuple(f_ids), n_target, i, j))
+        seq = TokenSeq(tuple(f_ids), n_target, i, j)
+        truncated += len(seq.ids) > max_length
+        out.append(seq.truncated(max_length))
     if truncated:
         warnings.warn(f"{truncated} of {len(out)} inputs were longer than max_length={max_length} tokens and were "
                       f"truncated from the left (the answer is kept)", stacklevel=2)
@@ -105,30 +127,32 @@ def collate(seqs: Sequence[TokenSeq], pad_id: int) -> TokenBatch:
         start = width - len(s.ids)
         ids[row, start:] = torch.tensor(s.ids)
         mask[row, start:] = 1
-        target_mask[row, k - s.n_target:] = True
+        target_mask[row, k - s.n_target:] = True if s.loss_mask is None else torch.tensor(s.loss_mask)
     position_ids = (mask.cumsum(1) - 1).clamp(min=0)
     return TokenBatch(input_ids=ids, attention_mask=mask, position_ids=position_ids, target_mask=target_mask)
 
 
-def collate_packed(seqs: Sequence[TokenSeq]) -> PackedBatch:
+def collate_packed(seqs: Sequence[TokenSeq], token_mean: bool = False) -> PackedBatch:
     """Padding-free batch: the sequences end to end in one row, positions restarting at 0 (no attention_mask).
 
     transformers keeps the sequences apart from the restarting position_ids (flash-attention varlen kernels; a
     block-diagonal mask elsewhere) for the model families that pass position_ids to their mask:
-    `scoring.packing_supported` checks a model.
+    `scoring.packing_supported` checks a model. token_mean: each scored token weighs n / (the batch's scored
+    tokens), so the mean over the n sequences is the batch's mean over tokens; else 1 / (its sequence's).
     """
     ids: list[int] = []
     positions: list[int] = []
     index: list[int] = []
     owner: list[int] = []
     for i, s in enumerate(seqs):
-        end = len(ids) + len(s.ids)
+        index.extend(len(ids) + k - 1 for k in s.target_offsets())
+        owner.extend([i] * (len(index) - len(owner)))
         ids.extend(s.ids)
         positions.extend(range(len(s.ids)))
-        index.extend(range(end - s.n_target - 1, end - 1))
-        owner.extend([i] * s.n_target)
+    counts = torch.bincount(torch.tensor(owner), minlength=len(seqs)).double()
+    per_token = torch.full((len(seqs),), len(seqs) / len(index)) if token_mean else (1.0 / counts).float()
     weight = torch.zeros(1, len(seqs), len(index))
-    weight[0, owner, torch.arange(len(index))] = torch.tensor([1.0 / seqs[i].n_target for i in owner])
+    weight[0, owner, torch.arange(len(index))] = per_token[owner]
     return PackedBatch(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),
                        target_index=torch.tensor([index]), target_weight=weight)
 

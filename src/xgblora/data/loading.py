@@ -1,8 +1,7 @@
-"""Read a task's rows (local GLUE/SuperGLUE folder, HF datasets, custom JSONL); sample them as MeZO does."""
+"""A task's examples (local GLUE/SuperGLUE folder, HF datasets, the user's files); sampled as MeZO does."""
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,10 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from xgblora.config import Config
+from xgblora.data.sources import read_rows
 from xgblora.data.tasks import CustomTask, Example, Task
-from xgblora.errors import UserError, located
-
-_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+from xgblora.errors import UserError
 
 
 @dataclass
@@ -25,48 +23,8 @@ class Splits:
     eval: list[Example]
 
 
-def read_jsonl(path: Path) -> list[tuple[int, dict]]:
-    """(line number, row) for every non-blank line of a JSONL file; bad input raises a one-line UserError.
-
-    We parse JSONL ourselves instead of with datasets' "json" loader: that loader cannot say which line and
-    field of a file is bad, and it infers one column type across rows, so a stray label type fails far away.
-    """
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise located(path, 1, None, "UTF-16 text (it starts with a UTF-16 byte-order mark); save the file as UTF-8")
-    rows = []
-    for number, raw in enumerate(data.split(b"\n"), 1):
-        try:  # utf-8-sig: a UTF-8 byte-order mark may start the file, or any line of files joined with cat
-            line = raw.decode("utf-8-sig")
-        except UnicodeDecodeError as exc:
-            bad = f"byte 0x{raw[exc.start]:02x} at column {exc.start + 1}"
-            raise located(path, number, None, f"not UTF-8 text ({bad}); save the file as UTF-8") from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise located(path, number, None, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-        except ValueError as exc:  # valid syntax Python cannot hold, e.g. an integer over the 4300-digit limit
-            raise located(path, number, None, f"not valid JSON ({exc})") from None
-        except RecursionError:
-            raise located(path, number, None, "not valid JSON (arrays or objects nested too deeply)") from None
-        if not isinstance(row, dict):
-            got = _JSON_TYPES.get(type(row), "null")
-            raise located(path, number, None, f"expected a JSON object, got {got}")
-        rows.append((number, row))
-    if not rows:
-        raise UserError(f"{path}: empty file (no JSON lines)")
-    return rows
-
-
-def _from_file(task: Task, path: Path) -> list[Example]:
-    return [ex for number, row in read_jsonl(path) for ex in task.examples(row, (str(path), number))]
+def _from_file(task: Task, source: str, split: str = "train", columns: dict[str, str] | None = None) -> list[Example]:
+    return [ex for where, row in read_rows(source, split, columns) for ex in task.examples(row, where)]
 
 
 def _task_file(task: Task, data_dir: Path, split: str) -> Path:
@@ -106,12 +64,12 @@ def load_rows(task: Task, split: str, data_dir: str | None) -> list[Example]:
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if isinstance(task, CustomTask):
-        path = task.train_file if split == "train" else task.eval_file
-        if path is None:
+        source = task.train_file if split == "train" else task.eval_file
+        if source is None:
             raise UserError("task 'custom' has no --eval_file")
-        return _from_file(task, Path(path))
+        return _from_file(task, source, split, task.columns)
     if data_dir is not None:
-        return _from_file(task, _task_file(task, Path(data_dir), split))
+        return _from_file(task, str(_task_file(task, Path(data_dir), split)))
     return _from_hub(task, task.hf_splits[0 if split == "train" else 1])
 
 

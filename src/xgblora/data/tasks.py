@@ -8,9 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from xgblora.config import Config
+from xgblora.data.sources import Where, parse_columns
 from xgblora.errors import UserError, located
-
-Where = tuple[str, int | None]  # (file or dataset name, line number or row index) that a row came from
 
 
 @dataclass(frozen=True)
@@ -22,6 +21,9 @@ class Example:
     gold: tuple[int, ...]  # index(es) of the correct candidate(s); () for generation tasks
     answers: tuple[str, ...] = ()  # reference strings for generation tasks (F1/EM); () otherwise
     sfc_prompt: str = ""  # SFC calibration prompt: the template with the input left out
+    messages: tuple[tuple[str, str], ...] = ()  # a conversation as (role, content) turns, rendered by a chat template
+    trained_from: int = 0  # the first message whose assistant turns carry loss (TRL's conversational completion)
+    source: str = ""  # where the row came from, for errors found after loading ("train.jsonl:3")
 
 
 def _type_name(value: Any) -> str:
@@ -122,6 +124,7 @@ class Task:
     dir_name: str  # folder under --data_dir
     metric: str = "accuracy"
     generation: bool = False
+    instruction: bool = False  # the user's instruction data: EOS in every target, chat templates, token-mean loss
     hf_dataset: tuple[str, str | None]  # datasets.load_dataset(path, name) as MeZO calls it
     hf_splits: tuple[str, str] = ("train", "validation")
 
@@ -306,31 +309,37 @@ class DROP(Task):
 # ----------------------------------------------------------------------------- custom JSONL tasks
 
 class CustomTask(Task):
-    """A task from the user's JSONL files: classification (template + label words) or instruction pairs."""
+    """A task from the user's data: classification (template + label words) or instruction data (see `_instruction`)."""
 
     name, dir_name, hf_dataset = "custom", "custom", ("json", None)  # read from train_file / eval_file
 
     def __init__(self, cfg: Config):
         if not cfg.train_file:
-            raise UserError("task 'custom' needs --train_file (JSONL): with --template and --label_words for "
-                            'classification, else rows {"prompt": ..., "response": ...} (instruction tuning)')
+            raise UserError("task 'custom' needs --train_file: with --template and --label_words for classification, "
+                            'else instruction rows ({"messages": [...]}, {"prompt": ..., "completion": ...} or '
+                            '{"text": ...})')
         if bool(cfg.template) != bool(cfg.label_words):
             raise UserError("--template and --label_words go together (custom classification needs both)")
         self.train_file, self.eval_file = cfg.train_file, cfg.eval_file
-        self.generation = not cfg.template
+        self.columns = parse_columns(cfg.columns)
+        self.generation = self.instruction = not cfg.template
+        self.data_format = cfg.data_format
         self.metric = "f1" if self.generation else "accuracy"
         if cfg.template:
-            self.pieces = self._parse_template(cfg.template)
-            last_slot = max(i for i, (_, slot) in enumerate(self.pieces) if slot is not None)
-            self.sfc_prompt = "".join(literal for literal, _ in self.pieces[last_slot + 1:])  # after input
-            self.words = tuple(w.strip() for w in cfg.label_words.split(","))
-            self.label_names = (tuple(n.strip() for n in cfg.label_names.split(",")) if cfg.label_names
-                                else tuple(str(i) for i in range(len(self.words))))
-            if not all(self.words):
-                raise UserError(f"--label_words {cfg.label_words!r}: empty label word")
-            if len(self.label_names) != len(self.words):
-                raise UserError(f"--label_names has {len(self.label_names)} names but --label_words has "
-                                f"{len(self.words)} words; give one name per word, in the same order")
+            self._set_classification(cfg)
+
+    def _set_classification(self, cfg: Config) -> None:
+        self.pieces = self._parse_template(cfg.template)
+        last_slot = max(i for i, (_, slot) in enumerate(self.pieces) if slot is not None)
+        self.sfc_prompt = "".join(literal for literal, _ in self.pieces[last_slot + 1:])  # after the input
+        self.words = tuple(w.strip() for w in cfg.label_words.split(","))
+        self.label_names = (tuple(n.strip() for n in cfg.label_names.split(",")) if cfg.label_names
+                            else tuple(str(i) for i in range(len(self.words))))
+        if not all(self.words):
+            raise UserError(f"--label_words {cfg.label_words!r}: empty label word")
+        if len(self.label_names) != len(self.words):
+            raise UserError(f"--label_names has {len(self.label_names)} names but --label_words has "
+                            f"{len(self.words)} words; give one name per word, in the same order")
 
     @staticmethod
     def _parse_template(template: str) -> list[tuple[str, str | None]]:
@@ -346,11 +355,50 @@ class CustomTask(Task):
 
     def build(self, r: Fields) -> list[Example]:
         if self.generation:
-            return [Example(r.text("prompt"), (), (), answers=(r.text("response"),))]
+            return [self._instruction(r)]
         prompt = "".join(literal + (r.text(slot) if slot is not None else "")
                          for literal, slot in self.pieces)
         gold = r.label("label", self.label_names)
         return [Example(prompt, tuple(" " + w for w in self.words), (gold,), sfc_prompt=self.sfc_prompt)]
+
+    def _instruction(self, r: Fields) -> Example:
+        """A `messages` conversation, a prompt/completion pair (TRL's; `response` stands for `completion`; lists
+        of messages make it a conversation trained on the completion's turns), or a `text` row."""
+        fmt = self.data_format if self.data_format != "auto" else _detect_format(r)
+        source = f"{r.where[0]}:{r.where[1]}" if isinstance(r.where[1], int) else f"{r.where[0]}, {r.where[1]}"
+        if fmt == "text":
+            return Example("", (), (), answers=(r.text("text"),), source=source)
+        if fmt == "messages":
+            return _conversation(_messages(r, "messages"), 0, r, "messages", source)
+        answer_key = "response" if r.has("response") and not r.has("completion") else "completion"
+        if isinstance(r.get("prompt"), list):
+            prompt = _messages(r, "prompt")
+            return _conversation(prompt + _messages(r, answer_key), len(prompt), r, answer_key, source)
+        return Example(r.text("prompt"), (), (), answers=(r.text(answer_key),), source=source)
+
+
+def _detect_format(r: Fields) -> str:
+    for key, fmt in (("messages", "messages"), ("prompt", "prompt_completion"), ("text", "text")):
+        if r.has(key):
+            return fmt
+    raise r.error("messages", f'missing: instruction rows hold "messages", "prompt" and "completion" (or '
+                  f'"response"), or "text" (--columns maps other names); the row has: {", ".join(r.row) or "no fields"}')
+
+
+def _messages(r: Fields, key: str) -> list[tuple[str, str]]:
+    turns = r.objs(key)
+    if not turns:
+        raise r.error(key, "empty list of messages")
+    return [(turn.text("role"), turn.text("content", allow_empty=True)) for turn in turns]
+
+
+def _conversation(messages: list[tuple[str, str]], trained_from: int, r: Fields, key: str, source: str) -> Example:
+    """An Example of chat turns; its reference answer (for evaluation) is the last assistant turn."""
+    answers = [content for role, content in messages[trained_from:] if role == "assistant"]
+    if not answers:
+        raise r.error(key, 'no message with role "assistant" to train on')
+    return Example("", (), (), answers=(answers[-1],), messages=tuple(messages), trained_from=trained_from,
+                   source=source)
 
 
 TASKS: dict[str, type[Task]] = {

@@ -10,6 +10,7 @@ every part of it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import signal
@@ -28,11 +29,12 @@ from xgblora.data.batches import Batch
 from xgblora.data.order import BatchStream
 from xgblora.distributed import Distributed
 from xgblora.errors import UserError
-from xgblora.logging import MetricsLog
+from xgblora.logging import MetricsLog, ProgressLine
 from xgblora.objective import TrainingLoss, TrainingSet
 from xgblora.optim.fo import AdamWStepper
 from xgblora.optim.schedule import Schedule
 from xgblora.optim.zo import MeZO, ZOStepper
+from xgblora.trackers import open_trackers, parse_report_to
 from xgblora.train.checkpoint import Checkpointer, prune
 from xgblora.train.results import save_final
 from xgblora.train.setup import Method, RunSetup
@@ -203,7 +205,15 @@ class Trainer:
             log.info("resumed from %s at step %d", path, self.state.step)
         self.loss_fn.model = self.stepper.prepare(self.loss_fn.model)  # FSDP wraps after loading
         batches = iter(stream)
-        self.next_batch = lambda: train_set.batch(next(batches)).to(run.device)
+        self.progress_line = ProgressLine(self.max_steps, self.state.step, enabled=None if dist.is_main else False)
+
+        def next_batch() -> Batch:
+            batch = train_set.batch(next(batches))
+            mask = getattr(batch, "attention_mask", None)  # packed batches have no padding and no mask
+            self.progress_line.count(int(mask.sum()) if mask is not None else batch.input_ids.numel())
+            return batch.to(run.device)
+
+        self.next_batch = next_batch
 
     def _checkpointer(self) -> Checkpointer:
         boosting = self.method.boosting
@@ -243,11 +253,12 @@ class Trainer:
         return self._finish()
 
     def _metrics(self) -> MetricsLog | distributed.SilentLog:
-        out, step = Path(self.cfg.output_dir), self.state.step
+        cfg, out, step = self.cfg, Path(self.cfg.output_dir), self.state.step
         if not self.dist.is_main:
             return distributed.SilentLog()
-        return MetricsLog(out / "metrics.jsonl", resume=step > 0, resume_step=step if step > 0 else None,
-                          tensorboard_dir=out / "tensorboard" if self.cfg.report_to == "tensorboard" else None)
+        resume_step = step if step > 0 else None
+        trackers = open_trackers(parse_report_to(cfg.report_to), out, out.name, dataclasses.asdict(cfg), resume_step)
+        return MetricsLog(out / "metrics.jsonl", trackers=trackers, resume=step > 0, resume_step=resume_step)
 
     def _progress(self) -> tqdm:
         return tqdm(total=self.max_steps, initial=self.state.step, desc=f"{self.cfg.method}/{self.cfg.trainer}",
@@ -274,15 +285,20 @@ class Trainer:
                           "elapsed_s": round(self.state.runtime_s(), 3)})
         if mean is not None:
             self.progress.set_postfix(loss=f"{mean:.4f}", refresh=False)
+        self.progress_line.report(step, mean, lr)
 
     def _evaluate(self) -> None:
-        """Score the dev split; keep the best step (and its checkpoint with --load_best_model_at_end)."""
-        splits, state = self.run.splits, self.state
-        dev = self.run.score(splits.dev or splits.eval)
-        self.metrics.log({"step": state.step, **{f"eval_{k}": v for k, v in dev.items()}})
-        value = next(iter(dev.values()))
-        if state.best is None or value > state.best["value"]:
-            state.best = {"value": value, "step": state.step}
+        """Score the dev split; keep the best step (and its checkpoint with --load_best_model_at_end).
+
+        The first metric decides: the highest accuracy or F1, the lowest loss (instruction data)."""
+        state = self.state
+        dev, predictions = self.run.score_and_predict(self.run.splits.dev)
+        samples = {"samples": predictions[:self.cfg.log_samples]} if self.cfg.log_samples and predictions else {}
+        self.metrics.log({"step": state.step, **{f"eval_{k}": v for k, v in dev.items()}, **samples})
+        name, value = next(iter(dev.items()))
+        score = -value if name in ("loss", "perplexity") else value
+        if state.best is None or score > state.best["score"]:
+            state.best = {"value": value, "score": score, "step": state.step}
             if self.cfg.load_best_model_at_end:
                 self._save("best")
 

@@ -4,6 +4,7 @@ whole (a temporary name, then a rename), so that one that exists is complete."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ from xgblora import atomic
 from xgblora.adapters import export
 from xgblora.config import Config
 from xgblora.train.setup import Method
+
+log = logging.getLogger("xgblora")
 
 
 def result_file_tag(cfg: Config) -> str:
@@ -27,12 +30,37 @@ def result_file_tag(cfg: Config) -> str:
     return tag
 
 
-def write_results(cfg: Config, results: dict[str, Any]) -> None:
-    """Write results.json into the output folder and MeZO's copy (--result_file, or result/<tag>-trainset<i>.json)."""
+def write_results(cfg: Config, results: dict[str, Any]) -> Path | None:
+    """Write results.json into the output folder, and MeZO's copy where --result_file asks for one; returns the copy.
+
+    The copy never replaces a file: two runs with the same MeZO tag (a re-run, another seed of a sweep that
+    leaves the tag alone) get `-2`, `-3`, ... before `.json`, and the log names the file written.
+    """
     text = json.dumps(results, indent=2, sort_keys=True) + "\n"
-    name = f"{result_file_tag(cfg)}-trainset{cfg.train_set_seed}.json"
-    atomic.write_text(Path(cfg.result_file) if cfg.result_file else Path("result") / name, text)
+    copy = _write_copy(cfg, text) if cfg.result_file else None
     atomic.write_text(Path(cfg.output_dir) / "results.json", text)  # last: its presence means "finished"
+    return copy
+
+
+def _write_copy(cfg: Config, text: str) -> Path:
+    """MeZO's copy under --result_file ('auto': MeZO's name in result/), beside any file already there."""
+    wanted = Path(cfg.result_file)
+    if cfg.result_file == "auto":
+        wanted = Path("result") / f"{result_file_tag(cfg)}-trainset{cfg.train_set_seed}.json"
+    copy, n = wanted, 1
+    while not atomic.create_text(copy, text):
+        n += 1
+        copy = wanted.with_name(f"{wanted.stem}-{n}{wanted.suffix}")
+    if n > 1:
+        log.warning("%s exists (another run's result); wrote this run's to %s", wanted, copy)
+    return copy
+
+
+def write_predictions(cfg: Config, records: list[dict[str, Any]]) -> None:
+    """predictions.jsonl: one generation of the evaluation split per line (nothing when there are none)."""
+    if records:
+        atomic.write_text(Path(cfg.output_dir) / "predictions.jsonl",
+                          "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Method,
@@ -44,4 +72,56 @@ def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Meth
             export.to_peft(method.modules, history, final, cfg.model_name, head=dict(method.head))
         else:
             model.save_pretrained(final, state_dict=state)
-            tokenizer.save_pretrained(final)
+        tokenizer.save_pretrained(final)  # with an adapter too: the tokenizer and its chat template travel with it
+
+
+def _auto_class(final: Path, adapter: bool) -> str:
+    """The Auto class that loads final/: PEFT's for an adapter (by its task type), transformers' for a model."""
+    if adapter:
+        task = json.loads((final / "adapter_config.json").read_text(encoding="utf-8")).get("task_type")
+        return "AutoPeftModelForSequenceClassification" if task == "SEQ_CLS" else "AutoPeftModelForCausalLM"
+    architectures = json.loads((final / "config.json").read_text(encoding="utf-8")).get("architectures") or [""]
+    for suffix in ("ForSequenceClassification", "ForMaskedLM"):
+        if architectures[0].endswith(suffix):
+            return f"AutoModel{suffix}"
+    return "AutoModelForCausalLM"
+
+
+def write_model_card(cfg: Config, results: dict[str, Any]) -> None:
+    """final/README.md: what was trained from what, on which data, with which results, and how to load it."""
+    final = Path(cfg.output_dir) / "final"
+    if not final.is_dir():
+        return
+    adapter = (final / "adapter_config.json").exists()
+    data = cfg.train_file if cfg.task_name.lower() == "custom" else cfg.task_name
+    metrics = {k: v for k, v in results.items() if isinstance(v, float) and k not in ("train_runtime_s",)}
+    rows = "".join(f"| {k} | {v:.4g} |\n" for k, v in sorted(metrics.items()))
+    auto = _auto_class(final, adapter)
+    load = f"from {'peft' if adapter else 'transformers'} import {auto}\nmodel = {auto}.from_pretrained(\"{final}\")"
+    card = f"""---
+base_model: {cfg.model_name}
+library_name: {"peft" if adapter else "transformers"}
+tags: [xgblora, {cfg.method}, {"mezo" if cfg.trainer == "zo" else "adamw"}]
+---
+
+# {Path(cfg.output_dir).name}
+
+{"A LoRA adapter" if adapter else "A model"} fine-tuned from `{cfg.model_name}` with xgblora: method `{cfg.method}`
+(rank {cfg.rank}, alpha {cfg.lora_alpha:g}), trainer `{cfg.trainer}` ({"MeZO" if cfg.trainer == "zo" else "AdamW"}),
+{results.get("steps")} steps at learning rate {cfg.learning_rate:g}, on {results.get("num_train")} examples of `{data}`.
+The resolved options are in `../config.yaml`.
+
+## Results
+
+| metric | value |
+|---|---|
+{rows}
+## Use
+
+```python
+from transformers import AutoTokenizer
+{load}
+tokenizer = AutoTokenizer.from_pretrained("{final}")
+```
+"""
+    atomic.write_text(final / "README.md", card)

@@ -16,7 +16,7 @@ from xgblora.errors import UserError
 from xgblora.logging import setup_console_logging
 from xgblora.train.lock import run_lock
 from xgblora.train.loop import Hooks, Trainer
-from xgblora.train.results import write_results
+from xgblora.train.results import write_model_card, write_predictions, write_results
 from xgblora.train.setup import RunSetup, load_run, setup_method, training_set
 
 log = logging.getLogger("xgblora")
@@ -44,7 +44,8 @@ def _run(cfg: Config, dist: distributed.Distributed, out: Path, hooks: Hooks | N
             "torch": torch.__version__}
     results = {**base, **(_evaluate_only(setup) if cfg.trainer == "none" else _train(setup, dist, hooks))}
     if dist.is_main:
-        write_results(setup.cfg, results)
+        write_model_card(setup.cfg, results)
+        write_results(setup.cfg, results)  # last: results.json marks a finished run
     return results
 
 
@@ -54,17 +55,33 @@ def _evaluate_only(setup: RunSetup) -> dict[str, Any]:
         log.warning("--head classifier without training scores with a new, untrained head: expect chance accuracy")
     started = time.perf_counter()
     demos = setup.splits.train if setup.scoring is None else ()
-    return {**setup.score(setup.splits.eval, demos), "method": "none", "num_demos": len(demos),
+    metrics, predictions = setup.score_and_predict(setup.splits.eval, demos)
+    write_predictions(setup.cfg, predictions)
+    return {**metrics, "method": "none", "num_demos": len(demos),
             "eval_runtime_s": round(time.perf_counter() - started, 3)}
+
+
+def _check_dev_split(setup: RunSetup) -> None:
+    """Periodic evaluation and best-checkpoint selection read the dev split, never the evaluation (test) split."""
+    cfg = setup.cfg
+    wants = "--load_best_model_at_end" if cfg.load_best_model_at_end else \
+        "--evaluation_strategy steps" if cfg.evaluation_strategy == "steps" else None
+    if wants and not setup.splits.dev:
+        raise UserError(f"{wants} needs a dev split, and choosing on the evaluation split would report a test score "
+                        f"that was used for the choice; pass --num_dev N (N examples drawn from the train split, "
+                        f"disjoint from the training ones)")
 
 
 def _train(setup: RunSetup, dist: distributed.Distributed, hooks: Hooks | None) -> dict[str, Any]:
     """Train, then evaluate on the evaluation split (every rank evaluates: FSDP needs them all)."""
     cfg = setup.cfg
+    _check_dev_split(setup)
     train_set = training_set(setup)  # before the adapters: the packing probe runs on the plain model
     method = setup_method(setup.model, cfg)
     summary = Trainer(setup, method, train_set, dist, hooks).fit()
     results = {**summary, "method": cfg.method, "num_train": len(setup.splits.train)}
     if not cfg.no_eval:
-        results.update(setup.score(setup.splits.eval))
+        metrics, predictions = setup.score_and_predict(setup.splits.eval)
+        write_predictions(cfg, predictions)
+        results.update(metrics)
     return results

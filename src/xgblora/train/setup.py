@@ -18,12 +18,14 @@ from xgblora import encoders, models, perf
 from xgblora.adapters.boosting import Boosting
 from xgblora.adapters.lora import LoRALinear, attach, is_adapter_param, prepare_full_ft
 from xgblora.config import Config
+from xgblora.data import formats
 from xgblora.data.loading import Splits, sample_splits
 from xgblora.data.tasks import Example, Task, get_task
 from xgblora.distributed import Distributed
 from xgblora.errors import UserError
 from xgblora.evaluate import evaluate
-from xgblora.objective import TrainingSet, causal_training_set, label_training_set
+from xgblora.instruction_eval import evaluate_instructions
+from xgblora.objective import TrainingSet, causal_training_set, label_training_set, sequence_training_set
 from xgblora.scoring import packing_supported
 
 log = logging.getLogger("xgblora")
@@ -56,8 +58,7 @@ def setup_method(model: torch.nn.Module, cfg: Config) -> Method:
         count = prepare_full_ft(model)
         log.info("full fine-tuning: %s trainable parameters", f"{count:,}")
         return Method(list(model.named_parameters()))
-    targets = cfg.lora_target_modules.split(",") if cfg.lora_target_modules else None
-    report = attach(model, targets, r=cfg.rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
+    report = attach(model, cfg.lora_target_modules, r=cfg.rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
     log.info("%s", report)
     adapters = [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
     head = [(n, p) for n, p in model.named_parameters() if encoders.is_head_param(n)]
@@ -87,14 +88,29 @@ class RunSetup:
     device: torch.device
 
     def score(self, examples: list[Example], demos: list[Example] | tuple = ()) -> dict[str, float]:
-        """The task's metric on examples (a label head reads one input: no in-context demonstrations)."""
+        """The task's metrics on examples (a label head reads one input: no in-context demonstrations)."""
+        return self.score_and_predict(examples, demos)[0]
+
+    def score_and_predict(self, examples: list[Example], demos: list[Example] | tuple = ()
+                          ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """The task's metrics on examples, and the generations of instruction data (prompt, prediction, reference)."""
         cfg = self.cfg
+        if self.task.instruction:
+            return evaluate_instructions(self.model, self.tokenizer, examples, stop_ids=self.stop_ids,
+                                         batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length,
+                                         max_new_tokens=cfg.max_new_tokens, train_on_prompt=cfg.train_on_prompt)
         if self.scoring is not None:
             return encoders.evaluate(self.model, self.tokenizer, examples, self.scoring,
-                                     batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length)
+                                     batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length), []
         return evaluate(self.model, self.tokenizer, self.task, examples, demos=demos, sfc=cfg.sfc,
                         icl_sfc=cfg.icl_sfc, batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length,
-                        max_new_tokens=cfg.max_new_tokens)
+                        max_new_tokens=cfg.max_new_tokens), []
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Tokens that end an answer: the tokenizer's EOS and the model's generation EOS (e.g. an end-of-turn)."""
+        generation = getattr(self.model, "generation_config", None)
+        return formats.stop_token_ids(self.tokenizer, getattr(generation, "eos_token_id", None))
 
     @property
     def autocast(self) -> torch.dtype | None:
@@ -114,6 +130,8 @@ def load_run(cfg: Config, dist: Distributed) -> RunSetup:
     model, tokenizer = models.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation,
                                    device=dist.device or cfg.device, trust_remote_code=cfg.trust_remote_code,
                                    head=head, num_labels=len(words) or None)
+    if cfg.chat_template:
+        formats.set_chat_template(tokenizer, cfg.chat_template)
     device = next(model.parameters()).device
     cfg = resolve(cfg, model, dist)
     if dist.is_main:
@@ -153,8 +171,13 @@ def training_set(run: RunSetup) -> TrainingSet:
                         f"(train it on the answer tokens, the default)")
     if run.scoring is not None:
         return label_training_set(run.tokenizer, run.splits.train, cfg.max_length, run.scoring)
+    token_mean = cfg.loss_mean == "token" or (cfg.loss_mean == "auto" and run.task.instruction)
+    if run.task.instruction:
+        seqs = formats.instruction_seqs(run.tokenizer, run.splits.train, cfg.max_length, cfg.train_on_prompt,
+                                     run.stop_ids)
+        return sequence_training_set(seqs, run.tokenizer.pad_token_id, packing_enabled(run), token_mean)
     return causal_training_set(run.tokenizer, run.splits.train, cfg.max_length, cfg.train_as_classification,
-                               packed=packing_enabled(run))
+                               packed=packing_enabled(run), token_mean=token_mean)
 
 
 def packing_enabled(run: RunSetup) -> bool:
