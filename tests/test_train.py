@@ -238,7 +238,7 @@ def test_save_total_limit_and_load_best_model_at_end(shared_data, tmp_path):
     best_value = max(v for _, v in evals)
     best_step = next(s for s, v in evals if v == best_value)  # the first step reaching the best value
     tensors, state, _ = checkpoint.load(root / "best")
-    assert state["step"] == best_step and state["best"] == {"value": best_value, "step": best_step}
+    assert state["step"] == best_step and state["best"] == {"value": best_value, "score": best_value, "step": best_step}
 
     final = adapter(out)
     for name, value in tensors.items():
