@@ -37,6 +37,8 @@ class Config:
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
     head: str = _opt("auto", "What scores the labels: lm (a causal LM's candidate tokens), classifier (a new sequence-classification head, trained in every method), mlm (a masked LM's one-token label words at a mask, MeZO's encoder prompts); auto: lm for causal LMs, mlm for encoders saved with their MLM head, else classifier.",
                      ("auto", "lm", "classifier", "mlm"))
+    pooling: str = _opt("auto", "What a classifier head reads: cls (the model's own head: [CLS] through its pooler, or a causal LM's last token), mean (the masked mean of the last hidden states), last (the last non-padding token); auto: what the model's sentence-transformers pooling config (1_Pooling/config.json) says, else cls.",
+                        ("auto", "cls", "mean", "last"))
     # task and data
     task_name: str = _opt("SST2", "SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, DROP, or custom.")
     data_dir: str | None = _opt(None, "Folder with <task>/{train,dev}.jsonl in GLUE/SuperGLUE field names (else HF datasets).")

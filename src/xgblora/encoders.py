@@ -19,7 +19,7 @@ from xgblora.data.batches import LabelBatch
 from xgblora.data.batching import length_grouped_batches
 from xgblora.data.tasks import Example
 from xgblora.errors import UserError
-from xgblora.scoring import eval_mode, label_logits
+from xgblora.scoring import POOLINGS, eval_mode, label_logits
 
 HEADS = ("classifier", "mlm")
 CLASSIFIER_MODULES = ("classifier", "score", "pre_classifier")  # PEFT's names for SEQ_CLS heads, plus DistilBERT's
@@ -32,11 +32,13 @@ def is_head_param(name: str) -> bool:
 
 @dataclass(frozen=True)
 class LabelScoring:
-    """How labels are scored: kind ('classifier' | 'mlm'), the label words, and (mlm) their token ids."""
+    """How labels are scored: kind ('classifier' | 'mlm'), the label words, (mlm) their token ids, and
+    (classifier) what the head reads (`scoring.POOLINGS`)."""
 
     kind: str
     label_words: tuple[str, ...]
     label_token_ids: tuple[int, ...] = ()
+    pooling: str = "cls"
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,13 @@ def label_words(task_name: str, *example_sets: Sequence[Example]) -> tuple[str, 
     return found
 
 
-def build_scoring(kind: str, tokenizer: PreTrainedTokenizerBase, words: Sequence[str]) -> LabelScoring:
+def build_scoring(kind: str, tokenizer: PreTrainedTokenizerBase, words: Sequence[str],
+                  pooling: str = "cls") -> LabelScoring:
     """LabelScoring for `kind`; for mlm every label word must be one token of this tokenizer."""
     if kind == "classifier":
-        return LabelScoring(kind, tuple(words))
+        if pooling not in POOLINGS:
+            raise ValueError(f"unknown pooling {pooling!r}: choose one of {POOLINGS}")
+        return LabelScoring(kind, tuple(words), pooling=pooling)
     if kind != "mlm":
         raise ValueError(f"unknown label scoring {kind!r}: choose one of {HEADS}")
     if tokenizer.mask_token_id is None:
@@ -117,7 +122,8 @@ def collate(seqs: Sequence[LabelSeq], pad_id: int, scoring: LabelScoring) -> Lab
     return LabelBatch(input_ids=input_ids, attention_mask=(torch.arange(input_ids.shape[1]) < lengths[:, None]).long(),
                       labels=torch.tensor([s.label for s in seqs]),
                       mask_pos=torch.tensor([s.mask_pos for s in seqs]) if mlm else None,
-                      label_token_ids=torch.tensor([scoring.label_token_ids] * len(seqs)) if mlm else None)
+                      label_token_ids=torch.tensor([scoring.label_token_ids] * len(seqs)) if mlm else None,
+                      pooling=scoring.pooling)
 
 
 @torch.inference_mode()

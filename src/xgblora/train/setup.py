@@ -121,18 +121,20 @@ def load_run(cfg: Config, dist: Distributed) -> RunSetup:
     _warn_on_emulated_bf16(cfg, device)
     if cfg.tf32:
         perf.enable_tf32(device)
-    scoring = encoders.build_scoring(head, tokenizer, words) if head != "lm" else None
+    scoring = encoders.build_scoring(head, tokenizer, words, cfg.pooling) if head != "lm" else None
     return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device)
 
 
 def resolve(cfg: Config, model: torch.nn.Module, dist: Distributed) -> Config:
-    """The config that runs: max_length within the model's positions, the rank's device, FSDP's checkpoints."""
+    """The config that runs: max_length within the model's positions, the rank's device, FSDP's checkpoints, the
+    classifier's pooling (auto: the model's sentence-transformers pooling, else its own [CLS] head)."""
     positions = getattr(model.config, "max_position_embeddings", None)
     max_length = min(cfg.max_length, positions) if positions is not None else cfg.max_length
     if max_length < cfg.max_length:
         log.debug("max_length %d exceeds %s's %d positions; using %d", cfg.max_length, cfg.model_name, positions,
                   positions)
-    return dataclasses.replace(cfg, max_length=max_length, device=dist.device or cfg.device,
+    pooling = cfg.pooling if cfg.pooling != "auto" else models.sentence_pooling(cfg.model_name) or "cls"
+    return dataclasses.replace(cfg, max_length=max_length, device=dist.device or cfg.device, pooling=pooling,
                                save_only_model=cfg.save_only_model or dist.model_only_checkpoints)
 
 
