@@ -39,6 +39,11 @@ class Config:
                      ("auto", "lm", "classifier", "mlm"))
     pooling: str = _opt("auto", "What a classifier head reads: cls (the model's own head: [CLS] through its pooler, or a causal LM's last token), mean (the masked mean of the last hidden states), last (the last non-padding token); auto: what the model's sentence-transformers pooling config (1_Pooling/config.json) says, else cls.",
                         ("auto", "cls", "mean", "last"))
+    head_init: str = _opt("probe", "How a new classifier head starts: probe (a logistic regression fitted by L-BFGS on the frozen model's features of the training examples, seconds) or random.",
+                          ("probe", "random"))
+    head_trainer: str = _opt("first-order", "Under --trainer zo, how a new classifier head trains: first-order (AdamW on the features MeZO's forwards computed, detached: inference memory, and the dual batch still applies), frozen (the head stays as initialised), or zo (perturbed with the body).",
+                             ("first-order", "frozen", "zo"))
+    head_learning_rate: float = _opt(1e-3, "AdamW learning rate of a first-order head under --trainer zo (constant).")
     # task and data
     task_name: str = _opt("SST2", "SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, DROP, or custom.")
     data_dir: str | None = _opt(None, "Folder with <task>/{train,dev}.jsonl in GLUE/SuperGLUE field names (else HF datasets).")
@@ -136,7 +141,7 @@ class Config:
                 raise UserError(f"--{f.name} {getattr(self, f.name)!r}: choose one of {', '.join(choices)}")
         _check_positive(self, "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                         "lora_r", "xgblora_steps_per_iteration", "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
-                        "zo_eps")
+                        "zo_eps", "head_learning_rate")
         for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")

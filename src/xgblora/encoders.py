@@ -8,7 +8,7 @@ logits of the one-token label words at that position, as MeZO does for RoBERTa.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -127,17 +127,26 @@ def collate(seqs: Sequence[LabelSeq], pad_id: int, scoring: LabelScoring) -> Lab
 
 
 @torch.inference_mode()
-def predict(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
-            scoring: LabelScoring, *, batch_size: int = 32, max_length: int = 512) -> list[list[float]]:
-    """Label logits of every example, in length-sorted batches."""
+def logits_by_batch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
+                    scoring: LabelScoring, *, batch_size: int = 32,
+                    max_length: int = 512) -> Iterator[tuple[list[int], LabelBatch, torch.Tensor]]:
+    """(example indices, batch, label logits) of length-sorted batches, the model in eval mode."""
     device = next(model.parameters()).device
     seqs = encode(tokenizer, examples, max_length, scoring)
-    scores: list[list[float]] = [[] for _ in examples]
     with eval_mode(model):
         for idx in length_grouped_batches(seqs, batch_size):
             batch = collate([seqs[i] for i in idx], tokenizer.pad_token_id, scoring).to(device)
-            for i, row in zip(idx, label_logits(model, batch).tolist(), strict=True):
-                scores[i] = row
+            yield idx, batch, label_logits(model, batch)
+
+
+def predict(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
+            scoring: LabelScoring, *, batch_size: int = 32, max_length: int = 512) -> list[list[float]]:
+    """Label logits of every example, in length-sorted batches."""
+    scores: list[list[float]] = [[] for _ in examples]
+    for idx, _, logits in logits_by_batch(model, tokenizer, examples, scoring, batch_size=batch_size,
+                                          max_length=max_length):
+        for i, row in zip(idx, logits.tolist(), strict=True):
+            scores[i] = row
     return scores
 
 

@@ -26,6 +26,7 @@ from xgblora.data.batches import Batch
 from xgblora.data.order import BatchStream
 from xgblora.distributed import Distributed
 from xgblora.errors import UserError
+from xgblora.head import HeadTrainer
 from xgblora.logging import MetricsLog
 from xgblora.objective import TrainingLoss, TrainingSet
 from xgblora.optim.fo import AdamWStepper
@@ -150,13 +151,17 @@ def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Dist
                             fused=None if cfg.fused_adamw else False, max_grad_norm=cfg.max_grad_norm,
                             accumulation=cfg.gradient_accumulation_steps, micro_batch=cfg.per_device_train_batch_size,
                             nan_policy=cfg.nan_policy, penalty=penalty, dist=dist)
-    # the doubled batch carries adapter perturbations only: not a full model, a trainable head, or grouped rows
-    dual = cfg.zo_dual and bool(method.modules) and not method.head and not cfg.train_as_classification
+    zo_params = method.zo_params(cfg.head_trainer)
+    # the doubled batch carries adapter perturbations only: not a full model, a zo-trained head, or grouped rows
+    dual = cfg.zo_dual and bool(method.modules) and len(zo_params) == len(method.trainable) \
+        and not cfg.train_as_classification
     # the norm penalty l(|A|^2 + |B|^2) has the exact gradient 2l*theta: under MeZO it is weight decay 2l
     decay = cfg.weight_decay + (2 * cfg.xgblora_norm_penalty if boosting is not None else 0.0)
-    mezo = MeZO(method.named_params, cfg.learning_rate, cfg.zo_eps, decay, cfg.zo_stochastic_rounding,
+    mezo = MeZO(zo_params, cfg.learning_rate, cfg.zo_eps, decay, cfg.zo_stochastic_rounding,
                 dual_modules=method.modules if dual else None, seed=cfg.seed, reduce_losses=dist.all_mean)
-    return ZOStepper(mezo, loss_fn, nan_policy=cfg.nan_policy, device=device)
+    head = HeadTrainer(loss_fn.model, method.head, cfg.head_learning_rate, reduce=dist.reduce_step) \
+        if cfg.head_trainer == "first-order" and method.head else None
+    return ZOStepper(mezo, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
 
 
 def total_steps(cfg: Config, n_examples: int, global_batch: int) -> int:

@@ -15,7 +15,7 @@ from xgblora.errors import UserError
 from xgblora.logging import setup_console_logging
 from xgblora.train.loop import Hooks, Trainer
 from xgblora.train.results import write_results
-from xgblora.train.setup import RunSetup, load_run, setup_method, training_set
+from xgblora.train.setup import RunSetup, init_head, load_run, setup_method, training_set
 
 log = logging.getLogger("xgblora")
 
@@ -55,6 +55,7 @@ def _train(setup: RunSetup, dist: distributed.Distributed, hooks: Hooks | None) 
     cfg = setup.cfg
     train_set = training_set(setup)  # before the adapters: the packing probe runs on the plain model
     method = setup_method(setup.model, cfg)
+    init_head(setup, method)
     summary = Trainer(setup, method, train_set, dist, hooks).fit()
     results = {**summary, "method": cfg.method, "num_train": len(setup.splits.train)}
     if not cfg.no_eval:

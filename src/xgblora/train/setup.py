@@ -23,6 +23,7 @@ from xgblora.data.tasks import Example, Task, get_task
 from xgblora.distributed import Distributed
 from xgblora.errors import UserError
 from xgblora.evaluate import evaluate
+from xgblora.head import fit_probe
 from xgblora.objective import TrainingSet, causal_training_set, label_training_set
 from xgblora.scoring import packing_supported
 
@@ -42,6 +43,10 @@ class Method:
     def __post_init__(self) -> None:
         self.named_params = [*self.trainable, *self.head]  # one list: FSDP replaces its entries in place
 
+    def zo_params(self, head_trainer: str) -> list[tuple[str, torch.nn.Parameter]]:
+        """What MeZO perturbs and updates: the trainable weights, and the head only under --head_trainer zo."""
+        return self.named_params if head_trainer == "zo" else self.trainable
+
     def trainable_state(self, with_bases: bool) -> dict[str, torch.Tensor]:
         """Tensors a checkpoint must hold; with_bases adds the (merged-into) base weights of adapted modules."""
         state = dict(self.named_params)
@@ -50,18 +55,30 @@ class Method:
         return state
 
 
+def init_head(run: RunSetup, method: Method) -> None:
+    """--head_init probe: fit a new classifier head on the frozen model's features of the training examples."""
+    if run.cfg.head_init != "probe" or not method.head or run.scoring is None or run.scoring.kind != "classifier":
+        return
+    cfg = run.cfg
+    accuracy = fit_probe(run.model, run.tokenizer, run.splits.train, run.scoring,
+                         batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length)
+    log.info("head: linear probe on %s-pooled features, training accuracy %.3f", cfg.pooling, accuracy)
+
+
 def setup_method(model: torch.nn.Module, cfg: Config) -> Method:
     """Prepare full fine-tuning, LoRA, or XGBLoRA boosters on the model, and say what trains."""
     if cfg.method == "ft":
         count = prepare_full_ft(model)
         log.info("full fine-tuning: %s trainable parameters", f"{count:,}")
-        return Method(list(model.named_parameters()))
+        named = list(model.named_parameters())
+        return Method([(n, p) for n, p in named if not encoders.is_head_param(n)],
+                      [(n, p) for n, p in named if encoders.is_head_param(n)])
     targets = cfg.lora_target_modules.split(",") if cfg.lora_target_modules else None
     report = attach(model, targets, r=cfg.rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
     log.info("%s", report)
     adapters = [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
     head = [(n, p) for n, p in model.named_parameters() if encoders.is_head_param(n)]
-    for _, p in head:  # a new classification head trains in every method
+    for _, p in head:  # a new classification head trains in every method (or stays frozen: see zo_params)
         p.requires_grad_(True)
     boosting = None
     if cfg.method == "xgblora":
@@ -115,7 +132,7 @@ def load_run(cfg: Config, dist: Distributed) -> RunSetup:
                                    device=dist.device or cfg.device, trust_remote_code=cfg.trust_remote_code,
                                    head=head, num_labels=len(words) or None)
     device = next(model.parameters()).device
-    cfg = resolve(cfg, model, dist)
+    cfg = resolve(cfg, model, dist, head)
     if dist.is_main:
         config_mod.dump(cfg, Path(cfg.output_dir) / "config.yaml")
     _warn_on_emulated_bf16(cfg, device)
@@ -125,7 +142,7 @@ def load_run(cfg: Config, dist: Distributed) -> RunSetup:
     return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device)
 
 
-def resolve(cfg: Config, model: torch.nn.Module, dist: Distributed) -> Config:
+def resolve(cfg: Config, model: torch.nn.Module, dist: Distributed, head: str = "lm") -> Config:
     """The config that runs: max_length within the model's positions, the rank's device, FSDP's checkpoints, the
     classifier's pooling (auto: the model's sentence-transformers pooling, else its own [CLS] head)."""
     positions = getattr(model.config, "max_position_embeddings", None)
@@ -133,7 +150,9 @@ def resolve(cfg: Config, model: torch.nn.Module, dist: Distributed) -> Config:
     if max_length < cfg.max_length:
         log.debug("max_length %d exceeds %s's %d positions; using %d", cfg.max_length, cfg.model_name, positions,
                   positions)
-    pooling = cfg.pooling if cfg.pooling != "auto" else models.sentence_pooling(cfg.model_name) or "cls"
+    pooling = cfg.pooling
+    if pooling == "auto" and head == "classifier":
+        pooling = models.sentence_pooling(cfg.model_name) or "cls"
     return dataclasses.replace(cfg, max_length=max_length, device=dist.device or cfg.device, pooling=pooling,
                                save_only_model=cfg.save_only_model or dist.model_only_checkpoints)
 
