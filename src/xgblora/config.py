@@ -56,6 +56,8 @@ class Config:
     num_dev: int | None = _opt(None, "Dev examples drawn from the train split (disjoint from the training ones).")
     num_eval: int | None = _opt(None, "Evaluation examples drawn from the validation split (all when unset).")
     train_set_seed: int = _opt(0, "Seed of the train/dev sampling.")
+    dev_pool: str = _opt("any", "Which train-split examples the dev set is drawn from: any, or sentences (inputs with at least 8 words and a sentence-final . ! or ?: SST-2's train split is mostly phrases, its validation split full sentences).",
+                         ("any", "sentences"))
     max_length: int = _opt(2048, "Longest input in tokens; longer inputs are truncated from the left.")
     max_new_tokens: int = _opt(50, "Generation tasks: most tokens to generate.")
     sfc: bool = _opt(False, "Calibrate candidate scores with surface-form competition (SFC).")
