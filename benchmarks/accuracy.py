@@ -111,7 +111,7 @@ def hf_run(values: dict[str, Any], out: Path) -> dict[str, Any]:
     path = models.resolve_path(cfg.model_name)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=len(words))
-    model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+    model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=cfg.rank, lora_alpha=cfg.alpha,
                                              lora_dropout=cfg.lora_dropout, target_modules=["query", "value"]))
     rows = datasets.Dataset.from_dict({"text": [ex.prompt for ex in splits.train],
                                        "label": [ex.gold[0] for ex in splits.train]})

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import logging
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -14,6 +16,11 @@ from typing import Any
 import yaml
 
 from xgblora.errors import UserError
+
+log = logging.getLogger("xgblora")
+
+# Above this alpha/r (twice MeZO's r=8, alpha=16) a MeZO run is warned: its per-step change of B A is 4x MeZO's.
+ZO_MAX_SCALING = 4.0
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -69,7 +76,8 @@ class Config:
     lora: bool = _opt(False, "Same as --method lora (MeZO's flag).")
     xgblora: bool = _opt(False, "Same as --method xgblora (the XGBLoRA fork's flag).")
     lora_r: int | None = _opt(None, "Adapter rank (default 8 for LoRA, 1 for XGBLoRA).", aliases=("lora_rank",))
-    lora_alpha: float = _opt(16.0, "Adapter scaling numerator: delta = (alpha / r) B A.")
+    lora_alpha: float | None = _opt(None, "Adapter scaling numerator: delta = (alpha / r) B A. Default 2r, so alpha / r = 2 at every rank (MeZO's r=8, alpha=16); with --use_rslora 2 sqrt(8), the same scale as LoRA's at r=8.")
+    use_rslora: bool = _opt(False, "rsLoRA scaling: delta = (alpha / sqrt(r)) B A.")
     lora_dropout: float = _opt(0.0, "Dropout on the adapter branch's input.")
     lora_target_modules: str | None = _opt(None, "Comma-separated module-name suffixes to adapt (default: attention query and value).")
     xgblora_steps_per_iteration: int = _opt(1000, "Steps per booster before it is merged and re-initialised.")
@@ -154,6 +162,11 @@ class Config:
                             "raise --per_device_train_batch_size instead")
         if self.xgblora_layers_per_booster is not None and self.xgblora_layers_per_booster < 1:
             raise UserError(f"--xgblora_layers_per_booster must be at least 1, got {self.xgblora_layers_per_booster}")
+        if self.trainer == "zo" and self.method != "ft" and self.scaling > ZO_MAX_SCALING:
+            log.warning("--trainer zo with an adapter scale of %g (alpha %g, r %d%s): MeZO's change of B A per step "
+                        "grows with the square of the scale, %gx that of r=8, alpha=16; lower --lora_alpha (default "
+                        "2r) if the loss jumps or predictions collapse to one class", self.scaling, self.alpha,
+                        self.rank, ", rsLoRA" if self.use_rslora else "", (self.scaling / 2) ** 2)
         if not 0.0 < self.xgblora_shrinkage <= 1.0:
             raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
 
@@ -163,6 +176,18 @@ class Config:
         if self.lora_r is not None:
             return self.lora_r
         return 1 if self.method == "xgblora" else 8
+
+    @property
+    def alpha(self) -> float:
+        """--lora_alpha, else 2r (alpha/r = 2 at every rank, as MeZO's r=8, alpha=16), else under rsLoRA 2 sqrt(8)."""
+        if self.lora_alpha is not None:
+            return self.lora_alpha
+        return 2 * math.sqrt(8) if self.use_rslora else 2.0 * self.rank
+
+    @property
+    def scaling(self) -> float:
+        """The adapters' multiplier of B A: alpha / r, or alpha / sqrt(r) under rsLoRA."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
     @property
     def dtype_name(self) -> str:

@@ -29,6 +29,11 @@ def is_adapter_param(name: str) -> bool:
     return ".lora_" in name or name.startswith("lora_")
 
 
+def lora_scaling(alpha: float, r: int, rslora: bool = False) -> float:
+    """The branch's multiplier: alpha / r (LoRA), or alpha / sqrt(r) (rsLoRA, Kalajdzievski 2023)."""
+    return alpha / (math.sqrt(r) if rslora else r)
+
+
 def lora_delta(A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
     """The dense update of a low-rank branch, scale * B @ A, in fp32: the one formula every merge uses."""
     return scale * (B.float() @ A.float())
@@ -43,7 +48,7 @@ def add_delta_(weight: torch.Tensor, delta: torch.Tensor) -> None:
 class LoRALinear(nn.Module):
     """A frozen nn.Linear plus scaling * B A in fp32; inactive -> the base alone; dual mode -> +/- perturbed halves."""
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, rslora: bool = False):
         super().__init__()
         if r < 1:
             raise UserError(f"LoRA rank must be at least 1, got {r}")
@@ -52,7 +57,7 @@ class LoRALinear(nn.Module):
             p.requires_grad_(False)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.r, self.alpha = r, float(alpha)
-        self.scaling = self.alpha / r
+        self.scaling = lora_scaling(self.alpha, r, rslora)
         device = base.weight.device
         self.lora_A = nn.Parameter(torch.empty(r, self.in_features, dtype=torch.float32, device=device))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, dtype=torch.float32, device=device))
@@ -154,7 +159,7 @@ def _matches(name: str, targets: list[str]) -> bool:
 
 
 def attach(model: nn.Module, targets: list[str] | None = None, r: int = 8, alpha: float = 16.0,
-           dropout: float = 0.0) -> AttachReport:
+           dropout: float = 0.0, rslora: bool = False) -> AttachReport:
     """Freeze the model and wrap every nn.Linear whose qualified name ends with a target suffix in a LoRALinear."""
     if lora_modules(model):
         raise UserError("the model already has LoRA adapters attached")
@@ -176,7 +181,7 @@ def attach(model: nn.Module, targets: list[str] | None = None, r: int = 8, alpha
     modules: dict[str, LoRALinear] = {}
     for name, module in matched:
         parent_name, _, child = name.rpartition(".")
-        modules[name] = LoRALinear(module, r, alpha, dropout)
+        modules[name] = LoRALinear(module, r, alpha, dropout, rslora)
         setattr(model.get_submodule(parent_name), child, modules[name])
     trainable = sum(p.numel() for m in modules.values() for p in (m.lora_A, m.lora_B))
     total = sum(p.numel() for p in model.parameters())

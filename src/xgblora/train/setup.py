@@ -74,7 +74,7 @@ def setup_method(model: torch.nn.Module, cfg: Config) -> Method:
         return Method([(n, p) for n, p in named if not encoders.is_head_param(n)],
                       [(n, p) for n, p in named if encoders.is_head_param(n)])
     targets = cfg.lora_target_modules.split(",") if cfg.lora_target_modules else None
-    report = attach(model, targets, r=cfg.rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
+    report = attach(model, targets, r=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout, rslora=cfg.use_rslora)
     log.info("%s", report)
     adapters = [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
     head = [(n, p) for n, p in model.named_parameters() if encoders.is_head_param(n)]
