@@ -21,6 +21,10 @@ log = logging.getLogger("xgblora")
 
 # Above this alpha/r (twice MeZO's r=8, alpha=16) a MeZO run is warned: its per-step change of B A is 4x MeZO's.
 ZO_MAX_SCALING = 4.0
+# The paper's Eq. 7 adds lambda (|A|^2 + |B|^2) to each booster's loss; its value for our models is not in the text
+# we could read, so it is a small one that changes little (see README); DEFAULT_BOOSTERS is ours too.
+PAPER_NORM_PENALTY = 1e-3
+DEFAULT_BOOSTERS = 5
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -80,11 +84,16 @@ class Config:
     use_rslora: bool = _opt(False, "rsLoRA scaling: delta = (alpha / sqrt(r)) B A.")
     lora_dropout: float = _opt(0.0, "Dropout on the adapter branch's input.")
     lora_target_modules: str | None = _opt(None, "Comma-separated module-name suffixes to adapt (default: attention query and value).")
-    xgblora_steps_per_iteration: int = _opt(1000, "Steps per booster before it is merged and re-initialised.")
-    xgblora_layers_per_booster: int | None = _opt(None, "Random subset of layers that carries the booster each iteration (all when unset).")
-    xgblora_shrinkage: float = _opt(1.0, "Merge step size: W += shrinkage * delta.")
-    xgblora_norm_penalty: float = _opt(0.0, "lambda in lambda * (|A|^2 + |B|^2) added to the loss.")
-    xgblora_adaptive: bool = _opt(False, "Merge when the loss EMA stops improving instead of on a fixed schedule.")
+    xgblora_preset: str = _opt("paper", "XGBLoRA defaults: paper (arXiv 2410.19694: each booster on a random third of the layers, a norm penalty on A and B, merged with alpha_t = 1) or plain (every layer, no penalty). Explicit flags win.",
+                               ("paper", "plain"))
+    xgblora_num_boosters: int | None = _opt(None, "Boosters T in a run: each trains max_steps / T steps (default 5; --xgblora_steps_per_iteration wins).")
+    xgblora_steps_per_iteration: int | None = _opt(None, "Steps per booster before it is merged and re-initialised (default max_steps / --xgblora_num_boosters).")
+    xgblora_layers_per_booster: int | None = _opt(None, "Random subset of layers that carries the booster each iteration (default: a third of them, at least 1, under the paper preset; all under plain).")
+    xgblora_shrinkage: float = _opt(1.0, "Merge step size alpha_t: W += alpha_t * delta (the paper's 1).")
+    xgblora_norm_penalty: float | None = _opt(None, "lambda in lambda * (|A|^2 + |B|^2) added to the loss (default 1e-3 under the paper preset, 0 under plain).")
+    xgblora_restart_schedule: bool = _opt(False, "Run the learning-rate schedule (warm-up and decay) anew for every booster, over its steps.")
+    xgblora_adaptive: bool = _opt(False, "The Boosting-LoRA-ZO fork's extension (not the paper's): merge when the loss EMA stops improving, at the latest after --xgblora_adaptive_max_steps.")
+    xgblora_adaptive_max_steps: int | None = _opt(None, "Adaptive merge: most steps one booster trains (default: the steps per booster of the fixed schedule).")
     xgblora_adaptive_patience: int = _opt(50, "Adaptive merge: steps without improvement before merging.")
     xgblora_adaptive_threshold: float = _opt(1e-3, "Adaptive merge: relative improvement of the loss EMA that counts.")
     xgblora_adaptive_ema: float = _opt(0.9, "Adaptive merge: EMA decay of the training loss.")
@@ -150,7 +159,8 @@ class Config:
             if choices and getattr(self, f.name) not in choices:
                 raise UserError(f"--{f.name} {getattr(self, f.name)!r}: choose one of {', '.join(choices)}")
         _check_positive(self, "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                        "lora_r", "xgblora_steps_per_iteration", "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
+                        "lora_r", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
+                        "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
                         "zo_eps", "head_learning_rate")
         for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema"):
             if not 0.0 <= getattr(self, name) < 1.0:
@@ -160,6 +170,8 @@ class Config:
         if self.trainer == "zo" and self.gradient_accumulation_steps != 1:
             raise UserError("--gradient_accumulation_steps does not apply to --trainer zo (MeZO has no gradients to accumulate); "
                             "raise --per_device_train_batch_size instead")
+        if self.xgblora_norm_penalty is not None and self.xgblora_norm_penalty < 0:
+            raise UserError(f"--xgblora_norm_penalty must be 0 or more, got {self.xgblora_norm_penalty}")
         if self.xgblora_layers_per_booster is not None and self.xgblora_layers_per_booster < 1:
             raise UserError(f"--xgblora_layers_per_booster must be at least 1, got {self.xgblora_layers_per_booster}")
         if self.trainer == "zo" and self.method != "ft" and self.scaling > ZO_MAX_SCALING:
@@ -176,6 +188,26 @@ class Config:
         if self.lora_r is not None:
             return self.lora_r
         return 1 if self.method == "xgblora" else 8
+
+    @property
+    def norm_penalty(self) -> float:
+        """XGBLoRA's lambda: --xgblora_norm_penalty, else the preset's (paper 1e-3, plain 0); 0 for other methods."""
+        if self.method != "xgblora":
+            return 0.0
+        if self.xgblora_norm_penalty is not None:
+            return self.xgblora_norm_penalty
+        return PAPER_NORM_PENALTY if self.xgblora_preset == "paper" else 0.0
+
+    @property
+    def layer_share(self) -> float:
+        """The share of layers a booster is drawn on when --xgblora_layers_per_booster is unset."""
+        return 1 / 3 if self.xgblora_preset == "paper" else 1.0
+
+    def booster_steps(self, max_steps: int) -> int:
+        """Steps per booster: --xgblora_steps_per_iteration, else max_steps / --xgblora_num_boosters (default 5)."""
+        if self.xgblora_steps_per_iteration is not None:
+            return self.xgblora_steps_per_iteration
+        return max(1, max_steps // (self.xgblora_num_boosters or DEFAULT_BOOSTERS))
 
     @property
     def alpha(self) -> float:

@@ -82,9 +82,10 @@ def setup_method(model: torch.nn.Module, cfg: Config) -> Method:
         p.requires_grad_(True)
     boosting = None
     if cfg.method == "xgblora":
-        boosting = Boosting(report.modules, steps_per_iteration=cfg.xgblora_steps_per_iteration,
-                            layers_per_booster=cfg.xgblora_layers_per_booster, shrinkage=cfg.xgblora_shrinkage,
-                            adaptive=cfg.xgblora_adaptive, patience=cfg.xgblora_adaptive_patience,
+        boosting = Boosting(report.modules, layers_per_booster=cfg.xgblora_layers_per_booster,
+                            layer_share=cfg.layer_share, shrinkage=cfg.xgblora_shrinkage,
+                            adaptive=cfg.xgblora_adaptive, max_booster_steps=cfg.xgblora_adaptive_max_steps,
+                            patience=cfg.xgblora_adaptive_patience,
                             threshold=cfg.xgblora_adaptive_threshold, ema=cfg.xgblora_adaptive_ema, seed=cfg.seed)
         boosting.begin()
     return Method(adapters, head, report.modules, boosting)
