@@ -51,16 +51,16 @@ def demo_configs(out: Path, steps: int, num_eval: int) -> list[Config]:
     train_file, eval_file = write_data(out / "data")
     common: dict[str, Any] = dict(model_name="tiny-opt", task_name="custom", train_file=str(train_file),
                                   eval_file=str(eval_file), template=TEMPLATE, label_words=LABEL_WORDS,
-                                  num_train=512, num_eval=num_eval, train_as_classification=True, lora_alpha=16,
+                                  num_train=512, num_eval=num_eval, train_as_classification=True,
                                   evaluation_strategy="steps", save_strategy="no", output_root=str(out), seeds=[0],
                                   methods=["xgblora", "lora"])
     adamw = CompareConfig(**common, trainer="regular", max_steps=steps, learning_rate=3e-3,
                           per_device_train_batch_size=16, logging_steps=max(1, steps // 40),
-                          eval_steps=max(1, steps // 4), xgblora_steps_per_iteration=max(1, steps // 5))
+                          eval_steps=max(1, steps // 4))
     zo_steps = 5 * steps
     mezo = CompareConfig(**common, trainer="zo", max_steps=zo_steps, learning_rate=5e-2, zo_eps=1e-2,
                          per_device_train_batch_size=32, logging_steps=max(1, zo_steps // 40),
-                         eval_steps=max(1, zo_steps // 4), xgblora_steps_per_iteration=max(1, zo_steps // 5))
+                         eval_steps=max(1, zo_steps // 4))
     return compare.run_configs(adamw) + compare.run_configs(mezo)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -151,10 +152,13 @@ def predict(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples
 
 
 def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
-             scoring: LabelScoring, *, batch_size: int = 32, max_length: int = 512) -> dict[str, float]:
-    """{"accuracy": ...}: the arg-max label against each example's gold labels."""
+             scoring: LabelScoring, *, batch_size: int = 32, max_length: int = 512) -> dict[str, Any]:
+    """{"accuracy": ..., "predicted_shares": [...]}: the arg-max label against each example's gold labels, and the
+    share of the examples predicted as each label (a head collapsed onto one class shows as 0 and 1)."""
     if not examples:
         return {}
     scores = predict(model, tokenizer, examples, scoring, batch_size=batch_size, max_length=max_length)
-    correct = [max(range(len(s)), key=s.__getitem__) in ex.gold for s, ex in zip(scores, examples, strict=True)]
-    return {"accuracy": sum(correct) / len(correct)}
+    predicted = [max(range(len(s)), key=s.__getitem__) for s in scores]
+    correct = [p in ex.gold for p, ex in zip(predicted, examples, strict=True)]
+    shares = [predicted.count(k) / len(predicted) for k in range(len(scoring.label_words))]
+    return {"accuracy": sum(correct) / len(correct), "predicted_shares": shares}

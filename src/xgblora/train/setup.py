@@ -104,7 +104,7 @@ class RunSetup:
     scoring: encoders.LabelScoring | None
     device: torch.device
 
-    def score(self, examples: list[Example], demos: list[Example] | tuple = ()) -> dict[str, float]:
+    def score(self, examples: list[Example], demos: list[Example] | tuple = ()) -> dict[str, Any]:
         """The task's metric on examples (a label head reads one input: no in-context demonstrations)."""
         cfg = self.cfg
         if self.scoring is not None:
