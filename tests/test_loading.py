@@ -197,3 +197,17 @@ def test_custom_without_eval_rows_left(tmp_path):
     cfg = Config(task_name="custom", train_file=str(tmp_path / "train.jsonl"), num_train=5)
     with pytest.raises(UserError, match="has 5 examples, not enough .* pass --eval_file or lower"):
         sample_splits(get_task("custom", cfg), cfg)
+
+
+def test_dev_pool_sentences_keeps_the_train_draw_and_draws_dev_from_full_sentences(shared_data):
+    from xgblora.data.loading import is_sentence
+
+    common = dict(task_name="SST2", data_dir=str(shared_data), num_train=300, num_dev=100, train_set_seed=1)
+    plain = sample_splits(get_task("SST2", Config(**common)), Config(**common))
+    cfg = Config(**common, dev_pool="sentences")
+    splits = sample_splits(get_task("SST2", cfg), cfg)
+    assert splits.train == plain.train and len(splits.dev) == 100
+    assert all(len(ex.prompt.split()) >= 8 and any(m + " " in ex.prompt for m in ".!?") for ex in splits.dev)
+    assert not {ex.prompt for ex in splits.dev} & {ex.prompt for ex in splits.train}
+    assert sum(map(is_sentence, (ex.prompt for ex in plain.dev))) < 40  # a plain draw is mostly phrases
+    assert not is_sentence("a gorgeous , witty , seductive movie . It was".replace(" . ", " "))

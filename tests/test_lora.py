@@ -301,3 +301,54 @@ def test_prepare_full_ft():
     count = prepare_full_ft(model)
     assert count == sum(p.numel() for p in model.parameters())
     assert all(p.requires_grad for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- rank-aware scaling
+
+def test_default_alpha_keeps_alpha_over_r_at_mezos_two_for_every_rank():
+    from xgblora.config import Config
+
+    for method, r, alpha in (("lora", None, 16.0), ("xgblora", None, 2.0), ("lora", 1, 2.0), ("lora", 32, 64.0)):
+        cfg = Config(method=method, lora_r=r)
+        assert (cfg.alpha, cfg.scaling) == (alpha, 2.0)
+    assert Config(method="xgblora", lora_alpha=16.0).scaling == 16.0  # an explicit alpha wins
+    assert Config(method="lora", lora_alpha=16.0).scaling == 2.0  # MeZO's r=8, alpha=16 unchanged
+    assert Config(method="lora", use_rslora=True).scaling == pytest.approx(2.0)  # the same at r=8
+    assert Config(method="xgblora", use_rslora=True).scaling == pytest.approx(2 * math.sqrt(8))
+    assert Config(method="lora", lora_r=4, lora_alpha=6.0, use_rslora=True).scaling == 3.0
+
+
+def test_rslora_branch_is_alpha_over_sqrt_r():
+    base = nn.Linear(16, 12)
+    layer = LoRALinear(base, r=4, alpha=6.0, rslora=True)
+    nn.init.normal_(layer.lora_B)
+    x = torch.randn(3, 16)
+    expected = base(x) + (6.0 / 2.0) * x @ layer.lora_A.T @ layer.lora_B.T
+    torch.testing.assert_close(layer(x), expected)
+
+
+def test_zo_with_a_large_adapter_scale_warns(caplog):
+    from xgblora.config import Config
+
+    with caplog.at_level("WARNING", logger="xgblora"):
+        Config(trainer="zo", method="xgblora")
+        Config(trainer="zo", method="lora", lora_alpha=16.0)
+        Config(trainer="regular", method="xgblora", lora_alpha=16.0)
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="xgblora"):
+        Config(trainer="zo", method="xgblora", lora_alpha=16.0)
+    assert "adapter scale of 16" in caplog.text and "64x that of r=8" in caplog.text
+
+
+def test_a_plain_rslora_adapter_exports_with_its_scale(tmp_path):
+    from xgblora.adapters.export import _read_adapter, to_peft
+
+    model, _ = models.load("tiny-opt")
+    report = attach(model, None, r=4, alpha=6.0, rslora=True)
+    for m in report.modules.values():
+        nn.init.normal_(m.lora_B)
+    to_peft(report.modules, [], tmp_path, "tiny-opt")
+    adapter, _ = _read_adapter(tmp_path)
+    for name, m in report.modules.items():
+        A, B, scaling = adapter[name]
+        torch.testing.assert_close(B @ A * scaling, m.delta_weight())

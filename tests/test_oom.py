@@ -48,7 +48,7 @@ def setup(method: str, classification: bool, **cfg_overrides):
     ("ft", False, 3, {"per_device_train_batch_size": 8}, [4, 2]),
     ("lora", True, 7, {"per_device_train_batch_size": 7, "gradient_accumulation_steps": 2}, [4, 2]),
     ("xgblora", False, 4, {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
-                           "xgblora_norm_penalty": 0.1}, [4]),
+                           "xgblora_norm_penalty": 0.1, "xgblora_preset": "plain"}, [4]),  # every layer: all grads
 ], ids=["ft", "lora-classification-accum2", "xgblora-penalty-accum2"])
 def test_split_step_has_the_gradient_of_the_whole_step(monkeypatch, method, classification, limit, cfg_overrides, sizes):
     model, method_, cfg, data = setup(method, classification, **cfg_overrides)

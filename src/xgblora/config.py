@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import logging
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -15,6 +17,15 @@ import yaml
 
 from xgblora.errors import UserError
 from xgblora.trackers import parse_report_to
+
+log = logging.getLogger("xgblora")
+
+# Above this alpha/r (twice MeZO's r=8, alpha=16) a MeZO run is warned: its per-step change of B A is 4x MeZO's.
+ZO_MAX_SCALING = 4.0
+# The paper's Eq. 7 adds lambda (|A|^2 + |B|^2) to each booster's loss; its value for our models is not in the text
+# we could read, so it is a small one that changes little (see README); DEFAULT_BOOSTERS is ours too.
+PAPER_NORM_PENALTY = 1e-3
+DEFAULT_BOOSTERS = 5
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -38,6 +49,13 @@ class Config:
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
     head: str = _opt("auto", "What scores the labels: lm (a causal LM's candidate tokens), classifier (a new sequence-classification head, trained in every method), mlm (a masked LM's one-token label words at a mask, MeZO's encoder prompts); auto: lm for causal LMs, mlm for encoders saved with their MLM head, else classifier.",
                      ("auto", "lm", "classifier", "mlm"))
+    pooling: str = _opt("auto", "What a classifier head reads: cls (the model's own head: [CLS] through its pooler, or a causal LM's last token), mean (the masked mean of the last hidden states), last (the last non-padding token); auto: what the model's sentence-transformers pooling config (1_Pooling/config.json) says, else cls.",
+                        ("auto", "cls", "mean", "last"))
+    head_init: str = _opt("probe", "How a new classifier head starts: probe (a logistic regression fitted by L-BFGS on the frozen model's features of the training examples, seconds) or random.",
+                          ("probe", "random"))
+    head_trainer: str = _opt("first-order", "Under --trainer zo, how a new classifier head trains: first-order (AdamW on the features MeZO's forwards computed, detached: inference memory, and the dual batch still applies), frozen (the head stays as initialised), or zo (perturbed with the body).",
+                             ("first-order", "frozen", "zo"))
+    head_learning_rate: float = _opt(1e-3, "AdamW learning rate of a first-order head under --trainer zo (constant).")
     # task and data
     task_name: str = _opt("SST2", "SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, DROP, or custom.")
     data_dir: str | None = _opt(None, "Folder with <task>/{train,dev}.jsonl in GLUE/SuperGLUE field names (else HF datasets).")
@@ -57,6 +75,8 @@ class Config:
     num_dev: int | None = _opt(None, "Dev examples drawn from the train split (disjoint from the training ones).")
     num_eval: int | None = _opt(None, "Evaluation examples drawn from the validation split (all when unset).")
     train_set_seed: int = _opt(0, "Seed of the train/dev sampling.")
+    dev_pool: str = _opt("any", "Which train-split examples the dev set is drawn from: any, or sentences (inputs with at least 8 words and a sentence-final . ! or ?: SST-2's train split is mostly phrases, its validation split full sentences).",
+                         ("any", "sentences"))
     max_length: int = _opt(2048, "Longest input in tokens; longer inputs are truncated from the left.")
     max_new_tokens: int = _opt(50, "Generation tasks: most tokens to generate.")
     sfc: bool = _opt(False, "Calibrate candidate scores with surface-form competition (SFC).")
@@ -68,14 +88,20 @@ class Config:
     lora: bool = _opt(False, "Same as --method lora (MeZO's flag).")
     xgblora: bool = _opt(False, "Same as --method xgblora (the XGBLoRA fork's flag).")
     lora_r: int | None = _opt(None, "Adapter rank (default 8 for LoRA, 1 for XGBLoRA).", aliases=("lora_rank",))
-    lora_alpha: float = _opt(16.0, "Adapter scaling numerator: delta = (alpha / r) B A.")
+    lora_alpha: float | None = _opt(None, "Adapter scaling numerator: delta = (alpha / r) B A. Default 2r, so alpha / r = 2 at every rank (MeZO's r=8, alpha=16); with --use_rslora 2 sqrt(8), the same scale as LoRA's at r=8.")
+    use_rslora: bool = _opt(False, "rsLoRA scaling: delta = (alpha / sqrt(r)) B A.")
     lora_dropout: float = _opt(0.0, "Dropout on the adapter branch's input.")
     lora_target_modules: str | None = _opt(None, "What to adapt, as PEFT's target_modules: comma-separated module-name suffixes (q_proj,v_proj), all-linear (every linear layer of the transformer blocks; never the LM head or a classifier head), or a regular expression matched against the whole module name. Default: the attention query and value (MeZO's and the LoRA paper's choice).")
-    xgblora_steps_per_iteration: int = _opt(1000, "Steps per booster before it is merged and re-initialised.")
-    xgblora_layers_per_booster: int | None = _opt(None, "Random subset of layers that carries the booster each iteration (all when unset).")
-    xgblora_shrinkage: float = _opt(1.0, "Merge step size: W += shrinkage * delta.")
-    xgblora_norm_penalty: float = _opt(0.0, "lambda in lambda * (|A|^2 + |B|^2) added to the loss.")
-    xgblora_adaptive: bool = _opt(False, "Merge when the loss EMA stops improving instead of on a fixed schedule.")
+    xgblora_preset: str = _opt("paper", "XGBLoRA defaults: paper (arXiv 2410.19694: each booster on a random third of the layers, a norm penalty on A and B, merged with alpha_t = 1) or plain (every layer, no penalty). Explicit flags win.",
+                               ("paper", "plain"))
+    xgblora_num_boosters: int | None = _opt(None, "Boosters T in a run: each trains max_steps / T steps (default 5; --xgblora_steps_per_iteration wins).")
+    xgblora_steps_per_iteration: int | None = _opt(None, "Steps per booster before it is merged and re-initialised (default max_steps / --xgblora_num_boosters).")
+    xgblora_layers_per_booster: int | None = _opt(None, "Random subset of layers that carries the booster each iteration (default: a third of them, at least 1, under the paper preset; all under plain).")
+    xgblora_shrinkage: float = _opt(1.0, "Merge step size alpha_t: W += alpha_t * delta (the paper's 1).")
+    xgblora_norm_penalty: float | None = _opt(None, "lambda in lambda * (|A|^2 + |B|^2) added to the loss (default 1e-3 under the paper preset, 0 under plain).")
+    xgblora_restart_schedule: bool = _opt(False, "Run the learning-rate schedule (warm-up and decay) anew for every booster, over its steps.")
+    xgblora_adaptive: bool = _opt(False, "The Boosting-LoRA-ZO fork's extension (not the paper's): merge when the loss EMA stops improving, at the latest after --xgblora_adaptive_max_steps.")
+    xgblora_adaptive_max_steps: int | None = _opt(None, "Adaptive merge: most steps one booster trains (default: the steps per booster of the fixed schedule).")
     xgblora_adaptive_patience: int = _opt(50, "Adaptive merge: steps without improvement before merging.")
     xgblora_adaptive_threshold: float = _opt(1e-3, "Adaptive merge: relative improvement of the loss EMA that counts.")
     xgblora_adaptive_ema: float = _opt(0.9, "Adaptive merge: EMA decay of the training loss.")
@@ -142,8 +168,9 @@ class Config:
             if choices and getattr(self, f.name) not in choices:
                 raise UserError(f"--{f.name} {getattr(self, f.name)!r}: choose one of {', '.join(choices)}")
         _check_positive(self, "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                        "lora_r", "xgblora_steps_per_iteration", "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
-                        "zo_eps")
+                        "lora_r", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
+                        "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
+                        "zo_eps", "head_learning_rate")
         for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
@@ -153,8 +180,15 @@ class Config:
         if self.trainer == "zo" and self.gradient_accumulation_steps != 1:
             raise UserError("--gradient_accumulation_steps does not apply to --trainer zo (MeZO has no gradients to accumulate); "
                             "raise --per_device_train_batch_size instead")
+        if self.xgblora_norm_penalty is not None and self.xgblora_norm_penalty < 0:
+            raise UserError(f"--xgblora_norm_penalty must be 0 or more, got {self.xgblora_norm_penalty}")
         if self.xgblora_layers_per_booster is not None and self.xgblora_layers_per_booster < 1:
             raise UserError(f"--xgblora_layers_per_booster must be at least 1, got {self.xgblora_layers_per_booster}")
+        if self.trainer == "zo" and self.method != "ft" and self.scaling > ZO_MAX_SCALING:
+            log.warning("--trainer zo with an adapter scale of %g (alpha %g, r %d%s): MeZO's change of B A per step "
+                        "grows with the square of the scale, %gx that of r=8, alpha=16; lower --lora_alpha (default "
+                        "2r) if the loss jumps or predictions collapse to one class", self.scaling, self.alpha,
+                        self.rank, ", rsLoRA" if self.use_rslora else "", (self.scaling / 2) ** 2)
         if not 0.0 < self.xgblora_shrinkage <= 1.0:
             raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
 
@@ -164,6 +198,38 @@ class Config:
         if self.lora_r is not None:
             return self.lora_r
         return 1 if self.method == "xgblora" else 8
+
+    @property
+    def norm_penalty(self) -> float:
+        """XGBLoRA's lambda: --xgblora_norm_penalty, else the preset's (paper 1e-3, plain 0); 0 for other methods."""
+        if self.method != "xgblora":
+            return 0.0
+        if self.xgblora_norm_penalty is not None:
+            return self.xgblora_norm_penalty
+        return PAPER_NORM_PENALTY if self.xgblora_preset == "paper" else 0.0
+
+    @property
+    def layer_share(self) -> float:
+        """The share of layers a booster is drawn on when --xgblora_layers_per_booster is unset."""
+        return 1 / 3 if self.xgblora_preset == "paper" else 1.0
+
+    def booster_steps(self, max_steps: int) -> int:
+        """Steps per booster: --xgblora_steps_per_iteration, else max_steps / --xgblora_num_boosters (default 5)."""
+        if self.xgblora_steps_per_iteration is not None:
+            return self.xgblora_steps_per_iteration
+        return max(1, max_steps // (self.xgblora_num_boosters or DEFAULT_BOOSTERS))
+
+    @property
+    def alpha(self) -> float:
+        """--lora_alpha, else 2r (alpha/r = 2 at every rank, as MeZO's r=8, alpha=16), else under rsLoRA 2 sqrt(8)."""
+        if self.lora_alpha is not None:
+            return self.lora_alpha
+        return 2 * math.sqrt(8) if self.use_rslora else 2.0 * self.rank
+
+    @property
+    def scaling(self) -> float:
+        """The adapters' multiplier of B A: alpha / r, or alpha / sqrt(r) under rsLoRA."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
     @property
     def dtype_name(self) -> str:

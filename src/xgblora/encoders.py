@@ -8,8 +8,9 @@ logits of the one-token label words at that position, as MeZO does for RoBERTa.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,7 +20,7 @@ from xgblora.data.batches import LabelBatch
 from xgblora.data.batching import length_grouped_batches
 from xgblora.data.tasks import Example
 from xgblora.errors import UserError
-from xgblora.scoring import eval_mode, label_logits
+from xgblora.scoring import POOLINGS, eval_mode, label_logits
 
 HEADS = ("classifier", "mlm")
 CLASSIFIER_MODULES = ("classifier", "score", "pre_classifier")  # PEFT's names for SEQ_CLS heads, plus DistilBERT's
@@ -32,11 +33,13 @@ def is_head_param(name: str) -> bool:
 
 @dataclass(frozen=True)
 class LabelScoring:
-    """How labels are scored: kind ('classifier' | 'mlm'), the label words, and (mlm) their token ids."""
+    """How labels are scored: kind ('classifier' | 'mlm'), the label words, (mlm) their token ids, and
+    (classifier) what the head reads (`scoring.POOLINGS`)."""
 
     kind: str
     label_words: tuple[str, ...]
     label_token_ids: tuple[int, ...] = ()
+    pooling: str = "cls"
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,13 @@ def label_words(task_name: str, *example_sets: Sequence[Example]) -> tuple[str, 
     return found
 
 
-def build_scoring(kind: str, tokenizer: PreTrainedTokenizerBase, words: Sequence[str]) -> LabelScoring:
+def build_scoring(kind: str, tokenizer: PreTrainedTokenizerBase, words: Sequence[str],
+                  pooling: str = "cls") -> LabelScoring:
     """LabelScoring for `kind`; for mlm every label word must be one token of this tokenizer."""
     if kind == "classifier":
-        return LabelScoring(kind, tuple(words))
+        if pooling not in POOLINGS:
+            raise ValueError(f"unknown pooling {pooling!r}: choose one of {POOLINGS}")
+        return LabelScoring(kind, tuple(words), pooling=pooling)
     if kind != "mlm":
         raise ValueError(f"unknown label scoring {kind!r}: choose one of {HEADS}")
     if tokenizer.mask_token_id is None:
@@ -117,29 +123,42 @@ def collate(seqs: Sequence[LabelSeq], pad_id: int, scoring: LabelScoring) -> Lab
     return LabelBatch(input_ids=input_ids, attention_mask=(torch.arange(input_ids.shape[1]) < lengths[:, None]).long(),
                       labels=torch.tensor([s.label for s in seqs]),
                       mask_pos=torch.tensor([s.mask_pos for s in seqs]) if mlm else None,
-                      label_token_ids=torch.tensor([scoring.label_token_ids] * len(seqs)) if mlm else None)
+                      label_token_ids=torch.tensor([scoring.label_token_ids] * len(seqs)) if mlm else None,
+                      pooling=scoring.pooling)
 
 
 @torch.inference_mode()
-def predict(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
-            scoring: LabelScoring, *, batch_size: int = 32, max_length: int = 512) -> list[list[float]]:
-    """Label logits of every example, in length-sorted batches."""
+def logits_by_batch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
+                    scoring: LabelScoring, *, batch_size: int = 32,
+                    max_length: int = 512) -> Iterator[tuple[list[int], LabelBatch, torch.Tensor]]:
+    """(example indices, batch, label logits) of length-sorted batches, the model in eval mode."""
     device = next(model.parameters()).device
     seqs = encode(tokenizer, examples, max_length, scoring)
-    scores: list[list[float]] = [[] for _ in examples]
     with eval_mode(model):
         for idx in length_grouped_batches(seqs, batch_size):
             batch = collate([seqs[i] for i in idx], tokenizer.pad_token_id, scoring).to(device)
-            for i, row in zip(idx, label_logits(model, batch).tolist(), strict=True):
-                scores[i] = row
+            yield idx, batch, label_logits(model, batch)
+
+
+def predict(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
+            scoring: LabelScoring, *, batch_size: int = 32, max_length: int = 512) -> list[list[float]]:
+    """Label logits of every example, in length-sorted batches."""
+    scores: list[list[float]] = [[] for _ in examples]
+    for idx, _, logits in logits_by_batch(model, tokenizer, examples, scoring, batch_size=batch_size,
+                                          max_length=max_length):
+        for i, row in zip(idx, logits.tolist(), strict=True):
+            scores[i] = row
     return scores
 
 
 def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
-             scoring: LabelScoring, *, batch_size: int = 32, max_length: int = 512) -> dict[str, float]:
-    """{"accuracy": ...}: the arg-max label against each example's gold labels."""
+             scoring: LabelScoring, *, batch_size: int = 32, max_length: int = 512) -> dict[str, Any]:
+    """{"accuracy": ..., "predicted_shares": [...]}: the arg-max label against each example's gold labels, and the
+    share of the examples predicted as each label (a head collapsed onto one class shows as 0 and 1)."""
     if not examples:
         return {}
     scores = predict(model, tokenizer, examples, scoring, batch_size=batch_size, max_length=max_length)
-    correct = [max(range(len(s)), key=s.__getitem__) in ex.gold for s, ex in zip(scores, examples, strict=True)]
-    return {"accuracy": sum(correct) / len(correct)}
+    predicted = [max(range(len(s)), key=s.__getitem__) for s in scores]
+    correct = [p in ex.gold for p, ex in zip(predicted, examples, strict=True)]
+    shares = [predicted.count(k) / len(predicted) for k in range(len(scoring.label_words))]
+    return {"accuracy": sum(correct) / len(correct), "predicted_shares": shares}

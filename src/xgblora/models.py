@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,25 @@ def resolve_head(requested: str, name_or_path: str, trust_remote_code: bool = Fa
         raise UserError(f"--head mlm needs a masked LM; {name_or_path} ({model_type}) is not an encoder: use "
                         f"--head lm or --head classifier")
     return requested
+
+
+def sentence_pooling(name_or_path: str) -> str | None:
+    """The pooling a sentence-transformers checkpoint was trained with ('cls', 'mean' or 'last'), read from its
+    modules.json and Pooling config; None when the model has none (or uses a mode a classifier head cannot read)."""
+    if name_or_path in RANDOM_MODELS:
+        return None
+    root = Path(resolve_path(name_or_path))
+    try:
+        modules = json.loads((root / "modules.json").read_text(encoding="utf-8"))
+        folder = next(m["path"] for m in modules if m.get("type", "").endswith("models.Pooling"))
+        config = json.loads((root / folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, StopIteration, TypeError, KeyError):
+        return None
+    for mode, name in (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),
+                       ("pooling_mode_lasttoken", "last")):
+        if config.get(mode):
+            return name
+    return None
 
 
 def choose_attention(requested: str, device: torch.device) -> str:

@@ -115,15 +115,55 @@ def _mlm_head(model: nn.Module) -> nn.Module | None:
     return None
 
 
+POOLINGS = ("cls", "mean", "last")
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """One vector per row of right-padded hidden states [B, T, H]: the masked mean ('mean', sentence-transformers'
+    formula) or the last non-padding token ('last')."""
+    mask = attention_mask.to(hidden.dtype).unsqueeze(-1)
+    if pooling == "mean":
+        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+    if pooling == "last":
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        return hidden[rows, attention_mask.sum(1) - 1]
+    raise ValueError(f"pool() reads 'mean' or 'last', got {pooling!r} ('cls' is the model's own head)")
+
+
+def head_module(model: nn.Module) -> nn.Module:
+    """A sequence classifier's new head: `classifier` (encoders) or `score` (causal LMs)."""
+    head = getattr(model, "classifier", None)
+    return head if isinstance(head, nn.Module) else model.score
+
+
+def classify_pooled(model: nn.Module, pooled: torch.Tensor) -> torch.Tensor:
+    """The model's classification head applied to pooled vectors [B, H] instead of its own [CLS]/pooler input.
+
+    A plain linear head (BERT, MiniLM, DeBERTa; DistilBERT after its pre_classifier) takes them as they are (with
+    the model's dropout); a RoBERTa/ELECTRA-style head reads position 0 of a sequence, so it gets [B, 1, H].
+    """
+    head = head_module(model)
+    if not isinstance(head, nn.Linear):
+        return head(pooled.unsqueeze(1))
+    pre = getattr(model, "pre_classifier", None)
+    x = torch.relu(pre(pooled)) if isinstance(pre, nn.Linear) else pooled
+    dropout = getattr(model, "dropout", None)
+    return head(dropout(x) if isinstance(dropout, nn.Dropout) else x)
+
+
 def label_logits(model: nn.Module, batch: LabelBatch) -> torch.Tensor:
-    """Logits over the labels, [B, n_labels]: the classifier's, or the MLM logits of the label words at the mask.
+    """Logits over the labels, [B, n_labels]: the classifier's (on its pooling), or the MLM logits of the label
+    words at the mask.
 
     The MLM path runs the vocabulary projection on the mask positions only (one row per example instead of the
     whole sequence) where the head is one module; otherwise it takes the full logits.
     """
     inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
     if batch.mask_pos is None:
-        return model(**inputs).logits.float()
+        if batch.pooling == "cls":
+            return model(**inputs).logits.float()
+        hidden = model.base_model(**inputs).last_hidden_state
+        return classify_pooled(model, pool(hidden, batch.attention_mask, batch.pooling)).float()
     rows = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
     head = _mlm_head(model)
     if head is not None:

@@ -1,4 +1,5 @@
-"""XGBLoRA: when to merge the booster (fixed or adaptive), which layers carry it, shrinkage, and the booster history."""
+"""XGBLoRA: when to merge the booster (fixed, or the fork's adaptive merge with a cap), which layers carry it,
+shrinkage, and the booster history."""
 
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
 class Boosting:
     """Gradient boosting of low-rank adapters: train a booster, merge it into the base weights, start a fresh one."""
 
-    def __init__(self, modules: dict[str, LoRALinear], *, steps_per_iteration: int, layers_per_booster: int | None = None,
-                 shrinkage: float = 1.0, adaptive: bool = False, patience: int = 50, threshold: float = 1e-3,
-                 ema: float = 0.9, seed: int = 0):
+    def __init__(self, modules: dict[str, LoRALinear], *, steps_per_iteration: int | None = None,
+                 layers_per_booster: int | None = None, layer_share: float = 1.0, shrinkage: float = 1.0,
+                 adaptive: bool = False, max_booster_steps: int | None = None, patience: int = 50,
+                 threshold: float = 1e-3, ema: float = 0.9, seed: int = 0):
         if not modules:
             raise UserError("XGBLoRA needs at least one adapted module")
         self.modules = dict(modules)
@@ -42,8 +44,10 @@ class Boosting:
             self.blocks.setdefault(block_of(name), []).append(name)
         self._block_names = list(self.blocks)
         count = len(self._block_names)
-        self.layers_per_booster = count if layers_per_booster is None else min(layers_per_booster, count)
+        share = max(1, round(layer_share * count))  # the paper's L_s: about a third of the layers
+        self.layers_per_booster = min(share if layers_per_booster is None else layers_per_booster, count)
         self.steps_per_iteration = steps_per_iteration
+        self.max_booster_steps = max_booster_steps  # the adaptive merge's cap (default: steps_per_iteration)
         self.shrinkage, self.adaptive = float(shrinkage), adaptive
         self.patience, self.threshold, self.ema = patience, float(threshold), float(ema)
         self.history: list[dict[str, Any]] = []
@@ -83,6 +87,20 @@ class Boosting:
 
     # ------------------------------------------------------------------ schedule
 
+    def plan(self, steps_per_iteration: int, max_steps: int) -> None:
+        """Fix the steps per booster for a run of max_steps; warn when the run would merge fewer than 2 boosters."""
+        self.steps_per_iteration = steps_per_iteration
+        merges = max_steps // steps_per_iteration
+        if merges < 2 and not self.adaptive:
+            log.warning("XGBLoRA: %d steps at %d steps per booster merge %d booster(s): this run is plain rank-%d "
+                        "LoRA; set --xgblora_num_boosters (or a smaller --xgblora_steps_per_iteration)", max_steps,
+                        steps_per_iteration, merges, next(iter(self.modules.values())).r)
+
+    @property
+    def booster_start(self) -> int:
+        """The step at which the current booster started (the last merge's step)."""
+        return self.history[-1]["step"] if self.history else 0
+
     def after_step(self, step: int, loss: float | None,
                    forget: Callable[[Iterable[torch.nn.Parameter]], None] | None = None) -> dict[str, Any] | None:
         """Call after every optimizer step (1-based count); merges the booster when it is due and says so.
@@ -90,9 +108,12 @@ class Boosting:
         forget(params) is told which weights were re-initialised, so the optimizer drops their state.
         """
         if self.adaptive:
-            if loss is None or not math.isfinite(loss) or not self._observe(float(loss)):  # a skipped step: no signal
+            capped = step - self.booster_start >= (self.max_booster_steps or self.steps_per_iteration)
+            plateau = loss is not None and math.isfinite(loss) and self._observe(float(loss))  # skipped: no signal
+            if not (plateau or capped):
                 return None
-            self._rollback()
+            if plateau:
+                self._rollback()
         elif step % self.steps_per_iteration:
             return None
         return self._merge(step, forget)

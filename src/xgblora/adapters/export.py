@@ -110,9 +110,9 @@ def to_peft(modules: dict[str, LoRALinear], history: list[dict[str, Any]], out_d
             energy[name] = kept / total if total > 0 else 1.0
             kept_total, energy_total = kept_total + kept, energy_total + total
             factors[name] = (A, B, rank, float(rank))
-        elif name in current_only:  # plain LoRA: the adapter as trained, rank r and alpha
+        elif name in current_only:  # plain LoRA: the adapter as trained, rank r, alpha giving its scaling (rsLoRA too)
             A, B, _ = module_terms[0]
-            factors[name] = (A, B, modules[name].r, modules[name].alpha)
+            factors[name] = (A, B, modules[name].r, modules[name].scaling * modules[name].r)
         else:  # boosters side by side: rank T, alpha = T so that PEFT's scaling is 1
             A = torch.cat([A for A, _, _ in module_terms])
             B = torch.cat([s * B for _, B, s in module_terms], dim=1)

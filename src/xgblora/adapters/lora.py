@@ -31,6 +31,11 @@ def is_adapter_param(name: str) -> bool:
     return ".lora_" in name or name.startswith("lora_")
 
 
+def lora_scaling(alpha: float, r: int, rslora: bool = False) -> float:
+    """The branch's multiplier: alpha / r (LoRA), or alpha / sqrt(r) (rsLoRA, Kalajdzievski 2023)."""
+    return alpha / (math.sqrt(r) if rslora else r)
+
+
 def lora_delta(A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
     """The dense update of a low-rank branch, scale * B @ A, in fp32: the one formula every merge uses."""
     return scale * (B.float() @ A.float())
@@ -54,7 +59,7 @@ class LoRALinear(nn.Module):
     the same shapes for both, and a merge adds the delta in the base's own layout.
     """
 
-    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0):
+    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0, rslora: bool = False):
         super().__init__()
         if r < 1:
             raise UserError(f"LoRA rank must be at least 1, got {r}")
@@ -65,7 +70,7 @@ class LoRALinear(nn.Module):
         out_features, in_features = base.weight.shape[::-1] if self.fan_in_fan_out else base.weight.shape
         self.in_features, self.out_features = in_features, out_features
         self.r, self.alpha = r, float(alpha)
-        self.scaling = self.alpha / r
+        self.scaling = lora_scaling(self.alpha, r, rslora)
         device = base.weight.device
         self.lora_A = nn.Parameter(torch.empty(r, self.in_features, dtype=torch.float32, device=device))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, dtype=torch.float32, device=device))
@@ -190,7 +195,7 @@ def target_matcher(spec: str | list[str] | None, model: nn.Module) -> Callable[[
 
 
 def attach(model: nn.Module, targets: str | list[str] | None = None, r: int = 8, alpha: float = 16.0,
-           dropout: float = 0.0) -> AttachReport:
+           dropout: float = 0.0, rslora: bool = False) -> AttachReport:
     """Freeze the model and wrap every linear layer (nn.Linear or GPT-2's Conv1D) that `targets` selects
     (`target_matcher`) in a LoRALinear."""
     if lora_modules(model):
@@ -205,7 +210,7 @@ def attach(model: nn.Module, targets: str | list[str] | None = None, r: int = 8,
     modules: dict[str, LoRALinear] = {}
     for name, module in matched:
         parent_name, _, child = name.rpartition(".")
-        modules[name] = LoRALinear(module, r, alpha, dropout)
+        modules[name] = LoRALinear(module, r, alpha, dropout, rslora)
         setattr(model.get_submodule(parent_name), child, modules[name])
     trainable = sum(p.numel() for m in modules.values() for p in (m.lora_A, m.lora_B))
     total = sum(p.numel() for p in model.parameters())

@@ -148,10 +148,12 @@ class PackedBatch(Batch):
 @dataclass(kw_only=True)
 class LabelBatch(RowBatch):
     """Right-padded inputs and gold labels of a label head; a masked-LM head adds, per row, the mask token's
-    position and the label words' token ids (per row, so that the dual batch doubles them too)."""
+    position and the label words' token ids (per row, so that the dual batch doubles them too); a classifier
+    head reads the representation named by `pooling` (see `scoring.pool`)."""
 
     input_ids: Tensor
     attention_mask: Tensor
     labels: Tensor
     mask_pos: Tensor | None = None
     label_token_ids: Tensor | None = None
+    pooling: str = "cls"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,15 @@ def _permutation(n: int, seed: int) -> list[int]:
     return np.random.RandomState(seed).permutation(n).tolist()
 
 
+_SENTENCE_END = re.compile(r"[.!?]\s")
+
+
+def is_sentence(prompt: str) -> bool:
+    """Whether a prompt holds a full sentence: at least 8 words and a sentence-final mark followed by more text
+    (the template's cue, e.g. SST-2's "... . It was")."""
+    return len(prompt.split()) >= 8 and _SENTENCE_END.search(prompt) is not None
+
+
 def _check_counts(cfg: Config) -> None:
     for flag in ("num_train", "num_dev", "num_eval"):
         value = getattr(cfg, flag)
@@ -91,7 +101,8 @@ def sample_splits(task: Task, cfg: Config) -> Splits:
     """Train/dev/eval examples by MeZO's protocol (large_models/tasks.py sample_subset and run.py).
 
     The train split is permuted with train_set_seed; its first num_train + num_dev examples are taken, dev
-    being the last num_dev of them. Eval is num_eval examples of the validation split permuted with seed 0
+    being the last num_dev of them (with --dev_pool sentences, the first num_dev that pass `is_sentence` after the
+    num_train). Eval is num_eval examples of the validation split permuted with seed 0
     (all of them, in order, when num_eval is unset). A custom task without --eval_file evaluates on the
     train-file rows not drawn for train/dev (num_eval of them, drawn with seed 0, when set).
 
@@ -116,6 +127,8 @@ def sample_splits(task: Task, cfg: Config) -> Splits:
         warnings.warn(f"{task.name}: asked for {cfg.num_train} train + {num_dev} dev examples but the train "
                       f"split has {len(pool)}; using {n_train} train + {n_dev} dev", stacklevel=2)
     order = _permutation(len(pool), cfg.train_set_seed)
+    if cfg.dev_pool == "sentences":  # the train draw stays MeZO's; dev comes from the sentences after it
+        order = order[:n_train] + [i for i in order[n_train:] if is_sentence(pool[i].prompt)]
     train = [pool[i] for i in order[:n_train]]
     dev = [pool[i] for i in order[n_train:n_train + n_dev]]
     if holdout:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +37,7 @@ from xgblora.optim.fo import decays
 log = logging.getLogger("xgblora")
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+T = TypeVar("T")
 _SEED_BOUND = 2**62
 _CHUNK = 2**22  # elements of z drawn at a time on the CPU (a multiple of 16; see the module docstring)
 
@@ -233,6 +235,16 @@ class MeZO:
         self.last_seed = state["last_seed"]
 
 
+class FirstOrderHead(Protocol):
+    """A head trained first-order beside MeZO (`head.HeadTrainer`): it runs MeZO's step and learns from its forwards."""
+
+    def train_on(self, forwards: Callable[[], T], batch: Batch) -> T: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
 class ZOStepper:
     """The loop's MeZO step: next_batch() -> one MeZO step at lr -> (L+ + L-) / 2 as a device tensor.
 
@@ -241,12 +253,17 @@ class ZOStepper:
     """
 
     def __init__(self, mezo: MeZO, loss_fn: Callable[[Batch], Tensor], *, nan_policy: str = "stop",
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", head: FirstOrderHead | None = None):
         self.mezo, self.loss_fn, self.nan_policy, self.device = mezo, loss_fn, nan_policy, torch.device(device)
+        self.head = head
 
     def step(self, next_batch: Callable[[], Batch], lr: float) -> Tensor:
-        """One MeZO step on the next batch; returns the mean of the two perturbed losses."""
-        plus, minus = self.mezo.step(self.loss_fn, next_batch(), lr=lr)
+        """One MeZO step on the next batch (and the head's first-order step); returns the mean perturbed loss."""
+        batch = next_batch()
+        if self.head is None:
+            plus, minus = self.mezo.step(self.loss_fn, batch, lr=lr)
+        else:
+            plus, minus = self.head.train_on(lambda: self.mezo.step(self.loss_fn, batch, lr=lr), batch)
         if not math.isfinite(plus - minus) and self.nan_policy == "skip":
             log.warning("non-finite MeZO loss; update skipped (--nan_policy skip)")
         return torch.tensor((plus + minus) / 2, device=self.device)
@@ -259,9 +276,11 @@ class ZOStepper:
         return model
 
     def state_dict(self) -> dict:
-        """The MeZO state (its step-seed generator)."""
-        return {"zo": self.mezo.state_dict()}
+        """The MeZO state (its step-seed generator) and the first-order head's AdamW state."""
+        return {"zo": self.mezo.state_dict(), **({"head": self.head.state_dict()} if self.head is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what state_dict() returned."""
         self.mezo.load_state_dict(state["zo"])
+        if self.head is not None:
+            self.head.load_state_dict(state["head"])

@@ -29,6 +29,7 @@ from xgblora.data.batches import Batch
 from xgblora.data.order import BatchStream
 from xgblora.distributed import Distributed
 from xgblora.errors import UserError
+from xgblora.head import HeadTrainer
 from xgblora.logging import MetricsLog, ProgressLine
 from xgblora.objective import TrainingLoss, TrainingSet
 from xgblora.optim.fo import AdamWStepper
@@ -156,20 +157,24 @@ def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Dist
     """AdamW (--trainer regular) or MeZO (--trainer zo) over the method's trainable parameters."""
     boosting = method.boosting
     if cfg.trainer == "regular":
-        penalty = (lambda: boosting.norm_penalty(cfg.xgblora_norm_penalty)) \
-            if boosting is not None and cfg.xgblora_norm_penalty > 0 else None
+        penalty = (lambda: boosting.norm_penalty(cfg.norm_penalty)) \
+            if boosting is not None and cfg.norm_penalty > 0 else None
         return AdamWStepper(method.named_params, loss_fn, weight_decay=cfg.weight_decay,
                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
                             fused=None if cfg.fused_adamw else False, max_grad_norm=cfg.max_grad_norm,
                             accumulation=cfg.gradient_accumulation_steps, micro_batch=cfg.per_device_train_batch_size,
                             nan_policy=cfg.nan_policy, penalty=penalty, dist=dist)
-    # the doubled batch carries adapter perturbations only: not a full model, a trainable head, or grouped rows
-    dual = cfg.zo_dual and bool(method.modules) and not method.head and not cfg.train_as_classification
+    zo_params = method.zo_params(cfg.head_trainer)
+    # the doubled batch carries adapter perturbations only: not a full model, a zo-trained head, or grouped rows
+    dual = cfg.zo_dual and bool(method.modules) and len(zo_params) == len(method.trainable) \
+        and not cfg.train_as_classification
     # the norm penalty l(|A|^2 + |B|^2) has the exact gradient 2l*theta: under MeZO it is weight decay 2l
-    decay = cfg.weight_decay + (2 * cfg.xgblora_norm_penalty if boosting is not None else 0.0)
-    mezo = MeZO(method.named_params, cfg.learning_rate, cfg.zo_eps, decay, cfg.zo_stochastic_rounding,
+    decay = cfg.weight_decay + (2 * cfg.norm_penalty if boosting is not None else 0.0)
+    mezo = MeZO(zo_params, cfg.learning_rate, cfg.zo_eps, decay, cfg.zo_stochastic_rounding,
                 dual_modules=method.modules if dual else None, seed=cfg.seed, reduce_losses=dist.all_mean)
-    return ZOStepper(mezo, loss_fn, nan_policy=cfg.nan_policy, device=device)
+    head = HeadTrainer(loss_fn.model, method.head, cfg.head_learning_rate, reduce=dist.reduce_step) \
+        if cfg.head_trainer == "first-order" and method.head else None
+    return ZOStepper(mezo, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
 
 
 def total_steps(cfg: Config, n_examples: int, global_batch: int) -> int:
@@ -190,8 +195,13 @@ class Trainer:
         global_batch = cfg.per_device_train_batch_size * dist.world_size
         stream = BatchStream(train_set.lengths, global_batch, cfg.seed, cfg.group_by_length)
         self.max_steps = total_steps(cfg, len(train_set.lengths), global_batch)
-        self.schedule = Schedule(cfg.lr_scheduler_type, cfg.learning_rate, self.max_steps,
-                                 cfg.warmup_steps or int(cfg.warmup_ratio * self.max_steps))
+        boosting = method.boosting
+        if boosting is not None:
+            boosting.plan(cfg.booster_steps(self.max_steps), self.max_steps)
+        # --xgblora_restart_schedule: the schedule spans one booster and starts over at every merge
+        span = boosting.steps_per_iteration if boosting is not None and cfg.xgblora_restart_schedule else self.max_steps
+        self.schedule = Schedule(cfg.lr_scheduler_type, cfg.learning_rate, span,
+                                 cfg.warmup_steps or int(cfg.warmup_ratio * span))
         if cfg.gradient_checkpointing and cfg.trainer == "regular":
             run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.loss_fn = TrainingLoss(torch.compile(run.model) if cfg.compile else run.model, run.autocast)
@@ -234,7 +244,7 @@ class Trainer:
         self.run.model.train(cfg.trainer == "regular")  # MeZO's forwards run in eval mode: no dropout in L+ vs L-
         with graceful_stop() as stop, self._metrics() as self.metrics, self._progress() as self.progress:
             while state.step < self.max_steps:
-                lr = self.schedule(state.step)
+                lr = self.schedule(self._schedule_step())
                 loss = self.stepper.step(self.next_batch, lr)
                 state.step += 1
                 state.window.add(loss)
@@ -251,6 +261,13 @@ class Trainer:
                 if self.dist.end_step(stop["stop"]):  # all ranks stop at the same step
                     self._stop()
         return self._finish()
+
+    def _schedule_step(self) -> int:
+        """Steps into the schedule: the run's, or with --xgblora_restart_schedule the current booster's."""
+        boosting = self.method.boosting
+        if boosting is None or not self.cfg.xgblora_restart_schedule:
+            return self.state.step
+        return min(self.state.step - boosting.booster_start, boosting.steps_per_iteration)
 
     def _metrics(self) -> MetricsLog | distributed.SilentLog:
         cfg, out, step = self.cfg, Path(self.cfg.output_dir), self.state.step

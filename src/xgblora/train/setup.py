@@ -24,6 +24,7 @@ from xgblora.data.tasks import Example, Task, get_task
 from xgblora.distributed import Distributed
 from xgblora.errors import UserError
 from xgblora.evaluate import evaluate
+from xgblora.head import fit_probe
 from xgblora.instruction_eval import evaluate_instructions
 from xgblora.objective import TrainingSet, causal_training_set, label_training_set, sequence_training_set
 from xgblora.scoring import packing_supported
@@ -44,6 +45,10 @@ class Method:
     def __post_init__(self) -> None:
         self.named_params = [*self.trainable, *self.head]  # one list: FSDP replaces its entries in place
 
+    def zo_params(self, head_trainer: str) -> list[tuple[str, torch.nn.Parameter]]:
+        """What MeZO perturbs and updates: the trainable weights, and the head only under --head_trainer zo."""
+        return self.named_params if head_trainer == "zo" else self.trainable
+
     def trainable_state(self, with_bases: bool) -> dict[str, torch.Tensor]:
         """Tensors a checkpoint must hold; with_bases adds the (merged-into) base weights of adapted modules."""
         state = dict(self.named_params)
@@ -52,23 +57,37 @@ class Method:
         return state
 
 
+def init_head(run: RunSetup, method: Method) -> None:
+    """--head_init probe: fit a new classifier head on the frozen model's features of the training examples."""
+    if run.cfg.head_init != "probe" or not method.head or run.scoring is None or run.scoring.kind != "classifier":
+        return
+    cfg = run.cfg
+    accuracy = fit_probe(run.model, run.tokenizer, run.splits.train, run.scoring,
+                         batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length)
+    log.info("head: linear probe on %s-pooled features, training accuracy %.3f", cfg.pooling, accuracy)
+
+
 def setup_method(model: torch.nn.Module, cfg: Config) -> Method:
     """Prepare full fine-tuning, LoRA, or XGBLoRA boosters on the model, and say what trains."""
     if cfg.method == "ft":
         count = prepare_full_ft(model)
         log.info("full fine-tuning: %s trainable parameters", f"{count:,}")
-        return Method(list(model.named_parameters()))
-    report = attach(model, cfg.lora_target_modules, r=cfg.rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
+        named = list(model.named_parameters())
+        return Method([(n, p) for n, p in named if not encoders.is_head_param(n)],
+                      [(n, p) for n, p in named if encoders.is_head_param(n)])
+    report = attach(model, cfg.lora_target_modules, r=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout,
+                    rslora=cfg.use_rslora)
     log.info("%s", report)
     adapters = [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
     head = [(n, p) for n, p in model.named_parameters() if encoders.is_head_param(n)]
-    for _, p in head:  # a new classification head trains in every method
+    for _, p in head:  # a new classification head trains in every method (or stays frozen: see zo_params)
         p.requires_grad_(True)
     boosting = None
     if cfg.method == "xgblora":
-        boosting = Boosting(report.modules, steps_per_iteration=cfg.xgblora_steps_per_iteration,
-                            layers_per_booster=cfg.xgblora_layers_per_booster, shrinkage=cfg.xgblora_shrinkage,
-                            adaptive=cfg.xgblora_adaptive, patience=cfg.xgblora_adaptive_patience,
+        boosting = Boosting(report.modules, layers_per_booster=cfg.xgblora_layers_per_booster,
+                            layer_share=cfg.layer_share, shrinkage=cfg.xgblora_shrinkage,
+                            adaptive=cfg.xgblora_adaptive, max_booster_steps=cfg.xgblora_adaptive_max_steps,
+                            patience=cfg.xgblora_adaptive_patience,
                             threshold=cfg.xgblora_adaptive_threshold, ema=cfg.xgblora_adaptive_ema, seed=cfg.seed)
         boosting.begin()
     return Method(adapters, head, report.modules, boosting)
@@ -87,12 +106,12 @@ class RunSetup:
     scoring: encoders.LabelScoring | None
     device: torch.device
 
-    def score(self, examples: list[Example], demos: list[Example] | tuple = ()) -> dict[str, float]:
+    def score(self, examples: list[Example], demos: list[Example] | tuple = ()) -> dict[str, Any]:
         """The task's metrics on examples (a label head reads one input: no in-context demonstrations)."""
         return self.score_and_predict(examples, demos)[0]
 
     def score_and_predict(self, examples: list[Example], demos: list[Example] | tuple = ()
-                          ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+                          ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The task's metrics on examples, and the generations of instruction data (prompt, prediction, reference)."""
         cfg = self.cfg
         if self.task.instruction:
@@ -133,24 +152,28 @@ def load_run(cfg: Config, dist: Distributed) -> RunSetup:
     if cfg.chat_template:
         formats.set_chat_template(tokenizer, cfg.chat_template)
     device = next(model.parameters()).device
-    cfg = resolve(cfg, model, dist)
+    cfg = resolve(cfg, model, dist, head)
     if dist.is_main:
         config_mod.dump(cfg, Path(cfg.output_dir) / "config.yaml")
     _warn_on_emulated_bf16(cfg, device)
     if cfg.tf32:
         perf.enable_tf32(device)
-    scoring = encoders.build_scoring(head, tokenizer, words) if head != "lm" else None
+    scoring = encoders.build_scoring(head, tokenizer, words, cfg.pooling) if head != "lm" else None
     return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device)
 
 
-def resolve(cfg: Config, model: torch.nn.Module, dist: Distributed) -> Config:
-    """The config that runs: max_length within the model's positions, the rank's device, FSDP's checkpoints."""
+def resolve(cfg: Config, model: torch.nn.Module, dist: Distributed, head: str = "lm") -> Config:
+    """The config that runs: max_length within the model's positions, the rank's device, FSDP's checkpoints, the
+    classifier's pooling (auto: the model's sentence-transformers pooling, else its own [CLS] head)."""
     positions = getattr(model.config, "max_position_embeddings", None)
     max_length = min(cfg.max_length, positions) if positions is not None else cfg.max_length
     if max_length < cfg.max_length:
         log.debug("max_length %d exceeds %s's %d positions; using %d", cfg.max_length, cfg.model_name, positions,
                   positions)
-    return dataclasses.replace(cfg, max_length=max_length, device=dist.device or cfg.device,
+    pooling = cfg.pooling
+    if pooling == "auto" and head == "classifier":
+        pooling = models.sentence_pooling(cfg.model_name) or "cls"
+    return dataclasses.replace(cfg, max_length=max_length, device=dist.device or cfg.device, pooling=pooling,
                                save_only_model=cfg.save_only_model or dist.model_only_checkpoints)
 
 

@@ -1,0 +1,123 @@
+"""A new classification head that is useful from the first step: fitted as a linear probe on the frozen model's
+features before training (`fit_probe`), and, under MeZO, trained first-order on the features the zeroth-order
+forwards computed anyway (`HeadTrainer`), instead of by zeroth-order estimates from a random start.
+
+On all-MiniLM-L6-v2 (SST-2, features of the frozen encoder) a zeroth-order run on the head alone reached about 52%
+after 1,260 steps and 57-61% after 10,000, while a probe fitted in seconds reached 75% with mean pooling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from xgblora import encoders
+from xgblora.data.batches import LabelBatch
+from xgblora.data.tasks import Example
+from xgblora.optim.fo import build_optimizer
+from xgblora.scoring import head_module
+
+T = TypeVar("T")
+
+
+def output_layer(model: nn.Module) -> nn.Linear:
+    """The head's last linear layer, the one a probe fits: the head itself, or its out_proj (RoBERTa-style)."""
+    head = head_module(model)
+    layer = head if isinstance(head, nn.Linear) else getattr(head, "out_proj", None)
+    if not isinstance(layer, nn.Linear):
+        raise TypeError(f"no linear output layer in the classification head {type(head).__name__}")
+    return layer
+
+
+@contextlib.contextmanager
+def recording_inputs(module: nn.Module) -> Iterator[list[Tensor]]:
+    """Inside the block, every forward of `module` appends its (detached) input to the yielded list."""
+    inputs: list[Tensor] = []
+    handle = module.register_forward_pre_hook(lambda _m, args: inputs.append(args[0].detach()))
+    try:
+        yield inputs
+    finally:
+        handle.remove()
+
+
+def logistic_regression(x: Tensor, y: Tensor, n_classes: int, l2: float, max_iter: int = 1000) -> tuple[Tensor, Tensor]:
+    """Multinomial logistic regression by L-BFGS: (W [C, H], b [C]) minimising mean CE + l2 |W|^2 / 2."""
+    x = x.float()
+    weight = torch.zeros(n_classes, x.shape[1], requires_grad=True)
+    bias = torch.zeros(n_classes, requires_grad=True)
+    optimizer = torch.optim.LBFGS([weight, bias], lr=1.0, max_iter=max_iter, tolerance_grad=1e-6, tolerance_change=0.0,
+                                  history_size=20, line_search_fn="strong_wolfe")
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(x @ weight.T + bias, y) + 0.5 * l2 * weight.square().sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        optimizer.step(closure)
+    return weight.detach(), bias.detach()
+
+
+def fit_probe(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
+              scoring: encoders.LabelScoring, *, l2: float = 1e-3, batch_size: int = 32,
+              max_length: int = 512) -> float:
+    """Fit the head's output layer to the examples' labels on the frozen model's features; returns the probe's
+    training accuracy. The features are what that layer reads (the pooled vector, or a RoBERTa head's dense
+    output), taken in eval mode (no dropout)."""
+    layer = output_layer(model)
+    with recording_inputs(layer) as inputs:
+        labels = [batch.labels for _, batch, _ in encoders.logits_by_batch(
+            model, tokenizer, examples, scoring, batch_size=batch_size, max_length=max_length)]
+    x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs]).cpu()
+    y = torch.cat(labels).cpu()
+    weight, bias = logistic_regression(x, y, layer.out_features, l2)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if layer.bias is not None:
+            layer.bias.copy_(bias)
+    return float(((x.float() @ weight.T + bias).argmax(-1) == y).float().mean())
+
+
+class HeadTrainer:
+    """AdamW on a classification head, fed the head's inputs recorded during MeZO's forwards (detached, so the
+    body keeps inference memory). Both perturbed forwards count: their mean head gradient is the gradient at the
+    unperturbed features to O(eps^2), and no extra forward is run."""
+
+    def __init__(self, model: nn.Module, named_params: list[tuple[str, nn.Parameter]], lr: float,
+                 reduce: Callable[[Tensor, list[nn.Parameter]], Tensor] | None = None):
+        self.head = head_module(model)
+        self.params = [p for _, p in named_params]
+        self.optimizer = build_optimizer(named_params, lr)
+        self.reduce = reduce  # data parallel: the gradient averaged over ranks
+
+    def train_on(self, forwards: Callable[[], T], batch: LabelBatch) -> T:
+        """Run forwards() (MeZO's step on `batch`), then one AdamW step on the head inputs it produced."""
+        with recording_inputs(self.head) as inputs:
+            out = forwards()
+        self._update(batch, torch.cat(inputs))
+        return out
+
+    def _update(self, batch: LabelBatch, x: Tensor) -> None:
+        labels = batch.labels.repeat(x.shape[0] // batch.labels.shape[0])  # each forward saw the batch (doubled)
+        with torch.enable_grad():
+            logits = self.head(x.to(self.params[0].dtype)).float().reshape(labels.shape[0], -1)
+            loss = nn.functional.cross_entropy(logits, labels) * batch.loss_scale
+            loss.backward()
+        if self.reduce is not None:
+            self.reduce(loss.detach(), self.params)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        """The head's AdamW state."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict() returned."""
+        self.optimizer.load_state_dict(state)

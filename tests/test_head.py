@@ -1,0 +1,126 @@
+"""A classifier head MeZO can use: the linear probe (against its optimality conditions), and each --head_trainer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from xgblora import encoders, head, models, train
+from xgblora.adapters.lora import attach
+from xgblora.config import Config
+from xgblora.data.loading import sample_splits
+from xgblora.data.tasks import Example, get_task
+from xgblora.demo import sentiment_rows, write_data
+from xgblora.distributed import LOCAL
+from xgblora.objective import TrainingLoss
+from xgblora.train.loop import build_stepper
+from xgblora.train.setup import setup_method
+
+WORDS = (" terrible", " great")
+
+
+def _examples(n: int, seed: int = 0) -> list[Example]:
+    return [Example(f"{r['text']} It was", WORDS, (r["label"],)) for r in sentiment_rows(n, seed)]
+
+
+def _features_by_hand(model, tok, examples, pooling: str) -> torch.Tensor:
+    """Each example alone through the encoder (no padding), pooled as the head reads it."""
+    rows = []
+    model.eval()  # a model built from its config starts in training mode (dropout)
+    with torch.no_grad():
+        for ex in examples:
+            hidden = model.bert(input_ids=torch.tensor([tok(ex.prompt)["input_ids"]])).last_hidden_state[0]
+            rows.append(hidden.mean(0) if pooling == "mean" else model.bert.pooler(hidden[None])[0])
+    return torch.stack(rows)
+
+
+def _objective_gradient(layer: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor, l2: float) -> torch.Tensor:
+    weight, bias = layer.weight.detach().clone().requires_grad_(), layer.bias.detach().clone().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(x @ weight.T + bias, y) + 0.5 * l2 * weight.square().sum()
+    loss.backward()
+    return torch.cat([weight.grad.flatten(), bias.grad])
+
+
+def test_probe_solves_the_regularised_logistic_regression_on_pooled_features():
+    examples = _examples(48)
+    for pooling in ("mean", "cls"):
+        model, tok = models.load("tiny-bert", head="classifier", num_labels=2)
+        scoring = encoders.build_scoring("classifier", tok, WORDS, pooling)
+        x = _features_by_hand(model, tok, examples, pooling)
+        y = torch.tensor([ex.gold[0] for ex in examples])
+        layer = model.classifier
+        assert _objective_gradient(layer, x, y, 1e-3).abs().max() > 1e-2  # the random head is no optimum
+        accuracy = head.fit_probe(model, tok, examples, scoring, l2=1e-3, batch_size=7)
+        assert _objective_gradient(layer, x, y, 1e-3).abs().max() < 1e-4
+        assert accuracy == float(((x @ layer.weight.T + layer.bias).argmax(-1) == y).float().mean())
+
+
+def _cfg(tmp_path, **overrides) -> Config:
+    train_file, eval_file = write_data(tmp_path / "data", n_train=128, n_eval=32)
+    values = dict(model_name="tiny-bert", task_name="custom", train_file=str(train_file), eval_file=str(eval_file),
+                  template="{text} It was", label_words="terrible,great", num_train=64, trainer="zo", method="lora",
+                  learning_rate=1e-3, max_steps=4, per_device_train_batch_size=8, max_length=64, pooling="mean",
+                  output_dir=str(tmp_path / "run"), result_file=str(tmp_path / "r.json"), save_strategy="no", seed=0)
+    return Config(**{**values, **overrides})
+
+
+def _final_head(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head saved beside the adapter in final/ (PEFT's modules_to_save)."""
+    saved = load_file(str(Path(cfg.output_dir) / "final" / "adapter_model.safetensors"))
+    weight = next(v for k, v in saved.items() if "classifier" in k and k.endswith("weight"))
+    bias = next(v for k, v in saved.items() if "classifier" in k and k.endswith("bias"))
+    return weight, bias
+
+
+@pytest.mark.parametrize("head_trainer", ["frozen", "first-order", "zo"])
+def test_a_mezo_run_starts_from_the_probe_and_each_head_trainer_does_what_it_says(tmp_path, head_trainer):
+    cfg = _cfg(tmp_path, head_trainer=head_trainer, learning_rate=5e-2)
+    train.run(cfg)
+    fresh, tok = models.load("tiny-bert", head="classifier", num_labels=2)  # the same weights as the run's
+    examples = sample_splits(get_task("custom", cfg), cfg).train
+    x = _features_by_hand(fresh, tok, examples, "mean")
+    y = torch.tensor([ex.gold[0] for ex in examples])
+    with torch.no_grad():
+        fresh.classifier.weight.copy_(_final_head(cfg)[0])
+        fresh.classifier.bias.copy_(_final_head(cfg)[1])
+    gradient = _objective_gradient(fresh.classifier, x, y, 1e-3).abs().max()
+    if head_trainer == "frozen":
+        assert gradient < 1e-4  # still the probe: the optimum of the regularised logistic regression
+    else:
+        assert gradient > 3e-4  # it started there (a random head is far off, see above) and moved
+
+
+def test_first_order_head_steps_on_the_autograd_gradient_of_detached_features():
+    model, tok = models.load("tiny-bert", head="classifier", num_labels=2)
+    attach(model, None, r=2)
+    named = [(n, p) for n, p in model.named_parameters() if encoders.is_head_param(n)]
+    for _, p in named:
+        p.requires_grad_(True)
+    scoring = encoders.build_scoring("classifier", tok, WORDS, "mean")
+    examples = _examples(12)
+    batch = encoders.collate(encoders.encode(tok, examples, 64, scoring), tok.pad_token_id, scoring)
+    model.eval()
+    loss = torch.nn.functional.cross_entropy(encoders.label_logits(model, batch), batch.labels)
+    reference = torch.autograd.grad(loss, model.classifier.weight)[0]  # through the whole forward
+    before = model.classifier.weight.detach().clone()
+    lr = 1e-3
+    trainer = head.HeadTrainer(model, named, lr)
+    with torch.no_grad():  # as MeZO's forwards run: on the doubled batch, without autograd
+        trainer.train_on(lambda: encoders.label_logits(model, batch.doubled()), batch)
+    adam_first_step = -lr * reference / (reference.abs() + 1e-8)  # AdamW's first step: lr * m / (sqrt(v) + eps)
+    torch.testing.assert_close(model.classifier.weight - before, adam_first_step, rtol=1e-3, atol=1e-7)
+
+
+def test_only_a_zo_trained_head_keeps_mezo_off_the_dual_batch(tmp_path):
+    for head_trainer, dual, in_mezo in (("first-order", True, False), ("frozen", True, False), ("zo", False, True)):
+        cfg = _cfg(tmp_path / head_trainer, head_trainer=head_trainer)
+        model, _ = models.load("tiny-bert", head="classifier", num_labels=2)
+        method = setup_method(model, cfg)
+        stepper = build_stepper(cfg, method, TrainingLoss(model), LOCAL, torch.device("cpu"))
+        mezo_params = {id(p) for p, _ in stepper.mezo._params}
+        assert (stepper.mezo._dual is not None) == dual
+        assert (id(model.classifier.weight) in mezo_params) == in_mezo
+        assert (stepper.head is not None) == (head_trainer == "first-order")
