@@ -71,7 +71,7 @@ CASES = [
     ("custom-response-type", {"t.jsonl": jsonl({"prompt": "p", "response": ["r"]})}, CUSTOM,
      r'{d}/t\.jsonl:1: field "response": expected a string, got list'),
     ("custom-no-such-file", {}, CUSTOM, r"{d}/t\.jsonl: no such file"),
-    ("custom-without-train-file", {}, ["--task_name", "custom"], r"task 'custom' needs --train_file \(JSONL\).*"),
+    ("custom-without-train-file", {}, ["--task_name", "custom"], r"task 'custom' needs --train_file: with --template and --label_words for classification, else instruction rows.*"),
     # YAML configs
     ("yaml-unknown-key", {"c.yaml": "task_name: SST2\nlearning_rte: 1e-5\n"}, ["--config", "{d}/c.yaml"],
      r"{d}/c\.yaml: unknown key 'learning_rte'; did you mean 'learning_rate'\?"),
