@@ -107,7 +107,7 @@ tags: [xgblora, {cfg.method}, {"mezo" if cfg.trainer == "zo" else "adamw"}]
 # {Path(cfg.output_dir).name}
 
 {"A LoRA adapter" if adapter else "A model"} fine-tuned from `{cfg.model_name}` with xgblora: method `{cfg.method}`
-(rank {cfg.rank}, alpha {cfg.lora_alpha:g}), trainer `{cfg.trainer}` ({"MeZO" if cfg.trainer == "zo" else "AdamW"}),
+{f"(rank {cfg.rank}, alpha {cfg.alpha:g})" if adapter else "(every weight)"}, trainer `{cfg.trainer}` ({"MeZO" if cfg.trainer == "zo" else "AdamW"}),
 {results.get("steps")} steps at learning rate {cfg.learning_rate:g}, on {results.get("num_train")} examples of `{data}`.
 The resolved options are in `../config.yaml`.
 
