@@ -301,3 +301,21 @@ def test_the_example_configs_run(shared_data, tmp_path, monkeypatch, name):
                   max_length=128, device="cpu")
     results = train.run(Config(**values))
     assert results["steps"] == 2 and math.isfinite(results["loss"])
+
+
+def test_the_best_checkpoint_of_instruction_data_has_the_lowest_dev_loss(shared_data, tmp_path):
+    from xgblora.train import checkpoint
+
+    rows = gsm8k_rows(shared_data, 40)
+    (tmp_path / "pc.jsonl").write_text("".join(json.dumps({"prompt": r["question"], "completion": r["answer"]}) + "\n"
+                                               for r in rows))
+    out = tmp_path / "run"
+    train.run(Config(model_name="tiny-llama-chat", task_name="custom", train_file=str(tmp_path / "pc.jsonl"),
+                     method="lora", num_train=32, num_dev=4, num_eval=2, learning_rate=3e-2, max_steps=8,
+                     per_device_train_batch_size=4, max_length=128, max_new_tokens=2, evaluation_strategy="steps",
+                     eval_steps=2, save_steps=2, load_best_model_at_end=True, output_dir=str(out), device="cpu"))
+    evals = [(r["step"], r["eval_loss"]) for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r]
+    assert [s for s, _ in evals] == [2, 4, 6, 8] and len({v for _, v in evals}) == 4
+    best_step, best_loss = min(evals, key=lambda e: e[1])
+    _, state, _ = checkpoint.load(out / "checkpoints" / "best")
+    assert state["best"] == {"value": best_loss, "score": -best_loss, "step": best_step}
