@@ -181,6 +181,11 @@ def wait_until(server: ForkServer, condition) -> int | None:
     return rc
 
 
+def due_or_saved(deadline: float, following: Path) -> bool:
+    """Whether the deadline has passed or the checkpoint `following` exists."""
+    return time.monotonic() >= deadline or following.is_dir()
+
+
 def kill_and_resume(server: ForkServer, args: list[str], out: Path, logs: Path, kill_at: list[float],
                     step_s: float) -> list:
     """Launch the run, SIGKILL launch i at kill_at[i] (in steps: 7.5 is half-way through step 8; a launch resumed
@@ -202,7 +207,11 @@ def kill_and_resume(server: ForkServer, args: list[str], out: Path, logs: Path, 
             started, saved = time.monotonic(), out / "checkpoints" / f"step-{before}"
             if before > resumed and (rc := wait_until(server, saved.is_dir)) is None:
                 step_s = (time.monotonic() - started) / (before - resumed)  # this launch's pace, on a busy machine
-            if rc is None and (rc := server.wait((at - before) * step_s)) is None:
+            # at this pace, but never past the next checkpoint: a pace measured over a slow first step (a loaded
+            # machine) would otherwise wait out the rest of the run
+            due = partial(due_or_saved, time.monotonic() + (at - before) * step_s,
+                          saved.with_name(f"step-{before + SAVE_STEPS}"))
+            if rc is None and (rc := wait_until(server, due)) is None:
                 os.kill(pid, signal.SIGKILL)
         rc = server.wait(120) if rc is None else rc
         history.append((bool(found), rc))
