@@ -168,7 +168,7 @@ def test_bos_once_whether_or_not_the_template_writes_it(chat_model):
         tokenizer.chat_template = template
         (seq,) = formats.instruction_seqs(tokenizer, [ex], 1024)
         assert seq.ids.count(tokenizer.bos_token_id) == 1 and seq.ids[0] == tokenizer.bos_token_id, template
-        assert formats.prompt_ids(tokenizer, ex).count(tokenizer.bos_token_id) == 1
+        assert formats.prompt_ids(tokenizer, formats.prompt_text(tokenizer, ex), True).count(tokenizer.bos_token_id) == 1
 
 
 def test_prompt_completion_and_text_rows_score_their_answer_and_eos(chat_model):
@@ -235,7 +235,8 @@ def test_chunked_target_logprobs_match_autograd_of_log_softmax(monkeypatch, dtyp
 
 def test_generation_stops_at_a_stop_token(chat_model):
     model, tokenizer = chat_model
-    prompt = formats.prompt_ids(tokenizer, Example("", (), (), messages=CONVERSATION[1:3]))
+    ex = Example("", (), (), messages=CONVERSATION[1:3])
+    prompt = formats.prompt_ids(tokenizer, formats.prompt_text(tokenizer, ex), True)
     free = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                           pad_token_id=tokenizer.pad_token_id, eos_token_id=None)[0, len(prompt):].tolist()
     stop = free[2]

@@ -4,9 +4,11 @@ import builtins
 import logging
 import os
 import re
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from xgblora import train
 from xgblora.config import Config
@@ -193,7 +195,7 @@ def test_unknown_tracker_is_a_one_line_error():
 
 def test_progress_lines_when_the_log_is_not_a_terminal(caplog):
     line = ProgressLine(max_steps=100, start_step=0, enabled=True)
-    line.count(5000)
+    line.count(types.SimpleNamespace(attention_mask=torch.ones(2, 2500, dtype=torch.long)))
     with caplog.at_level(logging.INFO, logger="xgblora"):
         line.report(10, 1.23456, 3e-4)
     (message,) = [r.getMessage() for r in caplog.records]

@@ -57,7 +57,8 @@ def evaluate_instructions(model: PreTrainedModel, tokenizer: PreTrainedTokenizer
     answerable = [ex for ex in examples if ex.prompt or ex.messages]
     if not answerable:
         return metrics, []
-    prompts = [formats.prompt_ids(tokenizer, ex) for ex in answerable]
+    texts = [formats.prompt_text(tokenizer, ex) for ex in answerable]
+    prompts = [formats.prompt_ids(tokenizer, text, bool(ex.messages)) for text, ex in zip(texts, answerable, strict=True)]
     predictions = [text.strip() for text in generate(model, tokenizer, prompts, stop_ids, batch_size=batch_size,
                                                      max_length=max_length, max_new_tokens=max_new_tokens)]
     references = [ex.answers[0] for ex in answerable]
@@ -65,8 +66,7 @@ def evaluate_instructions(model: PreTrainedModel, tokenizer: PreTrainedTokenizer
     metrics["f1"] = _mean([f1_score(p, r) for p, r in zip(predictions, references, strict=True)])
     if all("####" in r for r in references):
         metrics["accuracy"] = _mean([_same_number(p, r) for p, r in zip(predictions, references, strict=True)])
-    records = [{"prompt": formats.prompt_text(tokenizer, ex), "prediction": p, "reference": r}
-               for ex, p, r in zip(answerable, predictions, references, strict=True)]
+    records = [{"prompt": t, "prediction": p, "reference": r} for t, p, r in zip(texts, predictions, references, strict=True)]
     return metrics, records
 
 

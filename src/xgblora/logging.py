@@ -202,9 +202,11 @@ class ProgressLine:
         self.enabled = not sys.stderr.isatty() if enabled is None else enabled
         self.started = time.perf_counter()
 
-    def count(self, tokens: int) -> None:
-        """Add a training batch's tokens."""
-        self.tokens += tokens
+    def count(self, batch: Any) -> None:
+        """Add a training batch's non-padding tokens (nothing to do when no line is printed)."""
+        if self.enabled:
+            mask = getattr(batch, "attention_mask", None)  # packed batches have no padding and no mask
+            self.tokens += int(mask.sum()) if mask is not None else batch.input_ids.numel()
 
     def report(self, step: int, loss: float | None, lr: float) -> None:
         """Log one line (when enabled)."""

@@ -65,11 +65,10 @@ def prompt_text(tokenizer: PreTrainedTokenizerBase, ex: Example) -> str:
     return render(tokenizer, ex.messages[:last], generation_prompt=True)
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, ex: Example) -> list[int]:
-    """The tokens a model continues to answer an example, with BOS once (see `conversation_seq`)."""
-    if not ex.messages:
-        return tokenizer(ex.prompt, add_special_tokens=True)["input_ids"]
-    text = prompt_text(tokenizer, ex)
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, templated: bool) -> list[int]:
+    """The tokens of a prompt text (`prompt_text`); a rendered template's with BOS once (see `conversation_seq`)."""
+    if not templated:
+        return tokenizer(text, add_special_tokens=True)["input_ids"]
     return _with_bos(tokenizer, text, tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -219,8 +219,7 @@ class Trainer:
 
         def next_batch() -> Batch:
             batch = train_set.batch(next(batches))
-            mask = getattr(batch, "attention_mask", None)  # packed batches have no padding and no mask
-            self.progress_line.count(int(mask.sum()) if mask is not None else batch.input_ids.numel())
+            self.progress_line.count(batch)
             return batch.to(run.device)
 
         self.next_batch = next_batch
