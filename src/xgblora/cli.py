@@ -1,4 +1,4 @@
-"""The `xgblora` command: train, mezo, compare, eval, bench, env, export, demo."""
+"""The `xgblora` command: train, mezo, compare, eval, generate, chat, bench, env, export, demo."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ COMMANDS = {
     "compare": "Run XGBLoRA and LoRA (or any methods) side by side over seeds; write a loss figure and tables.",
     "eval": "Zero-shot or in-context evaluation (k demonstrations with --num_train k); writes results.json.",
     "mezo": "MeZO's run.py as it is: its flags and defaults (no training unless --trainer; result/ copy).",
+    "generate": "Sample completions of every prompt in a file (N per prompt, greedy or sampled); JSONL out, resumable.",
+    "chat": "Talk to a model in the terminal: streamed replies, multi-turn through the chat template.",
     "bench": "Measure speed and memory against baselines.",
     "env": "Print the environment report (versions, device, attention backends, chosen defaults).",
     "export": "Export a run as a PEFT adapter or a merged model.",
@@ -52,6 +54,19 @@ def _mezo(args: argparse.Namespace) -> int:
 
     print(json.dumps(run(config_mod.from_namespace(config_mod.Config, args, MEZO_DEFAULTS)), indent=2))
     return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from xgblora.generation import generate_file
+
+    print(json.dumps(generate_file(config_mod.from_namespace(config_mod.GenerateConfig, args)), indent=2))
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from xgblora.chat import chat
+
+    return chat(config_mod.from_namespace(config_mod.ChatConfig, args))
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -97,8 +112,11 @@ def _env(args: argparse.Namespace) -> int:  # noqa: ARG001
 
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "train": _train, "mezo": _mezo, "compare": _compare, "eval": _eval, "bench": _bench, "env": _env, "export": _export,
-    "demo": _demo}
+    "train": _train, "mezo": _mezo, "compare": _compare, "eval": _eval, "generate": _generate, "chat": _chat,
+    "bench": _bench, "env": _env, "export": _export, "demo": _demo}
+# The options dataclass of each command that takes one (its flags, --config YAML keys and suggestions).
+OPTIONS = {"train": config_mod.Config, "eval": config_mod.Config, "mezo": config_mod.Config,
+           "compare": config_mod.CompareConfig, "generate": config_mod.GenerateConfig, "chat": config_mod.ChatConfig}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -115,10 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
-        if name in ("train", "eval", "mezo"):
-            config_mod.add_arguments(p, config_mod.Config)
-        elif name == "compare":
-            config_mod.add_arguments(p, config_mod.CompareConfig)
+        if name in OPTIONS:
+            config_mod.add_arguments(p, OPTIONS[name])
         elif name == "export":
             p.add_argument("run_dir", help="A finished run's --output_dir (holds config.yaml and final/).")
             p.add_argument("--format", choices=("peft", "merged"), default="peft",
@@ -139,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _unrecognized(command: str, unknown: list[str]) -> UserError:
-    """The error for flags the command does not have, suggesting the closest option of train, eval or compare."""
-    cls = {"train": config_mod.Config, "eval": config_mod.Config, "mezo": config_mod.Config, "compare": config_mod.CompareConfig}.get(command)
+    """The error for flags the command does not have, suggesting the closest of its options."""
+    cls = OPTIONS.get(command)
     names = [f.name for f in dataclasses.fields(cls)] if cls is not None else []
     flag = next((a for a in unknown if a.startswith("--")), "")
     close = difflib.get_close_matches(flag[2:].split("=")[0].replace("-", "_"), names, n=1) if flag else []

@@ -36,10 +36,9 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliase
 
 
 @dataclass
-class Config:
-    """Options of `xgblora train` and `xgblora eval`; names follow MeZO's run.py and the XGBLoRA fork."""
+class ModelOptions:
+    """Which model to load and how: the options every command that loads a model shares."""
 
-    # model
     model_name: str = _opt("tiny-opt", "Hub id, local path, pkg:<package>, or a built-in random model (tiny-opt, tiny-llama, opt-125m-random, ...).")
     load_float16: bool = _opt(False, "Load the weights in float16.")
     load_bfloat16: bool = _opt(False, "Load the weights in bfloat16.")
@@ -47,6 +46,17 @@ class Config:
                                     ("auto", "sdpa", "eager", "flash_attention_2"))
     trust_remote_code: bool = _opt(False, "Allow a hub model to run its own code (off unless you pass it).")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
+
+    @property
+    def dtype_name(self) -> str:
+        """Weight dtype as a torch dtype name."""
+        return "float16" if self.load_float16 else "bfloat16" if self.load_bfloat16 else "float32"
+
+
+@dataclass
+class Config(ModelOptions):
+    """Options of `xgblora train` and `xgblora eval`; names follow MeZO's run.py and the XGBLoRA fork."""
+
     head: str = _opt("auto", "What scores the labels: lm (a causal LM's candidate tokens), classifier (a new sequence-classification head, trained in every method), mlm (a masked LM's one-token label words at a mask, MeZO's encoder prompts); auto: lm for causal LMs, mlm for encoders saved with their MLM head, else classifier.",
                      ("auto", "lm", "classifier", "mlm"))
     pooling: str = _opt("auto", "What a classifier head reads: cls (the model's own head: [CLS] through its pooler, or a causal LM's last token), mean (the masked mean of the last hidden states), last (the last non-padding token); auto: what the model's sentence-transformers pooling config (1_Pooling/config.json) says, else cls.",
@@ -163,10 +173,7 @@ class Config:
             raise UserError(f"--eval_steps must be positive with --evaluation_strategy steps, got {self.eval_steps}")
         if self.save_strategy == "steps" and self.save_steps <= 0:
             raise UserError(f"--save_steps must be positive with --save_strategy steps, got {self.save_steps}")
-        for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise UserError(f"--{f.name} {getattr(self, f.name)!r}: choose one of {', '.join(choices)}")
+        check_choices(self)
         _check_positive(self, "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                         "lora_r", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
                         "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
@@ -231,10 +238,6 @@ class Config:
         """The adapters' multiplier of B A: alpha / r, or alpha / sqrt(r) under rsLoRA."""
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
-    @property
-    def dtype_name(self) -> str:
-        """Weight dtype as a torch dtype name."""
-        return "float16" if self.load_float16 else "bfloat16" if self.load_bfloat16 else "float32"
 
 
 @dataclass
@@ -249,7 +252,69 @@ class CompareConfig(Config):
     overwrite: bool = _opt(False, "Redo runs that already finished.")
 
 
-def _check_positive(cfg: Config, *names: str) -> None:
+@dataclass
+class SamplingOptions:
+    """How completions are drawn: `xgblora generate`'s and RFT's sampler (see sampling.py)."""
+
+    num_return_sequences: int = _opt(1, "Completions per prompt (each prompt runs once; its KV cache is shared by them).",
+                                     aliases=("num_samples",))
+    temperature: float = _opt(0.0, "Sampling temperature; 0 is greedy.")
+    top_p: float = _opt(1.0, "Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.")
+    max_batch_tokens: int = _opt(32768, "Memory budget of a generation batch: rows x (longest prompt + max_new_tokens) tokens of KV cache.")
+
+    def check_sampling(self) -> None:
+        """One-line errors for sampling options out of range."""
+        _check_positive(self, "num_return_sequences", "max_batch_tokens")
+        if self.temperature < 0:
+            raise UserError(f"--temperature must be 0 (greedy) or more, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"--top_p must be in (0, 1], got {self.top_p}")
+        if self.num_return_sequences > 1 and self.temperature == 0:
+            raise UserError(f"--num_return_sequences {self.num_return_sequences} with --temperature 0 would return "
+                            f"the same greedy completion {self.num_return_sequences} times; set a temperature")
+
+
+@dataclass
+class ChatConfig(SamplingOptions, ModelOptions):
+    """Options of `xgblora chat`: a model, how it samples, and the conversation's template."""
+
+    model_name: str = _opt("tiny-llama-chat", "A base model (hub id, folder, pkg:, built-in), a merged model, a PEFT adapter folder, or an xgblora run directory.")
+    chat_template: str | None = _opt(None, "A Jinja chat template file, replacing the tokenizer's.")
+    system_prompt: str | None = _opt(None, "A system turn before the conversation.")
+    max_new_tokens: int = _opt(256, "Most tokens per completion.")
+    max_length: int = _opt(4096, "Longest prompt in tokens; longer ones are cut from the left.")
+    seed: int = _opt(0, "Seed of the sampling (the same seed gives the same completions, also after a resume).")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        self.check_sampling()
+        _check_positive(self, "max_new_tokens", "max_length")
+
+
+@dataclass
+class GenerateConfig(ChatConfig):
+    """Options of `xgblora generate`: the chat options plus the prompts file and where the completions go."""
+
+    input_file: str | None = _opt(None, "Prompts: rows with a prompt (a string or a list of messages) or messages, in any form --train_file takes.")
+    output_file: str = _opt("generations.jsonl", "Where the completions go (JSONL: each input row with its completions); an interrupted run continues from its .partial file.")
+    columns: str | None = _opt(None, "Map your column names to ours, OURS=THEIRS (e.g. prompt=question).")
+    raw_prompts: bool = _opt(False, "Send string prompts as they are, even when the tokenizer has a chat template (by default a string prompt becomes a user turn).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.input_file:
+            raise UserError("xgblora generate needs --input_file (a JSONL, CSV, parquet... file of prompts)")
+
+
+def check_choices(cfg: Any) -> None:
+    """One-line errors for options outside their choices, for any options dataclass."""
+    for f in dataclasses.fields(cfg):
+        choices = f.metadata.get("choices")
+        if choices and getattr(cfg, f.name) not in choices:
+            raise UserError(f"--{f.name} {getattr(cfg, f.name)!r}: choose one of {', '.join(choices)}")
+
+
+def _check_positive(cfg: Any, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)
         if value is not None and value <= 0:

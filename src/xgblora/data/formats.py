@@ -72,6 +72,21 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, templated: bool) -
     return _with_bos(tokenizer, text, tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def generation_prompt(tokenizer: PreTrainedTokenizerBase, ex: Example, raw: bool = False,
+                      system: str | None = None) -> tuple[str, list[int]]:
+    """The text and tokens a model continues for a prompt row (`PromptTask`): a conversation through the chat
+    template; a string prompt as a user turn when the tokenizer has a template (unless raw), else as it is. A
+    system prompt goes first in a conversation that has none."""
+    turns = list(ex.messages) or ([("user", ex.prompt)] if tokenizer.chat_template is not None and not raw else [])
+    if turns:
+        if system and turns[0][0] != "system":
+            turns.insert(0, ("system", system))
+        text = render(tokenizer, turns, generation_prompt=True, where=f"{ex.source}: ")
+    else:
+        return ex.prompt, prompt_ids(tokenizer, ex.prompt, templated=False)
+    return text, prompt_ids(tokenizer, text, templated=True)
+
+
 def _with_bos(tokenizer: PreTrainedTokenizerBase, text: str, ids: list[int]) -> list[int]:
     """BOS before a rendered template's tokens where the tokenizer adds one and the template did not write it."""
     return [tokenizer.bos_token_id, *ids] if _adds_bos(tokenizer) and not text.startswith(tokenizer.bos_token) else ids

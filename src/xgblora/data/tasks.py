@@ -401,6 +401,33 @@ def _conversation(messages: list[tuple[str, str]], trained_from: int, r: Fields,
                    source=source)
 
 
+class PromptTask(Task):
+    """Prompts to generate from: a `prompt` (a string, or a list of messages) or a `messages` conversation; a
+    reference answer, when the row has one, is kept for verification (`completion`, `response`, or a conversation's
+    trailing assistant turn)."""
+
+    name, dir_name, hf_dataset = "prompts", "prompts", ("json", None)
+
+    def build(self, r: Fields) -> list[Example]:
+        source = f"{r.where[0]}:{r.where[1]}" if isinstance(r.where[1], int) else f"{r.where[0]}, {r.where[1]}"
+        answer_key = next((k for k in ("completion", "response") if r.has(k)), None)
+        if r.has("messages") or (r.has("prompt") and isinstance(r.get("prompt"), list)):
+            key = "messages" if r.has("messages") else "prompt"
+            turns = _messages(r, key)
+            if answer_key is not None:
+                turns += [("assistant", r.text(answer_key))] if isinstance(r.get(answer_key), str) else _messages(r, answer_key)
+            reference = turns.pop()[1] if turns[-1][0] == "assistant" else None
+            if not turns:
+                raise r.error(key, "no message before the assistant's answer")
+            return [Example("", (), (), answers=(reference,) if reference else (), messages=tuple(turns),
+                            source=source)]
+        if not r.has("prompt"):
+            raise r.error("prompt", 'missing: prompt rows hold "prompt" (a string or a list of messages) or "messages" '
+                          f'(--columns maps other names); the row has: {", ".join(r.row) or "no fields"}')
+        reference = (r.text(answer_key),) if answer_key is not None else ()
+        return [Example(r.text("prompt"), (), (), answers=reference, source=source)]
+
+
 TASKS: dict[str, type[Task]] = {
     cls.name: cls for cls in (SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, DROP)}
 

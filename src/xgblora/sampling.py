@@ -1,0 +1,180 @@
+"""Sampling completions from a causal LM, N per prompt, fast. The contract:
+
+- Each prompt runs through the model once; its KV cache is repeated for its N samples. (Hugging Face `generate`
+  with `num_return_sequences=N` repeats the prompt first and runs it N times.)
+- A sample that emits a stop token leaves the batch at once: its cache rows are dropped, so finished samples cost
+  no further compute.
+- Prompts are grouped, longest first, into batches whose KV cache holds at most `max_batch_tokens` tokens
+  (rows x (longest prompt + max_new_tokens)): memory is bounded by a token budget, not a batch size, and nothing
+  needs emptying between batches.
+- Greedy when temperature is 0; otherwise temperature and top-p through transformers' own logits warpers.
+- Deterministic: the batch plan depends only on the prompt lengths and the parameters, and each batch draws from
+  its own generator seeded from (seed, batch number). A caller that skips finished batches after an interruption
+  gets exactly what an uninterrupted run would have written.
+
+Each `Sample` keeps the model's log-probability of its tokens (before temperature and top-p), so a caller can
+check or rank samples without a second forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Container, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+from xgblora.scoring import eval_mode
+
+TokenCallback = Callable[[torch.Tensor, torch.Tensor], None]  # (sample rows, their new tokens) after each step
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample: N per prompt, up to max_new_tokens each, greedy at temperature 0."""
+
+    num_samples: int = 1
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    max_batch_tokens: int = 32768
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1 or self.max_new_tokens < 1 or self.max_batch_tokens < 1:
+            raise ValueError("num_samples, max_new_tokens and max_batch_tokens must be positive")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion: its tokens (the stop token left out), why it ended, and its summed model log-probability."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens reached)
+    logprob: float
+
+
+def plan_batches(prompt_lengths: Sequence[int], params: SamplingParams) -> list[list[int]]:
+    """Prompt indices grouped into batches, longest prompts first, each within the token budget (at least one
+    prompt per batch)."""
+    order = sorted(range(len(prompt_lengths)), key=lambda i: (-prompt_lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches:
+            width = prompt_lengths[batches[-1][0]] + params.max_new_tokens  # the batch's first prompt is its longest
+            if (len(batches[-1]) + 1) * params.num_samples * width <= params.max_batch_tokens:
+                batches[-1].append(i)
+                continue
+        batches.append([i])
+    return batches
+
+
+def batch_generator(seed: int, batch_number: int, device: torch.device) -> torch.Generator:
+    """The random generator of one batch: its draws do not depend on which other batches run."""
+    digest = hashlib.sha256(f"{seed}:{batch_number}".encode()).digest()
+    return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+class Sampler:
+    """Draws samples for batches of tokenised prompts from one model (see the module docstring)."""
+
+    def __init__(self, model: PreTrainedModel, pad_id: int, stop_ids: Sequence[int], params: SamplingParams):
+        self.model, self.pad_id, self.params = model, pad_id, params
+        self.device = next(model.parameters()).device
+        self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=self.device)
+        self.warpers = [TemperatureLogitsWarper(params.temperature)] if params.temperature > 0 else []
+        if params.temperature > 0 and params.top_p < 1:
+            self.warpers.append(TopPLogitsWarper(params.top_p))
+
+    def run(self, prompts: Sequence[Sequence[int]], skip: Container[int] = ()
+            ) -> Iterator[tuple[list[int], list[list[Sample]]]]:
+        """Yield (prompt indices, their samples) batch by batch, in plan order; a batch whose prompts are all in
+        skip is not run (its batch number, and so every other batch's draws, stay the same)."""
+        for number, batch in enumerate(plan_batches([len(p) for p in prompts], self.params)):
+            if all(i in skip for i in batch):
+                continue
+            generator = batch_generator(self.params.seed, number, self.device)
+            yield batch, self.sample_batch([prompts[i] for i in batch], generator)
+
+    @torch.inference_mode()
+    def sample_batch(self, prompts: Sequence[Sequence[int]], generator: torch.Generator,
+                     on_tokens: TokenCallback | None = None) -> list[list[Sample]]:
+        """num_samples samples of each prompt; on_tokens sees every step's new tokens (for streaming)."""
+        with eval_mode(self.model):
+            logits, cache, mask = self._prefill(prompts)
+            rows = len(prompts) * self.params.num_samples
+            tokens = torch.full((rows, self.params.max_new_tokens), self.pad_id, dtype=torch.long)
+            lengths = torch.zeros(rows, dtype=torch.long)
+            logprobs = torch.zeros(rows, dtype=torch.float64)
+            stopped = torch.zeros(rows, dtype=torch.bool)
+            alive = torch.arange(rows, device=self.device)  # sample row of each row still in the batch
+            for step in range(self.params.max_new_tokens):
+                token, logprob = self._pick(logits, generator)
+                done = torch.isin(token, self.stop_ids)
+                self._record(tokens, lengths, logprobs, stopped, alive.cpu(), token.cpu(), logprob.cpu(), done.cpu(),
+                             step)
+                if on_tokens is not None:
+                    on_tokens(alive[~done], token[~done])
+                if step + 1 == self.params.max_new_tokens or done.all():
+                    break
+                if done.any():
+                    keep = (~done).nonzero().squeeze(1)
+                    cache.batch_select_indices(keep)
+                    alive, token, mask = alive[keep], token[keep], mask[keep]
+                mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
+                logits = self._decode(token, mask, cache)
+        return self._samples(tokens, lengths, logprobs, stopped, len(prompts))
+
+    def _prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, object, torch.Tensor]:
+        """Run the left-padded prompts once; repeat the last logits, cache and mask for each of their samples."""
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                         use_cache=True, logits_to_keep=1)
+        logits, cache = out.logits[:, -1].float(), out.past_key_values
+        n = self.params.num_samples
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits, mask = logits.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
+        return logits, cache, mask
+
+    def _decode(self, token: torch.Tensor, mask: torch.Tensor, cache: object) -> torch.Tensor:
+        """The next-token logits after one new token per row; positions count only real (unpadded) tokens."""
+        position = mask.sum(1, keepdim=True) - 1
+        out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
+                         past_key_values=cache, use_cache=True)
+        return out.logits[:, -1].float()
+
+    def _pick(self, logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next token of every row (argmax, or a draw from the warped distribution) and its log-probability."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        if not self.warpers:
+            token = logits.argmax(-1)
+        else:
+            scores = logits
+            for warp in self.warpers:
+                scores = warp(None, scores)
+            token = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).squeeze(1)
+        return token, logprobs.gather(1, token[:, None]).squeeze(1)
+
+    @staticmethod
+    def _record(tokens: torch.Tensor, lengths: torch.Tensor, logprobs: torch.Tensor, stopped: torch.Tensor,
+                rows: torch.Tensor, token: torch.Tensor, logprob: torch.Tensor, done: torch.Tensor, step: int) -> None:
+        """Store one step's tokens of the live rows; a stop token ends its row without being kept."""
+        going = rows[~done]
+        tokens[going, step] = token[~done]
+        lengths[going] += 1
+        logprobs[rows] += logprob.double()
+        stopped[rows[done]] = True
+
+    def _samples(self, tokens: torch.Tensor, lengths: torch.Tensor, logprobs: torch.Tensor, stopped: torch.Tensor,
+                 n_prompts: int) -> list[list[Sample]]:
+        flat = [Sample(tuple(tokens[r, :lengths[r]].tolist()), "stop" if stopped[r] else "length",
+                       float(logprobs[r])) for r in range(len(lengths))]
+        n = self.params.num_samples
+        return [flat[i * n:(i + 1) * n] for i in range(n_prompts)]
