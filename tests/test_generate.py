@@ -1,0 +1,125 @@
+"""`xgblora generate` and `xgblora chat`: outputs in the input's order, resuming without duplicates, refusals, and
+chat's two turns against transformers' greedy generate."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from xgblora import generation
+from xgblora.cli import main
+from xgblora.models import random_model
+
+ROWS = [{"prompt": "What is 2 + 3?", "id": "a"},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                      {"role": "user", "content": "Tell me a story about a fox"}], "id": "b"},
+        {"prompt": "Count to five", "completion": "1 2 3 4 5", "id": "c"},
+        {"prompt": "Name a colour", "id": "d"},
+        {"prompt": "Write the alphabet backwards, please, all of it", "id": "e"}]
+
+
+def _write_prompts(path, rows=ROWS):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _generate(tmp_path, out_name="out.jsonl", *extra):
+    args = ["generate", "--model_name", "tiny-llama-chat", "--input_file", str(tmp_path / "prompts.jsonl"),
+            "--output_file", str(tmp_path / out_name), "--num_return_sequences", "3",
+            "--temperature", "0.9", "--max_new_tokens", "6", "--max_batch_tokens", "250", "--device", "cpu", *extra]
+    return main(args)
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _interrupt_at_third_prompt(monkeypatch):
+    """Make the run stop (as Ctrl-C does) part-way, after at least one batch was written; returns the real function."""
+    real, calls = generation.completion_record, []
+
+    def dying(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(generation, "completion_record", dying)
+    return real
+
+
+def test_generate_writes_every_row_with_its_completions_in_input_order(tmp_path):
+    _write_prompts(tmp_path / "prompts.jsonl")
+    assert _generate(tmp_path) == 0
+    out = _lines(tmp_path / "out.jsonl")
+    assert [r["id"] for r in out] == ["a", "b", "c", "d", "e"]
+    assert all(len(r["completions"]) == 3 and len(r["finish_reasons"]) == 3 for r in out)
+    assert out[1]["messages"] == ROWS[1]["messages"]  # the input row is kept as it was
+    assert not (tmp_path / "out.jsonl.partial").exists() and not (tmp_path / "out.jsonl.partial.json").exists()
+
+
+def test_an_interrupted_generation_resumes_to_the_same_file_with_nothing_twice(tmp_path, monkeypatch):
+    _write_prompts(tmp_path / "prompts.jsonl")
+    assert _generate(tmp_path, "whole.jsonl") == 0
+    real = _interrupt_at_third_prompt(monkeypatch)
+    assert _generate(tmp_path) == 130
+    partial = tmp_path / "out.jsonl.partial"
+    written = _lines(partial)
+    assert 0 < len(written) < len(ROWS)
+    with open(partial, "a") as handle:  # a torn last line, as a kill during the write leaves
+        handle.write('{"index": 4, "compl')
+    monkeypatch.setattr(generation, "completion_record", real)
+    assert _generate(tmp_path) == 0
+    assert (tmp_path / "out.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
+
+
+def test_generate_refuses_to_overwrite_or_to_resume_with_other_settings(tmp_path, monkeypatch, capsys):
+    _write_prompts(tmp_path / "prompts.jsonl")
+    (tmp_path / "out.jsonl").write_text("mine\n")
+    assert _generate(tmp_path) == 2
+    assert "never overwritten" in capsys.readouterr().err
+    assert (tmp_path / "out.jsonl").read_text() == "mine\n"
+    _interrupt_at_third_prompt(monkeypatch)
+    assert _generate(tmp_path, "other.jsonl") == 130
+    assert _generate(tmp_path, "other.jsonl", "--temperature", "0.5") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "temperature=0.9" in err and "0.5" in err
+
+
+def test_a_bad_prompt_row_is_a_one_line_error_naming_file_line_and_field(tmp_path, capsys):
+    _write_prompts(tmp_path / "prompts.jsonl", [ROWS[0], {"prompt": 3}])
+    assert _generate(tmp_path) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and 'prompts.jsonl:2: field "prompt"' in err
+
+
+def test_chat_streams_two_turns_that_match_greedy_generate_over_the_conversation():
+    turns = ["Hi, who are you?", "Tell me more"]
+    done = subprocess.run([sys.executable, "-m", "xgblora.cli", "chat", "--model_name", "tiny-llama-chat",
+                           "--max_new_tokens", "8", "--device", "cpu"], input="\n".join(turns) + "\n",
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    model, tokenizer = random_model("tiny-llama-chat")
+    model.eval()
+    history, expected = [], ""
+    for turn in turns:
+        history.append({"role": "user", "content": turn})
+        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_dict=False)
+        ids = ids if ids[:1] == [tokenizer.bos_token_id] else [tokenizer.bos_token_id, *ids]
+        out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        reply = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+        history.append({"role": "assistant", "content": reply})
+        expected += reply + "\n"
+    assert done.stdout == expected
+    assert done.stderr.count(">>> ") == 3
+
+
+@pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "--temperature"),
+                                            (["--num_return_sequences", "4"], "same greedy completion")])
+def test_sampling_options_out_of_range_are_refused(tmp_path, capsys, flags, message):
+    _write_prompts(tmp_path / "prompts.jsonl")
+    assert main(["generate", "--input_file", str(tmp_path / "prompts.jsonl"), *flags]) == 2
+    assert message in capsys.readouterr().err
