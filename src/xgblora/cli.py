@@ -21,6 +21,7 @@ COMMANDS = {
     "mezo": "MeZO's run.py as it is: its flags and defaults (no training unless --trainer; result/ copy).",
     "generate": "Sample completions of every prompt in a file (N per prompt, greedy or sampled); JSONL out, resumable.",
     "chat": "Talk to a model in the terminal: streamed replies, multi-turn through the chat template.",
+    "rft": "Rejection-sampling fine-tuning: rounds of sample -> verify -> train -> evaluate (pass@1, pass@k).",
     "bench": "Measure speed and memory against baselines.",
     "env": "Print the environment report (versions, device, attention backends, chosen defaults).",
     "export": "Export a run as a PEFT adapter or a merged model.",
@@ -31,6 +32,10 @@ COMMANDS = {
 # and --num_train k, and copies its results to result/<tag>.json; `xgblora mezo` keeps that for its command lines.
 EVAL_DEFAULTS = {"num_train": 0}
 MEZO_DEFAULTS = {"num_train": 0, "trainer": "none", "result_file": "auto"}
+# RFT samples 8 answers per question at temperature 0.7 (the seed workflow's oversampling, a little below it) and
+# trains LoRA adapters on the user's own data.
+RFT_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 2e-4, "num_return_sequences": 8,
+                "temperature": 0.7, "max_new_tokens": 256}
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -67,6 +72,15 @@ def _chat(args: argparse.Namespace) -> int:
     from xgblora.chat import chat
 
     return chat(config_mod.from_namespace(config_mod.ChatConfig, args))
+
+
+def _rft(args: argparse.Namespace) -> int:
+    from xgblora.rft import run_rft
+
+    done = run_rft(config_mod.from_namespace(config_mod.RFTConfig, args, RFT_DEFAULTS))
+    print(json.dumps(done["rounds"], indent=2))
+    print(f"report: {done['html']}  figure: {done['figure']}")
+    return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -112,11 +126,12 @@ def _env(args: argparse.Namespace) -> int:  # noqa: ARG001
 
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "train": _train, "mezo": _mezo, "compare": _compare, "eval": _eval, "generate": _generate, "chat": _chat,
+    "train": _train, "mezo": _mezo, "compare": _compare, "eval": _eval, "generate": _generate, "chat": _chat, "rft": _rft,
     "bench": _bench, "env": _env, "export": _export, "demo": _demo}
 # The options dataclass of each command that takes one (its flags, --config YAML keys and suggestions).
 OPTIONS = {"train": config_mod.Config, "eval": config_mod.Config, "mezo": config_mod.Config,
-           "compare": config_mod.CompareConfig, "generate": config_mod.GenerateConfig, "chat": config_mod.ChatConfig}
+           "compare": config_mod.CompareConfig, "generate": config_mod.GenerateConfig, "chat": config_mod.ChatConfig,
+           "rft": config_mod.RFTConfig}
 
 
 class _Parser(argparse.ArgumentParser):

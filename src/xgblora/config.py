@@ -306,6 +306,31 @@ class GenerateConfig(ChatConfig):
             raise UserError("xgblora generate needs --input_file (a JSONL, CSV, parquet... file of prompts)")
 
 
+@dataclass
+class RFTConfig(Config, SamplingOptions):
+    """Options of `xgblora rft`: the train options (the method and trainer of every round) plus sampling and
+    verification. --train_file holds the questions with their reference answers, --eval_file the held-out ones."""
+
+    rounds: int = _opt(1, "Rounds of sample -> verify -> train -> evaluate; each samples from and trains on the last round's model.")
+    sampler_model: str | None = _opt(None, "A model (e.g. a larger one) that samples every round, instead of the model being trained.")
+    keep_per_prompt: int = _opt(4, "Most correct, distinct completions kept per question.")
+    verifier: str = _opt("gsm8k", "How an answer is read: gsm8k (the number after ####), answer_tags (<answer>...</answer>), regex:PATTERN, or module:function.")
+    answer_tolerance: float = _opt(1e-6, "Numbers agree within this relative tolerance.")
+    pass_k: int = _opt(8, "Held-out evaluation: pass@k from k samples per question at --temperature (besides greedy pass@1); 0 for pass@1 only.")
+    raw_prompts: bool = _opt(False, "Send string prompts as they are, even when the tokenizer has a chat template.")
+    output_root: str = _opt("rft", "Folder holding one sub-folder per round and the report.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_sampling()
+        _check_positive(self, "rounds", "keep_per_prompt", "max_new_tokens")
+        if self.pass_k < 0:
+            raise UserError(f"--pass_k must be 0 or more, got {self.pass_k}")
+        if not self.train_file or not self.eval_file:
+            raise UserError("xgblora rft needs --train_file (questions with reference answers to sample on) and "
+                            "--eval_file (held-out questions to measure on)")
+
+
 def check_choices(cfg: Any) -> None:
     """One-line errors for options outside their choices, for any options dataclass."""
     for f in dataclasses.fields(cfg):

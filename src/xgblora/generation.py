@@ -42,10 +42,11 @@ class Prompts:
 def read_prompts(source: str, tokenizer: PreTrainedTokenizerBase, *, columns: str | None = None, raw: bool = False,
                  system: str | None = None, max_length: int = 4096) -> Prompts:
     """Read and render the prompts of a file; prompts longer than max_length keep their last tokens (one warning)."""
-    task = PromptTask()
+    task, mapping = PromptTask(), parse_columns(columns)
+    theirs = {ours: their_name for their_name, ours in mapping.items()}
     rows, examples = [], []
-    for where, row in read_rows(source, "train", parse_columns(columns)):
-        rows.append(row)
+    for where, row in read_rows(source, "train", mapping):
+        rows.append({theirs.get(key, key): value for key, value in row.items()})  # the user's own column names
         examples.extend(task.examples(row, where))
     rendered = [formats.generation_prompt(tokenizer, ex, raw=raw, system=system) for ex in examples]
     cut = sum(len(ids) > max_length for _, ids in rendered)

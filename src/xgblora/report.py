@@ -392,3 +392,40 @@ def write_report(runs: list[RunSummary], out_root: Path, loss_figure_path: Path 
     run_dirs = [str(run.run_dir) for run in runs]
     atomic.write_text(html_path, _html(tables, figure.read_bytes(), run_dirs))
     return {"rows": rows, "loss_figure": figure, "markdown": markdown_path, "html": html_path}
+
+
+def write_rft_report(records: Sequence[dict[str, Any]], out_root: Path) -> dict[str, Path]:
+    """rft.png (held-out pass@1 / pass@k and the kept fraction per round) and report.html with the round table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [k for k in records[0] if k.startswith("pass@")]
+    rounds = [r["round"] for r in records]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name in metrics:
+        left.plot(rounds, [r[name] for r in records], marker="o", label=name)
+    left.set(xlabel="round", ylabel="held-out accuracy", title="accuracy per round", xticks=rounds)
+    left.legend()
+    trained = [r for r in records if "kept_fraction" in r]
+    right.bar([r["round"] for r in trained], [r["kept_fraction"] for r in trained], color="#4c72b0")
+    right.set(xlabel="round", ylabel="kept / sampled", title="kept fraction per round", xticks=rounds)
+    fig.tight_layout()
+    figure = Path(out_root) / "rft.png"
+    fig.savefig(figure, dpi=110)
+    plt.close(fig)
+    columns = ["round", *metrics, "samples", "correct", "kept", "kept_fraction", "questions_solved"]
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    cells = ["".join(f"<td>{_fmt_cell(r.get(c))}</td>" for c in columns) for r in records]
+    image = base64.b64encode(figure.read_bytes()).decode("ascii")
+    page = ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>xgblora RFT report</title>\n"
+            f"<style>{_CSS}</style>\n</head>\n<body>\n<h1>xgblora RFT report</h1>\n<table>\n<thead><tr>{head}</tr>"
+            "</thead>\n<tbody>\n" + "\n".join(f"<tr>{c}</tr>" for c in cells) + "\n</tbody>\n</table>\n"
+            f'<img alt="accuracy and kept fraction per round" src="data:image/png;base64,{image}">\n</body>\n</html>\n')
+    atomic.write_text(Path(out_root) / "report.html", page)
+    return {"figure": figure, "html": Path(out_root) / "report.html"}
+
+
+def _fmt_cell(value: Any) -> str:
+    return "" if value is None else f"{value:.3f}" if isinstance(value, float) else html.escape(str(value))

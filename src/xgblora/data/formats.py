@@ -72,18 +72,25 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, templated: bool) -
     return _with_bos(tokenizer, text, tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def prompt_turns(tokenizer: PreTrainedTokenizerBase, ex: Example, raw: bool = False,
+                 system: str | None = None) -> list[tuple[str, str]]:
+    """The conversation a prompt row (`PromptTask`) stands for: its messages, or a string prompt as a user turn
+    when the tokenizer has a chat template (unless raw); none for a string sent as it is. A system prompt goes
+    first in a conversation that has none."""
+    turns = list(ex.messages) or ([("user", ex.prompt)] if tokenizer.chat_template is not None and not raw else [])
+    if turns and system and turns[0][0] != "system":
+        turns.insert(0, ("system", system))
+    return turns
+
+
 def generation_prompt(tokenizer: PreTrainedTokenizerBase, ex: Example, raw: bool = False,
                       system: str | None = None) -> tuple[str, list[int]]:
-    """The text and tokens a model continues for a prompt row (`PromptTask`): a conversation through the chat
-    template; a string prompt as a user turn when the tokenizer has a template (unless raw), else as it is. A
-    system prompt goes first in a conversation that has none."""
-    turns = list(ex.messages) or ([("user", ex.prompt)] if tokenizer.chat_template is not None and not raw else [])
-    if turns:
-        if system and turns[0][0] != "system":
-            turns.insert(0, ("system", system))
-        text = render(tokenizer, turns, generation_prompt=True, where=f"{ex.source}: ")
-    else:
+    """The text and tokens a model continues for a prompt row: `prompt_turns` through the chat template, else the
+    string prompt as it is."""
+    turns = prompt_turns(tokenizer, ex, raw, system)
+    if not turns:
         return ex.prompt, prompt_ids(tokenizer, ex.prompt, templated=False)
+    text = render(tokenizer, turns, generation_prompt=True, where=f"{ex.source}: ")
     return text, prompt_ids(tokenizer, text, templated=True)
 
 

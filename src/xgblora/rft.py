@@ -1,0 +1,199 @@
+"""`xgblora rft`: rejection-sampling fine-tuning in rounds of sample -> verify -> train -> evaluate.
+
+Each round samples N completions of every training question from the current model (or from --sampler_model),
+keeps the correct ones (verify.py: at most K distinct per question), fine-tunes the current model on them with
+the run's method and trainer (LoRA, XGBLoRA or full; AdamW or MeZO), merges the result, and measures pass@1
+(greedy) and pass@k on the held-out questions. The next round samples from and trains on that merged model.
+Round 0 is the starting model, measured only.
+
+OUTPUT_ROOT/
+  heldout.jsonl           the held-out questions as SFT rows (each training run's --eval_file)
+  round-0/eval.json       the starting model's pass@1 and pass@k
+  round-N/samples.jsonl   the training questions with their completions (`xgblora generate`'s format)
+  round-N/verified.jsonl  per question: samples drawn, correct, kept
+  round-N/train.jsonl     the kept completions as SFT rows: messages when the prompt went through a chat
+                          template, else prompt/completion
+  round-N/run/            the training run (`xgblora train`'s output folder)
+  round-N/model/          the trained model, merged
+  round-N/eval-*.jsonl, round-N/eval.json
+  rounds.json, rft.png, report.html
+A step whose output exists is not run again, and sampling resumes part-way, so the same command continues an
+interrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from xgblora import atomic
+from xgblora.config import Config, RFTConfig
+from xgblora.data import formats
+from xgblora.data.tasks import Example
+from xgblora.errors import UserError
+from xgblora.generation import Prompts, read_prompts, sampling_params, write_completions
+from xgblora.sampling import SamplingParams
+from xgblora.verify import Verifier, make_extractor
+
+log = logging.getLogger("xgblora")
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    atomic.write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def _questions(cfg: RFTConfig, source: str, tokenizer: Any) -> Prompts:
+    """The questions of a file, rendered for the tokenizer; every one needs a reference answer."""
+    prompts = read_prompts(source, tokenizer, columns=cfg.columns, raw=cfg.raw_prompts, max_length=cfg.max_length)
+    _check_references(prompts.examples)
+    return prompts
+
+
+def _check_references(examples: list[Example]) -> None:
+    for ex in examples:
+        if not ex.answers:
+            raise UserError(f"{ex.source}: no reference answer to verify against (a completion, response, or a "
+                            f"final assistant turn; --columns completion=answer maps yours)")
+
+
+def sft_row(turns: list[tuple[str, str]], ex: Example, completion: str) -> dict[str, Any]:
+    """A training row of the SFT path: the conversation with the answer as its last turn, or prompt/completion."""
+    if turns:
+        return {"messages": [{"role": r, "content": c} for r, c in [*turns, ("assistant", completion)]]}
+    return {"prompt": ex.prompt, "completion": completion}
+
+
+@dataclass
+class Sampled:
+    """The questions of a file with their completions, and the conversation each prompt stood for (none when the
+    prompt was sent as it is)."""
+
+    examples: list[Example]
+    turns: list[list[tuple[str, str]]]
+    completions: list[list[str]]
+
+
+def sample_file(cfg: RFTConfig, model_path: str, source: str, params: SamplingParams, out: Path) -> Sampled:
+    """Sample (or read back, when `out` exists) the completions of every question of a file."""
+    from xgblora.loading import load_for_inference
+
+    model, tokenizer = load_for_inference(model_path, dtype=cfg.dtype_name, device=cfg.device,
+                                          attn_implementation=cfg.attn_implementation,
+                                          trust_remote_code=cfg.trust_remote_code)
+    if cfg.chat_template:
+        formats.set_chat_template(tokenizer, cfg.chat_template)
+    prompts = _questions(cfg, source, tokenizer)
+    if not out.exists():
+        settings = {"model": model_path, "input": source, **dataclasses.asdict(params)}
+        write_completions(model, tokenizer, prompts, params, out, settings)
+    turns = [formats.prompt_turns(tokenizer, ex, raw=cfg.raw_prompts) for ex in prompts.examples]
+    return Sampled(prompts.examples, turns, [row["completions"] for row in _read_jsonl(out)])
+
+
+def verify_round(cfg: RFTConfig, sampled: Sampled, verifier: Verifier, round_dir: Path) -> dict[str, Any]:
+    """Keep the correct completions: write train.jsonl and verified.jsonl; return the counts."""
+    rows, report = [], []
+    for i, (ex, turns, texts) in enumerate(zip(sampled.examples, sampled.turns, sampled.completions, strict=True)):
+        kept = verifier.keep(texts, ex.answers[0], cfg.keep_per_prompt)
+        rows += [sft_row(turns, ex, text) for text in kept]
+        report.append({"index": i, "samples": len(texts),
+                       "correct": sum(verifier.correct(t, ex.answers[0]) for t in texts), "kept": len(kept)})
+    _write_jsonl(round_dir / "verified.jsonl", report)
+    _write_jsonl(round_dir / "train.jsonl", rows)
+    samples = sum(r["samples"] for r in report)
+    return {"samples": samples, "correct": sum(r["correct"] for r in report), "kept": len(rows),
+            "questions_solved": sum(r["kept"] > 0 for r in report), "questions": len(report),
+            "kept_fraction": len(rows) / samples if samples else 0.0}
+
+
+def evaluate_model(cfg: RFTConfig, model_path: str, verifier: Verifier, round_dir: Path) -> dict[str, float]:
+    """pass@1 of greedy answers and pass@k of k samples per held-out question (written to eval.json)."""
+    if (round_dir / "eval.json").exists():
+        return json.loads((round_dir / "eval.json").read_text(encoding="utf-8"))
+    greedy = dataclasses.replace(sampling_params(cfg), num_samples=1, temperature=0.0)
+    runs = {"pass@1": sample_file(cfg, model_path, cfg.eval_file, greedy, round_dir / "eval-greedy.jsonl")}
+    if cfg.pass_k:
+        params = dataclasses.replace(sampling_params(cfg), num_samples=cfg.pass_k)
+        runs[f"pass@{cfg.pass_k}"] = sample_file(cfg, model_path, cfg.eval_file, params, round_dir / "eval-samples.jsonl")
+    metrics = {name: sum(any(verifier.correct(t, ex.answers[0]) for t in texts)
+                         for ex, texts in zip(s.examples, s.completions, strict=True)) / len(s.examples)
+               for name, s in runs.items()}
+    atomic.write_text(round_dir / "eval.json", json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+def training_config(cfg: RFTConfig, model_path: str, round_dir: Path, n_rows: int) -> Config:
+    """The round's `xgblora train` options: the run's own, on the kept rows, from the current model."""
+    options = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
+    options.update(model_name=model_path, task_name="custom", train_file=str(round_dir / "train.jsonl"),
+                   eval_file=str(Path(cfg.output_root) / "heldout.jsonl"), columns=None, data_format="auto",
+                   num_train=n_rows, num_dev=None, no_eval=True, result_file=None,
+                   output_dir=str(round_dir / "run"))
+    return Config(**options)
+
+
+def train_round(cfg: RFTConfig, model_path: str, round_dir: Path, n_rows: int) -> str:
+    """Fine-tune the current model on the round's kept rows and merge it; returns the merged model's folder."""
+    from xgblora.adapters.export import export_run
+    from xgblora.train import run
+
+    merged = round_dir / "model"
+    if merged.exists():
+        return str(merged)
+    train_cfg = training_config(cfg, model_path, round_dir, n_rows)
+    if not (round_dir / "run" / "results.json").exists():
+        run(dataclasses.replace(train_cfg, resume_from_checkpoint="latest") if (round_dir / "run").exists()
+            else train_cfg)
+    export_run(round_dir / "run", "merged", merged, trust_remote_code=cfg.trust_remote_code)
+    return str(merged)
+
+
+def _heldout_rows(cfg: RFTConfig, root: Path) -> None:
+    """heldout.jsonl: the held-out questions and references as SFT rows (each training run's --eval_file)."""
+    from xgblora.data.sources import parse_columns, read_rows
+    from xgblora.data.tasks import PromptTask
+
+    task = PromptTask()
+    examples = [ex for where, row in read_rows(cfg.eval_file, "eval", parse_columns(cfg.columns))
+                for ex in task.examples(row, where)]
+    _check_references(examples)
+    rows = [sft_row(list(ex.messages), ex, ex.answers[0]) for ex in examples]
+    _write_jsonl(root / "heldout.jsonl", rows)
+
+
+def run_rft(cfg: RFTConfig) -> dict[str, Any]:
+    """Run every round (see the module docstring); returns the per-round records (also rounds.json)."""
+    from xgblora.report import write_rft_report
+
+    root = Path(cfg.output_root)
+    root.mkdir(parents=True, exist_ok=True)
+    _heldout_rows(cfg, root)
+    verifier = Verifier(make_extractor(cfg.verifier), cfg.answer_tolerance)
+    model_path = cfg.model_name
+    records = [{"round": 0, "model": model_path, **evaluate_model(cfg, model_path, verifier, root / "round-0")}]
+    for number in range(1, cfg.rounds + 1):
+        round_dir = root / f"round-{number}"
+        sampled = sample_file(cfg, cfg.sampler_model or model_path, cfg.train_file, sampling_params(cfg),
+                              round_dir / "samples.jsonl")
+        counts = verify_round(cfg, sampled, verifier, round_dir)
+        if counts["kept"]:
+            model_path = train_round(cfg, model_path, round_dir, counts["kept"])
+            scores = evaluate_model(cfg, model_path, verifier, round_dir)
+        else:  # the model stays as it was; a next round draws other samples from it
+            log.warning("rft round %d: none of the %d completions was correct, so nothing was trained; raise "
+                        "--num_return_sequences or --temperature, or start from a model fine-tuned on the task",
+                        number, counts["samples"])
+            scores = {k: v for k, v in records[-1].items() if k.startswith("pass@")}
+        records.append({"round": number, "model": model_path, **counts, **scores})
+        log.info("rft round %d: kept %d of %d samples; %s", number, counts["kept"], counts["samples"],
+                 ", ".join(f"{k} {v:.3f}" for k, v in records[-1].items() if k.startswith("pass@")))
+    atomic.write_text(root / "rounds.json", json.dumps(records, indent=2) + "\n")
+    return {"rounds": records, **write_rft_report(records, root)}

@@ -1,0 +1,120 @@
+"""Verifiers for rejection sampling: pull the final answer out of a completion and out of the reference, compare.
+
+An extractor is picked by name: `gsm8k` (the number after the last `####`; a completion without one has no answer,
+so only completions in the format being trained are kept), `answer_tags` (the text of the last
+`<answer>...</answer>`), `regex:PATTERN` (the last match; its first group when it has one), or `module:function`
+(a function of the text returning the answer or None, imported from the user's module). Two answers agree when
+both read as numbers within a relative tolerance, or else as equal normalised strings (SQuAD's normalisation).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from xgblora.errors import UserError
+from xgblora.evaluate import normalize_answer
+
+Extractor = Callable[[str], "str | None"]
+
+_NUMBER = re.compile(r"^[-+]?\$?\d[\d,]*(?:\.\d+)?%?$|^[-+]?\$?\.\d+%?$")
+_FIRST_NUMBER = re.compile(r"[-+]?\$?\d[\d,]*(?:\.\d+)?")
+_TAGS = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def gsm8k_answer(text: str) -> str | None:
+    """The first number after the last '####', or None."""
+    if "####" not in text:
+        return None
+    found = _FIRST_NUMBER.search(text.rsplit("####", 1)[1])
+    return found.group(0) if found else None
+
+
+def tagged_answer(text: str) -> str | None:
+    """The text inside the last <answer>...</answer>, or None."""
+    found = _TAGS.findall(text)
+    return found[-1].strip() if found else None
+
+
+def regex_extractor(pattern: str) -> Extractor:
+    """The last match of a regular expression (its first group, when it has groups)."""
+    try:
+        compiled = re.compile(pattern, re.DOTALL)
+    except re.error as exc:
+        raise UserError(f"--verifier regex:{pattern}: not a regular expression ({exc})") from None
+
+    def extract(text: str) -> str | None:
+        matches = list(compiled.finditer(text))
+        if not matches:
+            return None
+        return matches[-1].group(1 if compiled.groups else 0)
+
+    return extract
+
+
+def user_extractor(spec: str) -> Extractor:
+    """A function given as module:function, imported from the user's code (the current folder is importable)."""
+    module_name, _, function_name = spec.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f"--verifier {spec}: cannot import it ({type(exc).__name__}: {exc})") from None
+    if not callable(function):
+        raise UserError(f"--verifier {spec}: {function_name} is not a function")
+    return function
+
+
+def make_extractor(spec: str) -> Extractor:
+    """The extractor a --verifier value names (see the module docstring)."""
+    if spec == "gsm8k":
+        return gsm8k_answer
+    if spec == "answer_tags":
+        return tagged_answer
+    if spec.startswith("regex:"):
+        return regex_extractor(spec[len("regex:"):])
+    if re.fullmatch(r"[\w.]+:\w+", spec):
+        return user_extractor(spec)
+    raise UserError(f"--verifier {spec!r}: choose gsm8k, answer_tags, regex:PATTERN, or module:function")
+
+
+def _as_number(text: str) -> float | None:
+    text = text.strip()
+    if not _NUMBER.match(text):
+        return None
+    return float(text.replace(",", "").replace("$", "").rstrip("%"))
+
+
+def same_answer(got: str, want: str, tolerance: float = 1e-6) -> bool:
+    """Whether two extracted answers agree: as numbers within a relative tolerance, else as normalised strings."""
+    a, b = _as_number(got), _as_number(want)
+    if a is not None and b is not None:
+        return abs(a - b) <= tolerance * max(1.0, abs(b))
+    return normalize_answer(got) == normalize_answer(want)
+
+
+@dataclass
+class Verifier:
+    """Judges completions against a reference with one extractor and one tolerance."""
+
+    extract: Extractor
+    tolerance: float = 1e-6
+
+    def reference_answer(self, reference: str) -> str:
+        """The reference's answer; a reference the extractor finds nothing in is used whole."""
+        found = self.extract(reference)
+        return reference.strip() if found is None else str(found)
+
+    def correct(self, completion: str, reference: str) -> bool:
+        """Whether the completion's extracted answer agrees with the reference's."""
+        found = self.extract(completion)
+        return found is not None and same_answer(str(found), self.reference_answer(reference), self.tolerance)
+
+    def keep(self, completions: Sequence[str], reference: str, limit: int) -> list[str]:
+        """The correct completions, duplicates (up to surrounding white space) removed, at most `limit`, in order."""
+        kept: dict[str, str] = {}
+        for text in completions:
+            if len(kept) < limit and self.correct(text, reference):
+                kept.setdefault(text.strip(), text)
+        return list(kept.values())
