@@ -240,9 +240,9 @@ def test_generation_stops_at_a_stop_token(chat_model):
     free = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                           pad_token_id=tokenizer.pad_token_id, eos_token_id=None)[0, len(prompt):].tolist()
     stop = free[2]
-    first = free.index(stop)  # greedy decoding up to the first occurrence of the stop token, which it keeps
+    first = free.index(stop)  # greedy decoding up to the first occurrence of the stop token, which it leaves out
     (text,) = generate(model, tokenizer, [prompt], [stop], max_new_tokens=6)
-    assert text == tokenizer.decode(free[:first + 1], skip_special_tokens=True) != tokenizer.decode(free)
+    assert text == tokenizer.decode(free[:first], skip_special_tokens=True) != tokenizer.decode(free)
 
 
 def test_final_number_reads_gsm8k_answers():

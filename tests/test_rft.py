@@ -2,14 +2,11 @@
 resumed), and one round raising held-out accuracy on arithmetic a tiny model learns on this CPU."""
 
 import json
-import random
-import sys
 
 import pytest
 
 from xgblora import generation
 from xgblora.cli import main
-from xgblora.config import Config, RFTConfig
 from xgblora.errors import UserError
 from xgblora.verify import Verifier, make_extractor, same_answer
 

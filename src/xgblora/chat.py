@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+import torch
 from transformers import PreTrainedTokenizerBase, TextStreamer
 
 from xgblora.config import ChatConfig
@@ -25,6 +26,10 @@ class _ReplyStream(TextStreamer):
     def __init__(self, tokenizer: PreTrainedTokenizerBase, out: TextIO):
         super().__init__(tokenizer, skip_special_tokens=True)
         self.out = out
+
+    def on_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:  # noqa: ARG002 -- one row
+        """The sampler's per-step callback: stream the new token."""
+        self.put(tokens.cpu())
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         self.out.write(text + ("\n" if stream_end else ""))
@@ -58,7 +63,7 @@ def chat(cfg: ChatConfig, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout
         ids = formats.prompt_ids(tokenizer, text, templated=True)[-cfg.max_length:]
         stream = _ReplyStream(tokenizer, stdout)
         generator = batch_generator(cfg.seed, len(history), sampler.device)
-        [[sample]] = sampler.sample_batch([ids], generator, on_tokens=lambda _, tokens: stream.put(tokens.cpu()))
+        [[sample]] = sampler.sample_batch([ids], generator, on_tokens=stream.on_tokens)
         stream.end()
         history.append(("assistant", tokenizer.decode(sample.token_ids, skip_special_tokens=True)))
     return 0

@@ -21,6 +21,7 @@ from xgblora.data.batching import (
     shared_prefix_groups,
 )
 from xgblora.data.tasks import Example, Task
+from xgblora.sampling import Sampler, SamplingParams
 from xgblora.scoring import contiguous_head_input, eval_mode, target_logprobs, token_logprobs
 
 
@@ -140,35 +141,27 @@ def generate_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     return [text.strip().split("\n")[0].strip() for text in texts]
 
 
-@torch.inference_mode()
 def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[Sequence[int]],
              stop_ids: Sequence[int], *, batch_size: int = 8, max_length: int = 2048,
              max_new_tokens: int = 50) -> list[str]:
-    """Greedy continuations of tokenised prompts, batched with left padding, each stopped at a stop token.
+    """Greedy continuations of tokenised prompts (the sampler at temperature 0), each stopped at a stop token.
 
     Prompts longer than max_length - max_new_tokens tokens are cut from the left, so the question and the answer
-    cue at their end are kept (as MeZO does); one warning gives the count.
+    cue at their end are kept (as MeZO does); one warning gives the count. A batch holds as much KV cache as
+    batch_size prompts of max_length tokens: more prompts when they are short.
     """
-    device = next(model.parameters()).device
     budget = max(1, max_length - max_new_tokens)
     truncated = sum(len(ids) > budget for ids in prompt_ids)
     if truncated:
         warnings.warn(f"{truncated} of {len(prompt_ids)} prompts were longer than max_length - max_new_tokens = "
                       f"{budget} tokens and were truncated from the left (the question and answer cue are kept)",
                       stacklevel=2)
-    prompt_ids = [list(ids[-budget:]) for ids in prompt_ids]
-    order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))
+    params = SamplingParams(max_new_tokens=max_new_tokens, max_batch_tokens=batch_size * (budget + max_new_tokens))
+    sampler = Sampler(model, tokenizer.pad_token_id, stop_ids, params)
     texts = [""] * len(prompt_ids)
-    with eval_mode(model):
-        for start in range(0, len(order), batch_size):
-            idx = order[start:start + batch_size]
-            enc = tokenizer.pad({"input_ids": [prompt_ids[i] for i in idx]}, padding=True, padding_side="left",
-                                return_tensors="pt").to(device)
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                                 eos_token_id=list(stop_ids), pad_token_id=tokenizer.pad_token_id)
-            decoded = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-            for i, text in zip(idx, decoded, strict=True):
-                texts[i] = text
+    for batch, samples in sampler.run([list(ids[-budget:]) for ids in prompt_ids]):
+        for i, [sample] in zip(batch, samples, strict=True):
+            texts[i] = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
     return texts
 
 
