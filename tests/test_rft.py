@@ -2,12 +2,17 @@
 resumed), and one round raising held-out accuracy on arithmetic a tiny model learns on this CPU."""
 
 import json
+import random
 
 import pytest
 
 from xgblora import generation
+from xgblora.adapters.export import export_run
 from xgblora.cli import main
+from xgblora.config import Config, RFTConfig
 from xgblora.errors import UserError
+from xgblora.rft import run_rft
+from xgblora.train import run
 from xgblora.verify import Verifier, make_extractor, same_answer
 
 
@@ -109,3 +114,32 @@ def test_rft_refuses_questions_without_a_reference_answer(tmp_path, capsys):
     assert main(_rft_args(tmp_path, "rft")[:-4] + ["--columns", "prompt=question", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "test.jsonl:1" in err and "reference" in err
+
+
+@pytest.mark.slow
+def test_one_rft_round_raises_held_out_accuracy_after_a_short_sft(tmp_path):
+    """Which-is-larger questions in GSM8K's answer format: SFT on 15 of them leaves tiny-llama right on some held-out
+    questions and wrong on others; one round on 60 questions (8 samples each, the correct ones kept) then answers
+    more held-out questions right. Seed 1 measured 0.10 -> 0.43 on this CPU; the margin asked is 0.10."""
+    pairs = [(a, b) for a in range(10) for b in range(10) if a != b]
+    random.Random(0).shuffle(pairs)
+
+    def write(name, chosen):
+        rows = [{"question": f"Which is larger, {a} or {b}?", "answer": f"#### {max(a, b)}"} for a, b in chosen]
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write("sft.jsonl", pairs[:15])
+    write("questions.jsonl", pairs[:60])
+    write("heldout.jsonl", pairs[60:])
+    common = dict(task_name="custom", eval_file=str(tmp_path / "heldout.jsonl"), method="ft",
+                  columns="prompt=question,completion=answer", per_device_train_batch_size=16, learning_rate=3e-3,
+                  max_steps=60, save_strategy="no", max_new_tokens=6, device="cpu", seed=1)
+    run(Config(model_name="tiny-llama", train_file=str(tmp_path / "sft.jsonl"), output_dir=str(tmp_path / "sft"),
+               no_eval=True, **common))
+    export_run(tmp_path / "sft", "merged", tmp_path / "sft-merged")
+    done = run_rft(RFTConfig(model_name=str(tmp_path / "sft-merged"), train_file=str(tmp_path / "questions.jsonl"),
+                             num_return_sequences=8, temperature=1.0, pass_k=0, output_root=str(tmp_path / "rft"),
+                             **common))
+    before, after = (r["pass@1"] for r in done["rounds"])
+    assert 0 < before < 1  # right on some held-out questions, wrong on others
+    assert after >= before + 0.10

@@ -165,11 +165,12 @@ def iter_batches(seqs: Sequence[TokenSeq], batch_size: int, pad_id: int,
 
 
 def gold_continuation(ex: Example) -> str:
-    """The text a training example is trained on: its gold candidate, or its first answer (spaced after the prompt)."""
+    """The text a training example is trained on: its gold candidate, or its first answer, after a space unless
+    the prompt ends in one or the answer starts with one (so a sampled completion follows its prompt exactly)."""
     if ex.candidates:
         return ex.candidates[ex.gold[0]]
     answer = ex.answers[0] if ex.answers else ""
-    return answer if not ex.prompt or ex.prompt[-1].isspace() else " " + answer
+    return answer if not ex.prompt or ex.prompt[-1].isspace() or answer[:1].isspace() else " " + answer
 
 
 def training_seqs(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
