@@ -81,20 +81,34 @@ class Sampled:
     completions: list[list[str]]
 
 
-def sample_file(cfg: RFTConfig, model_path: str, source: str, params: SamplingParams, out: Path) -> Sampled:
-    """Sample (or read back, when `out` exists) the completions of every question of a file."""
+@dataclass
+class LoadedModel:
+    """A model that samples, with its tokenizer, and where it was loaded from (recorded with its samples)."""
+
+    path: str
+    model: Any
+    tokenizer: Any
+
+
+def load_model(cfg: RFTConfig, path: str) -> LoadedModel:
+    """A model for sampling, with --chat_template applied to its tokenizer."""
     from xgblora.loading import load_for_inference
 
-    model, tokenizer = load_for_inference(model_path, dtype=cfg.dtype_name, device=cfg.device,
+    model, tokenizer = load_for_inference(path, dtype=cfg.dtype_name, device=cfg.device,
                                           attn_implementation=cfg.attn_implementation,
                                           trust_remote_code=cfg.trust_remote_code)
     if cfg.chat_template:
         formats.set_chat_template(tokenizer, cfg.chat_template)
-    prompts = _questions(cfg, source, tokenizer)
+    return LoadedModel(path, model, tokenizer)
+
+
+def sample_file(cfg: RFTConfig, loaded: LoadedModel, source: str, params: SamplingParams, out: Path) -> Sampled:
+    """Sample (or read back, when `out` exists) the completions of every question of a file."""
+    prompts = _questions(cfg, source, loaded.tokenizer)
     if not out.exists():
-        settings = {"model": model_path, "input": source, **dataclasses.asdict(params)}
-        write_completions(model, tokenizer, prompts, params, out, settings)
-    turns = [formats.prompt_turns(tokenizer, ex, raw=cfg.raw_prompts) for ex in prompts.examples]
+        settings = {"model": loaded.path, "input": source, **dataclasses.asdict(params)}
+        write_completions(loaded.model, loaded.tokenizer, prompts, params, out, settings)
+    turns = [formats.prompt_turns(loaded.tokenizer, ex, raw=cfg.raw_prompts) for ex in prompts.examples]
     return Sampled(prompts.examples, turns, [row["completions"] for row in _read_jsonl(out)])
 
 
@@ -118,11 +132,12 @@ def evaluate_model(cfg: RFTConfig, model_path: str, verifier: Verifier, round_di
     """pass@1 of greedy answers and pass@k of k samples per held-out question (written to eval.json)."""
     if (round_dir / "eval.json").exists():
         return json.loads((round_dir / "eval.json").read_text(encoding="utf-8"))
+    loaded = load_model(cfg, model_path)
     greedy = dataclasses.replace(sampling_params(cfg), num_samples=1, temperature=0.0)
-    runs = {"pass@1": sample_file(cfg, model_path, cfg.eval_file, greedy, round_dir / "eval-greedy.jsonl")}
+    runs = {"pass@1": sample_file(cfg, loaded, cfg.eval_file, greedy, round_dir / "eval-greedy.jsonl")}
     if cfg.pass_k:
         params = dataclasses.replace(sampling_params(cfg), num_samples=cfg.pass_k)
-        runs[f"pass@{cfg.pass_k}"] = sample_file(cfg, model_path, cfg.eval_file, params, round_dir / "eval-samples.jsonl")
+        runs[f"pass@{cfg.pass_k}"] = sample_file(cfg, loaded, cfg.eval_file, params, round_dir / "eval-samples.jsonl")
     metrics = {name: sum(any(verifier.correct(t, ex.answers[0]) for t in texts)
                          for ex, texts in zip(s.examples, s.completions, strict=True)) / len(s.examples)
                for name, s in runs.items()}
@@ -181,8 +196,8 @@ def run_rft(cfg: RFTConfig) -> dict[str, Any]:
     records = [{"round": 0, "model": model_path, **evaluate_model(cfg, model_path, verifier, root / "round-0")}]
     for number in range(1, cfg.rounds + 1):
         round_dir = root / f"round-{number}"
-        sampled = sample_file(cfg, cfg.sampler_model or model_path, cfg.train_file, sampling_params(cfg),
-                              round_dir / "samples.jsonl")
+        sampled = sample_file(cfg, load_model(cfg, cfg.sampler_model or model_path), cfg.train_file,
+                              sampling_params(cfg), round_dir / "samples.jsonl")
         counts = verify_round(cfg, sampled, verifier, round_dir)
         if counts["kept"]:
             model_path = train_round(cfg, model_path, round_dir, counts["kept"])

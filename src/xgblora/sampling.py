@@ -51,7 +51,8 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Sample:
-    """One completion: its tokens (the stop token left out), why it ended, and its summed model log-probability."""
+    """One completion: its tokens (the stop token left out), why it ended, and the model's summed log-probability
+    of its tokens and of the stop token that ended it."""
 
     token_ids: tuple[int, ...]
     finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens reached)
