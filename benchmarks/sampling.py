@@ -40,7 +40,7 @@ def build(args: argparse.Namespace):
     model.to(args.device).eval()
     questions = [json.loads(line)["question"] for line in
                  (Path(args.data) / "gsm8k" / "test.jsonl").read_text().splitlines()[:args.prompts]]
-    prompts = [formats.generation_prompt(tokenizer, Example(q, (), ()))[1] for q in questions]
+    prompts = [formats.generation_prompt_ids(tokenizer, Example(q, (), ())) for q in questions]
     stops = torch.randperm(32000, generator=torch.Generator().manual_seed(0))[:int(32000 * args.stop_share)].tolist()
     return model, tokenizer, prompts, stops
 

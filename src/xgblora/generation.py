@@ -31,11 +31,10 @@ from xgblora.sampling import Sample, Sampler, SamplingParams
 
 @dataclass
 class Prompts:
-    """The prompts of a file: each input row, its example (prompt and reference), rendered text and tokens."""
+    """The prompts of a file: each input row, its example (prompt and reference) and its rendered tokens."""
 
     rows: list[dict[str, Any]]
     examples: list[Example]
-    texts: list[str]
     ids: list[list[int]]
 
 
@@ -48,12 +47,12 @@ def read_prompts(source: str, tokenizer: PreTrainedTokenizerBase, *, columns: st
     for where, row in read_rows(source, "train", mapping):
         rows.append({theirs.get(key, key): value for key, value in row.items()})  # the user's own column names
         examples.extend(task.examples(row, where))
-    rendered = [formats.generation_prompt(tokenizer, ex, raw=raw, system=system) for ex in examples]
-    cut = sum(len(ids) > max_length for _, ids in rendered)
+    rendered = [formats.generation_prompt_ids(tokenizer, ex, raw=raw, system=system) for ex in examples]
+    cut = sum(len(ids) > max_length for ids in rendered)
     if cut:
         warnings.warn(f"{cut} of {len(rendered)} prompts were longer than max_length = {max_length} tokens and keep "
                       f"their last {max_length}", stacklevel=2)
-    return Prompts(rows, examples, [text for text, _ in rendered], [ids[-max_length:] for _, ids in rendered])
+    return Prompts(rows, examples, [ids[-max_length:] for ids in rendered])
 
 
 def sampling_params(cfg: Any) -> SamplingParams:

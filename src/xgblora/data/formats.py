@@ -83,15 +83,14 @@ def prompt_turns(tokenizer: PreTrainedTokenizerBase, ex: Example, raw: bool = Fa
     return turns
 
 
-def generation_prompt(tokenizer: PreTrainedTokenizerBase, ex: Example, raw: bool = False,
-                      system: str | None = None) -> tuple[str, list[int]]:
-    """The text and tokens a model continues for a prompt row: `prompt_turns` through the chat template, else the
-    string prompt as it is."""
+def generation_prompt_ids(tokenizer: PreTrainedTokenizerBase, ex: Example, raw: bool = False,
+                          system: str | None = None) -> list[int]:
+    """The tokens a model continues for a prompt row: `prompt_turns` through the chat template, else the string
+    prompt as it is."""
     turns = prompt_turns(tokenizer, ex, raw, system)
     if not turns:
-        return ex.prompt, prompt_ids(tokenizer, ex.prompt, templated=False)
-    text = render(tokenizer, turns, generation_prompt=True, where=f"{ex.source}: ")
-    return text, prompt_ids(tokenizer, text, templated=True)
+        return prompt_ids(tokenizer, ex.prompt, templated=False)
+    return prompt_ids(tokenizer, render(tokenizer, turns, generation_prompt=True, where=f"{ex.source}: "), templated=True)
 
 
 def _with_bos(tokenizer: PreTrainedTokenizerBase, text: str, ids: list[int]) -> list[int]:
