@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-
 SUITES = ("train", "sft", "icl", "compile", "gpu")
 
 
