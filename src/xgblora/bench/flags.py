@@ -43,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--suite sft: batch layouts, +gc with gradient checkpointing (default: all four).")
     parser.add_argument("--max_length", "--max-length", type=int, default=1024,
                         help="--suite sft: sequences cut from the left to this many tokens.")
+    parser.add_argument("--icl_demos", "--icl-demos", type=int, default=32,
+                        help="--suite icl: demonstrations (fewer when they would not fit the model's context).")
+    parser.add_argument("--icl_context", "--icl-context", type=int, default=0,
+                        help="--suite icl: tokens the demonstrations and an example may fill (0: the model's "
+                             "max_position_embeddings); smaller keeps the per-pair loop affordable on a CPU.")
+    parser.add_argument("--icl_tasks", "--icl-tasks", nargs="+", default=None, metavar="TASK",
+                        help="--suite icl: tasks (default: RTE SST2).")
     parser.add_argument("--quick", action="store_true", help="Smallest sizes (for tests): batch 2, 32 tokens.")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -48,6 +49,7 @@ SFT_MODELS = ("llama-100m-random", "llama-100m-128k-random")
 VARIANTS = ("padded", "packed", "padded+gc", "packed+gc")
 LORA = dict(r=8, alpha=16.0, targets="all-linear")
 LR = 1e-4
+MEMORY_STEPS = 2  # the optimizer state is created in the first step, the second runs with it
 _WORKER_CODE = ("import json,sys; from xgblora.bench.sft import memory_worker; "
                 "print(json.dumps(memory_worker(json.loads(sys.argv[1]))))")
 
@@ -253,10 +255,11 @@ def _peak_added(device: torch.device) -> Iterator[dict[str, float]]:
 
 
 def memory_worker(config: dict[str, Any]) -> dict[str, float]:
-    """In a fresh process: one side's warm-up + timed steps of a case, and the memory they add (MiB)."""
+    """In a fresh process: one side's first MEMORY_STEPS steps of a case, and the memory they add (MiB)."""
     case, side = SFTCase(**config["case"]), config["side"]
+    case = dataclasses.replace(case, warmup=0, steps=MEMORY_STEPS)
     seqs = sft_seqs(case)
-    n_steps = case.warmup + case.steps
+    n_steps = MEMORY_STEPS
     if side == "xgblora":
         ours = XgbloraSFT(case, seqs)
         with _peak_added(ours.device) as mem:

@@ -122,6 +122,17 @@ def _run_suite(args: argparse.Namespace) -> tuple[Any, str]:
 
         results = sft.run(apply_quick(args))
         return {"suite": "sft", "environment": environment(args), "cases": results}, sft.format_table(results)
+    if args.suite == "compile":
+        from xgblora.bench import compile as compile_suite
+
+        results = compile_suite.run(apply_quick(args))
+        return ({"suite": "compile", "environment": environment(args), "workloads": results},
+                compile_suite.format_table(results))
+    if args.suite == "icl":
+        from xgblora.bench import icl
+
+        results = icl.run(apply_quick(args))
+        return {"suite": "icl", "environment": environment(args), "tasks": results}, icl.format_table(results)
     res = run(args)
     return res, format_table(res)
 
