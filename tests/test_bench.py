@@ -55,3 +55,18 @@ def test_hf_peft_baseline_gives_a_speedup(tmp_path):
     assert res["hf_steps_timed"] == 3
     assert _positive(res["fo_lora_speedup_vs_hf_peft"])
     assert _positive(res["hf_peft_train_tokens_per_s"])
+
+
+def test_gpu_suite_runs_its_cpu_part_and_names_what_needs_cuda(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    args = _args(tmp_path, "--suite", "gpu")
+    assert suite.main(args) == 0
+    res = json.loads((tmp_path / "bench.json").read_text())
+    parts = res["parts"]
+    assert res["cuda"] is False and (tmp_path / "bench.md").read_text().startswith("GPU suite (no CUDA")
+    tests = parts["cuda_tests"]["tests"]
+    assert len(tests) >= 8 and all(t["outcome"] == "skipped" and t["message"] for t in tests.values())
+    assert _positive(parts["cpu_bench"]["zo_step_over_two_forwards"])
+    for name in ("bench:llama-1b-random", "bench:opt-1.3b-random", "sft", "icl", "compile"):
+        assert parts[name] == {"status": "needs CUDA"}
+    assert "needs CUDA" in capsys.readouterr().out

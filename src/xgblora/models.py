@@ -46,6 +46,8 @@ RANDOM_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "opt-350m-random": ("opt", dict(vocab_size=50272, hidden_size=1024, num_hidden_layers=24, ffn_dim=4096,
                                     num_attention_heads=16, word_embed_proj_dim=512, do_layer_norm_before=False,
                                     max_position_embeddings=2048)),
+    "opt-1.3b-random": ("opt", dict(vocab_size=50272, hidden_size=2048, num_hidden_layers=24, ffn_dim=8192,
+                                    num_attention_heads=32, word_embed_proj_dim=2048, max_position_embeddings=2048)),
     "llama-1b-random": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
                                       tie_word_embeddings=True)),

@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "max_position_embeddings); smaller keeps the per-pair loop affordable on a CPU.")
     parser.add_argument("--icl_tasks", "--icl-tasks", nargs="+", default=None, metavar="TASK",
                         help="--suite icl: tasks (default: RTE SST2).")
+    parser.add_argument("--gpu_budget_s", "--gpu-budget-s", type=float, default=570.0,
+                        help="--suite gpu: seconds for the whole suite; a part starts only if its estimate fits.")
     parser.add_argument("--quick", action="store_true", help="Smallest sizes (for tests): batch 2, 32 tokens.")
 
 

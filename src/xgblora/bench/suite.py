@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib
 import importlib.util
 import json
 import os
@@ -115,26 +116,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+# The other suites: module (with run(args) -> list of results and format_table) and the JSON key of the list
+_SUITES = {"sft": ("xgblora.bench.sft", "cases"), "icl": ("xgblora.bench.icl", "tasks"),
+           "compile": ("xgblora.bench.compile", "workloads")}
+
+
 def _run_suite(args: argparse.Namespace) -> tuple[Any, str]:
     """The figures of the suite the flags name, and their printed table."""
-    if args.suite == "sft":
-        from xgblora.bench import sft
+    if args.suite == "train":
+        res = run(args)
+        return res, format_table(res)
+    if args.suite == "gpu":
+        from xgblora.bench import gpu
 
-        results = sft.run(apply_quick(args))
-        return {"suite": "sft", "environment": environment(args), "cases": results}, sft.format_table(results)
-    if args.suite == "compile":
-        from xgblora.bench import compile as compile_suite
-
-        results = compile_suite.run(apply_quick(args))
-        return ({"suite": "compile", "environment": environment(args), "workloads": results},
-                compile_suite.format_table(results))
-    if args.suite == "icl":
-        from xgblora.bench import icl
-
-        results = icl.run(apply_quick(args))
-        return {"suite": "icl", "environment": environment(args), "tasks": results}, icl.format_table(results)
-    res = run(args)
-    return res, format_table(res)
+        args.json = args.json or "gpu-suite.json"
+        report = gpu.run(args)
+        return {"suite": "gpu", "environment": environment(args), **report}, gpu.format_table(report)
+    module_name, key = _SUITES[args.suite]
+    module = importlib.import_module(module_name)
+    results = module.run(apply_quick(args))
+    return {"suite": args.suite, "environment": environment(args), key: results}, module.format_table(results)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -147,4 +148,7 @@ def main(args: argparse.Namespace) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=2, default=str) + "\n", encoding="utf-8")
         print(f"wrote {path}")
+        if args.suite != "train":  # the other suites' tables are Markdown: kept beside the JSON
+            path.with_suffix(".md").write_text(table + "\n", encoding="utf-8")
+            print(f"wrote {path.with_suffix('.md')}")
     return 0
