@@ -309,8 +309,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if not args.skip_memory:
             res.update(measure_case_memory(case))
         results.append(res)
-        print(f"[sft] {case.model_name} {case.variant}: {res['speedup_vs_trl']:.2f}x TRL", file=sys.stderr,
-              flush=True)
+        print(f"[sft] {format_table([res]).splitlines()[-1]}", file=sys.stderr, flush=True)  # partial results
     return results
 
 
