@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from xgblora.bench import flags, suite, table, workloads
 from xgblora.bench.baselines import hf_vs_xgblora
@@ -55,3 +56,43 @@ def test_hf_peft_baseline_gives_a_speedup(tmp_path):
     assert res["hf_steps_timed"] == 3
     assert _positive(res["fo_lora_speedup_vs_hf_peft"])
     assert _positive(res["hf_peft_train_tokens_per_s"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the CPU part; with a GPU the suite runs its CUDA part")
+def test_gpu_suite_runs_its_cpu_part_and_names_what_needs_cuda(tmp_path, capsys):
+    args = _args(tmp_path, "--suite", "gpu")
+    assert suite.main(args) == 0
+    res = json.loads((tmp_path / "bench.json").read_text())
+    parts = res["parts"]
+    assert res["cuda"] is False and (tmp_path / "bench.md").read_text().startswith("GPU suite (no CUDA")
+    tests = parts["cuda_tests"]["tests"]
+    assert len(tests) >= 8 and all(t["outcome"] == "skipped" and t["message"] for t in tests.values())
+    assert _positive(parts["cpu_bench"]["zo_step_over_two_forwards"])
+    for name in ("bench:llama-1b-random", "bench:opt-1.3b-random", "sft", "icl", "compile"):
+        assert parts[name] == {"status": "needs CUDA"}
+    assert "needs CUDA" in capsys.readouterr().out
+
+
+def test_sft_suite_quick_compares_with_trl_on_the_same_tokens(tmp_path, shared_data):
+    pytest.importorskip("trl")
+    args = _args(tmp_path, "--suite", "sft", "--sft_models", "tiny-llama-chat", "--sft_variants", "padded", "packed",
+                 "--data_dir", str(shared_data), "--skip_memory")
+    assert suite.main(args) == 0
+    cases = json.loads((tmp_path / "bench.json").read_text())["cases"]
+    assert [c["variant"] for c in cases] == ["padded", "packed"]
+    for c in cases:
+        assert c["steps_timed"] == 2 and _positive(c["speedup_vs_trl"]) and 0 < c["target_share"] < 1
+        assert _positive(c["trl_target_tokens_per_s"]) and c["xgblora_tokens_per_s"] > c["xgblora_target_tokens_per_s"]
+
+
+def test_sft_rows_for_trl_carry_loss_exactly_where_xgblora_does():
+    from xgblora.bench import sft
+    from xgblora.data.tasks import Example
+
+    tok = sft.chat_tokenizer("tiny-llama-chat")
+    ex = Example("", (), (), messages=(("user", "What is 2 + 2?"), ("assistant", "It is 4.")))
+    seq = sft.formats.instruction_seqs(tok, [ex], 1024)[0]
+    row = sft.trl_rows([seq])[0]
+    scored = [i for i, label in enumerate(row["labels"]) if label != -100]
+    assert scored == seq.target_offsets() and all(row["labels"][i] == row["input_ids"][i] for i in scored)
+    assert tok.decode([row["input_ids"][i] for i in scored]).startswith("It is 4.")

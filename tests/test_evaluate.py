@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from xgblora import models
-from xgblora.data.batching import TokenSeq, collate, encode_pairs, shared_prefix_groups
+from xgblora.data.batching import TokenSeq, collate, demonstration_text, encode_pairs, shared_prefix_groups
 from xgblora.data.tasks import Example
 from xgblora.evaluate import candidate_scores, evaluate, f1_score, generate_answers, normalize_answer
 from xgblora.scoring import contiguous_head_input
@@ -140,6 +140,48 @@ def test_prefix_cache_runs_each_prompt_once():
         assert sum(row == tokenizer(" It was")["input_ids"] for _, row in fed) == 1
     finally:
         handle.remove()
+
+
+# In-context evaluation: demonstrations long enough for the shared cache (MIN_SHARED_PREFIX tokens and more)
+DEMOS = [Example(f"review {i}: the plot was slow but the actors were fine. It was", (" terrible", " great"), (i % 2,),
+                 sfc_prompt=" It was") for i in range(4)]
+
+
+@pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])
+def test_demonstrations_cached_once_score_what_whole_pairs_score(name):
+    """The demonstrations' shared cache gives the scores and predictions of whole (demos + prompt + candidate)
+    forwards, with SFC calibration against the demonstrations too; and against the unpadded reference."""
+    model, tokenizer = sharpened(name)
+    for kwargs in ({}, {"icl_sfc": True}, {"sfc": True}):
+        cached = candidate_scores(model, tokenizer, VARIED, demos=DEMOS, batch_size=3, **kwargs)
+        whole = candidate_scores(model, tokenizer, VARIED, demos=DEMOS, batch_size=3, prefix_cache=False, **kwargs)
+        for got, want in zip(cached, whole, strict=True):
+            assert got == pytest.approx(want, abs=2e-5), kwargs
+            assert max(range(len(got)), key=got.__getitem__) == max(range(len(want)), key=want.__getitem__)
+    prefix = demonstration_text(DEMOS)
+    ex = VARIED[4]  # clean boundaries
+    ref = [reference_score(model, tokenizer, prefix + ex.prompt, c) for c in ex.candidates]
+    assert candidate_scores(model, tokenizer, VARIED, demos=DEMOS, batch_size=4)[4] == pytest.approx(ref, abs=2e-5)
+
+
+def test_demonstrations_run_once_for_the_whole_evaluation():
+    """Every example's prompt and the SFC calibration run against the one cache of the demonstrations: the
+    demonstration tokens are fed to the model once in all."""
+    model, tokenizer = sharpened("tiny-llama")
+    demo_ids = tokenizer(demonstration_text(DEMOS))["input_ids"]
+    fed: list[list[int]] = []
+
+    def record(module, args, kwargs):  # noqa: ARG001
+        fed.extend(row.tolist() for row in kwargs["input_ids"])
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        candidate_scores(model, tokenizer, VARIED, demos=DEMOS, batch_size=2, icl_sfc=True)
+    finally:
+        handle.remove()
+    head = demo_ids[:16]
+    assert sum(row[:16] == head for row in fed) == 1  # only the shared prefix's own forward starts with the demos
+    assert len(fed) > 1 and max(len(row) for row in fed[1:]) < len(demo_ids)
 
 
 @pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])

@@ -46,9 +46,19 @@ RANDOM_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "opt-350m-random": ("opt", dict(vocab_size=50272, hidden_size=1024, num_hidden_layers=24, ffn_dim=4096,
                                     num_attention_heads=16, word_embed_proj_dim=512, do_layer_norm_before=False,
                                     max_position_embeddings=2048)),
+    "opt-1.3b-random": ("opt", dict(vocab_size=50272, hidden_size=2048, num_hidden_layers=24, ffn_dim=8192,
+                                    num_attention_heads=32, word_embed_proj_dim=2048, max_position_embeddings=2048)),
     "llama-1b-random": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
                                       tie_word_embeddings=True)),
+    # Llama-shaped, about 100M parameters (75M in the blocks), for the instruction-SFT benchmark: a 32k vocabulary
+    # (Llama 2, Mistral) and a 128k one (Llama 3), the same blocks
+    "llama-100m-random": ("llama", dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                                        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096,
+                                        tie_word_embeddings=True)),
+    "llama-100m-128k-random": ("llama", dict(vocab_size=128256, hidden_size=768, intermediate_size=2048,
+                                             num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                                             max_position_embeddings=4096, tie_word_embeddings=True)),
     "tiny-bert": ("bert", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
                                max_position_embeddings=512)),
 }

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+SUITES = ("train", "sft", "icl", "compile", "gpu")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `xgblora bench`."""
+    parser.add_argument("--suite", default="train", choices=SUITES,
+                        help="train: MeZO/AdamW steps, evaluation and HF Trainer + PEFT (the default); sft: "
+                             "instruction SFT against TRL's SFTTrainer + PEFT; icl: in-context evaluation, "
+                             "demonstrations cached once vs the per-pair loop; compile: --compile's warm-up and "
+                             "per-step gain; gpu: the CUDA checks and the bench at user sizes (its CPU part here).")
     parser.add_argument("--model_name", "--model-name", default="tiny-opt",
                         help="A built-in random model (tiny-opt, opt-125m-random, ...), a hub id or a local path.")
     parser.add_argument("--batch_size", "--batch-size", type=int, default=8, help="Training batch size (rows).")
@@ -29,6 +36,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Skip the Hugging Face Trainer + PEFT baseline.")
     parser.add_argument("--skip_memory", "--skip-memory", action="store_true",
                         help="Skip the per-workload peak-memory subprocesses.")
+    parser.add_argument("--sft_models", "--sft-models", nargs="+", default=None, metavar="MODEL",
+                        help="--suite sft: models to compare (default: llama-100m-random, llama-100m-128k-random).")
+    parser.add_argument("--sft_variants", "--sft-variants", nargs="+", default=None,
+                        choices=["padded", "packed", "padded+gc", "packed+gc"],
+                        help="--suite sft: batch layouts, +gc with gradient checkpointing (default: all four).")
+    parser.add_argument("--max_length", "--max-length", type=int, default=1024,
+                        help="--suite sft: sequences cut from the left to this many tokens.")
+    parser.add_argument("--icl_demos", "--icl-demos", type=int, default=32,
+                        help="--suite icl: demonstrations (fewer when they would not fit the model's context).")
+    parser.add_argument("--icl_context", "--icl-context", type=int, default=0,
+                        help="--suite icl: tokens the demonstrations and an example may fill (0: the model's "
+                             "max_position_embeddings); smaller keeps the per-pair loop affordable on a CPU.")
+    parser.add_argument("--icl_tasks", "--icl-tasks", nargs="+", default=None, metavar="TASK",
+                        help="--suite icl: tasks (default: RTE SST2).")
+    parser.add_argument("--gpu_budget_s", "--gpu-budget-s", type=float, default=570.0,
+                        help="--suite gpu: seconds for the whole suite; a part starts only if its estimate fits.")
     parser.add_argument("--quick", action="store_true", help="Smallest sizes (for tests): batch 2, 32 tokens.")
 
 

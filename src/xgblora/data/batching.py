@@ -190,11 +190,12 @@ class PrefixGroup:
     length: int
 
 
-def shared_prefix_groups(seqs: Sequence[TokenSeq]) -> tuple[list[PrefixGroup], list[int]]:
+def shared_prefix_groups(seqs: Sequence[TokenSeq], min_rows: int = 2) -> tuple[list[PrefixGroup], list[int]]:
     """Group each example's sequences by their common prefix (cut before the first scored token of any of them).
 
-    Returns the groups worth scoring against one cached prefix (two or more sequences, a prefix of at least one
-    token) and the indices of the sequences that are not in any group (to score whole).
+    Returns the groups worth scoring against one cached prefix (min_rows or more sequences, a prefix of at least
+    one token) and the indices of the sequences that are not in any group (to score whole). min_rows=1 makes a
+    group of a lone sequence too (worth it when its prompt continues a cache shared by every example).
     """
     by_example: dict[int, list[int]] = {}
     for row, s in enumerate(seqs):
@@ -206,15 +207,27 @@ def shared_prefix_groups(seqs: Sequence[TokenSeq]) -> tuple[list[PrefixGroup], l
         for r in rows[1:]:
             other = seqs[r].ids
             length = next((k for k in range(length) if other[k] != first[k]), length)
-        if len(rows) > 1 and length > 0:
+        if len(rows) >= min_rows and length > 0:
             groups.append(PrefixGroup(tuple(rows), length))
         else:
             alone.extend(rows)
     return groups, alone
 
 
-def collate_prefix_suffix(seqs: Sequence[TokenSeq], groups: Sequence[PrefixGroup],
-                          pad_id: int) -> dict[str, torch.Tensor]:
+def common_prefix_length(seqs: Sequence[TokenSeq]) -> int:
+    """Length of the token prefix that every sequence starts with (the demonstrations of in-context evaluation),
+    cut so that every sequence keeps at least one unscored token after it (whose logits score its first target)."""
+    if not seqs:
+        return 0
+    first = seqs[0].ids
+    length = min(len(s.ids) - s.n_target for s in seqs) - 1
+    for s in seqs[1:]:
+        length = next((k for k in range(length) if s.ids[k] != first[k]), length)
+    return max(length, 0)
+
+
+def collate_prefix_suffix(seqs: Sequence[TokenSeq], groups: Sequence[PrefixGroup], pad_id: int,
+                          start: int = 0) -> dict[str, torch.Tensor]:
     """A batch of shared prefixes (left-padded) and of the sequences' suffixes after them (right-padded).
 
     prefix_*: one row per group, ending in the last column (input_ids, attention_mask, position_ids).
@@ -222,9 +235,13 @@ def collate_prefix_suffix(seqs: Sequence[TokenSeq], groups: Sequence[PrefixGroup
     prefix's, an attention_mask over prefix + suffix columns; `owner` is the row's group (prefix row) and
     `target_mask` marks the scored tokens among the suffix columns. Suffix column j is predicted by the logits
     of suffix column j - 1, and column 0 by the prefix's last logits.
+    start: the first `start` tokens of every prefix are already in a KV cache (the demonstrations, shared by all
+    groups, each longer than start): prefix_input_ids hold the tokens after them, the positions continue from start,
+    and both attention masks begin with `start` columns of ones for the cached tokens.
     """
-    prefixes = [TokenSeq(seqs[g.rows[0]].ids[:g.length], 0, k, 0) for k, g in enumerate(groups)]
+    prefixes = [TokenSeq(seqs[g.rows[0]].ids[start:g.length], 0, k, 0) for k, g in enumerate(groups)]
     prefix = collate(prefixes, pad_id)
+    prefix.attention_mask = torch.cat([torch.ones(len(groups), start, dtype=torch.long), prefix.attention_mask], 1)
     rows = [(k, seqs[r], g.length) for k, g in enumerate(groups) for r in g.rows]
     width = max(len(s.ids) - n for _, s, n in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -238,7 +255,7 @@ def collate_prefix_suffix(seqs: Sequence[TokenSeq], groups: Sequence[PrefixGroup
     owner = torch.tensor([k for k, _, _ in rows])
     lengths = torch.tensor([n for _, _, n in rows])
     return {"prefix_input_ids": prefix.input_ids, "prefix_attention_mask": prefix.attention_mask,
-            "prefix_position_ids": prefix.position_ids,
+            "prefix_position_ids": prefix.position_ids + start,
             "suffix_input_ids": ids, "suffix_position_ids": lengths[:, None] + torch.arange(width),
             "suffix_attention_mask": torch.cat([prefix.attention_mask[owner], mask], dim=1),
-        "owner": owner, "target_mask": target_mask}
+            "owner": owner, "target_mask": target_mask}

@@ -1,0 +1,331 @@
+"""`xgblora bench --suite sft`: xgblora's instruction-SFT step against TRL's `SFTTrainer` + PEFT LoRA.
+
+Both sides train the same random Llama-shaped model (LoRA r=8, alpha 16, every linear layer of the blocks, no
+dropout, the bench's dtype, AdamW lr 1e-4, clip 1.0) on the same batches: GSM8K rows as a user/assistant
+conversation through TinyLlama-Chat's template, tokenised once by `formats.instruction_seqs` (the assistant turn
+and its end-of-turn token carry loss), taken in file order, `batch_size` rows a step, loss the mean over the
+batch's target tokens. TRL gets the rows as `input_ids` + `labels` (-100 off the targets), so both see the same
+tokens. One xgblora step runs inside each TRL `on_step_end`, on the rows TRL just trained on, so the two alternate
+step by step as `baselines.hf_vs_xgblora` does. Variants: padded or packed (TRL's `padding_free`, xgblora's
+`collate_packed`), with or without gradient checkpointing (non-reentrant on both sides).
+
+Peak memory: each side in its own process, what its steps add to the memory held before them (the peak RSS sampled
+during the steps minus the RSS before the first; CUDA: max_memory_allocated over memory_allocated before), so the
+libraries each side imports do not count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xgblora import models
+from xgblora.adapters import lora
+from xgblora.bench.memory import RssSampler, _rss_mb
+from xgblora.bench.timing import sync_device
+from xgblora.data import formats
+from xgblora.data.batching import TokenSeq
+from xgblora.data.tasks import Example
+from xgblora.errors import UserError
+from xgblora.objective import TrainingLoss, sequence_training_set
+from xgblora.optim.fo import AdamWStepper
+
+SFT_MODELS = ("llama-100m-random", "llama-100m-128k-random")
+VARIANTS = ("padded", "packed", "padded+gc", "packed+gc")
+LORA = dict(r=8, alpha=16.0, targets="all-linear")
+LR = 1e-4
+MEMORY_STEPS = 2  # the optimizer state is created in the first step, the second runs with it
+_WORKER_CODE = ("import json,sys; from xgblora.bench.sft import memory_worker; "
+                "print(json.dumps(memory_worker(json.loads(sys.argv[1]))))")
+
+
+@dataclass(frozen=True)
+class SFTCase:
+    """One comparison: a model, a batch layout, gradient checkpointing or not, and the sizes."""
+
+    model_name: str
+    packed: bool
+    checkpointing: bool
+    batch_size: int
+    steps: int  # timed steps, after `warmup` untimed ones
+    warmup: int
+    dtype: str = "float32"
+    device: str = "cpu"
+    data_dir: str = ""
+    rows: int = 0  # GSM8K rows tokenised (the steps' batches come from them in order)
+    max_length: int = 1024
+
+    @property
+    def variant(self) -> str:
+        return ("packed" if self.packed else "padded") + ("+gc" if self.checkpointing else "")
+
+
+# ----------------------------------------------------------------------------- data
+
+def gsm8k_conversations(data_dir: str, n: int) -> list[Example]:
+    """The first n rows of GSM8K's train split as user (question) / assistant (worked answer) conversations."""
+    path = Path(data_dir) / "gsm8k" / "train.jsonl"
+    if not path.is_file():
+        raise UserError(f"--suite sft reads GSM8K rows from {path}, which does not exist (pass --data_dir)")
+    examples = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in zip(range(1, n + 1), f, strict=False):
+            row = json.loads(line)
+            examples.append(Example("", (), (), messages=(("user", row["question"]), ("assistant", row["answer"])),
+                                    source=f"{path}:{line_no}"))
+    return examples
+
+
+def chat_tokenizer(model_name: str) -> Any:
+    """The model's tokenizer, with TinyLlama-Chat's template where it has none (the built-in random models)."""
+    if model_name in models.RANDOM_MODELS:
+        tokenizer = models.tiny_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(models.resolve_path(model_name))
+    tokenizer.chat_template = tokenizer.chat_template or models.ZEPHYR_CHAT_TEMPLATE
+    return tokenizer
+
+
+def sft_seqs(case: SFTCase) -> list[TokenSeq]:
+    """The case's training sequences: enough GSM8K conversations for warm-up and timed steps."""
+    n = case.rows or case.batch_size * (case.warmup + case.steps)
+    return formats.instruction_seqs(chat_tokenizer(case.model_name), gsm8k_conversations(case.data_dir, n),
+                                    case.max_length)
+
+
+def step_rows(case: SFTCase, step: int) -> list[int]:
+    """Indices of the sequences of step `step` (0-based): the rows in order, batch_size a step."""
+    return list(range(step * case.batch_size, (step + 1) * case.batch_size))
+
+
+def trl_rows(seqs: list[TokenSeq]) -> list[dict[str, list[int]]]:
+    """The sequences as TRL rows: input_ids and labels (the token where it carries loss, else -100)."""
+    rows = []
+    for s in seqs:
+        labels = [-100] * len(s.ids)
+        for k in s.target_offsets():
+            labels[k] = s.ids[k]
+        rows.append({"input_ids": list(s.ids), "labels": labels})
+    return rows
+
+
+def batch_tokens(seqs: list[TokenSeq], rows: list[int]) -> tuple[int, int]:
+    """(all tokens, target tokens) of a batch, padding not counted."""
+    return sum(len(seqs[r].ids) for r in rows), sum(len(seqs[r].target_offsets()) for r in rows)
+
+
+# ----------------------------------------------------------------------------- the two sides
+
+class XgbloraSFT:
+    """xgblora's SFT step: LoRA on every linear layer, token-mean loss, `AdamWStepper`, as `xgblora train` runs it."""
+
+    def __init__(self, case: SFTCase, seqs: list[TokenSeq]) -> None:
+        self.device = models.choose_device(case.device)
+        self.model, tokenizer = models.load(case.model_name, dtype=case.dtype, device=case.device)
+        lora.attach(self.model, LORA["targets"], r=LORA["r"], alpha=LORA["alpha"])
+        if case.checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.train_set = sequence_training_set(seqs, tokenizer.pad_token_id, case.packed, token_mean=True)
+        params = [(n, p) for n, p in self.model.named_parameters() if lora.is_adapter_param(n)]
+        self.stepper = AdamWStepper(params, TrainingLoss(self.model), max_grad_norm=1.0, micro_batch=case.batch_size)
+
+    def step(self, rows: list[int]) -> torch.Tensor:
+        """One training step on the given sequences (collation included, as in the train loop)."""
+        self.model.train()
+        batch = self.train_set.batch(rows).to(self.device)
+        return self.stepper.step(lambda: batch, lr=LR)
+
+
+def trl_trainer(case: SFTCase, seqs: list[TokenSeq], callbacks: list[Any], output_dir: str) -> Any:
+    """TRL's SFTTrainer with PEFT LoRA shaped like xgblora's, over the same rows in the same order."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from torch.utils.data import SequentialSampler
+    from trl import SFTConfig, SFTTrainer
+
+    class InOrder(SFTTrainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+    model, tokenizer = models.load(case.model_name, dtype=case.dtype, device=case.device)
+    tokenizer.chat_template = tokenizer.chat_template or models.ZEPHYR_CHAT_TEMPLATE
+    config = SFTConfig(
+        output_dir=output_dir, max_steps=case.warmup + case.steps, per_device_train_batch_size=case.batch_size,
+        learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, gradient_checkpointing=case.checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False}, padding_free=case.packed, max_length=None,
+        report_to="none", save_strategy="no", logging_steps=10**9, disable_tqdm=True, dataloader_num_workers=0,
+        use_cpu=models.choose_device(case.device).type == "cpu", seed=0)
+    peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear",
+                             task_type="CAUSAL_LM")
+    return InOrder(model=model, args=config, train_dataset=Dataset.from_list(trl_rows(seqs)),
+                   processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
+
+
+def _callback(on_step: Callable[[int], None]) -> Any:
+    """A TrainerCallback calling on_step(global_step) at the end of every TRL step."""
+    from transformers import TrainerCallback
+
+    class OnStep(TrainerCallback):
+        def on_step_end(self, targs, tstate, control, **kwargs):  # noqa: ARG002
+            on_step(tstate.global_step)
+            return control
+
+    return OnStep()
+
+
+# ----------------------------------------------------------------------------- timing, interleaved
+
+def compare_case(case: SFTCase) -> dict[str, Any]:
+    """TRL and xgblora steps alternating on the same batches: per-step times, tokens/s, the speed-up."""
+    seqs = sft_seqs(case)
+    ours = XgbloraSFT(case, seqs)
+    device = ours.device
+    trl_times: list[float] = []
+    our_times: list[float] = []
+    mark = [0.0]
+
+    def on_step(global_step: int) -> None:
+        sync_device(device)
+        trl_s = time.perf_counter() - mark[0]
+        start = time.perf_counter()
+        ours.step(step_rows(case, global_step - 1))
+        sync_device(device)
+        if global_step > case.warmup:
+            trl_times.append(trl_s)
+            our_times.append(time.perf_counter() - start)
+        mark[0] = time.perf_counter()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = trl_trainer(case, seqs, [_callback(on_step)], tmp)
+        mark[0] = time.perf_counter()
+        trainer.train()
+    timed = [step_rows(case, s) for s in range(case.warmup, case.warmup + case.steps)]
+    tokens = [batch_tokens(seqs, rows) for rows in timed]
+    all_tokens, target_tokens = sum(t[0] for t in tokens), sum(t[1] for t in tokens)
+    trl_s, our_s = sum(trl_times), sum(our_times)
+    return {
+        "model_name": case.model_name, "variant": case.variant, "steps_timed": len(our_times),
+        "trl_step_s": trl_times, "xgblora_step_s": our_times,
+        "speedup_vs_trl": trl_s / our_s,
+        "speedup_vs_trl_median_step": statistics.median(t / o for t, o in zip(trl_times, our_times, strict=True)),
+        "xgblora_tokens_per_s": all_tokens / our_s, "trl_tokens_per_s": all_tokens / trl_s,
+        "xgblora_target_tokens_per_s": target_tokens / our_s, "trl_target_tokens_per_s": target_tokens / trl_s,
+        "mean_tokens_per_row": all_tokens / (len(timed) * case.batch_size),
+        "target_share": target_tokens / all_tokens,
+    }
+
+
+# ----------------------------------------------------------------------------- memory, one process per side
+
+@contextlib.contextmanager
+def _peak_added(device: torch.device) -> Iterator[dict[str, float]]:
+    """What the block adds to the memory held before it, MiB: {'before', 'peak', 'added'}."""
+    out: dict[str, float] = {}
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        out["before"] = torch.cuda.memory_allocated(device) / 2**20
+        yield out
+        sync_device(device)
+        out["peak"] = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        sampler = RssSampler()
+        out["before"] = _rss_mb()
+        sampler.start()
+        yield out
+        out["peak"] = sampler.stop()
+    out["added"] = out["peak"] - out["before"]
+
+
+def memory_worker(config: dict[str, Any]) -> dict[str, float]:
+    """In a fresh process: one side's first MEMORY_STEPS steps of a case, and the memory they add (MiB)."""
+    case, side = SFTCase(**config["case"]), config["side"]
+    case = dataclasses.replace(case, warmup=0, steps=MEMORY_STEPS)
+    seqs = sft_seqs(case)
+    n_steps = MEMORY_STEPS
+    if side == "xgblora":
+        ours = XgbloraSFT(case, seqs)
+        with _peak_added(ours.device) as mem:
+            for step in range(n_steps):
+                ours.step(step_rows(case, step))
+        return mem
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = trl_trainer(case, seqs, [], tmp)
+        with _peak_added(models.choose_device(case.device)) as mem:
+            trainer.train()
+    return mem
+
+
+def measure_case_memory(case: SFTCase) -> dict[str, Any]:
+    """Each side's memory for the case, one subprocess after the other (so they do not share the cores)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    out: dict[str, Any] = {}
+    for side in ("trl", "xgblora"):
+        config = json.dumps({"case": asdict(case), "side": side})
+        proc = subprocess.run([sys.executable, "-c", _WORKER_CODE, config], capture_output=True, text=True, env=env,
+                              check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"SFT memory worker ({side}, {case.variant}) failed:\n{proc.stderr[-2000:]}")
+        mem = json.loads(proc.stdout.strip().splitlines()[-1])
+        out.update({f"{side}_mem_{k}_mb": v for k, v in mem.items()})
+    out["mem_added_over_trl"] = out["xgblora_mem_added_mb"] / out["trl_mem_added_mb"]
+    return out
+
+
+# ----------------------------------------------------------------------------- the suite
+
+def cases(args: argparse.Namespace) -> list[SFTCase]:
+    """Every (model, variant) the flags ask for."""
+    models_ = args.sft_models or list(SFT_MODELS)
+    variants = args.sft_variants or list(VARIANTS)
+    return [SFTCase(model_name=m, packed=v.startswith("packed"), checkpointing=v.endswith("+gc"),
+                    batch_size=args.batch_size, steps=args.repeats, warmup=args.warmup, dtype=args.dtype,
+                    device=args.device, data_dir=args.data_dir or "", max_length=args.max_length)
+            for m in models_ for v in variants]
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every case of the SFT comparison: timing interleaved in this process, memory in subprocesses."""
+    results = []
+    for case in cases(args):
+        res = compare_case(case)
+        if not args.skip_memory:
+            res.update(measure_case_memory(case))
+        results.append(res)
+        print(f"[sft] {format_table([res]).splitlines()[-1]}", file=sys.stderr, flush=True)  # partial results
+    return results
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    """A Markdown table: one row per model and variant, with the targets' verdicts."""
+    lines = ["| model | variant | tokens/row (target share) | xgblora tok/s (target) | TRL tok/s (target) | "
+             "speed-up (median step) | memory added xgblora / TRL (MiB) | >= 1.5x | memory <= TRL |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        mem = (f"{r['xgblora_mem_added_mb']:.0f} / {r['trl_mem_added_mb']:.0f}" if "trl_mem_added_mb" in r
+               else "skipped")
+        mem_ok = ("pass" if r["mem_added_over_trl"] <= 1.0 else "miss") if "mem_added_over_trl" in r else "n/a"
+        lines.append(
+            f"| {r['model_name']} | {r['variant']} | {r['mean_tokens_per_row']:.0f} ({r['target_share']:.0%}) | "
+            f"{r['xgblora_tokens_per_s']:.0f} ({r['xgblora_target_tokens_per_s']:.0f}) | "
+            f"{r['trl_tokens_per_s']:.0f} ({r['trl_target_tokens_per_s']:.0f}) | "
+            f"{r['speedup_vs_trl']:.2f}x ({r['speedup_vs_trl_median_step']:.2f}x) | {mem} | "
+            f"{'pass' if r['speedup_vs_trl'] >= 1.5 else 'miss'} | {mem_ok} |")
+    return "\n".join(lines)

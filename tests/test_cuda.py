@@ -1,0 +1,163 @@
+"""The CUDA paths, each against its CPU/eager/unfused counterpart: bf16 autocast, attention selection (SDPA,
+flash-attention), varlen packing, fused AdamW, --compile, MeZO's dual batch, out-of-memory halving on a real OOM,
+and a 1-GPU NCCL process group. Marked `cuda`; without a GPU every test skips with the reason.
+`xgblora bench --suite gpu` runs them (`python -m pytest -m cuda tests/test_cuda.py`)."""
+
+import importlib.util
+import os
+import tempfile
+import types
+
+import pytest
+import torch
+
+from xgblora import models
+from xgblora.adapters import lora
+from xgblora.bench.workloads import synthetic_seqs
+from xgblora.config import Config
+from xgblora.data.batching import collate, collate_packed
+from xgblora.distributed import Distributed
+from xgblora.objective import TrainingLoss, per_example_loss
+from xgblora.optim.fo import AdamWStepper, build_optimizer
+from xgblora.optim.zo import MeZO
+from xgblora.scoring import packing_supported
+from xgblora.train.setup import autocast_dtype
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                   reason="needs a CUDA GPU (xgblora bench --suite gpu runs these)")]
+CUDA = torch.device("cuda")
+
+
+def _lora_model(name: str = "tiny-llama", dtype: str = "float32", attn: str = "auto") -> tuple[torch.nn.Module, dict]:
+    model, _ = models.load(name, dtype=dtype, device="cuda", attn_implementation=attn)
+    report = lora.attach(model, ["q_proj", "v_proj"], r=8, alpha=16.0)
+    with torch.no_grad():  # B = 0 at init: give the adapters an effect to compare
+        gen = torch.Generator("cuda").manual_seed(0)
+        for _, p in _adapters(model):
+            p.normal_(0, 0.05, generator=gen)
+    return model, report.modules
+
+
+def _batch(model: torch.nn.Module, rows: int = 4, length: int = 48, seed: int = 0):
+    seqs = synthetic_seqs(rows, length, length // 4, int(model.config.vocab_size), seed=seed)
+    return seqs, collate(seqs, model.config.pad_token_id or 0).to(CUDA)
+
+
+def _adapters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if lora.is_adapter_param(n)]
+
+
+def test_bf16_autocast_is_the_cuda_default_and_close_to_fp32():
+    assert autocast_dtype(Config(), CUDA) == (torch.bfloat16 if torch.cuda.is_bf16_supported() else None)
+    model, _ = _lora_model()
+    _, batch = _batch(model)
+    with torch.no_grad():
+        fp32 = TrainingLoss(model)(batch)
+        bf16 = TrainingLoss(model, autocast=torch.bfloat16)(batch)
+    assert bf16.dtype == torch.float32 and torch.isfinite(bf16).all()
+    torch.testing.assert_close(bf16, fp32, rtol=2e-2, atol=2e-2)
+
+
+def test_attention_auto_is_flash_or_sdpa_and_scores_as_eager():
+    chosen = models.choose_attention("auto", CUDA)
+    assert chosen == ("flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa")
+    dtype = "bfloat16" if chosen.startswith("flash") else "float32"
+    auto, _ = models.load("tiny-llama", dtype=dtype, device="cuda")
+    eager, _ = models.load("tiny-llama", dtype=dtype, device="cuda", attn_implementation="eager")
+    assert auto.config._attn_implementation == chosen  # noqa: SLF001
+    assert torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
+    _, batch = _batch(auto)
+    with torch.no_grad():
+        tol = 3e-2 if dtype == "bfloat16" else 1e-4
+        torch.testing.assert_close(per_example_loss(auto, batch), per_example_loss(eager, batch), rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn is not installed")
+def test_varlen_packing_with_flash_attention_scores_as_padding():
+    model, _ = models.load("tiny-llama", dtype="bfloat16", device="cuda", attn_implementation="flash_attention_2")
+    assert packing_supported(model)
+    seqs, padded = _batch(model, rows=6)
+    packed = collate_packed(seqs).to(CUDA)
+    with torch.no_grad():
+        torch.testing.assert_close(per_example_loss(model, packed), per_example_loss(model, padded),
+                                   rtol=3e-2, atol=3e-2)
+
+
+def test_fused_adamw_on_cuda_matches_the_unfused_step():
+    params = [torch.nn.Parameter(torch.randn(64, 32, device=CUDA)) for _ in range(3)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fused = build_optimizer([(f"w{i}", p) for i, p in enumerate(params)], lr=1e-2)
+    assert fused.defaults.get("fused") is True
+    plain = torch.optim.AdamW(twins, lr=1e-2, weight_decay=0.0, fused=False, foreach=False)
+    for _ in range(3):
+        for p, q in zip(params, twins, strict=True):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        fused.step()
+        plain.step()
+    for p, q in zip(params, twins, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_gives_the_eager_loss_and_gradients():
+    model, _ = _lora_model()
+    model.train()
+    _, batch = _batch(model)
+    eager = TrainingLoss(model)(batch).mean()
+    eager.backward()
+    grads = {n: p.grad.clone() for n, p in _adapters(model)}
+    model.zero_grad(set_to_none=True)
+    compiled = TrainingLoss(torch.compile(model))(batch).mean()
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    for n, p in _adapters(model):
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-3, atol=1e-5)
+
+
+def test_mezo_dual_batch_on_cuda_equals_two_passes():
+    dual_model, modules = _lora_model()
+    two_model, _ = _lora_model()
+    _, batch = _batch(dual_model)
+    dual = MeZO(_adapters(dual_model), lr=1e-3, eps=1e-3, dual_modules=modules, seed=7)
+    two = MeZO(_adapters(two_model), lr=1e-3, eps=1e-3, seed=7)
+    for model in (dual_model, two_model):
+        model.eval()
+    for _ in range(2):
+        got, want = dual.step(TrainingLoss(dual_model), batch), two.step(TrainingLoss(two_model), batch)
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    for (_, p), (_, q) in zip(_adapters(dual_model), _adapters(two_model), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+
+
+def test_a_real_out_of_memory_halves_the_micro_batch_and_keeps_the_loss():
+    model, _ = _lora_model()
+    model.train()
+    _, batch = _batch(model, rows=64, length=1024)
+    with torch.no_grad():
+        want = torch.cat([TrainingLoss(model)(batch.split(k, k + 8)) for k in range(0, 64, 8)]).mean()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(CUDA).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated() + 600 * 2**20) / total)
+    try:
+        stepper = AdamWStepper(_adapters(model), TrainingLoss(model), micro_batch=64)
+        got = stepper.step(lambda: batch, lr=0.0)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert stepper.micro_batch < 64
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_one_gpu_nccl_process_group_all_reduces():
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.distributed.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 'rendezvous')}",
+                                             rank=0, world_size=1, device_id=CUDA)
+        try:
+            assert torch.distributed.get_backend() == "nccl"
+            dist = Distributed(types.SimpleNamespace(num_processes=1, process_index=0, device=CUDA))
+            loss, grad = torch.tensor([1.5], device=CUDA), torch.randn(1000, device=CUDA)
+            before = grad.clone()
+            dist._all_reduce_mean([loss, grad], "the test all-reduce")  # noqa: SLF001 -- the NCCL path itself
+            torch.cuda.synchronize()
+            assert loss.item() == 1.5 and torch.equal(grad, before)
+        finally:
+            torch.distributed.destroy_process_group()
