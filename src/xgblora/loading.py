@@ -42,7 +42,10 @@ def resolve(name_or_path: str, adapter: str | None = None) -> ModelSource:
     if source.adapter is not None:
         raise UserError(f"--adapter {adapter}: {name_or_path} already carries an adapter ({source.adapter}); give "
                         f"the base model as --model_name")
-    extra = _resolve_one(adapter)
+    folder = Path(adapter)
+    if (folder / _ADAPTER_CONFIG).is_file():  # the base given wins over the one the adapter names
+        return ModelSource(source.base, folder)
+    extra = _run_source(folder) if (folder / "config.yaml").is_file() else ModelSource(adapter)
     if extra.adapter is None:
         raise UserError(f"--adapter {adapter}: not a PEFT adapter folder (no {_ADAPTER_CONFIG}) nor an xgblora run "
                         f"folder with an adapter")

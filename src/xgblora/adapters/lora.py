@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -265,12 +265,16 @@ def attach_factors(model: nn.Module, factors: dict[str, tuple[torch.Tensor, torc
         raise UserError(f"the adapter's module {missing[0]!r} is not a linear layer of this model "
                         f"(is the adapter for another base model?)")
     first_rank = next(iter(factors.values()))[0].shape[0]
-    exact_names = "|".join(re.escape(name) for name in factors)  # a regular expression: whole names only
-    report = attach(model, exact_names, r=first_rank, dropout=dropout)
+    report = attach(model, exact_targets(factors), r=first_rank, dropout=dropout)
     for name, (A, B, scaling) in factors.items():
         report.modules[name].load_factors(A, B, scaling)
     report.trainable_params = sum(p.numel() for m in report.modules.values() for p in (m.lora_A, m.lora_B))
     return report
+
+
+def exact_targets(names: Iterable[str]) -> str:
+    """A target spec (a regular expression) that selects exactly these qualified module names."""
+    return "|".join(re.escape(name) for name in names)
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:
