@@ -242,4 +242,6 @@ def load(name_or_path: str, *, dtype: str = "float32", attn_implementation: str 
     if head == "lm":  # logits_to_keep hands the head a strided slice: one GEMM instead of a matmul per row
         contiguous_head_input(model)
     model.config.use_cache = False
+    if load_in_4bit:
+        quant.keep_one_kernel(model)
     return (model if load_in_4bit else model.to(target)), tokenizer  # a 4-bit model was placed as it loaded

@@ -60,6 +60,21 @@ def quantize_linears(model: nn.Module, select: Any, compute_dtype: torch.dtype, 
     return len(chosen)
 
 
+def keep_one_kernel(model: nn.Module) -> None:
+    """Turn off bitsandbytes' repacking of a 4-bit weight for its avx512-bf16 CPU inference kernel. bitsandbytes
+    0.50 rewrites the weight's layout the first time a layer runs in eval mode without gradients (every MeZO
+    forward and every evaluation), asserts on layers whose outputs are not a multiple of 32 (a tiny model's 176),
+    and would run MeZO and AdamW through different kernels; the packed kernel's speed is not measured here."""
+    for module in model.modules():
+        if _is_linear4bit(module):
+            module.support_avx512bf16_for_cpu = False
+
+
+def _is_linear4bit(module: nn.Module) -> bool:
+    """A bitsandbytes Linear4bit layer."""
+    return hasattr(module, "support_avx512bf16_for_cpu") and is_quantized(module)
+
+
 def dequantized_weight(module: nn.Module) -> torch.Tensor:
     """The (out, in) weight a 4-bit layer computes with, dequantised to fp32."""
     bnb = require_bitsandbytes()
