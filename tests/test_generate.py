@@ -123,3 +123,32 @@ def test_sampling_options_out_of_range_are_refused(tmp_path, capsys, flags, mess
     _write_prompts(tmp_path / "prompts.jsonl")
     assert main(["generate", "--input_file", str(tmp_path / "prompts.jsonl"), *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_generate_gives_the_same_greedy_completions_from_a_run_its_peft_export_its_merged_export_and_base_plus_adapter(
+        tmp_path):
+    from xgblora.adapters.export import export_run
+    from xgblora.config import Config
+    from xgblora.train import run
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {w}", "completion": w}) + "\n" for w in
+                            ["yes", "no", "great", "terrible", "maybe", "positive", "negative", "true"]))
+    run(Config(model_name="tiny-llama-chat", task_name="custom", train_file=str(data), eval_file=str(data),
+               method="lora", learning_rate=5e-2, max_steps=4, per_device_train_batch_size=4, no_eval=True,
+               save_strategy="no", output_dir=str(tmp_path / "run"), device="cpu"))
+    export_run(tmp_path / "run", "peft", tmp_path / "peft")
+    export_run(tmp_path / "run", "merged", tmp_path / "merged")
+    _write_prompts(tmp_path / "prompts.jsonl")
+    sources = {"run": ["--model_name", str(tmp_path / "run")], "peft": ["--model_name", str(tmp_path / "peft")],
+               "merged": ["--model_name", str(tmp_path / "merged")],
+               "base+adapter": ["--model_name", "tiny-llama-chat", "--adapter", str(tmp_path / "peft")],
+               "base": ["--model_name", "tiny-llama-chat"]}
+    outputs = {}
+    for name, flags in sources.items():
+        out = tmp_path / f"{name}.jsonl"
+        assert main(["generate", *flags, "--input_file", str(tmp_path / "prompts.jsonl"), "--output_file", str(out),
+                     "--max_new_tokens", "6", "--device", "cpu"]) == 0
+        outputs[name] = [r["completions"] for r in _lines(out)]
+    assert outputs["run"] == outputs["peft"] == outputs["merged"] == outputs["base+adapter"]
+    assert outputs["run"] != outputs["base"]  # the adapter changed the model

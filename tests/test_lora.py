@@ -341,14 +341,14 @@ def test_zo_with_a_large_adapter_scale_warns(caplog):
 
 
 def test_a_plain_rslora_adapter_exports_with_its_scale(tmp_path):
-    from xgblora.adapters.export import _read_adapter, to_peft
+    from xgblora.adapters.export import read_adapter, to_peft
 
     model, _ = models.load("tiny-opt")
     report = attach(model, None, r=4, alpha=6.0, rslora=True)
     for m in report.modules.values():
         nn.init.normal_(m.lora_B)
     to_peft(report.modules, [], tmp_path, "tiny-opt")
-    adapter, _ = _read_adapter(tmp_path)
+    adapter, _ = read_adapter(tmp_path)
     for name, m in report.modules.items():
         A, B, scaling = adapter[name]
         torch.testing.assert_close(B @ A * scaling, m.delta_weight())

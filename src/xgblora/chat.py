@@ -40,9 +40,9 @@ def chat(cfg: ChatConfig, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout
     """Run the conversation loop until /exit or end of input; returns the exit code."""
     from xgblora.loading import load_for_inference
 
-    model, tokenizer = load_for_inference(cfg.model_name, dtype=cfg.dtype_name, device=cfg.device,
+    model, tokenizer = load_for_inference(cfg.model_name, cfg.adapter, dtype=cfg.dtype_name, device=cfg.device,
                                           attn_implementation=cfg.attn_implementation,
-                                          trust_remote_code=cfg.trust_remote_code)
+                                          trust_remote_code=cfg.trust_remote_code, load_in_4bit=cfg.load_in_4bit)
     if cfg.chat_template:
         formats.set_chat_template(tokenizer, cfg.chat_template)
     if tokenizer.chat_template is None:

@@ -108,7 +108,7 @@ def _export(args: argparse.Namespace) -> int:
     from xgblora.adapters.export import export_run
 
     print(json.dumps(export_run(Path(args.run_dir), args.format, Path(args.out), args.rank,
-                                trust_remote_code=args.trust_remote_code), indent=2))
+                                trust_remote_code=args.trust_remote_code, checkpoint=args.checkpoint), indent=2))
     return 0
 
 
@@ -151,7 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name in OPTIONS:
             config_mod.add_arguments(p, OPTIONS[name])
         elif name == "export":
-            p.add_argument("run_dir", help="A finished run's --output_dir (holds config.yaml and final/).")
+            p.add_argument("run_dir", help="A run's --output_dir (holds config.yaml, and final/ once finished).")
+            p.add_argument("--checkpoint", default=None, metavar="step-N|latest|best",
+                           help="Export this checkpoint instead of final/ (an interrupted run's too; latest: the "
+                                "newest intact one).")
             p.add_argument("--format", choices=("peft", "merged"), default="peft",
                            help="peft: a PEFT LoRA adapter; merged: the full model with every delta merged.")
             p.add_argument("--rank", type=int, default=None,

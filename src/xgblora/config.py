@@ -45,6 +45,8 @@ class ModelOptions:
     attn_implementation: str = _opt("auto", "Attention backend: auto picks flash_attention_2 on CUDA when installed, else sdpa.",
                                     ("auto", "sdpa", "eager", "flash_attention_2"))
     trust_remote_code: bool = _opt(False, "Allow a hub model to run its own code (off unless you pass it).")
+    adapter: str | None = _opt(None, "A PEFT LoRA adapter folder (trained with PEFT or xgblora) or an xgblora run folder, applied on --model_name. train: continue training it (its modules, rank and scaling; XGBLoRA merges it as the first booster); eval, generate, chat: use the model with it; rft: the first round samples with it and trains it on. --model_name may also name an adapter folder or a run folder itself.")
+    load_in_4bit: bool = _opt(False, "QLoRA: the base model's linear layers in 4-bit NF4 with double quantisation (bitsandbytes), their matmuls in the autocast dtype (else the weights' dtype); the adapters stay fp32. Training: --method lora or xgblora.")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
 
     @property
@@ -182,6 +184,11 @@ class Config(ModelOptions):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
         parse_report_to(self.report_to)
+        if self.load_in_4bit and self.method == "ft" and self.trainer != "none":
+            raise UserError("--load_in_4bit trains adapters on a frozen 4-bit base; full fine-tuning cannot update "
+                            "4-bit weights: use --method lora or --method xgblora")
+        if self.adapter and self.method == "ft" and self.trainer != "none":
+            raise UserError("--adapter continues training a LoRA adapter: use --method lora or --method xgblora")
         if self.load_float16 and self.load_bfloat16:
             raise UserError("--load_float16 and --load_bfloat16 cannot both be set")
         if self.trainer == "zo" and self.gradient_accumulation_steps != 1:

@@ -145,9 +145,9 @@ def generate_file(cfg: GenerateConfig) -> dict[str, Any]:
     """`xgblora generate`: load the model, render the prompts, write the completions; returns a summary."""
     from xgblora.loading import load_for_inference
 
-    model, tokenizer = load_for_inference(cfg.model_name, dtype=cfg.dtype_name, device=cfg.device,
+    model, tokenizer = load_for_inference(cfg.model_name, cfg.adapter, dtype=cfg.dtype_name, device=cfg.device,
                                           attn_implementation=cfg.attn_implementation,
-                                          trust_remote_code=cfg.trust_remote_code)
+                                          trust_remote_code=cfg.trust_remote_code, load_in_4bit=cfg.load_in_4bit)
     if cfg.chat_template:
         formats.set_chat_template(tokenizer, cfg.chat_template)
     prompts = read_prompts(cfg.input_file, tokenizer, columns=cfg.columns, raw=cfg.raw_prompts,

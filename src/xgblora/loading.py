@@ -1,18 +1,148 @@
-"""A trained model ready for inference, whatever form it was saved in."""
+"""One way in to a trained model, for every command: a base model (hub id, folder, pkg:, built-in), a merged
+model folder, a PEFT LoRA adapter folder (its adapter_config.json names the base), or an xgblora run folder
+(config.yaml + final/, or the newest intact checkpoint of a run that did not finish), optionally with a PEFT
+adapter applied on top (`adapter`).
+
+`resolve` says what a name is (a base, and the adapter folder to apply to it); `load_model` loads the base and
+applies the adapter (its classification head too), merged into the weights unless the base is 4-bit;
+`load_for_inference` adds the inference settings (KV cache on, eval mode, the run's own tokenizer and chat
+template).
+"""
 
 from __future__ import annotations
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from xgblora import models
+from xgblora.adapters.export import read_adapter, run_config
+from xgblora.adapters.lora import attach_factors, unwrap
+from xgblora.errors import UserError
+
+_ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What to load: the base model (a name models.load takes) and the PEFT adapter folder to apply, if any."""
+
+    base: str
+    adapter: Path | None = None
+
+
+def resolve(name_or_path: str, adapter: str | None = None) -> ModelSource:
+    """Say what name_or_path (and adapter: a PEFT adapter folder or a run folder) is; see the module docstring."""
+    source = _resolve_one(name_or_path)
+    if adapter is None:
+        return source
+    if source.adapter is not None:
+        raise UserError(f"--adapter {adapter}: {name_or_path} already carries an adapter ({source.adapter}); give "
+                        f"the base model as --model_name")
+    folder = Path(adapter)
+    if (folder / _ADAPTER_CONFIG).is_file():  # the base given wins over the one the adapter names
+        return ModelSource(source.base, folder)
+    extra = _run_source(folder) if (folder / "config.yaml").is_file() else ModelSource(adapter)
+    if extra.adapter is None:
+        raise UserError(f"--adapter {adapter}: not a PEFT adapter folder (no {_ADAPTER_CONFIG}) nor an xgblora run "
+                        f"folder with an adapter")
+    return ModelSource(source.base, extra.adapter)
+
+
+def _resolve_one(name_or_path: str) -> ModelSource:
+    path = Path(name_or_path)
+    if not path.is_dir():
+        return ModelSource(name_or_path)
+    if (path / "config.yaml").is_file():
+        return _run_source(path)
+    if (path / _ADAPTER_CONFIG).is_file():
+        return ModelSource(_adapter_base(path), path)
+    return ModelSource(name_or_path)
+
+
+def _adapter_base(folder: Path) -> str:
+    """The base model a PEFT adapter folder names (base_model_name_or_path)."""
+    try:
+        base = json.loads((folder / _ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{folder / _ADAPTER_CONFIG}: cannot read ({exc.__class__.__name__})") from None
+    if not base:
+        raise UserError(f"{folder / _ADAPTER_CONFIG}: names no base_model_name_or_path; give the base model as "
+                        f"--model_name and this folder as --adapter")
+    return base
+
+
+def _run_source(run_dir: Path) -> ModelSource:
+    """A run folder: final/ (an adapter, or full fine-tuning's whole model), else its newest intact checkpoint."""
+    from xgblora.train import checkpoint  # train/ loads its models through this module: imported when used
+
+    cfg, final = run_config(run_dir), run_dir / "final"
+    if (final / _ADAPTER_CONFIG).is_file():
+        return ModelSource(cfg["model_name"], final)
+    if (final / "config.json").is_file():
+        return ModelSource(str(final))
+    if not checkpoint.step_checkpoints(run_dir / "checkpoints"):
+        raise UserError(f"{run_dir}: the run has neither final/ nor a checkpoint to load")
+    path = checkpoint.find(run_dir / "checkpoints", "latest")
+    if cfg.get("method") == "ft":
+        raise UserError(f"{run_dir}: an unfinished full fine-tuning run; export its checkpoint first: xgblora export "
+                        f"{run_dir} --checkpoint {path.name} --format merged --out DIR")
+    return ModelSource(cfg["model_name"], checkpoint.adapter_folder(path))
+
+
+def apply_adapter(model: torch.nn.Module, folder: Path, merge: bool) -> None:
+    """Put a PEFT LoRA adapter (and its classification head) on the model, merged into the weights when asked."""
+    factors, head = read_adapter(folder)
+    if head:
+        missing = set(head) - dict(model.named_parameters()).keys()
+        if missing:
+            raise UserError(f"{folder}: the adapter's head tensors {sorted(missing)[:3]} are not parameters of the "
+                            f"base model")
+        model.load_state_dict(head, strict=False)
+    attach_factors(model, factors)
+    if merge:
+        unwrap(model)
+
+
+def load_model(source: ModelSource, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "auto",
+               trust_remote_code: bool = False, load_in_4bit: bool = False, head: str = "auto",
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The base model with the source's adapter applied: merged (fp32 sums, cast once) unless the base is 4-bit,
+    where the adapter stays attached in fp32. The tokenizer is the adapter folder's when it has one."""
+    adapter_head = read_adapter(source.adapter)[1] if source.adapter is not None else {}
+    kind = models.resolve_head(head, source.base, trust_remote_code)
+    # a classifier head's output layer is its narrowest weight (labels < hidden size): [num_labels, hidden]
+    num_labels = min((t.shape[0] for t in adapter_head.values() if t.dim() == 2), default=None)
+    model, tokenizer = models.load(source.base, dtype=dtype, attn_implementation=attn_implementation, device=device,
+                                   trust_remote_code=trust_remote_code, head=kind, num_labels=num_labels,
+                                   load_in_4bit=load_in_4bit)
+    if source.adapter is not None:
+        apply_adapter(model, source.adapter, merge=not load_in_4bit)
+        if (source.adapter / "tokenizer_config.json").is_file():  # final/ carries the run's tokenizer and template
+            tokenizer = _own_tokenizer(source.adapter, tokenizer, trust_remote_code)
+    return model, tokenizer
+
+
+def _own_tokenizer(folder: Path, loaded: PreTrainedTokenizerBase,
+                   trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = loaded.padding_side
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def load_for_inference(name_or_path: str, adapter: str | None = None, *, dtype: str = "float32", device: str = "cpu",
                        attn_implementation: str = "auto", trust_remote_code: bool = False,
                        load_in_4bit: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A causal LM and its tokenizer, in eval mode."""
-    if adapter is not None or load_in_4bit:
-        raise NotImplementedError("adapters and 4-bit bases are loaded by the adapters branch")
-    model, tokenizer = models.load(name_or_path, dtype=dtype, attn_implementation=attn_implementation,
-                                   device=device, trust_remote_code=trust_remote_code)
-    return model.eval(), tokenizer
+    """A trained model ready to generate: any source `resolve` takes, the adapter merged unless 4-bit, eval mode,
+    the KV cache on, padding on the left."""
+    model, tokenizer = load_model(resolve(name_or_path, adapter), dtype=dtype, device=device,
+                                  attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+                                  load_in_4bit=load_in_4bit)
+    model.config.use_cache = True
+    model.eval()
+    return model, tokenizer

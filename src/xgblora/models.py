@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from xgblora import quant
 from xgblora.errors import UserError
 from xgblora.scoring import contiguous_head_input
 
@@ -208,27 +210,36 @@ def resolve_path(name_or_path: str) -> str:
     return str(found[0].parent)
 
 
+_IN_A_BLOCK = re.compile(r"\.\d+\.")  # a numbered transformer block: what a built-in model quantises
+
+
 def load(name_or_path: str, *, dtype: str = "float32", attn_implementation: str = "auto", device: str = "cpu",
-         trust_remote_code: bool = False, head: str = "lm",
-         num_labels: int | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+         trust_remote_code: bool = False, head: str = "lm", num_labels: int | None = None,
+         load_in_4bit: bool = False, compute_dtype: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a model and its tokenizer ready for training: chosen dtype and attention, use_cache off.
 
     `head` picks the class (HEAD_CLASSES); a classifier gets a new head of `num_labels` outputs. Causal LMs pad on
-    the left (every sequence ends in the last column), classifiers and masked LMs on the right.
+    the left (every sequence ends in the last column), classifiers and masked LMs on the right. `load_in_4bit`:
+    the linear layers in NF4 (quant.py), their matmuls in `compute_dtype` (default `dtype`); the rest in `dtype`.
     """
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     target = choose_device(device)
     attn = choose_attention(attn_implementation, target)
     labels = {"num_labels": num_labels} if head == "classifier" and num_labels is not None else {}
+    compute = DTYPES[compute_dtype or dtype]
     if name_or_path in RANDOM_MODELS:
         model, tokenizer = random_model(name_or_path, dtype=dtype, attn_implementation=attn, head=head, **labels)
+        if load_in_4bit:
+            quant.quantize_linears(model.to(target), lambda name: bool(_IN_A_BLOCK.search(name)), compute, target)
     else:
         path = resolve_path(name_or_path)
+        quantized = {"quantization_config": quant.bnb_config(compute), "device_map": {"": target}} \
+            if load_in_4bit else {}  # transformers quantises each weight as it reads it
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             model = HEAD_CLASSES[head].from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn,
-                                                       trust_remote_code=trust_remote_code, **labels)
+                                                       trust_remote_code=trust_remote_code, **labels, **quantized)
         except (OSError, ValueError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
             raise UserError(f"cannot load model {name_or_path!r}: not a built-in ({', '.join(RANDOM_MODELS)}), "
@@ -241,4 +252,6 @@ def load(name_or_path: str, *, dtype: str = "float32", attn_implementation: str 
     if head == "lm":  # logits_to_keep hands the head a strided slice: one GEMM instead of a matmul per row
         contiguous_head_input(model)
     model.config.use_cache = False
-    return model.to(target), tokenizer
+    if load_in_4bit:
+        quant.keep_one_kernel(model)
+    return (model if load_in_4bit else model.to(target)), tokenizer  # a 4-bit model was placed as it loaded

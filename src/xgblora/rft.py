@@ -90,13 +90,13 @@ class LoadedModel:
     tokenizer: Any
 
 
-def load_model(cfg: RFTConfig, path: str) -> LoadedModel:
-    """A model for sampling, with --chat_template applied to its tokenizer."""
+def load_model(cfg: RFTConfig, path: str, adapter: str | None = None) -> LoadedModel:
+    """A model for sampling (with an adapter applied), with --chat_template applied to its tokenizer."""
     from xgblora.loading import load_for_inference
 
-    model, tokenizer = load_for_inference(path, dtype=cfg.dtype_name, device=cfg.device,
+    model, tokenizer = load_for_inference(path, adapter, dtype=cfg.dtype_name, device=cfg.device,
                                           attn_implementation=cfg.attn_implementation,
-                                          trust_remote_code=cfg.trust_remote_code)
+                                          trust_remote_code=cfg.trust_remote_code, load_in_4bit=cfg.load_in_4bit)
     if cfg.chat_template:
         formats.set_chat_template(tokenizer, cfg.chat_template)
     return LoadedModel(path, model, tokenizer)
@@ -128,11 +128,12 @@ def verify_round(cfg: RFTConfig, sampled: Sampled, verifier: Verifier, round_dir
             "kept_fraction": len(rows) / samples if samples else 0.0}
 
 
-def evaluate_model(cfg: RFTConfig, model_path: str, verifier: Verifier, round_dir: Path) -> dict[str, float]:
+def evaluate_model(cfg: RFTConfig, model_path: str, adapter: str | None, verifier: Verifier,
+                   round_dir: Path) -> dict[str, float]:
     """pass@1 of greedy answers and pass@k of k samples per held-out question (written to eval.json)."""
     if (round_dir / "eval.json").exists():
         return json.loads((round_dir / "eval.json").read_text(encoding="utf-8"))
-    loaded = load_model(cfg, model_path)
+    loaded = load_model(cfg, model_path, adapter)
     greedy = dataclasses.replace(sampling_params(cfg), num_samples=1, temperature=0.0)
     runs = {"pass@1": sample_file(cfg, loaded, cfg.eval_file, greedy, round_dir / "eval-greedy.jsonl")}
     if cfg.pass_k:
@@ -145,28 +146,29 @@ def evaluate_model(cfg: RFTConfig, model_path: str, verifier: Verifier, round_di
     return metrics
 
 
-def training_config(cfg: RFTConfig, model_path: str, round_dir: Path, n_rows: int) -> Config:
-    """The round's `xgblora train` options: the run's own, on the kept rows, from the current model."""
+def training_config(cfg: RFTConfig, model_path: str, adapter: str | None, round_dir: Path, n_rows: int) -> Config:
+    """The round's `xgblora train` options: the run's own, on the kept rows, from the current model (and its
+    adapter, which training continues)."""
     options = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
-    options.update(model_name=model_path, task_name="custom", train_file=str(round_dir / "train.jsonl"),
+    options.update(model_name=model_path, adapter=adapter, task_name="custom", train_file=str(round_dir / "train.jsonl"),
                    eval_file=str(Path(cfg.output_root) / "heldout.jsonl"), columns=None, data_format="auto",
                    num_train=n_rows, num_dev=None, no_eval=True, result_file=None,
                    output_dir=str(round_dir / "run"))
     return Config(**options)
 
 
-def train_round(cfg: RFTConfig, model_path: str, round_dir: Path, n_rows: int) -> str:
+def train_round(cfg: RFTConfig, model_path: str, adapter: str | None, round_dir: Path, n_rows: int) -> str:
     """Fine-tune the current model on the round's kept rows and merge it; returns the merged model's folder."""
     from xgblora.adapters.export import export_run
-    from xgblora.train import run
+    from xgblora.train import checkpoint, run
 
     merged = round_dir / "model"
     if merged.exists():
         return str(merged)
-    train_cfg = training_config(cfg, model_path, round_dir, n_rows)
-    if not (round_dir / "run" / "results.json").exists():
-        run(dataclasses.replace(train_cfg, resume_from_checkpoint="latest") if (round_dir / "run").exists()
-            else train_cfg)
+    train_cfg = training_config(cfg, model_path, adapter, round_dir, n_rows)
+    if not (round_dir / "run" / "results.json").exists():  # an interrupted run resumes from its last checkpoint
+        resumable = (round_dir / "run").is_dir() and checkpoint.step_checkpoints(round_dir / "run")
+        run(dataclasses.replace(train_cfg, resume_from_checkpoint="latest") if resumable else train_cfg)
     export_run(round_dir / "run", "merged", merged, trust_remote_code=cfg.trust_remote_code)
     return str(merged)
 
@@ -192,16 +194,17 @@ def run_rft(cfg: RFTConfig) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     _heldout_rows(cfg, root)
     verifier = Verifier(make_extractor(cfg.verifier), cfg.answer_tolerance)
-    model_path = cfg.model_name
-    records = [{"round": 0, "model": model_path, **evaluate_model(cfg, model_path, verifier, root / "round-0")}]
+    model_path, adapter = cfg.model_name, cfg.adapter
+    records = [{"round": 0, "model": model_path,
+                **evaluate_model(cfg, model_path, adapter, verifier, root / "round-0")}]
     for number in range(1, cfg.rounds + 1):
         round_dir = root / f"round-{number}"
-        sampled = sample_file(cfg, load_model(cfg, cfg.sampler_model or model_path), cfg.train_file,
-                              sampling_params(cfg), round_dir / "samples.jsonl")
+        sampler = load_model(cfg, cfg.sampler_model) if cfg.sampler_model else load_model(cfg, model_path, adapter)
+        sampled = sample_file(cfg, sampler, cfg.train_file, sampling_params(cfg), round_dir / "samples.jsonl")
         counts = verify_round(cfg, sampled, verifier, round_dir)
         if counts["kept"]:
-            model_path = train_round(cfg, model_path, round_dir, counts["kept"])
-            scores = evaluate_model(cfg, model_path, verifier, round_dir)
+            model_path, adapter = train_round(cfg, model_path, adapter, round_dir, counts["kept"]), None
+            scores = evaluate_model(cfg, model_path, adapter, verifier, round_dir)
         else:  # the model stays as it was; a next round draws other samples from it
             log.warning("rft round %d: none of the %d completions was correct, so nothing was trained; raise "
                         "--num_return_sequences or --temperature, or start from a model fine-tuned on the task",

@@ -13,6 +13,7 @@ import torch
 
 from xgblora.adapters.lora import LoRALinear
 from xgblora.errors import UserError
+from xgblora.quant import is_quantized
 
 log = logging.getLogger("xgblora")
 
@@ -84,6 +85,20 @@ class Boosting:
             m.active = name in chosen
             m.lora_A.requires_grad_(m.active)
             m.lora_B.requires_grad_(m.active)
+
+    def absorb(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
+        """Merge a trained adapter ({module: (A, B, scaling)}) into the base weights as booster 1 at step 0: its
+        record in the history keeps exports (base + every booster) exact."""
+        missing = sorted(set(factors) - set(self.modules))
+        if missing:
+            raise UserError(f"the adapter's module {missing[0]!r} is not among the adapted modules; leave "
+                            f"--lora_target_modules unset (the adapter's modules) or include it")
+        record = {}
+        for name, (A, B, scale) in factors.items():
+            self.modules[name].merge_factors(A, B, scale)
+            record[name] = {"A": _cpu_copy(A), "B": _cpu_copy(B), "scale": float(scale)}
+        self.history.append({"booster": len(self.history) + 1, "step": 0, "modules": record})
+        log.info("XGBLoRA: the adapter's %d modules merged as booster %d", len(record), len(self.history))
 
     # ------------------------------------------------------------------ schedule
 
@@ -179,11 +194,23 @@ class Boosting:
                 "generator": self._generator.get_state(), "subset": list(self.subset), "ema": self._ema,
                 "best": self._best, "since_best": self._since_best, "snapshot": snapshot}
 
+    def _restore_side_factors(self) -> None:
+        """A 4-bit base holds its merged boosters as side factors, not in its (unsaved) weight: rebuild them from
+        the history."""
+        quantized = {name: m for name, m in self.modules.items() if is_quantized(m.base)}
+        for m in quantized.values():
+            m.clear_merged()
+        for booster in self.history:
+            for name, rec in booster["modules"].items():
+                if name in quantized:
+                    quantized[name].merge_factors(rec["A"], rec["B"], rec["scale"])
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict() returned (the model's adapter and base weights are restored separately)."""
         if list(state["blocks"]) != self._block_names:
             raise UserError("the checkpoint's XGBLoRA layers do not match this model's adapted layers")
         self.history = list(state["history"])
+        self._restore_side_factors()
         self._generator.set_state(state["generator"])
         self._apply_subset(list(state["subset"]))
         self._ema, self._best, self._since_best = state["ema"], state["best"], int(state["since_best"])

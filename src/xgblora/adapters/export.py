@@ -15,7 +15,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from xgblora import atomic
-from xgblora.adapters.lora import LoRALinear, add_delta_, is_adapter_param, lora_delta, unwrap
+from xgblora.adapters.lora import LoRALinear, is_adapter_param, unwrap
 from xgblora.errors import UserError
 
 # One low-rank term of a module's total update: scale * B @ A.
@@ -150,7 +150,7 @@ def _pattern_value(pattern: dict[str, Any], name: str, default: Any) -> Any:
     return default
 
 
-def _read_adapter(folder: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, float]], dict[str, torch.Tensor]]:
+def read_adapter(folder: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, float]], dict[str, torch.Tensor]]:
     """{module: (A, B, scaling)} of a PEFT LoRA adapter folder, and its modules_to_save tensors (a classification
     head) by parameter name; read with safetensors (no peft import)."""
     try:
@@ -180,9 +180,9 @@ def _read_adapter(folder: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Ten
     return out, head
 
 
-def _run_config(run_dir: Path) -> tuple[dict[str, Any], Path]:
-    """The run's config.yaml (as a dict) and its final/ folder; UserError when either is missing."""
-    cfg_path, final = run_dir / "config.yaml", run_dir / "final"
+def run_config(run_dir: Path) -> dict[str, Any]:
+    """The run's config.yaml as a dict; UserError when it is missing or names no model."""
+    cfg_path = run_dir / "config.yaml"
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: no such run folder")
     if not cfg_path.is_file():
@@ -193,9 +193,20 @@ def _run_config(run_dir: Path) -> tuple[dict[str, Any], Path]:
         raise UserError(f"{cfg_path}: cannot read ({exc.__class__.__name__})") from None
     if not isinstance(cfg, dict) or not cfg.get("model_name"):
         raise UserError(f"{cfg_path}: no model_name")
+    return cfg
+
+
+def _source_folder(run_dir: Path, checkpoint: str | None) -> Path:
+    """What an export reads: final/ (a PEFT adapter, or full fine-tuning's whole model), or a checkpoint's adapter."""
+    if checkpoint is not None:
+        from xgblora.train import checkpoint as ckpt  # the checkpoint layout is train/checkpoint.py's alone
+
+        return ckpt.adapter_folder(ckpt.find(run_dir / "checkpoints", checkpoint))
+    final = run_dir / "final"
     if not ((final / "adapter_config.json").is_file() or (final / "config.json").is_file()):
-        raise UserError(f"{run_dir}: the run is not finished (no final/ adapter or model); train it to the end first")
-    return cfg, final
+        raise UserError(f"{run_dir}: the run is not finished (no final/ adapter or model); train it to the end, or "
+                        f"export a checkpoint with --checkpoint latest|best|step-N")
+    return final
 
 
 def _check_out(out: Path, run_dir: Path) -> None:
@@ -217,9 +228,10 @@ def _energy_report(energy: dict[str, float], kept: float, total: float) -> dict[
             "retained_energy_min_module": worst}
 
 
-def export_run(run_dir: Path, fmt: str, out: Path, rank: int | None = None,
-               trust_remote_code: bool = False) -> dict[str, Any]:
-    """Export a finished run's final/ as a PEFT adapter (optionally SVD-compressed to `rank`) or a merged model.
+def export_run(run_dir: Path, fmt: str, out: Path, rank: int | None = None, trust_remote_code: bool = False,
+               checkpoint: str | None = None) -> dict[str, Any]:
+    """Export a finished run's final/, or any of its checkpoints (`checkpoint`: step-N, latest, best; a run that
+    was interrupted too), as a PEFT adapter (optionally SVD-compressed to `rank`) or a merged model.
 
     A merged export loads the base model; its own code runs only with trust_remote_code (the run's config.yaml
     saying so is not enough: a run folder can come from anyone).
@@ -231,10 +243,11 @@ def export_run(run_dir: Path, fmt: str, out: Path, rank: int | None = None,
         raise UserError("--rank applies to --format peft only (a merged model has no adapter rank)")
     if rank is not None and rank < 1:
         raise UserError(f"--rank must be at least 1, got {rank}")
-    cfg, final = _run_config(run_dir)
+    cfg = run_config(run_dir)
+    final = _source_folder(run_dir, checkpoint)
     _check_out(out, run_dir)
     with atomic.replaced_folder(out) as folder:  # a folder at `out` is a whole export; a kill leaves .out.tmp
-        result = {"format": fmt, "out": str(out), "base_model": cfg["model_name"],
+        result = {"format": fmt, "out": str(out), "base_model": cfg["model_name"], "source": str(final),
                   **_export_into(folder, cfg, final, run_dir, fmt, rank, trust_remote_code)}
         (folder / EXPORT_RECORD).write_text(json.dumps({**result, "run_dir": str(run_dir)}, indent=2) + "\n",
                                             encoding="utf-8")
@@ -252,7 +265,7 @@ def _export_into(out: Path, cfg: dict[str, Any], final: Path, run_dir: Path, fmt
                             f"PEFT; use --format merged")
         shutil.copytree(final, out, dirs_exist_ok=True)  # `out` is the empty temporary folder
         return result
-    adapter, head = _read_adapter(final)
+    adapter, head = read_adapter(final)
     result["modules"] = len(adapter)
     if fmt == "peft" and rank is None:
         for name in _ADAPTER_FILES:
@@ -274,40 +287,18 @@ def _export_into(out: Path, cfg: dict[str, Any], final: Path, run_dir: Path, fmt
     if cfg.get("trust_remote_code") and not trust_remote_code:
         raise UserError(f"{run_dir} was trained with --trust_remote_code; pass --trust_remote_code to export it "
                         f"merged (the base model runs its own code)")
-    return {**result, **_merge_into_base(cfg, adapter, head, out, trust_remote_code)}
+    return {**result, **_merge_into_base(cfg, final, out, trust_remote_code)}
 
 
-def _merge_into_base(cfg: dict[str, Any], adapter: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
-                     head: dict[str, torch.Tensor], out: Path, trust_remote_code: bool) -> dict[str, Any]:
-    """Load the base model, add each module's scaling * B @ A (fp32, cast once), set a trained classification
-    head, save model and tokenizer."""
-    from xgblora import models
+def _merge_into_base(cfg: dict[str, Any], adapter: Path, out: Path, trust_remote_code: bool) -> dict[str, Any]:
+    """Load the base model in the run's dtype with the adapter merged (fp32 sums, cast once) and its trained
+    classification head, the base always in 16/32 bits (a 4-bit run's adapter merges into the unquantised base);
+    save model and tokenizer."""
+    from xgblora import loading  # the one model loader, which reads adapters with this module
 
     dtype = "float16" if cfg.get("load_float16") else "bfloat16" if cfg.get("load_bfloat16") else "float32"
-    remote = trust_remote_code
-    kind = models.resolve_head(cfg.get("head", "auto"), cfg["model_name"], remote)
-    # the head's output layer is its narrowest weight (labels < hidden size): [num_labels, hidden]
-    num_labels = min((t.shape[0] for t in head.values() if t.dim() == 2), default=None)
-    model, tokenizer = models.load(cfg["model_name"], dtype=dtype, device="cpu", trust_remote_code=remote,
-                                   head=kind, num_labels=num_labels)
-    if head:
-        missing = set(head) - dict(model.named_parameters()).keys()
-        if missing:
-            raise UserError(f"the adapter's head tensors {sorted(missing)[:3]} are not parameters of {cfg['model_name']}")
-        model.load_state_dict(head, strict=False)
-    with torch.no_grad():
-        for name, (A, B, scaling) in adapter.items():
-            try:
-                weight = model.get_submodule(name).weight
-            except AttributeError:
-                raise UserError(f"adapter module {name!r} is not a module of {cfg['model_name']}") from None
-            delta = lora_delta(A, B, scaling)
-            if delta.shape != weight.shape and delta.T.shape == weight.shape:  # Conv1D (fan_in_fan_out) layout
-                delta = delta.T
-            if delta.shape != weight.shape:
-                raise UserError(f"adapter module {name!r}: delta {tuple(delta.shape)} does not fit the base weight "
-                                f"{tuple(weight.shape)}")
-            add_delta_(weight, delta)
+    model, tokenizer = loading.load_model(loading.ModelSource(cfg["model_name"], adapter), dtype=dtype,
+                                          trust_remote_code=trust_remote_code, head=cfg.get("head", "auto"))
     model.config.use_cache = True  # models.load turns it off for training; a merged export is for inference
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

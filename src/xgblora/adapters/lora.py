@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xgblora.errors import UserError
+from xgblora.quant import is_quantized
 
 # Attention query and value projections, by model_type (the LoRA paper's choice and MeZO's).
 _DEFAULT_TARGETS: dict[tuple[str, ...], list[str]] = {
@@ -55,8 +56,11 @@ def is_conv1d(module: nn.Module) -> bool:
 class LoRALinear(nn.Module):
     """A frozen linear layer plus scaling * B A in fp32; inactive -> the base alone; dual mode -> +/- perturbed halves.
 
-    The base is an nn.Linear (weight (out, in)) or GPT-2's Conv1D (weight (in, out): `fan_in_fan_out`); A and B have
-    the same shapes for both, and a merge adds the delta in the base's own layout.
+    The base is an nn.Linear (weight (out, in)), GPT-2's Conv1D (weight (in, out): `fan_in_fan_out`) or a 4-bit
+    bitsandbytes Linear4bit; A and B have the same shapes for all, and a merge adds the delta in the base's own
+    layout. A 4-bit weight cannot take a delta without re-quantising it (an NF4 rounding error per merge), so merges
+    into it are kept exact, as low-rank fp32 factors beside it (`merged_A`, `merged_B`, the scale folded into B):
+    XGBLoRA's T boosters of rank r cost T r (in + out) floats there, not a dense (out, in) matrix.
     """
 
     def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0, rslora: bool = False):
@@ -67,7 +71,8 @@ class LoRALinear(nn.Module):
         for p in base.parameters():
             p.requires_grad_(False)
         self.fan_in_fan_out = is_conv1d(base)
-        out_features, in_features = base.weight.shape[::-1] if self.fan_in_fan_out else base.weight.shape
+        out_features, in_features = base.weight.shape[::-1] if self.fan_in_fan_out else \
+            (base.out_features, base.in_features)  # a 4-bit weight is stored packed: its shape is not (out, in)
         self.in_features, self.out_features = in_features, out_features
         self.r, self.alpha = r, float(alpha)
         self.scaling = lora_scaling(self.alpha, r, rslora)
@@ -78,6 +83,8 @@ class LoRALinear(nn.Module):
         self.active = True
         self._dual_A: torch.Tensor | None = None
         self._dual_B: torch.Tensor | None = None
+        self.register_buffer("merged_A", None, persistent=False)  # merges into a 4-bit base (see the class doc)
+        self.register_buffer("merged_B", None, persistent=False)
         self.reset()
 
     def extra_repr(self) -> str:
@@ -87,17 +94,22 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """base(x) + scaling * B A dropout(x), the branch and the sum in fp32, cast to the base output's dtype."""
         out = self.base(x)
-        if not self.active:
+        if not self.active and self.merged_A is None:
             return out
         no_autocast = (torch.autocast(x.device.type, enabled=False) if torch.is_autocast_enabled(x.device.type)
                        else contextlib.nullcontext())
         with no_autocast:
-            h = self.dropout(x).to(torch.float32)
-            if self._dual_A is not None:
-                delta = self._dual_delta(h)
-            else:
-                delta = F.linear(F.linear(h, self.lora_A) * self.scaling, self.lora_B)
-            return (out + delta).to(out.dtype)
+            total = out.to(torch.float32)
+            if self.merged_A is not None:
+                total = total + F.linear(F.linear(x.to(torch.float32), self.merged_A), self.merged_B)
+            if self.active:
+                total = total + self._branch(self.dropout(x).to(torch.float32))
+            return total.to(out.dtype)
+
+    def _branch(self, h: torch.Tensor) -> torch.Tensor:
+        if self._dual_A is not None:
+            return self._dual_delta(h)
+        return F.linear(F.linear(h, self.lora_A) * self.scaling, self.lora_B)
 
     def _dual_delta(self, h: torch.Tensor) -> torch.Tensor:
         if h.shape[0] % 2:
@@ -112,9 +124,36 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merge(self, shrinkage: float = 1.0) -> None:
-        """base.weight += shrinkage * delta (transposed for Conv1D), summed in fp32 and cast to its dtype once."""
-        delta = lora_delta(self.lora_A, self.lora_B, shrinkage * self.scaling)
+        """Add shrinkage * the branch to the base (see merge_factors)."""
+        self.merge_factors(self.lora_A, self.lora_B, shrinkage * self.scaling)
+
+    @torch.no_grad()
+    def merge_factors(self, A: torch.Tensor, B: torch.Tensor, scale: float) -> None:
+        """base.weight += scale * B @ A (transposed for Conv1D), summed in fp32 and cast to its dtype once; for a
+        4-bit base, (A, scale * B) join the fp32 side factors instead."""
+        A, B = A.detach().to(self.lora_A), B.detach().to(self.lora_B)
+        if is_quantized(self.base):
+            self.merged_A = A.clone() if self.merged_A is None else torch.cat([self.merged_A, A])
+            self.merged_B = scale * B if self.merged_B is None else torch.cat([self.merged_B, scale * B], dim=1)
+            return
+        delta = lora_delta(A, B, scale)
         add_delta_(self.base.weight, delta.T if self.fan_in_fan_out else delta)
+
+    def clear_merged(self) -> None:
+        """Drop the side factors of a 4-bit base (before they are rebuilt from a booster history)."""
+        self.merged_A = self.merged_B = None
+
+    @torch.no_grad()
+    def load_factors(self, A: torch.Tensor, B: torch.Tensor, scaling: float) -> None:
+        """Take a trained adapter's A (r, in), B (out, r) and scaling as this branch: the rank becomes r."""
+        if A.shape[1] != self.in_features or B.shape[0] != self.out_features or A.shape[0] != B.shape[1]:
+            raise UserError(f"adapter factors A {tuple(A.shape)}, B {tuple(B.shape)} do not fit a layer of "
+                            f"{self.in_features} inputs and {self.out_features} outputs")
+        device = self.lora_A.device
+        self.lora_A = nn.Parameter(A.detach().to(device, torch.float32).clone())
+        self.lora_B = nn.Parameter(B.detach().to(device, torch.float32).clone())
+        self.r, self.scaling = A.shape[0], float(scaling)
+        self.alpha = self.scaling * self.r
 
     @torch.no_grad()
     def reset(self, generator: torch.Generator | None = None) -> None:
@@ -217,6 +256,34 @@ def attach(model: nn.Module, targets: str | list[str] | None = None, r: int = 8,
     return AttachReport(modules, trainable, total, r)
 
 
+def attach_factors(model: nn.Module, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
+                   dropout: float = 0.0) -> AttachReport:
+    """Attach LoRALinear layers to exactly the modules of a trained adapter ({name: (A, B, scaling)}), each with the
+    adapter's own rank, factors and scaling."""
+    missing = [name for name in factors if not _is_linear(_submodule(model, name))]
+    if missing:
+        raise UserError(f"the adapter's module {missing[0]!r} is not a linear layer of this model "
+                        f"(is the adapter for another base model?)")
+    first_rank = next(iter(factors.values()))[0].shape[0]
+    report = attach(model, exact_targets(factors), r=first_rank, dropout=dropout)
+    for name, (A, B, scaling) in factors.items():
+        report.modules[name].load_factors(A, B, scaling)
+    report.trainable_params = sum(p.numel() for m in report.modules.values() for p in (m.lora_A, m.lora_B))
+    return report
+
+
+def exact_targets(names: Iterable[str]) -> str:
+    """A target spec (a regular expression) that selects exactly these qualified module names."""
+    return "|".join(re.escape(name) for name in names)
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     """Every LoRALinear in the model, by qualified module name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
@@ -225,6 +292,9 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 def unwrap(model: nn.Module) -> None:
     """Merge every active adapter into its base Linear and put the plain Linear back in its place."""
     for name, module in lora_modules(model).items():
+        if is_quantized(module.base):
+            raise UserError(f"{name}: a 4-bit base weight cannot take a merged adapter; keep the adapter attached "
+                            f"(or load the base in 16/32 bits to merge)")
         if module.active:
             module.merge(1.0)
         parent_name, _, child = name.rpartition(".")

@@ -3,8 +3,9 @@ verified when loaded.
 
 A checkpoint folder holds `trainable.safetensors` (the trainable weights, plus the merged-into base weights of
 adapted layers under XGBLoRA), `trainer_state.json` (the loop state and the RNG states), `state.pt` (each
-component's `state_dict()` under its name: the stepper's optimizer state, the booster history) and
-`manifest.json` (the size and SHA-256 of each of those files). `Checkpointer` saves and restores a run's
+component's `state_dict()` under its name: the stepper's optimizer state, the booster history), for adapter
+runs `adapter/` (the model at that step as a PEFT LoRA adapter, what `xgblora export --checkpoint` and the model
+loaders read) and `manifest.json` (the size and SHA-256 of each of those files). `Checkpointer` saves and restores a run's
 components side by side; the functions above it are the file operations.
 """
 
@@ -29,6 +30,7 @@ from xgblora import atomic
 from xgblora.errors import UserError
 
 WEIGHTS, BLOBS, STATE, MANIFEST = "trainable.safetensors", "state.pt", "trainer_state.json", "manifest.json"
+ADAPTER = "adapter"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 log = logging.getLogger("xgblora")
 # what a checkpoint holds: (trainable tensors, loop state, component state_dicts)
@@ -64,7 +66,7 @@ def _to_tuple(value: Any) -> Any:
 
 
 def save(root: Path, name: str, tensors: dict[str, torch.Tensor], state: dict[str, Any],
-         blobs: dict[str, Any] | None = None) -> Path:
+         blobs: dict[str, Any] | None = None, write_adapter: Callable[[Path], None] | None = None) -> Path:
     """Write root/name whole, with a manifest of its files: a kill at any moment leaves the old checkpoint or the
     new one. A failed write (a full disk, an I/O error) removes the partial folder and raises a one-line UserError
     that says how much space the checkpoint needs."""
@@ -77,6 +79,8 @@ def save(root: Path, name: str, tensors: dict[str, torch.Tensor], state: dict[st
             if blobs is not None:
                 torch.save(blobs, tmp / BLOBS)
             (tmp / STATE).write_text(json.dumps(state), encoding="utf-8")
+            if write_adapter is not None:
+                write_adapter(tmp / ADAPTER)
             write_manifest(tmp)
     # the writers report a failed write in their own way: safetensors as SafetensorError, torch.save as
     # RuntimeError ("unexpected pos"), Python as OSError (all three seen on a full disk)
@@ -122,8 +126,8 @@ def _sha256(path: Path) -> str:
 def write_manifest(folder: Path) -> None:
     """Record the size and SHA-256 of every file in folder. SHA-256 reads about 1 GB/s: a fifth more time on a
     save, most of a resume's load (BENCHMARKS.md); chosen over CRC-32 so that `sha256sum` can check it too."""
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
-    manifest = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    manifest = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
 
 
@@ -187,6 +191,30 @@ def load_requested(root: Path, requested: str) -> tuple[Path, Contents]:
                     f"({', '.join(p.name for p in found)}); see the warnings above")
 
 
+def find(root: Path, spec: str) -> Path:
+    """A verified checkpoint folder under root by name: step-N, best, or latest (the newest intact step-N)."""
+    if spec == "latest":
+        return load_requested(root, "latest")[0]
+    if spec != "best" and not _STEP_DIR.match(spec):
+        raise UserError(f"--checkpoint {spec!r}: give step-N, latest or best")
+    path = root / spec
+    if not path.is_dir():
+        have = ", ".join(p.name for p in [*step_checkpoints(root), root / "best"] if p.is_dir()) or "none"
+        raise UserError(f"--checkpoint {spec}: no such checkpoint under {root} (there: {have})")
+    verify(path)
+    return path
+
+
+def adapter_folder(path: Path) -> Path:
+    """The PEFT adapter a checkpoint holds; a one-line error for a full fine-tuning checkpoint (no adapter) or one
+    written before checkpoints held adapters."""
+    folder = path / ADAPTER
+    if not (folder / "adapter_config.json").is_file():
+        raise UserError(f"{path}: this checkpoint holds no PEFT adapter (a full fine-tuning run's, or written by an "
+                        f"xgblora before checkpoints held one)")
+    return folder
+
+
 def prune(root: Path, keep: int | None) -> None:
     """Delete the oldest step checkpoints beyond `keep` (None keeps all)."""
     if keep is None:
@@ -213,8 +241,9 @@ class Checkpointer:
 
     def __init__(self, root: Path, *, model: torch.nn.Module, tensors: Callable[[], dict[str, torch.Tensor]],
                  components: dict[str, Stateful], model_components: dict[str, Stateful],
-                 save_only_model: bool = False, is_main: bool = True):
-        self.root, self.model, self.tensors = root, model, tensors
+                 save_only_model: bool = False, is_main: bool = True,
+                 write_adapter: Callable[[Path], None] | None = None):
+        self.root, self.model, self.tensors, self.write_adapter = root, model, tensors, write_adapter
         self.components = {} if save_only_model else components
         self.model_components = model_components
         self.is_main = is_main
@@ -225,7 +254,7 @@ class Checkpointer:
         if not self.is_main:
             return self.root / name
         blobs = {key: c.state_dict() for key, c in {**self.components, **self.model_components}.items()}
-        return save(self.root, name, tensors, {**loop_state, "rng": rng_state()}, blobs)
+        return save(self.root, name, tensors, {**loop_state, "rng": rng_state()}, blobs, self.write_adapter)
 
     def restore(self, requested: str) -> tuple[Path, dict[str, Any]]:
         """Load a checkpoint ('latest' or a folder) into the model, the RNGs and the components; return its path

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import signal
@@ -37,7 +38,7 @@ from xgblora.optim.schedule import Schedule
 from xgblora.optim.zo import MeZO, ZOStepper
 from xgblora.trackers import open_trackers, parse_report_to
 from xgblora.train.checkpoint import Checkpointer, prune
-from xgblora.train.results import save_final
+from xgblora.train.results import save_final, write_adapter
 from xgblora.train.setup import Method, RunSetup
 
 log = logging.getLogger("xgblora")
@@ -234,7 +235,9 @@ class Trainer:
         return Checkpointer(Path(self.cfg.output_dir) / "checkpoints", model=self.run.model, tensors=tensors,
                             components={"stepper": self.stepper},
                             model_components={"boosting": boosting} if boosting is not None else {},
-                            save_only_model=self.cfg.save_only_model, is_main=self.dist.is_main)
+                            save_only_model=self.cfg.save_only_model, is_main=self.dist.is_main,
+                            write_adapter=functools.partial(write_adapter, self.cfg, self.method)
+                            if self.method.modules else None)
 
     def fit(self) -> dict[str, Any]:
         """Train to max_steps (or a stop signal); return the run's statistics."""

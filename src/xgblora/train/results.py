@@ -63,13 +63,19 @@ def write_predictions(cfg: Config, records: list[dict[str, Any]]) -> None:
                           "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
+def write_adapter(cfg: Config, method: Method, folder: Path) -> None:
+    """The adapted model as a PEFT LoRA adapter in folder: boosters (merged and current) concatenated, the head as
+    modules_to_save; for final/ and for every checkpoint."""
+    history = method.boosting.history if method.boosting is not None else []
+    export.to_peft(method.modules, history, folder, cfg.model_name, head=dict(method.head))
+
+
 def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Method,
                state: dict[str, torch.Tensor] | None = None) -> None:
     """final/: a PEFT adapter (boosters concatenated) for lora/xgblora, the whole model for full fine-tuning."""
     with atomic.replaced_folder(Path(cfg.output_dir) / "final") as final:
         if method.modules:
-            history = method.boosting.history if method.boosting is not None else []
-            export.to_peft(method.modules, history, final, cfg.model_name, head=dict(method.head))
+            write_adapter(cfg, method, final)
         else:
             model.save_pretrained(final, state_dict=state)
         tokenizer.save_pretrained(final)  # with an adapter too: the tokenizer and its chat template travel with it

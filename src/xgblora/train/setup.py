@@ -14,9 +14,10 @@ import torch
 import transformers
 
 from xgblora import config as config_mod
-from xgblora import encoders, models, perf
+from xgblora import encoders, loading, models, perf
 from xgblora.adapters.boosting import Boosting
-from xgblora.adapters.lora import LoRALinear, attach, is_adapter_param, prepare_full_ft
+from xgblora.adapters.export import read_adapter
+from xgblora.adapters.lora import LoRALinear, attach, exact_targets, is_adapter_param, prepare_full_ft
 from xgblora.config import Config
 from xgblora.data import formats
 from xgblora.data.loading import Splits, sample_splits
@@ -27,6 +28,7 @@ from xgblora.evaluate import evaluate
 from xgblora.head import fit_probe
 from xgblora.instruction_eval import evaluate_instructions
 from xgblora.objective import TrainingSet, causal_training_set, label_training_set, sequence_training_set
+from xgblora.quant import is_quantized
 from xgblora.scoring import packing_supported
 
 log = logging.getLogger("xgblora")
@@ -52,8 +54,9 @@ class Method:
     def trainable_state(self, with_bases: bool) -> dict[str, torch.Tensor]:
         """Tensors a checkpoint must hold; with_bases adds the (merged-into) base weights of adapted modules."""
         state = dict(self.named_params)
-        if with_bases:
-            state.update({f"{name}.base.weight": m.base.weight for name, m in self.modules.items()})
+        if with_bases:  # a 4-bit base never changes: its merged boosters are side factors, rebuilt from the history
+            state.update({f"{name}.base.weight": m.base.weight for name, m in self.modules.items()
+                          if not is_quantized(m.base)})
         return state
 
 
@@ -68,15 +71,20 @@ def init_head(run: RunSetup, method: Method) -> None:
 
 
 def setup_method(model: torch.nn.Module, cfg: Config) -> Method:
-    """Prepare full fine-tuning, LoRA, or XGBLoRA boosters on the model, and say what trains."""
+    """Prepare full fine-tuning, LoRA, or XGBLoRA boosters on the model, and say what trains; with --adapter, start
+    from that adapter (see continue_from)."""
     if cfg.method == "ft":
         count = prepare_full_ft(model)
         log.info("full fine-tuning: %s trainable parameters", f"{count:,}")
         named = list(model.named_parameters())
         return Method([(n, p) for n, p in named if not encoders.is_head_param(n)],
                       [(n, p) for n, p in named if encoders.is_head_param(n)])
-    report = attach(model, cfg.lora_target_modules, r=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout,
-                    rslora=cfg.use_rslora)
+    factors, adapter_head = read_adapter(Path(cfg.adapter)) if cfg.adapter else ({}, {})
+    model.load_state_dict(adapter_head, strict=False)  # a trained classification head (modules_to_save)
+    targets = cfg.lora_target_modules or (exact_targets(factors) if factors else None)
+    report = attach(model, targets, r=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout, rslora=cfg.use_rslora)
+    if cfg.method == "lora":
+        continue_from(factors, report.modules)
     log.info("%s", report)
     adapters = [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
     head = [(n, p) for n, p in model.named_parameters() if encoders.is_head_param(n)]
@@ -89,8 +97,24 @@ def setup_method(model: torch.nn.Module, cfg: Config) -> Method:
                             adaptive=cfg.xgblora_adaptive, max_booster_steps=cfg.xgblora_adaptive_max_steps,
                             patience=cfg.xgblora_adaptive_patience,
                             threshold=cfg.xgblora_adaptive_threshold, ema=cfg.xgblora_adaptive_ema, seed=cfg.seed)
+        if factors:
+            boosting.absorb(factors)
         boosting.begin()
     return Method(adapters, head, report.modules, boosting)
+
+
+def continue_from(factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
+                  modules: dict[str, LoRALinear]) -> None:
+    """LoRA from a trained adapter: each of its modules takes the adapter's A, B, rank and scaling and trains on."""
+    missing = sorted(set(factors) - set(modules))
+    if missing:
+        raise UserError(f"the adapter's module {missing[0]!r} is not among the adapted modules; leave "
+                        f"--lora_target_modules unset (the adapter's modules) or include it")
+    for name, (A, B, scaling) in factors.items():
+        modules[name].load_factors(A, B, scaling)
+    if factors:
+        log.info("LoRA: continuing from the adapter's %d modules (rank %s)", len(factors),
+                 ", ".join(sorted({str(A.shape[0]) for A, _, _ in factors.values()})))
 
 
 @dataclass
@@ -140,15 +164,21 @@ class RunSetup:
 def load_run(cfg: Config, dist: Distributed) -> RunSetup:
     """Task, splits, head and model; the config resolved against them and written to config.yaml."""
     transformers.set_seed(cfg.seed)
+    source = loading.resolve(cfg.model_name, cfg.adapter)  # a run or adapter folder names its base model
+    cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
     task = get_task(cfg.task_name, cfg)
     splits = sample_splits(task, cfg)
     head = models.resolve_head(cfg.head, cfg.model_name, cfg.trust_remote_code)
     words = encoders.label_words(task.name, splits.train, splits.dev, splits.eval) if head != "lm" else ()
     if head != "lm" and (cfg.sfc or cfg.icl_sfc):
         raise UserError(f"--sfc/--icl_sfc calibrate a causal LM's candidate scores; --head {head} has no surface forms")
+    target = models.choose_device(dist.device or cfg.device)
     model, tokenizer = models.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation,
-                                   device=dist.device or cfg.device, trust_remote_code=cfg.trust_remote_code,
-                                   head=head, num_labels=len(words) or None)
+                                   device=str(target), trust_remote_code=cfg.trust_remote_code,
+                                   head=head, num_labels=len(words) or None, load_in_4bit=cfg.load_in_4bit,
+                                   compute_dtype=_compute_dtype(cfg, target))
+    if source.adapter is not None and cfg.trainer == "none":  # evaluation; training starts from it in setup_method
+        loading.apply_adapter(model, source.adapter, merge=not cfg.load_in_4bit)
     if cfg.chat_template:
         formats.set_chat_template(tokenizer, cfg.chat_template)
     device = next(model.parameters()).device
@@ -160,6 +190,12 @@ def load_run(cfg: Config, dist: Distributed) -> RunSetup:
         perf.enable_tf32(device)
     scoring = encoders.build_scoring(head, tokenizer, words, cfg.pooling) if head != "lm" else None
     return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device)
+
+
+def _compute_dtype(cfg: Config, device: torch.device) -> str:
+    """The dtype a 4-bit layer computes in: the autocast's, else the weights'."""
+    autocast = autocast_dtype(cfg, device)
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(autocast, cfg.dtype_name)
 
 
 def resolve(cfg: Config, model: torch.nn.Module, dist: Distributed, head: str = "lm") -> Config:
