@@ -2,8 +2,9 @@
 
 - Each prompt runs through the model once; its KV cache is repeated for its N samples. (Hugging Face `generate`
   with `num_return_sequences=N` repeats the prompt first and runs it N times.)
-- A sample that emits a stop token leaves the batch at once: its cache rows are dropped, so finished samples cost
-  no further compute.
+- A sample that emits a stop token stops drawing; once a quarter of a batch's rows have stopped, their cache rows
+  are dropped, so finished samples soon cost no compute. (Dropping rows copies the whole cache; doing it at
+  every stop would copy it at nearly every step of a large batch.)
 - Prompts are grouped, longest first, into batches whose KV cache holds at most `max_batch_tokens` tokens
   (rows x (longest prompt + max_new_tokens)): memory is bounded by a token budget, not a batch size, and nothing
   needs emptying between batches.
@@ -107,28 +108,26 @@ class Sampler:
         """num_samples samples of each prompt; on_tokens sees every step's new tokens (for streaming)."""
         with eval_mode(self.model):
             logits, cache, mask = self._prefill(prompts)
-            rows = len(prompts) * self.params.num_samples
-            tokens = torch.full((rows, self.params.max_new_tokens), self.pad_id, dtype=torch.long)
-            lengths = torch.zeros(rows, dtype=torch.long)
-            logprobs = torch.zeros(rows, dtype=torch.float64)
-            stopped = torch.zeros(rows, dtype=torch.bool)
-            alive = torch.arange(rows, device=self.device)  # sample row of each row still in the batch
+            drawn = _Drawn(len(prompts) * self.params.num_samples, self.params.max_new_tokens, self.pad_id)
+            sample = torch.arange(drawn.rows, device=self.device)  # the sample each row of the batch draws
+            running = torch.ones(drawn.rows, dtype=torch.bool, device=self.device)
             for step in range(self.params.max_new_tokens):
                 token, logprob = self._pick(logits, generator)
-                done = torch.isin(token, self.stop_ids)
-                self._record(tokens, lengths, logprobs, stopped, alive.cpu(), token.cpu(), logprob.cpu(), done.cpu(),
-                             step)
+                stops = torch.isin(token, self.stop_ids) & running
+                drawn.record(step, sample[running].cpu(), token[running].cpu(), logprob[running].cpu(),
+                             stops[running].cpu())
+                running &= ~stops
                 if on_tokens is not None:
-                    on_tokens(alive[~done], token[~done])
-                if step + 1 == self.params.max_new_tokens or done.all():
+                    on_tokens(sample[running], token[running])
+                if step + 1 == self.params.max_new_tokens or not running.any():
                     break
-                if done.any():
-                    keep = (~done).nonzero().squeeze(1)
+                if 4 * int((~running).sum()) >= len(running):  # a quarter stopped: drop them (module docstring)
+                    keep = running.nonzero().squeeze(1)
                     cache.batch_select_indices(keep)
-                    alive, token, mask = alive[keep], token[keep], mask[keep]
-                mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
+                    sample, token, mask, running = sample[keep], token[keep], mask[keep], running[keep]
+                mask = torch.cat([mask, mask.new_ones(len(sample), 1)], dim=1)
                 logits = self._decode(token, mask, cache)
-        return self._samples(tokens, lengths, logprobs, stopped, len(prompts))
+        return drawn.samples(self.params.num_samples)
 
     def _prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, object, torch.Tensor]:
         """Run the left-padded prompts once; repeat the last logits, cache and mask for each of their samples."""
@@ -163,19 +162,28 @@ class Sampler:
             token = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).squeeze(1)
         return token, logprobs.gather(1, token[:, None]).squeeze(1)
 
-    @staticmethod
-    def _record(tokens: torch.Tensor, lengths: torch.Tensor, logprobs: torch.Tensor, stopped: torch.Tensor,
-                rows: torch.Tensor, token: torch.Tensor, logprob: torch.Tensor, done: torch.Tensor, step: int) -> None:
-        """Store one step's tokens of the live rows; a stop token ends its row without being kept."""
-        going = rows[~done]
-        tokens[going, step] = token[~done]
-        lengths[going] += 1
-        logprobs[rows] += logprob.double()
-        stopped[rows[done]] = True
 
-    def _samples(self, tokens: torch.Tensor, lengths: torch.Tensor, logprobs: torch.Tensor, stopped: torch.Tensor,
-                 n_prompts: int) -> list[list[Sample]]:
-        flat = [Sample(tuple(tokens[r, :lengths[r]].tolist()), "stop" if stopped[r] else "length",
-                       float(logprobs[r])) for r in range(len(lengths))]
-        n = self.params.num_samples
-        return [flat[i * n:(i + 1) * n] for i in range(n_prompts)]
+class _Drawn:
+    """What the samples of one batch have drawn so far: tokens, lengths, summed log-probabilities, stop flags."""
+
+    def __init__(self, rows: int, max_new_tokens: int, pad_id: int):
+        self.rows = rows
+        self.tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long)
+        self.lengths = torch.zeros(rows, dtype=torch.long)
+        self.logprobs = torch.zeros(rows, dtype=torch.float64)
+        self.stopped = torch.zeros(rows, dtype=torch.bool)
+
+    def record(self, step: int, sample: torch.Tensor, token: torch.Tensor, logprob: torch.Tensor,
+               stops: torch.Tensor) -> None:
+        """One step's draws of the running samples; a stop token ends its sample without being kept."""
+        going = sample[~stops]
+        self.tokens[going, step] = token[~stops]
+        self.lengths[going] += 1
+        self.logprobs[sample] += logprob.double()
+        self.stopped[sample[stops]] = True
+
+    def samples(self, per_prompt: int) -> list[list[Sample]]:
+        """The Samples, grouped per prompt."""
+        flat = [Sample(tuple(self.tokens[r, :self.lengths[r]].tolist()), "stop" if self.stopped[r] else "length",
+                       float(self.logprobs[r])) for r in range(self.rows)]
+        return [flat[i:i + per_prompt] for i in range(0, self.rows, per_prompt)]
