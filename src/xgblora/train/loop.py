@@ -204,7 +204,8 @@ class Trainer:
                                  cfg.warmup_steps or int(cfg.warmup_ratio * span))
         if cfg.gradient_checkpointing and cfg.trainer == "regular":
             run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.loss_fn = TrainingLoss(torch.compile(run.model) if cfg.compile else run.model, run.autocast)
+        self.loss_fn = TrainingLoss(torch.compile(run.model) if cfg.compile else run.model, run.autocast,
+                                    method.contrastive)
         self.stepper = build_stepper(cfg, method, self.loss_fn, dist, run.device)
         self.state = LoopState(stream, LossWindow(run.device))
         self.checkpointer = self._checkpointer()
@@ -231,8 +232,10 @@ class Trainer:
         def tensors() -> dict[str, torch.Tensor]:
             return self.dist.full_state(self.method.trainable_state(with_bases), self.loss_fn.model)
 
+        learnt = self.method.contrastive is not None and self.method.contrastive.log_scale is not None
         return Checkpointer(Path(self.cfg.output_dir) / "checkpoints", model=self.run.model, tensors=tensors,
-                            components={"stepper": self.stepper},
+                            components={"stepper": self.stepper,
+                                        **({"temperature": self.method.contrastive} if learnt else {})},
                             model_components={"boosting": boosting} if boosting is not None else {},
                             save_only_model=self.cfg.save_only_model, is_main=self.dist.is_main)
 
