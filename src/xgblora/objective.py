@@ -13,7 +13,15 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from xgblora import encoders
-from xgblora.data.batches import Batch, CandidateBatch, GritBatch, LabelBatch, PackedBatch, PairBatch, TokenBatch
+from xgblora.data.batches import (
+    Batch,
+    CandidateBatch,
+    GritBatch,
+    LabelBatch,
+    PackedBatch,
+    PairBatch,
+    TokenBatch,
+)
 from xgblora.data.batching import TokenSeq, collate, collate_packed, training_seqs
 from xgblora.data.pairs import PairSeq, collate_pairs
 from xgblora.data.tasks import Example

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
-from xgblora.data.pairs import Prefixes
+from xgblora.data.pairs import NO_PREFIXES, Prefixes
 from xgblora.data.tasks import Example
 from xgblora.embedding import encode_texts
 
@@ -35,7 +35,7 @@ def metrics(rank: Tensor) -> dict[str, float]:
 
 def evaluate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], *, pooling: str,
              max_length: int, batch_size: int, bidirectional: bool = False,
-             prefixes: Prefixes = Prefixes()) -> dict[str, Any]:
+             prefixes: Prefixes = NO_PREFIXES) -> dict[str, Any]:
     """recall@1/5/10 and MRR of the examples' queries against the corpus of their distinct documents."""
     if not examples:
         return {**metrics(torch.empty(0)), "corpus_size": 0, "num_queries": 0}

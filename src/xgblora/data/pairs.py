@@ -101,8 +101,11 @@ class Prefixes:
     doc: str = ""
 
 
+NO_PREFIXES = Prefixes()
+
+
 def pair_seqs(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
-              prefixes: Prefixes = Prefixes()) -> list[PairSeq]:
+              prefixes: Prefixes = NO_PREFIXES) -> list[PairSeq]:
     """Tokenise every pair once (each distinct document once)."""
     queries = tokenize(tokenizer, [prefixes.query + ex.prompt for ex in examples], max_length)
     docs = list(dict.fromkeys(d for ex in examples for d in ex.candidates))

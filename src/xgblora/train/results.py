@@ -3,6 +3,7 @@ whole (a temporary name, then a rename), so that one that exists is complete."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -66,13 +67,20 @@ def write_predictions(cfg: Config, records: list[dict[str, Any]]) -> None:
 def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Method,
                state: dict[str, torch.Tensor] | None = None) -> None:
     """final/: a PEFT adapter (boosters concatenated) for lora/xgblora, the whole model for full fine-tuning."""
+    embedding = cfg.objective != "lm"
     with atomic.replaced_folder(Path(cfg.output_dir) / "final") as final:
         if method.modules:
             history = method.boosting.history if method.boosting is not None else []
-            export.to_peft(method.modules, history, final, cfg.model_name, head=dict(method.head))
+            task_type = "FEATURE_EXTRACTION" if embedding and not hasattr(model, "lm_head") else None
+            export.to_peft(method.modules, history, final, cfg.model_name, head=dict(method.head), task_type=task_type)
         else:
             model.save_pretrained(final, state_dict=state)
-        tokenizer.save_pretrained(final)  # with an adapter too: the tokenizer and its chat template travel with it
+            if embedding:  # the whole model: a sentence-transformers model as it stands
+                export.embedding_export(final, dataclasses.asdict(cfg), model.config.hidden_size)
+        side = tokenizer.padding_side
+        tokenizer.padding_side = "right" if embedding else side  # embeddings read right-padded inputs
+        tokenizer.save_pretrained(final)
+        tokenizer.padding_side = side  # with an adapter too: the tokenizer and its chat template travel with it
 
 
 def _auto_class(final: Path, adapter: bool) -> str:
