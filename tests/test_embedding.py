@@ -96,8 +96,8 @@ def test_held_out_pairs_whose_positive_was_trained_on_are_dropped(tmp_path):
     data = tmp_path / "pairs.jsonl"
     rows = [{"query": f"q{i}", "positive": f"passage {i % 6}"} for i in range(12)]  # each passage twice
     data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    from xgblora.train.setup import load_run
     from xgblora.distributed import LOCAL
+    from xgblora.train.setup import load_run
 
     setup = load_run(Config(model_name="tiny-bert", objective="contrastive", train_file=str(data), num_train=4,
                             num_dev=2, output_dir=str(tmp_path / "out")), LOCAL)

@@ -9,12 +9,12 @@ import torch
 import yaml
 
 from xgblora import cli, models
+from xgblora.config import Config
 from xgblora.data import formats
 from xgblora.data.loading import load_rows
 from xgblora.data.pairs import collate_pairs, pair_seqs
 from xgblora.data.tasks import CustomTask, Example
 from xgblora.embedding import bidirectional_supported, encode_texts, hidden_states
-from xgblora.config import Config
 from xgblora.objective import Contrastive, per_example_loss, sequence_training_set
 from xgblora.train import run
 
