@@ -178,3 +178,19 @@ def test_full_fine_tuning_leaves_a_sentence_transformers_model_in_final(tmp_path
     theirs = st.SentenceTransformer(str(out / "final"), device="cpu").encode(texts, convert_to_tensor=True)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     assert Prefixes() == Prefixes("", "")
+
+
+def test_a_learnt_temperature_trains_and_resumes_exactly(tmp_path):
+    from safetensors.torch import load_file
+
+    data = pairs_file(tmp_path / "pairs.jsonl")
+    values = dict(model_name="tiny-bert", objective="contrastive", train_file=str(data), num_train=10, method="lora",
+                  learning_rate=1e-2, max_steps=4, per_device_train_batch_size=4, max_length=24, device="cpu",
+                  learnable_temperature=True, temperature=0.1, no_eval=True, save_steps=2, seed=1)
+    whole = run(Config(**values, output_dir=str(tmp_path / "whole")))
+    assert whole["temperature"] != pytest.approx(0.1, abs=1e-4)  # AdamW moved it
+    part = run(Config(**values, output_dir=str(tmp_path / "part"),
+                      resume_from_checkpoint=str(tmp_path / "whole" / "checkpoints" / "step-2")))
+    assert part["temperature"] == whole["temperature"]
+    a, b = (load_file(tmp_path / name / "final/adapter_model.safetensors") for name in ("whole", "part"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

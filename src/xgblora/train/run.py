@@ -81,6 +81,8 @@ def _train(setup: RunSetup, dist: distributed.Distributed, hooks: Hooks | None) 
     init_head(setup, method)
     summary = Trainer(setup, method, train_set, dist, hooks).fit()
     results = {**summary, "method": cfg.method, "num_train": len(setup.splits.train)}
+    if method.contrastive is not None:  # learnt or fixed, the temperature the embeddings were trained at
+        results["temperature"] = round(1 / float(method.contrastive.scale), 6)
     if not cfg.no_eval:
         metrics, predictions = setup.score_and_predict(setup.splits.eval)
         write_predictions(cfg, predictions)
