@@ -87,12 +87,13 @@ def _auto_class(final: Path, adapter: bool) -> str:
     """The Auto class that loads final/: PEFT's for an adapter (by its task type), transformers' for a model."""
     if adapter:
         task = json.loads((final / "adapter_config.json").read_text(encoding="utf-8")).get("task_type")
-        return "AutoPeftModelForSequenceClassification" if task == "SEQ_CLS" else "AutoPeftModelForCausalLM"
+        return {"SEQ_CLS": "AutoPeftModelForSequenceClassification",
+                "FEATURE_EXTRACTION": "AutoPeftModelForFeatureExtraction"}.get(task, "AutoPeftModelForCausalLM")
     architectures = json.loads((final / "config.json").read_text(encoding="utf-8")).get("architectures") or [""]
     for suffix in ("ForSequenceClassification", "ForMaskedLM"):
         if architectures[0].endswith(suffix):
             return f"AutoModel{suffix}"
-    return "AutoModelForCausalLM"
+    return "AutoModel" if architectures[0].endswith("Model") else "AutoModelForCausalLM"  # an encoder's body
 
 
 def write_model_card(cfg: Config, results: dict[str, Any]) -> None:
