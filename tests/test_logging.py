@@ -4,7 +4,6 @@ import builtins
 import logging
 import os
 import re
-import types
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from xgblora import train
 from xgblora.config import Config
+from xgblora.data.batches import LabelBatch
 from xgblora.errors import UserError
 from xgblora.logging import MetricsLog, ProgressLine, read_metrics, setup_console_logging
 from xgblora.trackers import open_trackers
@@ -195,7 +195,9 @@ def test_unknown_tracker_is_a_one_line_error():
 
 def test_progress_lines_when_the_log_is_not_a_terminal(caplog):
     line = ProgressLine(max_steps=100, start_step=0, enabled=True)
-    line.count(types.SimpleNamespace(attention_mask=torch.ones(2, 2500, dtype=torch.long)))
+    ones = torch.ones(2, 2500, dtype=torch.long)
+    line.count(LabelBatch(input_ids=ones, attention_mask=ones, labels=torch.zeros(2, dtype=torch.long)))
+    assert line.tokens == 5000
     with caplog.at_level(logging.INFO, logger="xgblora"):
         line.report(10, 1.23456, 3e-4)
     (message,) = [r.getMessage() for r in caplog.records]

@@ -25,6 +25,7 @@ COMMANDS = {
     "bench": "Measure speed and memory against baselines.",
     "env": "Print the environment report (versions, device, attention backends, chosen defaults).",
     "export": "Export a run as a PEFT adapter or a merged model.",
+    "encode": "Write the embeddings of one text field of a file (a trained embedding run, or any embedding model).",
     "demo": "Offline demo: XGBLoRA vs LoRA under AdamW and MeZO on a built-in task, with a report.",
 }
 
@@ -112,6 +113,14 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _encode(args: argparse.Namespace) -> int:
+    from xgblora.encode import EncodeOptions, encode_file
+
+    options = {k: v for k, v in vars(args).items() if k != "command"}
+    print(json.dumps(encode_file(EncodeOptions(**options)), indent=2))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from xgblora.bench.suite import main as bench_main
 
@@ -127,7 +136,7 @@ def _env(args: argparse.Namespace) -> int:  # noqa: ARG001
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "mezo": _mezo, "compare": _compare, "eval": _eval, "generate": _generate, "chat": _chat, "rft": _rft,
-    "bench": _bench, "env": _env, "export": _export, "demo": _demo}
+    "bench": _bench, "env": _env, "export": _export, "demo": _demo, "encode": _encode}
 # The options dataclass of each command that takes one (its flags, --config YAML keys and suggestions).
 OPTIONS = {"train": config_mod.Config, "eval": config_mod.Config, "mezo": config_mod.Config,
            "compare": config_mod.CompareConfig, "generate": config_mod.GenerateConfig, "chat": config_mod.ChatConfig,
@@ -162,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", required=True, help="Folder to write.")
             p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
                            help="merged: let the base model run its own code (only when you pass it).")
+        elif name == "encode":
+            _add_encode_arguments(p)
         elif name == "bench":
             from xgblora.bench.flags import add_arguments as add_bench_arguments
 
@@ -170,6 +181,28 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--output_root", "--output-root", default="xgblora-demo", help="Where the report goes.")
             p.add_argument("--steps", type=int, default=300, help="AdamW steps per run (MeZO runs take 5x as many).")
     return parser
+
+
+def _add_encode_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="A trained run's folder (config.yaml, final/), a merged export, or any model "
+                                 "--model_name takes (folder, pkg:, hub id).")
+    p.add_argument("--input", required=True, help="The texts: JSONL, CSV/TSV, parquet, arrow, a save_to_disk folder "
+                                                 "or a dataset id.")
+    p.add_argument("--output", required=True, help="Where to write the embeddings: FILE.npy or FILE.safetensors "
+                                                  "(tensor 'embeddings'); never over an existing file.")
+    p.add_argument("--column", default="text", help="The field holding the text (default: text).")
+    p.add_argument("--role", choices=("query", "document"), default="query",
+                   help="A run's instruction prefix to put first: its --query_instruction or --doc_instruction.")
+    p.add_argument("--prefix", default=None, help="Text put before every input (wins over --role).")
+    p.add_argument("--pooling", choices=("mean", "cls", "last"), default=None,
+                   help="Default: the run's, or the model's sentence-transformers pooling, else mean (last for causal LMs).")
+    p.add_argument("--max_length", "--max-length", type=int, default=None,
+                   help="Tokens per input (default: the run's, or the model's max_seq_length, else 512).")
+    p.add_argument("--bidirectional", type=config_mod.parse_bool, default=None, metavar="BOOL",
+                   help="A causal LM attends both ways (default: as the run was trained).")
+    p.add_argument("--batch_size", "--batch-size", type=int, default=32)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true")
 
 
 def _unrecognized(command: str, unknown: list[str]) -> UserError:

@@ -61,7 +61,7 @@ class Config(ModelOptions):
 
     head: str = _opt("auto", "What scores the labels: lm (a causal LM's candidate tokens), classifier (a new sequence-classification head, trained in every method), mlm (a masked LM's one-token label words at a mask, MeZO's encoder prompts); auto: lm for causal LMs, mlm for encoders saved with their MLM head, else classifier.",
                      ("auto", "lm", "classifier", "mlm"))
-    pooling: str = _opt("auto", "What a classifier head reads: cls (the model's own head: [CLS] through its pooler, or a causal LM's last token), mean (the masked mean of the last hidden states), last (the last non-padding token); auto: what the model's sentence-transformers pooling config (1_Pooling/config.json) says, else cls.",
+    pooling: str = _opt("auto", "What a classifier head reads: cls (the model's own head: [CLS] through its pooler, or a causal LM's last token), mean (the masked mean of the last hidden states), last (the last non-padding token); auto: what the model's sentence-transformers pooling config (1_Pooling/config.json) says, else cls. Embeddings (--objective contrastive/grit) read cls as the first token's hidden state; their auto falls back to mean for encoders and bidirectional causal LMs, last for causal ones.",
                         ("auto", "cls", "mean", "last"))
     head_init: str = _opt("probe", "How a new classifier head starts: probe (a logistic regression fitted by L-BFGS on the frozen model's features of the training examples, seconds) or random.",
                           ("probe", "random"))
@@ -95,6 +95,17 @@ class Config(ModelOptions):
     icl_sfc: bool = _opt(False, "SFC with the demonstrations in the calibration prompt.")
     only_train_option: bool = _opt(True, "Train on the gold candidate's tokens only.")
     train_as_classification: bool = _opt(False, "Train with cross-entropy over the candidates.")
+    # embedding models (pair data): contrastive training and GRIT
+    objective: str = _opt("lm", "What the model learns: lm (the task's own loss: answer tokens, candidates or labels), contrastive (an embedding model: InfoNCE over query/positive pairs with in-batch and hard negatives; --train_file rows of query, positive and optional negative(s)), grit (a causal LM that embeds and generates: contrastive on --train_file pairs plus the language-modelling loss on --grit_train_file instruction rows).",
+                          ("lm", "contrastive", "grit"))
+    query_instruction: str = _opt("", "Contrastive/GRIT: text put before every query (e.g. 'query: ', or GritLM's '<|user|>\\n...\\n<|embed|>\\n').")
+    doc_instruction: str = _opt("", "Contrastive/GRIT: text put before every document (e.g. 'passage: ').")
+    temperature: float = _opt(0.05, "Contrastive: softmax temperature of the cosine similarities (0.05 is sentence-transformers' scale 20).")
+    learnable_temperature: bool = _opt(False, "Contrastive: learn the temperature (as CLIP does, its log-scale trained by AdamW from --temperature).")
+    bidirectional: bool | None = _opt(None, "Contrastive/GRIT with a causal LM: the embedding pass attends both ways (GritLM); default on for grit where the model allows it (checked), off for contrastive.")
+    grit_train_file: str | None = _opt(None, "GRIT: instruction data for the generative loss, in any form --train_file takes (messages, prompt/completion, text).")
+    grit_contrastive_weight: float = _opt(1.0, "GRIT: weight of the contrastive loss.")
+    grit_generative_weight: float = _opt(1.0, "GRIT: weight of the generative loss.")
     # method
     method: str = _opt("ft", "What trains: full fine-tuning, LoRA, or XGBLoRA boosters.", ("ft", "lora", "xgblora"))
     lora: bool = _opt(False, "Same as --method lora (MeZO's flag).")
@@ -179,7 +190,7 @@ class Config(ModelOptions):
         _check_positive(self, "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                         "lora_r", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
                         "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
-                        "zo_eps", "head_learning_rate")
+                        "zo_eps", "head_learning_rate", "temperature")
         for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
@@ -203,6 +214,9 @@ class Config(ModelOptions):
                         "grows with the square of the scale, %gx that of r=8, alpha=16; lower --lora_alpha (default "
                         "2r) if the loss jumps or predictions collapse to one class", self.scaling, self.alpha,
                         self.rank, ", rsLoRA" if self.use_rslora else "", (self.scaling / 2) ** 2)
+        if self.learnable_temperature and self.trainer == "zo":
+            raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
+                            "weights only); fix the temperature with --temperature instead")
         if not 0.0 < self.xgblora_shrinkage <= 1.0:
             raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
 

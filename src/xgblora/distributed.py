@@ -126,6 +126,30 @@ class Distributed:
         self._all_reduce_mean([values], "the loss all-reduce")
         return values
 
+    def gather_rows(self, rows: Tensor) -> tuple[Tensor, int]:
+        """Every rank's rows concatenated in rank order, and where this rank's start (the contrastive loss's shared
+        negatives). Rows that need gradients travel through autograd's all-gather, whose backward sends each rank
+        the gradient of its own rows from every rank's loss: the gradient of the global batch's loss once the
+        ranks' gradients are averaged. Ranks may hold different numbers of rows (padded for the collective)."""
+        if self.world_size == 1:
+            return rows, 0
+        sizes = [torch.zeros(1, dtype=torch.long, device=rows.device) for _ in range(self.world_size)]
+        mine = torch.tensor([rows.shape[0]], device=rows.device)
+        self._collective(lambda: torch.distributed.all_gather(sizes, mine), mine.nbytes, "the row-count gather")
+        counts = [int(n) for n in sizes]
+        padded = nn.functional.pad(rows, (0, 0) * (rows.dim() - 1) + (0, max(counts) - rows.shape[0]))
+        parts: list[Tensor] = [torch.empty_like(padded) for _ in counts]
+        if rows.requires_grad:
+            from torch.distributed.nn.functional import all_gather
+
+            def gather() -> None:
+                parts[:] = all_gather(padded)
+        else:
+            def gather() -> None:
+                torch.distributed.all_gather(parts, padded)
+        self._collective(gather, padded.nbytes, "the embedding gather")
+        return torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)]), sum(counts[:self.rank])
+
     def end_step(self, stop: bool) -> bool:
         """End of a training step: whether any rank asked to stop (SIGINT/SIGTERM), agreed by all ranks."""
         if self.world_size == 1:

@@ -205,8 +205,7 @@ class ProgressLine:
     def count(self, batch: Any) -> None:
         """Add a training batch's non-padding tokens (nothing to do when no line is printed)."""
         if self.enabled:
-            mask = getattr(batch, "attention_mask", None)  # packed batches have no padding and no mask
-            self.tokens += int(mask.sum()) if mask is not None else batch.input_ids.numel()
+            self.tokens += batch.n_tokens()
 
     def report(self, step: int, loss: float | None, lr: float) -> None:
         """Log one line (when enabled)."""

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoConfig,
+    AutoModel,
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForSequenceClassification,
@@ -28,9 +29,10 @@ from xgblora.scoring import contiguous_head_input
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # What scores a task's labels, and the model class that carries it: a causal LM over the candidate tokens, a new
-# sequence-classification head, or a masked LM reading label words at a mask token.
+# sequence-classification head, or a masked LM reading label words at a mask token; "embed" is an encoder's body
+# alone, for embedding models (a causal LM embeds through its body and keeps its LM head: "lm").
 HEAD_CLASSES = {"lm": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification,
-                "mlm": AutoModelForMaskedLM}
+                "mlm": AutoModelForMaskedLM, "embed": AutoModel}
 ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "camembert", "deberta", "deberta-v2", "distilbert",
                            "electra", "albert", "mpnet", "ernie", "modernbert"})
 
@@ -155,6 +157,16 @@ def resolve_head(requested: str, name_or_path: str, trust_remote_code: bool = Fa
         raise UserError(f"--head mlm needs a masked LM; {name_or_path} ({model_type}) is not an encoder: use "
                         f"--head lm or --head classifier")
     return requested
+
+
+def embedding_head(name_or_path: str, objective: str, trust_remote_code: bool = False) -> str:
+    """The model class of an embedding run: 'embed' (the body) for an encoder, 'lm' for a causal LM (GRIT needs
+    one: it generates too)."""
+    encoder = resolve_head("auto", name_or_path, trust_remote_code) != "lm"
+    if objective == "grit" and encoder:
+        raise UserError(f"--objective grit trains a causal LM to embed and generate; {name_or_path} is an encoder: "
+                        f"use --objective contrastive")
+    return "embed" if encoder else "lm"
 
 
 def sentence_pooling(name_or_path: str) -> str | None:

@@ -1,18 +1,31 @@
 """Training sets and the loss of each batch kind: the gold continuation's tokens, cross-entropy over candidates
-(MeZO's classification objective), or over a label head's labels."""
+(MeZO's classification objective), over a label head's labels, InfoNCE over query/document pairs (contrastive), or
+InfoNCE plus the instruction loss (GRIT)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from xgblora import encoders
-from xgblora.data.batches import Batch, CandidateBatch, LabelBatch, PackedBatch, TokenBatch
+from xgblora.data.batches import (
+    Batch,
+    CandidateBatch,
+    GritBatch,
+    LabelBatch,
+    PackedBatch,
+    PairBatch,
+    TokenBatch,
+)
 from xgblora.data.batching import TokenSeq, collate, collate_packed, training_seqs
+from xgblora.data.pairs import PairSeq, collate_pairs
 from xgblora.data.tasks import Example
+from xgblora.embedding import embed
 from xgblora.scoring import label_logits, packed_mean_logprobs, target_logprobs
 
 
@@ -66,6 +79,23 @@ def label_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Ex
                        lambda idx: encoders.collate([seqs[i] for i in idx], tokenizer.pad_token_id, scoring))
 
 
+def pair_training_set(seqs: Sequence[PairSeq], pad_id: int) -> TrainingSet:
+    """A contrastive training set: each pair's query and documents (grouped by the length of its positive)."""
+    return TrainingSet([len(s.docs[0]) for s in seqs], lambda idx: collate_pairs([seqs[i] for i in idx], pad_id))
+
+
+def grit_training_set(pairs: Sequence[PairSeq], generative: TrainingSet, pad_id: int) -> TrainingSet:
+    """GRIT: example k of an epoch is pair k mod P and instruction example k mod G, so an epoch covers the larger of
+    the two sets once and the smaller one over again; a batch holds both."""
+    n = max(len(pairs), len(generative.lengths))
+
+    def batch(idx: Sequence[int]) -> GritBatch:
+        return GritBatch(pairs=collate_pairs([pairs[k % len(pairs)] for k in idx], pad_id),
+                         generative=generative.batch([k % len(generative.lengths) for k in idx]))
+
+    return TrainingSet([len(pairs[k % len(pairs)].docs[0]) for k in range(n)], batch)
+
+
 def make_batch(seqs: Sequence[TokenSeq], examples: Sequence[int], pad_id: int, by_example: dict[int, list[int]],
                golds: Sequence[int]) -> CandidateBatch:
     """Collate every candidate sequence of the given examples, grouped by example, for cross-entropy over them.
@@ -87,24 +117,31 @@ class TrainingLoss:
 
     model: torch.nn.Module
     autocast: torch.dtype | None = None
+    contrastive: Contrastive | None = None
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """Per-example losses [n_examples] (times the batch's loss_scale)."""
         if self.autocast is None:
-            return per_example_loss(self.model, batch)
-        with torch.autocast(batch.input_ids.device.type, dtype=self.autocast):
-            return per_example_loss(self.model, batch)
+            return per_example_loss(self.model, batch, self.contrastive)
+        device = next(self.model.parameters()).device
+        with torch.autocast(device.type, dtype=self.autocast):
+            return per_example_loss(self.model, batch, self.contrastive)
 
 
-def per_example_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrastive | None = None) -> torch.Tensor:
     """Loss of each example in the batch, shape [n_examples], times the batch's loss_scale.
 
     TokenBatch / PackedBatch: the mean negative log-likelihood of each example's target tokens (the gold candidate
     or the response), or with token-mean weights its summed NLL times n / (the batch's target tokens), so that the
     mean over examples is the mean over the batch's tokens. CandidateBatch: cross-entropy over each example's candidates, scored by their mean token
-    log-probability. LabelBatch (a classifier or masked LM): cross-entropy over the label logits.
+    log-probability. LabelBatch (a classifier or masked LM): cross-entropy over the label logits. PairBatch: each
+    query's InfoNCE term (`Contrastive`); GritBatch: w_c times that plus w_g times the generative batch's mean loss.
     """
     match batch:
+        case GritBatch():
+            losses = contrastive.grit(model, batch)
+        case PairBatch():
+            losses = contrastive(model, batch)
         case LabelBatch():
             losses = torch.nn.functional.cross_entropy(label_logits(model, batch), batch.labels, reduction="none")
         case PackedBatch():
@@ -125,3 +162,57 @@ def candidate_loss(model: torch.nn.Module, batch: CandidateBatch) -> torch.Tenso
     scores = mean_lp.new_full((batch.n_examples, int(batch.candidate.max()) + 1), float("-inf"))
     scores[batch.group, batch.candidate] = mean_lp
     return torch.nn.functional.cross_entropy(scores, batch.gold, reduction="none")
+
+
+Gather = Callable[[Tensor], tuple[Tensor, int]]  # this rank's rows -> (every rank's rows, where this rank's start)
+
+
+def info_nce(queries: Tensor, docs: Tensor, positive: Tensor, doc_key: Tensor, scale: Tensor | float,
+             gather: Gather | None = None) -> Tensor:
+    """Each query's InfoNCE loss [B]: cross-entropy of its positive among all documents of the batch (every
+    process's, when `gather` collects them), on scale x cosine similarity of unit vectors.
+
+    A document with the same text as a query's positive (another query's copy of it) is left out of that query's
+    negatives: it is not one.
+    """
+    keys, offset = (doc_key, 0) if gather is None else gather(doc_key)
+    if gather is not None:
+        docs, _ = gather(docs)
+    target = positive + offset
+    scores = queries @ docs.T * scale
+    same = keys[None, :] == doc_key[positive][:, None]
+    same[torch.arange(len(target), device=target.device), target] = False
+    return nn.functional.cross_entropy(scores.masked_fill(same, float("-inf")), target, reduction="none")
+
+
+class Contrastive(nn.Module):
+    """The embedding objective: pooling, attention direction, temperature (fixed, or learnt as a log-scale), the
+    cross-process gather of documents, and GRIT's weights. Owns its one parameter, the learnable log-scale."""
+
+    def __init__(self, pooling: str, temperature: float, learnable: bool = False, bidirectional: bool = False,
+                 gather: Gather | None = None, weights: tuple[float, float] = (1.0, 1.0)):
+        super().__init__()
+        self.pooling, self.bidirectional, self.gather, self.weights = pooling, bidirectional, gather, weights
+        log_scale = torch.tensor(math.log(1 / temperature))
+        self.log_scale = nn.Parameter(log_scale) if learnable else None
+        self.fixed_scale = 1 / temperature
+
+    @property
+    def scale(self) -> Tensor | float:
+        """1 / temperature (a learnt one is capped at 100, as CLIP caps it)."""
+        return self.fixed_scale if self.log_scale is None else self.log_scale.exp().clamp(max=100.0)
+
+    def forward(self, model: nn.Module, batch: PairBatch) -> Tensor:
+        """Per-query InfoNCE [halves x B]; each half of MeZO's dual batch is its own contrastive batch."""
+        q = embed(model, batch.query_ids, batch.query_mask, self.pooling, self.bidirectional)
+        d = embed(model, batch.doc_ids, batch.doc_mask, self.pooling, self.bidirectional)
+        return torch.cat([info_nce(qh, dh, batch.positive, batch.doc_key, self.scale, self.gather)
+                          for qh, dh in zip(q.chunk(batch.halves), d.chunk(batch.halves), strict=True)])
+
+    def grit(self, model: nn.Module, batch: GritBatch) -> Tensor:
+        """w_c x each query's InfoNCE + w_g x its half's mean generative loss (so the mean is GRIT's loss)."""
+        contrastive = self(model, batch.pairs)
+        generative = per_example_loss(model, batch.generative).chunk(batch.pairs.halves)
+        w_c, w_g = self.weights
+        per_half = contrastive.chunk(batch.pairs.halves)
+        return torch.cat([w_c * c + w_g * g.mean() for c, g in zip(per_half, generative, strict=True)])

@@ -63,7 +63,7 @@ def _svd_factors(terms: list[Term], rank: int) -> tuple[torch.Tensor, torch.Tens
 
 def _write_peft(factors: dict[str, tuple[torch.Tensor, torch.Tensor, int, float]], out_dir: Path,
                 base_model_name_or_path: str, fan_in_fan_out: bool = False,
-                head: dict[str, torch.Tensor] | None = None) -> None:
+                head: dict[str, torch.Tensor] | None = None, task_type: str | None = None) -> None:
     """Write {module: (A, B, r, alpha)} as a PEFT LoRA adapter (the most common r/alpha, the rest as patterns).
 
     `head` ({parameter name: tensor}, a trained classification head) is saved whole as PEFT's modules_to_save of
@@ -72,7 +72,7 @@ def _write_peft(factors: dict[str, tuple[torch.Tensor, torch.Tensor, int, float]
     (r, alpha), _ = Counter((f[2], f[3]) for f in factors.values()).most_common(1)[0]
     differ = [name for name, f in factors.items() if (f[2], f[3]) != (r, alpha)]
     config = {
-        "peft_type": "LORA", "task_type": "SEQ_CLS" if head else "CAUSAL_LM",
+        "peft_type": "LORA", "task_type": task_type or ("SEQ_CLS" if head else "CAUSAL_LM"),
         "base_model_name_or_path": base_model_name_or_path,
         "r": r, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": fan_in_fan_out,
         "target_modules": sorted(factors), "rank_pattern": {name: factors[name][2] for name in differ},
@@ -93,10 +93,11 @@ def _write_peft(factors: dict[str, tuple[torch.Tensor, torch.Tensor, int, float]
 
 def to_peft(modules: dict[str, LoRALinear], history: list[dict[str, Any]], out_dir: Path,
             base_model_name_or_path: str, rank: int | None = None, include_current: bool = True,
-            head: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+            head: dict[str, torch.Tensor] | None = None, task_type: str | None = None) -> dict[str, Any]:
     """Write a PEFT LoRA adapter equal to all boosters (+ the current adapter) applied to the ORIGINAL base weights.
 
-    `head`: a trained classification head's parameters, saved as the adapter's modules_to_save.
+    `head`: a trained classification head's parameters, saved as the adapter's modules_to_save; `task_type`: PEFT's
+    (default CAUSAL_LM, or SEQ_CLS with a head; FEATURE_EXTRACTION for an encoder's embedding model).
     """
     if rank is not None and rank < 1:
         raise UserError(f"export rank must be at least 1, got {rank}")
@@ -119,7 +120,7 @@ def to_peft(modules: dict[str, LoRALinear], history: list[dict[str, Any]], out_d
             factors[name] = (A, B, A.shape[0], float(A.shape[0]))
 
     fan_in_fan_out = any(m.fan_in_fan_out for m in modules.values())  # GPT-2's Conv1D layers
-    _write_peft(factors, Path(out_dir), base_model_name_or_path, fan_in_fan_out, head=head)
+    _write_peft(factors, Path(out_dir), base_model_name_or_path, fan_in_fan_out, head=head, task_type=task_type)
     return {"rank": rank if rank is not None else max(f[2] for f in factors.values()), "modules": len(factors),
             "retained_energy": (kept_total / energy_total if energy_total > 0 else 1.0) if rank is not None else None,
             "retained_energy_per_module": energy if rank is not None else None}
@@ -132,6 +133,36 @@ def merged(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+_ST_POOLING = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "last": "pooling_mode_lasttoken"}
+
+
+def write_sentence_transformers(out: Path, pooling: str, dim: int, max_length: int, query_prefix: str = "",
+                                doc_prefix: str = "") -> None:
+    """Make a saved model folder a sentence-transformers model with the pooling it was trained with: Transformer
+    (the folder itself) -> Pooling -> Normalize; the instruction prefixes become its prompts "query"/"document"."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    pooling_config = {"word_embedding_dimension": dim, "pooling_mode_max_tokens": False,
+                      "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+                      **{key: mode == pooling for mode, key in _ST_POOLING.items()}}
+    prompts = {name: text for name, text in (("query", query_prefix), ("document", doc_prefix)) if text}
+    files = {"modules.json": modules, "1_Pooling/config.json": pooling_config,
+             "sentence_bert_config.json": {"max_seq_length": max_length, "do_lower_case": False},
+             "config_sentence_transformers.json": {"prompts": prompts, "default_prompt_name": None,
+                                                   "similarity_fn_name": "cosine"}}
+    (out / "1_Pooling").mkdir(parents=True, exist_ok=True)
+    (out / "2_Normalize").mkdir(exist_ok=True)
+    for name, value in files.items():
+        (out / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+
+
+def embedding_export(out: Path, cfg: dict[str, Any], dim: int) -> None:
+    """The sentence-transformers files of an embedding run's (config.yaml as a dict) saved model."""
+    write_sentence_transformers(out, cfg["pooling"], dim, int(cfg["max_length"]), cfg.get("query_instruction") or "",
+                                cfg.get("doc_instruction") or "")
 
 
 # ----------------------------------------------------------------------------- `xgblora export`
@@ -290,17 +321,45 @@ def _export_into(out: Path, cfg: dict[str, Any], final: Path, run_dir: Path, fmt
     return {**result, **_merge_into_base(cfg, final, out, trust_remote_code)}
 
 
+def _run_head(cfg: dict[str, Any], model_name: str, trust_remote_code: bool) -> str:
+    """The model class a run's model loads as: its embedding class for an embedding objective, else its --head."""
+    from xgblora import models
+
+    if cfg.get("objective", "lm") != "lm":
+        return models.embedding_head(model_name, cfg["objective"], trust_remote_code)
+    return cfg.get("head", "auto")
+
+
 def _merge_into_base(cfg: dict[str, Any], adapter: Path, out: Path, trust_remote_code: bool) -> dict[str, Any]:
     """Load the base model in the run's dtype with the adapter merged (fp32 sums, cast once) and its trained
     classification head, the base always in 16/32 bits (a 4-bit run's adapter merges into the unquantised base);
-    save model and tokenizer."""
+    save model and tokenizer, an embedding run's as a sentence-transformers model too."""
     from xgblora import loading  # the one model loader, which reads adapters with this module
 
     dtype = "float16" if cfg.get("load_float16") else "bfloat16" if cfg.get("load_bfloat16") else "float32"
+    head = _run_head(cfg, cfg["model_name"], trust_remote_code)
     model, tokenizer = loading.load_model(loading.ModelSource(cfg["model_name"], adapter), dtype=dtype,
-                                          trust_remote_code=trust_remote_code, head=cfg.get("head", "auto"))
+                                          trust_remote_code=trust_remote_code, head=head)
     model.config.use_cache = True  # models.load turns it off for training; a merged export is for inference
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    embedding = cfg.get("objective", "lm") != "lm"
+    if embedding:  # embeddings read right-padded inputs (a causal LM's positions count from the left)
+        tokenizer.padding_side = "right"
+        embedding_export(out, cfg, model.config.hidden_size)
     tokenizer.save_pretrained(out)
-    return {"dtype": dtype}
+    return {"dtype": dtype, **({"sentence_transformers": True} if embedding else {})}
+
+
+def load_run_model(run_dir: Path, trust_remote_code: bool = False) -> tuple[Any, Any, dict[str, Any]]:
+    """A finished run's trained model in memory (its adapter merged into the base, or its full final/ model), its
+    tokenizer, and its config.yaml as a dict."""
+    from xgblora import loading
+
+    cfg = run_config(Path(run_dir))
+    if cfg.get("trust_remote_code") and not trust_remote_code:
+        raise UserError(f"{run_dir} was trained with --trust_remote_code; pass --trust_remote_code to load it")
+    source = loading.resolve(str(run_dir))
+    model, tokenizer = loading.load_model(source, trust_remote_code=trust_remote_code,
+                                          head=_run_head(cfg, source.base, trust_remote_code))
+    return model, tokenizer, cfg

@@ -4,6 +4,8 @@
 - `CandidateBatch`: a `TokenBatch` whose rows are every candidate of each example, for cross-entropy over them.
 - `PackedBatch`: the examples end to end in one row, positions restarting at 0 (no padding, no attention mask).
 - `LabelBatch`: right-padded inputs of a classifier or masked-LM head, with a gold label each.
+- `PairBatch`: right-padded queries and their documents (a positive, then hard negatives), for a contrastive loss.
+- `GritBatch`: a `PairBatch` and a `TokenBatch` of instruction data, trained together (GRIT).
 
 Every batch carries `loss_scale`, the share of a data-parallel global batch that this process's shard stands for
 (1.0 with one process): the objective multiplies each example's loss by it, so a plain mean over processes is the
@@ -37,6 +39,11 @@ class Batch:
     def split(self: B, start: int, stop: int) -> B:
         """The batch of examples start..stop-1."""
         raise NotImplementedError
+
+    def n_tokens(self) -> int:
+        """Non-padding input tokens (a host sync; packed batches have no padding and no mask)."""
+        mask = getattr(self, "attention_mask", None)
+        return int(mask.sum()) if mask is not None else self.input_ids.numel()
 
     def doubled(self: B) -> B:
         """The batch followed by a copy of itself (MeZO's dual batch): every tensor concatenated with itself."""
@@ -157,3 +164,83 @@ class LabelBatch(RowBatch):
     mask_pos: Tensor | None = None
     label_token_ids: Tensor | None = None
     pooling: str = "cls"
+
+
+@dataclass(kw_only=True)
+class PairBatch(Batch):
+    """Right-padded queries [B, Lq] and documents [D, Ld]: each example's positive then its hard negatives, adjacent.
+
+    positive [B]: the row of each query's positive among the documents; doc_key [D]: an id of each document's text,
+    so that another query's copy of a positive is not counted as a negative. `halves` is 2 in MeZO's dual batch:
+    two independent contrastive batches (rows [:n] and [n:] of queries and documents), scored apart. The
+    contrastive loss of a query depends on every document of its batch, so split() keeps the query's own documents
+    only (fewer in-batch negatives: a micro-batch is a smaller contrastive batch).
+    """
+
+    query_ids: Tensor
+    query_mask: Tensor
+    doc_ids: Tensor
+    doc_mask: Tensor
+    doc_group: Tensor
+    positive: Tensor
+    doc_key: Tensor
+    halves: int = 1
+
+    @property
+    def n_examples(self) -> int:
+        """Queries (of one half)."""
+        return self.positive.shape[0]
+
+    def n_tokens(self) -> int:
+        """Non-padding tokens of queries and documents."""
+        return int(self.query_mask.sum() + self.doc_mask.sum())
+
+    def split(self: B, start: int, stop: int) -> B:
+        """Queries start..stop-1 with their own documents, rows renumbered from 0."""
+        if self.halves != 1:
+            raise ValueError("a doubled pair batch is not split")
+        rows = (self.doc_group >= start) & (self.doc_group < stop)
+        first = int(rows.nonzero()[0]) if rows.any() else 0
+        return dataclasses.replace(
+            self, query_ids=self.query_ids[start:stop], query_mask=self.query_mask[start:stop],
+            doc_ids=self.doc_ids[rows], doc_mask=self.doc_mask[rows], doc_group=self.doc_group[rows] - start,
+            positive=self.positive[start:stop] - first, doc_key=self.doc_key[rows])
+
+    def doubled(self: B) -> B:
+        """Queries and documents twice (two model inputs, each split in halves by the dual adapters); the index
+        tensors stay those of one half."""
+        twice = lambda t: torch.cat([t, t])  # noqa: E731
+        return dataclasses.replace(self, query_ids=twice(self.query_ids), query_mask=twice(self.query_mask),
+                                   doc_ids=twice(self.doc_ids), doc_mask=twice(self.doc_mask), halves=2)
+
+
+@dataclass(kw_only=True)
+class GritBatch(Batch):
+    """GRIT: a contrastive batch and a generative (instruction) batch, one training step on both.
+
+    Its examples are the pairs'; the generative rows are as many or fewer, drawn beside them.
+    """
+
+    pairs: PairBatch
+    generative: TokenBatch
+
+    @property
+    def n_examples(self) -> int:
+        """The pair examples."""
+        return self.pairs.n_examples
+
+    def n_tokens(self) -> int:
+        """Tokens of both batches."""
+        return self.pairs.n_tokens() + self.generative.n_tokens()
+
+    def split(self: B, start: int, stop: int) -> B:
+        """Not split: a GRIT step's two losses need their whole batches (raise the batch size per device instead)."""
+        raise ValueError("a GRIT batch is not split into micro-batches")
+
+    def doubled(self: B) -> B:
+        """Both batches doubled."""
+        return dataclasses.replace(self, pairs=self.pairs.doubled(), generative=self.generative.doubled())
+
+    def to(self: B, device: torch.device) -> B:
+        """Both batches on device."""
+        return dataclasses.replace(self, pairs=self.pairs.to(device), generative=self.generative.to(device))

@@ -38,7 +38,7 @@ from xgblora.optim.schedule import Schedule
 from xgblora.optim.zo import MeZO, ZOStepper
 from xgblora.trackers import open_trackers, parse_report_to
 from xgblora.train.checkpoint import Checkpointer, prune
-from xgblora.train.results import save_final, write_adapter
+from xgblora.train.results import adapter_task_type, save_final, write_adapter
 from xgblora.train.setup import Method, RunSetup
 
 log = logging.getLogger("xgblora")
@@ -205,7 +205,8 @@ class Trainer:
                                  cfg.warmup_steps or int(cfg.warmup_ratio * span))
         if cfg.gradient_checkpointing and cfg.trainer == "regular":
             run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.loss_fn = TrainingLoss(torch.compile(run.model) if cfg.compile else run.model, run.autocast)
+        self.loss_fn = TrainingLoss(torch.compile(run.model) if cfg.compile else run.model, run.autocast,
+                                    method.contrastive)
         self.stepper = build_stepper(cfg, method, self.loss_fn, dist, run.device)
         self.state = LoopState(stream, LossWindow(run.device))
         self.checkpointer = self._checkpointer()
@@ -232,11 +233,15 @@ class Trainer:
         def tensors() -> dict[str, torch.Tensor]:
             return self.dist.full_state(self.method.trainable_state(with_bases), self.loss_fn.model)
 
+        learnt = self.method.contrastive is not None and self.method.contrastive.log_scale is not None
         return Checkpointer(Path(self.cfg.output_dir) / "checkpoints", model=self.run.model, tensors=tensors,
-                            components={"stepper": self.stepper},
+                            components={"stepper": self.stepper,
+                                        **({"temperature": self.method.contrastive} if learnt else {})},
                             model_components={"boosting": boosting} if boosting is not None else {},
                             save_only_model=self.cfg.save_only_model, is_main=self.dist.is_main,
-                            write_adapter=functools.partial(write_adapter, self.cfg, self.method)
+                            write_adapter=functools.partial(
+                                write_adapter, self.cfg, self.method,
+                                task_type=adapter_task_type(self.cfg, self.run.model))
                             if self.method.modules else None)
 
     def fit(self) -> dict[str, Any]:

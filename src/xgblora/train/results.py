@@ -3,6 +3,7 @@ whole (a temporary name, then a rename), so that one that exists is complete."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -63,34 +64,47 @@ def write_predictions(cfg: Config, records: list[dict[str, Any]]) -> None:
                           "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
-def write_adapter(cfg: Config, method: Method, folder: Path) -> None:
+def adapter_task_type(cfg: Config, model: torch.nn.Module) -> str | None:
+    """PEFT's task_type of the run's adapter: FEATURE_EXTRACTION for an embedding body (no LM head), else PEFT's
+    default for the model."""
+    return "FEATURE_EXTRACTION" if cfg.objective != "lm" and not hasattr(model, "lm_head") else None
+
+
+def write_adapter(cfg: Config, method: Method, folder: Path, task_type: str | None = None) -> None:
     """The adapted model as a PEFT LoRA adapter in folder: boosters (merged and current) concatenated, the head as
     modules_to_save; for final/ and for every checkpoint."""
     history = method.boosting.history if method.boosting is not None else []
-    export.to_peft(method.modules, history, folder, cfg.model_name, head=dict(method.head))
+    export.to_peft(method.modules, history, folder, cfg.model_name, head=dict(method.head), task_type=task_type)
 
 
 def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Method,
                state: dict[str, torch.Tensor] | None = None) -> None:
     """final/: a PEFT adapter (boosters concatenated) for lora/xgblora, the whole model for full fine-tuning."""
+    embedding = cfg.objective != "lm"
     with atomic.replaced_folder(Path(cfg.output_dir) / "final") as final:
         if method.modules:
-            write_adapter(cfg, method, final)
+            write_adapter(cfg, method, final, adapter_task_type(cfg, model))
         else:
             model.save_pretrained(final, state_dict=state)
-        tokenizer.save_pretrained(final)  # with an adapter too: the tokenizer and its chat template travel with it
+            if embedding:  # the whole model: a sentence-transformers model as it stands
+                export.embedding_export(final, dataclasses.asdict(cfg), model.config.hidden_size)
+        side = tokenizer.padding_side
+        tokenizer.padding_side = "right" if embedding else side  # embeddings read right-padded inputs
+        tokenizer.save_pretrained(final)
+        tokenizer.padding_side = side  # with an adapter too: the tokenizer and its chat template travel with it
 
 
 def _auto_class(final: Path, adapter: bool) -> str:
     """The Auto class that loads final/: PEFT's for an adapter (by its task type), transformers' for a model."""
     if adapter:
         task = json.loads((final / "adapter_config.json").read_text(encoding="utf-8")).get("task_type")
-        return "AutoPeftModelForSequenceClassification" if task == "SEQ_CLS" else "AutoPeftModelForCausalLM"
+        return {"SEQ_CLS": "AutoPeftModelForSequenceClassification",
+                "FEATURE_EXTRACTION": "AutoPeftModelForFeatureExtraction"}.get(task, "AutoPeftModelForCausalLM")
     architectures = json.loads((final / "config.json").read_text(encoding="utf-8")).get("architectures") or [""]
     for suffix in ("ForSequenceClassification", "ForMaskedLM"):
         if architectures[0].endswith(suffix):
             return f"AutoModel{suffix}"
-    return "AutoModelForCausalLM"
+    return "AutoModel" if architectures[0].endswith("Model") else "AutoModelForCausalLM"  # an encoder's body
 
 
 def write_model_card(cfg: Config, results: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from xgblora.logging import setup_console_logging
 from xgblora.train.lock import run_lock
 from xgblora.train.loop import Hooks, Trainer
 from xgblora.train.results import write_model_card, write_predictions, write_results
-from xgblora.train.setup import RunSetup, init_head, load_run, setup_method, training_set
+from xgblora.train.setup import RunSetup, build_contrastive, init_head, load_run, setup_method, training_set
 
 log = logging.getLogger("xgblora")
 
@@ -77,10 +77,12 @@ def _train(setup: RunSetup, dist: distributed.Distributed, hooks: Hooks | None) 
     cfg = setup.cfg
     _check_dev_split(setup)
     train_set = training_set(setup)  # before the adapters: the packing probe runs on the plain model
-    method = setup_method(setup.model, cfg)
+    method = setup_method(setup.model, cfg, build_contrastive(setup, dist))
     init_head(setup, method)
     summary = Trainer(setup, method, train_set, dist, hooks).fit()
     results = {**summary, "method": cfg.method, "num_train": len(setup.splits.train)}
+    if method.contrastive is not None:  # learnt or fixed, the temperature the embeddings were trained at
+        results["temperature"] = round(1 / float(method.contrastive.scale), 6)
     if not cfg.no_eval:
         metrics, predictions = setup.score_and_predict(setup.splits.eval)
         write_predictions(cfg, predictions)

@@ -14,20 +14,29 @@ import torch
 import transformers
 
 from xgblora import config as config_mod
-from xgblora import encoders, loading, models, perf
+from xgblora import embedding, encoders, loading, models, perf, retrieval
 from xgblora.adapters.boosting import Boosting
 from xgblora.adapters.export import read_adapter
 from xgblora.adapters.lora import LoRALinear, attach, exact_targets, is_adapter_param, prepare_full_ft
 from xgblora.config import Config
 from xgblora.data import formats
-from xgblora.data.loading import Splits, sample_splits
-from xgblora.data.tasks import Example, Task, get_task
+from xgblora.data.loading import Splits, load_rows, sample_splits
+from xgblora.data.pairs import PairTask, Prefixes, held_apart, pair_seqs
+from xgblora.data.tasks import CustomTask, Example, Task, get_task
 from xgblora.distributed import Distributed
 from xgblora.errors import UserError
 from xgblora.evaluate import evaluate
 from xgblora.head import fit_probe
 from xgblora.instruction_eval import evaluate_instructions
-from xgblora.objective import TrainingSet, causal_training_set, label_training_set, sequence_training_set
+from xgblora.objective import (
+    Contrastive,
+    TrainingSet,
+    causal_training_set,
+    grit_training_set,
+    label_training_set,
+    pair_training_set,
+    sequence_training_set,
+)
 from xgblora.quant import is_quantized
 from xgblora.scoring import packing_supported
 
@@ -43,9 +52,12 @@ class Method:
     head: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list)
     modules: dict[str, LoRALinear] = field(default_factory=dict)
     boosting: Boosting | None = None
+    contrastive: Contrastive | None = None  # the embedding objective; its learnable temperature trains too
 
     def __post_init__(self) -> None:
-        self.named_params = [*self.trainable, *self.head]  # one list: FSDP replaces its entries in place
+        temperature = [("contrastive.log_scale", self.contrastive.log_scale)] \
+            if self.contrastive is not None and self.contrastive.log_scale is not None else []
+        self.named_params = [*self.trainable, *self.head, *temperature]  # one list: FSDP replaces its entries in place
 
     def zo_params(self, head_trainer: str) -> list[tuple[str, torch.nn.Parameter]]:
         """What MeZO perturbs and updates: the trainable weights, and the head only under --head_trainer zo."""
@@ -70,7 +82,7 @@ def init_head(run: RunSetup, method: Method) -> None:
     log.info("head: linear probe on %s-pooled features, training accuracy %.3f", cfg.pooling, accuracy)
 
 
-def setup_method(model: torch.nn.Module, cfg: Config) -> Method:
+def setup_method(model: torch.nn.Module, cfg: Config, contrastive: Contrastive | None = None) -> Method:
     """Prepare full fine-tuning, LoRA, or XGBLoRA boosters on the model, and say what trains; with --adapter, start
     from that adapter (see continue_from)."""
     if cfg.method == "ft":
@@ -78,7 +90,7 @@ def setup_method(model: torch.nn.Module, cfg: Config) -> Method:
         log.info("full fine-tuning: %s trainable parameters", f"{count:,}")
         named = list(model.named_parameters())
         return Method([(n, p) for n, p in named if not encoders.is_head_param(n)],
-                      [(n, p) for n, p in named if encoders.is_head_param(n)])
+                      [(n, p) for n, p in named if encoders.is_head_param(n)], contrastive=contrastive)
     factors, adapter_head = read_adapter(Path(cfg.adapter)) if cfg.adapter else ({}, {})
     model.load_state_dict(adapter_head, strict=False)  # a trained classification head (modules_to_save)
     targets = cfg.lora_target_modules or (exact_targets(factors) if factors else None)
@@ -100,7 +112,7 @@ def setup_method(model: torch.nn.Module, cfg: Config) -> Method:
         if factors:
             boosting.absorb(factors)
         boosting.begin()
-    return Method(adapters, head, report.modules, boosting)
+    return Method(adapters, head, report.modules, boosting, contrastive)
 
 
 def continue_from(factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
@@ -138,6 +150,10 @@ class RunSetup:
                           ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The task's metrics on examples, and the generations of instruction data (prompt, prediction, reference)."""
         cfg = self.cfg
+        if cfg.objective != "lm":
+            return retrieval.evaluate(self.model, self.tokenizer, examples, pooling=cfg.pooling,
+                                      max_length=cfg.max_length, batch_size=cfg.per_device_eval_batch_size,
+                                      bidirectional=bool(cfg.bidirectional), prefixes=self.prefixes), []
         if self.task.instruction:
             return evaluate_instructions(self.model, self.tokenizer, examples, stop_ids=self.stop_ids,
                                          batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length,
@@ -148,6 +164,11 @@ class RunSetup:
         return evaluate(self.model, self.tokenizer, self.task, examples, demos=demos, sfc=cfg.sfc,
                         icl_sfc=cfg.icl_sfc, batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length,
                         max_new_tokens=cfg.max_new_tokens), []
+
+    @property
+    def prefixes(self) -> Prefixes:
+        """The instruction prefixes of queries and documents (embedding runs)."""
+        return Prefixes(self.cfg.query_instruction, self.cfg.doc_instruction)
 
     @property
     def stop_ids(self) -> list[int]:
@@ -166,10 +187,17 @@ def load_run(cfg: Config, dist: Distributed) -> RunSetup:
     transformers.set_seed(cfg.seed)
     source = loading.resolve(cfg.model_name, cfg.adapter)  # a run or adapter folder names its base model
     cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
-    task = get_task(cfg.task_name, cfg)
+    embedding_run = cfg.objective != "lm"
+    task = PairTask(cfg) if embedding_run else get_task(cfg.task_name, cfg)
     splits = sample_splits(task, cfg)
-    head = models.resolve_head(cfg.head, cfg.model_name, cfg.trust_remote_code)
-    words = encoders.label_words(task.name, splits.train, splits.dev, splits.eval) if head != "lm" else ()
+    if embedding_run:  # a document trained on is not a held-out document
+        splits = Splits(splits.train, held_apart(splits.train, splits.dev, "dev"),
+                        held_apart(splits.train, splits.eval, "eval"))
+        head = models.embedding_head(cfg.model_name, cfg.objective, cfg.trust_remote_code)
+    else:
+        head = models.resolve_head(cfg.head, cfg.model_name, cfg.trust_remote_code)
+    words = encoders.label_words(task.name, splits.train, splits.dev, splits.eval) if head not in ("lm", "embed") \
+        else ()
     if head != "lm" and (cfg.sfc or cfg.icl_sfc):
         raise UserError(f"--sfc/--icl_sfc calibrate a causal LM's candidate scores; --head {head} has no surface forms")
     target = models.choose_device(dist.device or cfg.device)
@@ -188,7 +216,7 @@ def load_run(cfg: Config, dist: Distributed) -> RunSetup:
     _warn_on_emulated_bf16(cfg, device)
     if cfg.tf32:
         perf.enable_tf32(device)
-    scoring = encoders.build_scoring(head, tokenizer, words, cfg.pooling) if head != "lm" else None
+    scoring = encoders.build_scoring(head, tokenizer, words, cfg.pooling) if words else None
     return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device)
 
 
@@ -206,11 +234,33 @@ def resolve(cfg: Config, model: torch.nn.Module, dist: Distributed, head: str = 
     if max_length < cfg.max_length:
         log.debug("max_length %d exceeds %s's %d positions; using %d", cfg.max_length, cfg.model_name, positions,
                   positions)
-    pooling = cfg.pooling
+    pooling, bidirectional = cfg.pooling, cfg.bidirectional
     if pooling == "auto" and head == "classifier":
         pooling = models.sentence_pooling(cfg.model_name) or "cls"
+    if cfg.objective != "lm":
+        bidirectional = resolve_bidirectional(cfg, model, head)
+        if pooling == "auto":
+            pooling = models.sentence_pooling(cfg.model_name) or ("last" if head == "lm" and not bidirectional
+                                                                  else "mean")
     return dataclasses.replace(cfg, max_length=max_length, device=dist.device or cfg.device, pooling=pooling,
+                               bidirectional=bidirectional,
                                save_only_model=cfg.save_only_model or dist.model_only_checkpoints)
+
+
+def resolve_bidirectional(cfg: Config, model: torch.nn.Module, head: str) -> bool:
+    """Whether a causal LM's embedding pass attends both ways: --bidirectional, default on for GRIT where the model
+    allows it (probed: a later token must change an earlier one's hidden state); encoders already do."""
+    if head != "lm" or cfg.bidirectional is False:
+        return False
+    if cfg.bidirectional is None and cfg.objective != "grit":
+        return False
+    supported = embedding.bidirectional_supported(model)
+    if not supported and cfg.bidirectional:
+        raise UserError(f"--bidirectional: {model.config.model_type} with {model.config._attn_implementation} "
+                        f"attention ignores a bidirectional mask; use --attn_implementation sdpa or drop the flag")
+    log.info("embedding pass: %s attention", "bidirectional" if supported else "causal (the model ignores a "
+             "bidirectional mask)")
+    return supported
 
 
 def _warn_on_emulated_bf16(cfg: Config, device: torch.device) -> None:
@@ -228,6 +278,8 @@ def training_set(run: RunSetup) -> TrainingSet:
     if cfg.train_as_classification and run.task.generation and run.head == "lm":
         raise UserError(f"--train_as_classification needs answer candidates; {run.task.name} is a generation task "
                         f"(train it on the answer tokens, the default)")
+    if cfg.objective != "lm":
+        return embedding_training_set(run)
     if run.scoring is not None:
         return label_training_set(run.tokenizer, run.splits.train, cfg.max_length, run.scoring)
     token_mean = cfg.loss_mean == "token" or (cfg.loss_mean == "auto" and run.task.instruction)
@@ -237,6 +289,33 @@ def training_set(run: RunSetup) -> TrainingSet:
         return sequence_training_set(seqs, run.tokenizer.pad_token_id, packing_enabled(run), token_mean)
     return causal_training_set(run.tokenizer, run.splits.train, cfg.max_length, cfg.train_as_classification,
                                packed=packing_enabled(run), token_mean=token_mean)
+
+
+def embedding_training_set(run: RunSetup) -> TrainingSet:
+    """The pairs (contrastive), or the pairs and --grit_train_file's instruction examples side by side (GRIT)."""
+    cfg, tokenizer = run.cfg, run.tokenizer
+    pairs = pair_seqs(tokenizer, run.splits.train, cfg.max_length, run.prefixes)
+    if cfg.objective == "contrastive":
+        return pair_training_set(pairs, tokenizer.pad_token_id)
+    if not cfg.grit_train_file:
+        raise UserError("--objective grit needs --grit_train_file: instruction rows for the generative loss "
+                        "(messages, prompt/completion or text)")
+    task = CustomTask(dataclasses.replace(cfg, train_file=cfg.grit_train_file, eval_file=None, columns=None,
+                                         template=None, label_words=None))
+    examples = load_rows(task, "train", None)
+    seqs = formats.instruction_seqs(tokenizer, examples, cfg.max_length, cfg.train_on_prompt, run.stop_ids)
+    generative = sequence_training_set(seqs, tokenizer.pad_token_id, token_mean=True)
+    return grit_training_set(pairs, generative, tokenizer.pad_token_id)
+
+
+def build_contrastive(run: RunSetup, dist: Distributed) -> Contrastive | None:
+    """The embedding objective of the run (None for --objective lm)."""
+    cfg = run.cfg
+    if cfg.objective == "lm":
+        return None
+    return Contrastive(cfg.pooling, cfg.temperature, cfg.learnable_temperature, bool(cfg.bidirectional),
+                       gather=dist.gather_rows if dist.world_size > 1 else None,
+                       weights=(cfg.grit_contrastive_weight, cfg.grit_generative_weight)).to(run.device)
 
 
 def packing_enabled(run: RunSetup) -> bool:

@@ -1,0 +1,122 @@
+"""GRIT on a tiny Llama: the embedding pass really attends both ways, a run lowers both of its losses, and its
+merged export embeds (as the run does) and generates."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from xgblora import cli, models
+from xgblora.config import Config
+from xgblora.data import formats
+from xgblora.data.loading import load_rows
+from xgblora.data.pairs import collate_pairs, pair_seqs
+from xgblora.data.tasks import CustomTask, Example
+from xgblora.embedding import bidirectional_supported, encode_texts, hidden_states
+from xgblora.objective import Contrastive, per_example_loss, sequence_training_set
+from xgblora.train import run
+
+TOPICS = ["the movie was a love story", "a film about the war", "the best story of the year", "a boring time",
+          "funny and good", "the terrible acting", "a great new film", "what a fun movie", "the dull plot",
+          "a story of love and time"]
+
+
+def test_the_bidirectional_mask_lets_earlier_tokens_see_later_ones_and_still_hides_padding():
+    model, _ = models.load("tiny-llama")
+    model.eval()
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    changed = ids.clone()
+    changed[0, -1] = 123
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        for bidirectional in (False, True):
+            first = [hidden_states(model, x, mask, bidirectional)[0, 0] for x in (ids, changed)]
+            assert torch.allclose(first[0], first[1]) != bidirectional
+        # a right-padded row: its real tokens' states are those of the row alone (padding is masked both ways)
+        padded = torch.cat([ids, torch.zeros(1, 3, dtype=torch.long)], 1)
+        padded_mask = torch.cat([mask, torch.zeros(1, 3, dtype=torch.long)], 1)
+        alone = hidden_states(model, ids, mask, True)
+        torch.testing.assert_close(hidden_states(model, padded, padded_mask, True)[:, :5], alone, rtol=1e-4,
+                                   atol=1e-5)
+    assert bidirectional_supported(model)
+
+
+def query(i: int) -> str:
+    return f"what about {TOPICS[i]}?"
+
+
+def positive(i: int) -> str:
+    """A document that shares no topic words with its query (a random model cannot match them by overlap)."""
+    return f"{TOPICS[(i + 3) % len(TOPICS)]}, they said."
+
+
+def write_data(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"query": query(i), "positive": positive(i)}) + "\n"
+                             for i in range(len(TOPICS))), encoding="utf-8")
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": f"Question: is {t} good?\nAnswer:", "completion": " Yes, great."})
+                           + "\n" for t in TOPICS), encoding="utf-8")
+    return pairs, sft
+
+
+def losses(model, tokenizer, cfg: Config, pairs, sft) -> tuple[float, float]:
+    """Contrastive and generative loss of the whole training data (both as the run computes them)."""
+    examples = [Example(query(i), (positive(i),), (0,)) for i in range(len(TOPICS))]
+    batch = collate_pairs(pair_seqs(tokenizer, examples, cfg.max_length), tokenizer.pad_token_id)
+    task = CustomTask(Config(task_name="custom", train_file=str(sft)))
+    seqs = formats.instruction_seqs(tokenizer, load_rows(task, "train", None), cfg.max_length, False,
+                                    formats.stop_token_ids(tokenizer))
+    generative = sequence_training_set(seqs, tokenizer.pad_token_id, token_mean=True).batch(range(len(seqs)))
+    with torch.no_grad():
+        model.eval()
+        contrastive = per_example_loss(model, batch, Contrastive(cfg.pooling, cfg.temperature, False, True)).mean()
+        return float(contrastive), float(per_example_loss(model, generative).mean())
+
+
+def test_grit_lowers_both_losses_and_its_merged_export_embeds_and_generates(tmp_path):
+    pairs, sft = write_data(tmp_path)
+    out = tmp_path / "run"
+    results = run(Config(model_name="tiny-llama", objective="grit", train_file=str(pairs), grit_train_file=str(sft),
+                         eval_file=str(pairs), num_train=8, num_dev=2, method="lora", learning_rate=3e-3,
+                         max_steps=24, per_device_train_batch_size=4, max_length=48, evaluation_strategy="steps",
+                         eval_steps=12,
+                         output_dir=str(out), device="cpu", lora_target_modules="all-linear"))
+    cfg = Config(**{k: v for k, v in yaml.safe_load((out / "config.yaml").read_text()).items()})
+    assert cfg.bidirectional is True and cfg.pooling == "mean"  # GRIT's default where the model allows it
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "eval_recall@1" in line]
+    assert [e["step"] for e in evals] == [12, 24] and "recall@1" in results
+
+    merged = tmp_path / "merged"
+    assert cli.main(["export", str(out), "--format", "merged", "--out", str(merged)]) == 0
+    base, tokenizer = models.load("tiny-llama")
+    trained, merged_tokenizer = models.load(str(merged))
+    before, after = losses(base, tokenizer, cfg, pairs, sft), losses(trained, merged_tokenizer, cfg, pairs, sft)
+    assert after[0] < before[0] * 0.9 and after[1] < before[1] * 0.9, (before, after)
+
+    # it embeds: `xgblora encode` of the run (adapter merged in memory) equals the merged export's embeddings
+    vectors = tmp_path / "q.safetensors"
+    assert cli.main(["encode", str(out), "--input", str(pairs), "--column", "query", "--output", str(vectors)]) == 0
+    from safetensors.torch import load_file
+
+    queries = [json.loads(line)["query"] for line in pairs.read_text().splitlines()]
+    exported = encode_texts(trained, merged_tokenizer, queries, pooling="mean", max_length=48, bidirectional=True)
+    torch.testing.assert_close(load_file(vectors)["embeddings"], exported, rtol=1e-4, atol=1e-5)
+    assert np.allclose(torch.linalg.norm(exported, dim=1).numpy(), 1.0, atol=1e-5)
+    # and generates: greedy continuations of a training prompt, from the merged weights with the KV cache
+    prompt = merged_tokenizer("Question: is a boring time good?\nAnswer:", return_tensors="pt")
+    generated = trained.generate(**prompt, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] == prompt["input_ids"].shape[1] + 4 or generated[0, -1] in formats.stop_token_ids(
+        merged_tokenizer)
+
+
+def test_grit_needs_a_causal_lm_and_instruction_data(tmp_path):
+    pairs, _ = write_data(tmp_path)
+    with pytest.raises(Exception, match="encoder"):
+        run(Config(model_name="tiny-bert", objective="grit", train_file=str(pairs), num_train=4, max_steps=1,
+                   output_dir=str(tmp_path / "a")))
+    with pytest.raises(Exception, match="--grit_train_file"):
+        run(Config(model_name="tiny-llama", objective="grit", train_file=str(pairs), num_train=4, max_steps=1,
+                   output_dir=str(tmp_path / "b")))
