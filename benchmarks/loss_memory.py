@@ -20,13 +20,13 @@ import sys
 VARIANTS = ("plain", "chunked")
 
 
-def step_peak_mb(args: argparse.Namespace, variant: str) -> dict[str, float]:
-    """Memory (MiB) held before one training step of `variant`, in this process, and its peak during the step."""
+def step_peak_mb(args: argparse.Namespace, variant: str) -> float:
+    """Memory (MiB) one training step of `variant` adds to what this process held before it."""
     import torch
 
     from xgblora import models, scoring
     from xgblora.adapters.lora import attach
-    from xgblora.bench.memory import RssSampler
+    from xgblora.bench.memory import added_peak_mb
     from xgblora.bench.workloads import synthetic_seqs
     from xgblora.data.batching import collate
     from xgblora.objective import TrainingLoss
@@ -44,16 +44,7 @@ def step_peak_mb(args: argparse.Namespace, variant: str) -> dict[str, float]:
     seqs = synthetic_seqs(args.batch_size, args.seq_len, args.target_len, 128256)
     batch = collate(seqs, tokenizer.pad_token_id).token_mean().to(device)
     loss_fn = TrainingLoss(model)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated() / 2**20
-        loss_fn(batch).mean().backward()
-        return {"before": before, "peak": torch.cuda.max_memory_allocated() / 2**20}
-    sampler = RssSampler()
-    before = sampler.peak_mb
-    sampler.start()
-    loss_fn(batch).mean().backward()
-    return {"before": before, "peak": sampler.stop()}
+    return added_peak_mb(lambda: loss_fn(batch).mean().backward(), device)
 
 
 def main() -> None:
@@ -77,8 +68,7 @@ def main() -> None:
         for variant in VARIANTS:  # alternating: both see the same machine state
             done = subprocess.run([sys.executable, __file__, *flags, "--worker", variant], check=True,
                                   capture_output=True, text=True)
-            memory = json.loads(done.stdout.strip().splitlines()[-1])
-            steps[variant].append(memory["peak"] - memory["before"])
+            steps[variant].append(float(done.stdout.strip().splitlines()[-1]))
     logits_mb = args.batch_size * (args.target_len + 1) * 128256 * 4 / 2**20
     result = {**vars(args), "fp32_logits_mb": round(logits_mb),
               **{f"{v}_step_mb": round(statistics.median(m)) for v, m in steps.items()}}

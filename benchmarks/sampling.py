@@ -74,19 +74,9 @@ def peak_mb(args: argparse.Namespace, variant: str) -> float:
     """Memory one call of the variant adds to what the process held before it (MiB)."""
     import torch
 
-    from xgblora.bench.memory import RssSampler
+    from xgblora.bench.memory import added_peak_mb
 
-    fn = workload(args, variant)
-    if args.device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        fn()
-        return (torch.cuda.max_memory_allocated() - before) / 2**20
-    sampler = RssSampler()
-    before = sampler.peak_mb
-    sampler.start()
-    fn()
-    return sampler.stop() - before
+    return added_peak_mb(workload(args, variant), torch.device(args.device))
 
 
 def timings(args: argparse.Namespace) -> dict[str, list[float]]:

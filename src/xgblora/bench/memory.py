@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,6 +60,21 @@ class RssSampler(threading.Thread):
         self.join()
         self.peak_mb = max(self.peak_mb, _rss_mb())
         return self.peak_mb
+
+
+def added_peak_mb(fn: Callable[[], Any], device: torch.device) -> float:
+    """Memory (MiB) one call of fn adds to what the process held before it: max_memory_allocated on CUDA, the peak
+    RSS sampled during the call on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    sampler = RssSampler()
+    before = sampler.peak_mb
+    sampler.start()
+    fn()
+    return sampler.stop() - before
 
 
 def memory_worker(config: dict[str, Any]) -> dict[str, float]:
