@@ -217,6 +217,9 @@ def _unrecognized(command: str, unknown: list[str]) -> UserError:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `xgblora` console script; returns the exit code (2 for a user error)."""
+    from xgblora.logging import setup_console_logging
+
+    setup_console_logging()
     args, unknown = build_parser().parse_known_args(argv)
     try:
         if unknown:

@@ -245,4 +245,7 @@ def setup_console_logging(level: int = std_logging.INFO) -> std_logging.Logger:
     logger.setLevel(level)
     handler.setLevel(level)
     logger.propagate = False
+    # bitsandbytes warns on import, on every CPU machine without its optional `kernels` package, that its CPU 4-bit
+    # kernel is unavailable; peft imports it whenever it is installed, so every run printed it, 4-bit or not.
+    std_logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(std_logging.ERROR)
     return logger
