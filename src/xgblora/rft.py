@@ -33,7 +33,8 @@ from typing import Any
 from xgblora import atomic
 from xgblora.config import Config, RFTConfig
 from xgblora.data import formats
-from xgblora.data.tasks import Example
+from xgblora.data.sources import parse_columns, read_rows
+from xgblora.data.tasks import Example, PromptTask
 from xgblora.errors import UserError
 from xgblora.generation import Prompts, read_prompts, sampling_params, write_completions
 from xgblora.sampling import SamplingParams
@@ -175,9 +176,6 @@ def train_round(cfg: RFTConfig, model_path: str, adapter: str | None, round_dir:
 
 def _heldout_rows(cfg: RFTConfig, root: Path) -> None:
     """heldout.jsonl: the held-out questions and references as SFT rows (each training run's --eval_file)."""
-    from xgblora.data.sources import parse_columns, read_rows
-    from xgblora.data.tasks import PromptTask
-
     task = PromptTask()
     examples = [ex for where, row in read_rows(cfg.eval_file, "eval", parse_columns(cfg.columns))
                 for ex in task.examples(row, where)]
