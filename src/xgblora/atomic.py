@@ -6,10 +6,12 @@ output (or none) and a hidden `.NAME.tmp`, which the next write of that output r
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 
 def temporary_name(path: Path) -> Path:
@@ -46,6 +48,16 @@ def write_bytes(path: Path, data: bytes) -> None:
 def write_text(path: Path, text: str) -> None:
     """write_bytes of UTF-8 text."""
     write_bytes(path, text.encode("utf-8"))
+
+
+def jsonl(rows: Iterable[dict[str, Any]]) -> str:
+    """Rows as JSON Lines text (UTF-8 kept as it is, one object per line)."""
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    """write_text of rows as JSON Lines."""
+    write_text(path, jsonl(rows))
 
 
 def create_text(path: Path, text: str) -> bool:

@@ -104,7 +104,7 @@ class PartialOutput:
     def append(self, records: list[dict[str, Any]]) -> None:
         """Add one batch's lines durably (one write, then fsync)."""
         with open(self.partial, "ab") as handle:
-            handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
+            handle.write(atomic.jsonl(records).encode("utf-8"))
             handle.flush()
             os.fsync(handle.fileno())
         self.lines.update((r["index"], r) for r in records)
@@ -112,7 +112,7 @@ class PartialOutput:
     def finish(self, rows: list[dict[str, Any]]) -> None:
         """Write OUTPUT whole, in the input's order, and remove the partial files."""
         merged = [{**row, **{k: v for k, v in self.lines[i].items() if k != "index"}} for i, row in enumerate(rows)]
-        atomic.write_text(self.output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged))
+        atomic.write_jsonl(self.output, merged)
         self.partial.unlink()
         self.settings_file.unlink()
 
@@ -128,8 +128,7 @@ def write_completions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
                       params: SamplingParams, output: Path, settings: dict[str, Any], progress: bool = True) -> Path:
     """Sample every prompt's completions into `output` (see the module docstring); returns its path."""
     out = PartialOutput(output, settings)
-    stop_ids = formats.stop_token_ids(tokenizer, getattr(model.generation_config, "eos_token_id", None))
-    sampler = Sampler(model, tokenizer.pad_token_id, stop_ids, params)
+    sampler = Sampler(model, tokenizer.pad_token_id, formats.model_stop_ids(model, tokenizer), params)
     with tqdm(total=len(prompts.ids), initial=len(out.lines), desc="generate", unit="prompt",
               disable=not progress) as bar:
         for batch, samples in sampler.run(prompts.ids, skip=set(out.lines)):

@@ -47,15 +47,22 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    atomic.write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+@dataclass
+class Questions:
+    """The questions of a file rendered for one tokenizer, and the conversation each prompt stood for (none when
+    the prompt was sent as it is)."""
+
+    source: str
+    prompts: Prompts
+    turns: list[list[tuple[str, str]]]
 
 
-def _questions(cfg: RFTConfig, source: str, tokenizer: Any) -> Prompts:
+def read_questions(cfg: RFTConfig, source: str, tokenizer: Any) -> Questions:
     """The questions of a file, rendered for the tokenizer; every one needs a reference answer."""
     prompts = read_prompts(source, tokenizer, columns=cfg.columns, raw=cfg.raw_prompts, max_length=cfg.max_length)
     _check_references(prompts.examples)
-    return prompts
+    return Questions(source, prompts, [formats.prompt_turns(tokenizer, ex, raw=cfg.raw_prompts)
+                                       for ex in prompts.examples])
 
 
 def _check_references(examples: list[Example]) -> None:
@@ -70,16 +77,6 @@ def sft_row(turns: list[tuple[str, str]], ex: Example, completion: str) -> dict[
     if turns:
         return {"messages": [{"role": r, "content": c} for r, c in [*turns, ("assistant", completion)]]}
     return {"prompt": ex.prompt, "completion": completion}
-
-
-@dataclass
-class Sampled:
-    """The questions of a file with their completions, and the conversation each prompt stood for (none when the
-    prompt was sent as it is)."""
-
-    examples: list[Example]
-    turns: list[list[tuple[str, str]]]
-    completions: list[list[str]]
 
 
 @dataclass
@@ -103,26 +100,25 @@ def load_model(cfg: RFTConfig, path: str, adapter: str | None = None) -> LoadedM
     return LoadedModel(path, model, tokenizer)
 
 
-def sample_file(cfg: RFTConfig, loaded: LoadedModel, source: str, params: SamplingParams, out: Path) -> Sampled:
-    """Sample (or read back, when `out` exists) the completions of every question of a file."""
-    prompts = _questions(cfg, source, loaded.tokenizer)
+def sample_questions(loaded: LoadedModel, questions: Questions, params: SamplingParams, out: Path) -> list[list[str]]:
+    """The completions of every question (sampled into `out`, or read back when it exists)."""
     if not out.exists():
-        settings = {"model": loaded.path, "input": source, **dataclasses.asdict(params)}
-        write_completions(loaded.model, loaded.tokenizer, prompts, params, out, settings)
-    turns = [formats.prompt_turns(loaded.tokenizer, ex, raw=cfg.raw_prompts) for ex in prompts.examples]
-    return Sampled(prompts.examples, turns, [row["completions"] for row in _read_jsonl(out)])
+        settings = {"model": loaded.path, "input": questions.source, **dataclasses.asdict(params)}
+        write_completions(loaded.model, loaded.tokenizer, questions.prompts, params, out, settings)
+    return [row["completions"] for row in _read_jsonl(out)]
 
 
-def verify_round(cfg: RFTConfig, sampled: Sampled, verifier: Verifier, round_dir: Path) -> dict[str, Any]:
+def verify_round(cfg: RFTConfig, questions: Questions, completions: list[list[str]], verifier: Verifier,
+                 round_dir: Path) -> dict[str, Any]:
     """Keep the correct completions: write train.jsonl and verified.jsonl; return the counts."""
     rows, report = [], []
-    for i, (ex, turns, texts) in enumerate(zip(sampled.examples, sampled.turns, sampled.completions, strict=True)):
+    for i, (ex, turns, texts) in enumerate(zip(questions.prompts.examples, questions.turns, completions, strict=True)):
         kept = verifier.keep(texts, ex.answers[0], cfg.keep_per_prompt)
         rows += [sft_row(turns, ex, text) for text in kept]
         report.append({"index": i, "samples": len(texts),
                        "correct": sum(verifier.correct(t, ex.answers[0]) for t in texts), "kept": len(kept)})
-    _write_jsonl(round_dir / "verified.jsonl", report)
-    _write_jsonl(round_dir / "train.jsonl", rows)
+    atomic.write_jsonl(round_dir / "verified.jsonl", report)
+    atomic.write_jsonl(round_dir / "train.jsonl", rows)
     samples = sum(r["samples"] for r in report)
     return {"samples": samples, "correct": sum(r["correct"] for r in report), "kept": len(rows),
             "questions_solved": sum(r["kept"] > 0 for r in report), "questions": len(report),
@@ -135,14 +131,16 @@ def evaluate_model(cfg: RFTConfig, model_path: str, adapter: str | None, verifie
     if (round_dir / "eval.json").exists():
         return json.loads((round_dir / "eval.json").read_text(encoding="utf-8"))
     loaded = load_model(cfg, model_path, adapter)
+    questions = read_questions(cfg, cfg.eval_file, loaded.tokenizer)
     greedy = dataclasses.replace(sampling_params(cfg), num_samples=1, temperature=0.0)
-    runs = {"pass@1": sample_file(cfg, loaded, cfg.eval_file, greedy, round_dir / "eval-greedy.jsonl")}
+    runs = {"pass@1": sample_questions(loaded, questions, greedy, round_dir / "eval-greedy.jsonl")}
     if cfg.pass_k:
         params = dataclasses.replace(sampling_params(cfg), num_samples=cfg.pass_k)
-        runs[f"pass@{cfg.pass_k}"] = sample_file(cfg, loaded, cfg.eval_file, params, round_dir / "eval-samples.jsonl")
+        runs[f"pass@{cfg.pass_k}"] = sample_questions(loaded, questions, params, round_dir / "eval-samples.jsonl")
+    examples = questions.prompts.examples
     metrics = {name: sum(any(verifier.correct(t, ex.answers[0]) for t in texts)
-                         for ex, texts in zip(s.examples, s.completions, strict=True)) / len(s.examples)
-               for name, s in runs.items()}
+                         for ex, texts in zip(examples, completions, strict=True)) / len(examples)
+               for name, completions in runs.items()}
     atomic.write_text(round_dir / "eval.json", json.dumps(metrics, indent=2) + "\n")
     return metrics
 
@@ -181,7 +179,7 @@ def _heldout_rows(cfg: RFTConfig, root: Path) -> None:
                 for ex in task.examples(row, where)]
     _check_references(examples)
     rows = [sft_row(list(ex.messages), ex, ex.answers[0]) for ex in examples]
-    _write_jsonl(root / "heldout.jsonl", rows)
+    atomic.write_jsonl(root / "heldout.jsonl", rows)
 
 
 def run_rft(cfg: RFTConfig) -> dict[str, Any]:
@@ -198,8 +196,9 @@ def run_rft(cfg: RFTConfig) -> dict[str, Any]:
     for number in range(1, cfg.rounds + 1):
         round_dir = root / f"round-{number}"
         sampler = load_model(cfg, cfg.sampler_model) if cfg.sampler_model else load_model(cfg, model_path, adapter)
-        sampled = sample_file(cfg, sampler, cfg.train_file, sampling_params(cfg), round_dir / "samples.jsonl")
-        counts = verify_round(cfg, sampled, verifier, round_dir)
+        questions = read_questions(cfg, cfg.train_file, sampler.tokenizer)
+        completions = sample_questions(sampler, questions, sampling_params(cfg), round_dir / "samples.jsonl")
+        counts = verify_round(cfg, questions, completions, verifier, round_dir)
         if counts["kept"]:
             model_path, adapter = train_round(cfg, model_path, adapter, round_dir, counts["kept"]), None
             scores = evaluate_model(cfg, model_path, adapter, verifier, round_dir)

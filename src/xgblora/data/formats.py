@@ -43,6 +43,12 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_eos: int | lis
     return list(dict.fromkeys(t for t in [tokenizer.eos_token_id, *extra] if t is not None))
 
 
+def model_stop_ids(model: object, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """`stop_token_ids` of a model: its generation config's EOS beside the tokenizer's (none without a config)."""
+    generation = getattr(model, "generation_config", None)
+    return stop_token_ids(tokenizer, getattr(generation, "eos_token_id", None))
+
+
 def render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str, str]], generation_prompt: bool,
            where: str = "") -> str:
     """The chat template's text for a conversation; a template that is missing or fails is a one-line UserError."""

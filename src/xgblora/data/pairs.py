@@ -47,8 +47,7 @@ class PairTask(CustomTask):
             negatives = r.texts("negatives")
         elif r.has("negative"):
             negatives = [r.text("negative")]
-        source = f"{r.where[0]}:{r.where[1]}" if isinstance(r.where[1], int) else f"{r.where[0]}, {r.where[1]}"
-        return [Example(r.text("query"), (r.text("positive"), *negatives), (0,), source=source)]
+        return [Example(r.text("query"), (r.text("positive"), *negatives), (0,), source=r.source)]
 
 
 def tokenize(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max_length: int) -> list[list[int]]:

@@ -40,6 +40,12 @@ class Fields:
     def __init__(self, row: dict[str, Any], where: Where, prefix: str = ""):
         self.row, self.where, self.prefix = row, where, prefix
 
+    @property
+    def source(self) -> str:
+        """Where the row came from, for errors found after loading: 'file:line' or 'file, row N'."""
+        path, line = self.where
+        return f"{path}:{line}" if isinstance(line, int) else f"{path}, {line}"
+
     def error(self, key: str, what: str) -> UserError:
         """A UserError about field `key` of this row."""
         return located(self.where[0], self.where[1], self.prefix + key, what)
@@ -365,7 +371,7 @@ class CustomTask(Task):
         """A `messages` conversation, a prompt/completion pair (TRL's; `response` stands for `completion`; lists
         of messages make it a conversation trained on the completion's turns), or a `text` row."""
         fmt = self.data_format if self.data_format != "auto" else _detect_format(r)
-        source = f"{r.where[0]}:{r.where[1]}" if isinstance(r.where[1], int) else f"{r.where[0]}, {r.where[1]}"
+        source = r.source
         if fmt == "text":
             return Example("", (), (), answers=(r.text("text"),), source=source)
         if fmt == "messages":
@@ -409,7 +415,7 @@ class PromptTask(Task):
     name, dir_name, hf_dataset = "prompts", "prompts", ("json", None)
 
     def build(self, r: Fields) -> list[Example]:
-        source = f"{r.where[0]}:{r.where[1]}" if isinstance(r.where[1], int) else f"{r.where[0]}, {r.where[1]}"
+        source = r.source
         answer_key = next((k for k in ("completion", "response") if r.has(k)), None)
         if r.has("messages") or (r.has("prompt") and isinstance(r.get("prompt"), list)):
             key = "messages" if r.has("messages") else "prompt"

@@ -60,8 +60,7 @@ def _write_copy(cfg: Config, text: str) -> Path:
 def write_predictions(cfg: Config, records: list[dict[str, Any]]) -> None:
     """predictions.jsonl: one generation of the evaluation split per line (nothing when there are none)."""
     if records:
-        atomic.write_text(Path(cfg.output_dir) / "predictions.jsonl",
-                          "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        atomic.write_jsonl(Path(cfg.output_dir) / "predictions.jsonl", records)
 
 
 def adapter_task_type(cfg: Config, model: torch.nn.Module) -> str | None:

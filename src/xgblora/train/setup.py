@@ -173,8 +173,7 @@ class RunSetup:
     @property
     def stop_ids(self) -> list[int]:
         """Tokens that end an answer: the tokenizer's EOS and the model's generation EOS (e.g. an end-of-turn)."""
-        generation = getattr(self.model, "generation_config", None)
-        return formats.stop_token_ids(self.tokenizer, getattr(generation, "eos_token_id", None))
+        return formats.model_stop_ids(self.model, self.tokenizer)
 
     @property
     def autocast(self) -> torch.dtype | None:
