@@ -13,7 +13,7 @@ from xgblora.config import Config, RFTConfig
 from xgblora.errors import UserError
 from xgblora.rft import run_rft
 from xgblora.train import run
-from xgblora.verify import Verifier, make_extractor, same_answer
+from xgblora.verify import Verifier, gsm8k_answer, keep_correct, make_extractor, same_answer
 
 
 @pytest.mark.parametrize("spec, text, answer", [
@@ -50,7 +50,22 @@ def test_answers_agree_as_numbers_within_tolerance_or_as_normalised_strings():
 def test_keep_takes_distinct_correct_completions_up_to_the_limit():
     verifier = Verifier(make_extractor("gsm8k"))
     texts = ["2 + 2 = 4\n#### 4", " 2 + 2 = 4\n#### 4 ", "#### 5", "4 #### 4", "so #### 4.0", "#### 4"]
-    assert verifier.keep(texts, "#### 4", limit=3) == ["2 + 2 = 4\n#### 4", "4 #### 4", "so #### 4.0"]
+    verdicts = verifier.judge(texts, "#### 4")
+    assert verdicts == [True, True, False, True, True, True]
+    assert keep_correct(texts, verdicts, limit=3) == ["2 + 2 = 4\n#### 4", "4 #### 4", "so #### 4.0"]
+
+
+def test_judge_extracts_each_completion_once():
+    """A user's extractor (`module:function`) may run a program or a model: it must not run twice per completion."""
+    calls = []
+
+    def extract(text):
+        calls.append(text)
+        return gsm8k_answer(text)
+
+    texts = ["#### 4", "#### 5", "#### 4"]
+    assert Verifier(extract).judge(texts, "#### 4") == [True, False, True]
+    assert sorted(calls) == sorted(texts + ["#### 4"])  # each completion once, the reference once
 
 
 def _gsm8k_rows(shared_data, split, n):

@@ -38,7 +38,7 @@ from xgblora.data.tasks import Example, PromptTask
 from xgblora.errors import UserError
 from xgblora.generation import Prompts, read_prompts, sampling_params, write_completions
 from xgblora.sampling import SamplingParams
-from xgblora.verify import Verifier, make_extractor
+from xgblora.verify import Verifier, keep_correct, make_extractor
 
 log = logging.getLogger("xgblora")
 
@@ -113,10 +113,10 @@ def verify_round(cfg: RFTConfig, questions: Questions, completions: list[list[st
     """Keep the correct completions: write train.jsonl and verified.jsonl; return the counts."""
     rows, report = [], []
     for i, (ex, turns, texts) in enumerate(zip(questions.prompts.examples, questions.turns, completions, strict=True)):
-        kept = verifier.keep(texts, ex.answers[0], cfg.keep_per_prompt)
+        verdicts = verifier.judge(texts, ex.answers[0])
+        kept = keep_correct(texts, verdicts, cfg.keep_per_prompt)
         rows += [sft_row(turns, ex, text) for text in kept]
-        report.append({"index": i, "samples": len(texts),
-                       "correct": sum(verifier.correct(t, ex.answers[0]) for t in texts), "kept": len(kept)})
+        report.append({"index": i, "samples": len(texts), "correct": sum(verdicts), "kept": len(kept)})
     atomic.write_jsonl(round_dir / "verified.jsonl", report)
     atomic.write_jsonl(round_dir / "train.jsonl", rows)
     samples = sum(r["samples"] for r in report)

@@ -108,13 +108,19 @@ class Verifier:
 
     def correct(self, completion: str, reference: str) -> bool:
         """Whether the completion's extracted answer agrees with the reference's."""
-        found = self.extract(completion)
-        return found is not None and same_answer(str(found), self.reference_answer(reference), self.tolerance)
+        return self.judge([completion], reference)[0]
 
-    def keep(self, completions: Sequence[str], reference: str, limit: int) -> list[str]:
-        """The correct completions, duplicates (up to surrounding white space) removed, at most `limit`, in order."""
-        kept: dict[str, str] = {}
-        for text in completions:
-            if len(kept) < limit and self.correct(text, reference):
-                kept.setdefault(text.strip(), text)
-        return list(kept.values())
+    def judge(self, completions: Sequence[str], reference: str) -> list[bool]:
+        """Whether each completion is correct; each is extracted once, as a user's extractor may be costly."""
+        want = self.reference_answer(reference)
+        found = [self.extract(text) for text in completions]
+        return [got is not None and same_answer(str(got), want, self.tolerance) for got in found]
+
+
+def keep_correct(completions: Sequence[str], verdicts: Sequence[bool], limit: int) -> list[str]:
+    """The correct completions, duplicates (up to surrounding white space) removed, at most `limit`, in order."""
+    kept: dict[str, str] = {}
+    for text, correct in zip(completions, verdicts, strict=True):
+        if correct and len(kept) < limit:
+            kept.setdefault(text.strip(), text)
+    return list(kept.values())
