@@ -1,0 +1,119 @@
+"""Where rank limits LoRA: XGBLoRA against LoRA at equal trainable parameters and steps (issue 14, item 6).
+
+On all-MiniLM-L6-v2 / SST-2 (benchmarks/accuracy.py) rank does not limit LoRA: rank 1, rank 8 and full fine-tuning
+land within a point of each other, so XGBLoRA's growing total rank has nothing to buy there. This benchmark runs
+the regime where rank must matter: an update that has to carry a lot of new knowledge. No pretrained causal LM can
+be loaded here, so the model is the built-in random Llama (`tiny-llama`: 2 layers, hidden 64, 512-token byte
+vocabulary) learning GSM8K's worked solutions (prompt = question, completion = answer): the adapters must learn
+the language itself, which a rank-1 update cannot hold and full fine-tuning can. Rows: full FT, LoRA r=8, LoRA r=1
+and XGBLoRA (rank-1 boosters, the paper preset), LoRA and XGBLoRA on every linear layer of the blocks, AdamW,
+the same steps and batches. Each row's learning rate is chosen from its grid on dev loss at seed 0 (the dev split
+is drawn from GSM8K's train split); the test loss is over GSM8K's test split at the best dev checkpoint, used for
+nothing else. Finished runs are kept as JSON in --out and reused.
+
+    python benchmarks/rank_regime.py --data_dir ../shared/data --out rank-regime
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+# name -> (Config overrides, learning-rate grid)
+RUNS: dict[str, tuple[dict[str, Any], tuple[float, ...]]] = {
+    "FT (AdamW)": (dict(method="ft"), (1e-3, 3e-3)),
+    "LoRA r=8 (AdamW)": (dict(method="lora", lora_r=8), (3e-3, 1e-2, 3e-2)),
+    "LoRA r=1 (AdamW)": (dict(method="lora", lora_r=1), (3e-3, 1e-2, 3e-2)),
+    "XGBLoRA r=1, paper preset (AdamW)": (dict(method="xgblora"), (3e-3, 1e-2, 3e-2)),
+}
+
+
+def run_config(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[str, Any]:
+    """The Config values of one run."""
+    gsm8k = Path(args.data_dir) / "gsm8k"
+    return dict(model_name=args.model_name, task_name="custom", train_file=str(gsm8k / "train.jsonl"),
+                eval_file=str(gsm8k / "test.jsonl"), columns="prompt=question,completion=answer",
+                num_train=args.num_train, num_dev=args.num_dev, num_eval=args.num_eval, train_set_seed=seed,
+                seed=seed, lora_target_modules="all-linear", trainer="regular", max_steps=args.steps,
+                per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=32, max_length=512,
+                max_new_tokens=1, lr_scheduler_type="linear", warmup_ratio=0.06, save_strategy="no",
+                logging_steps=max(1, args.steps // 10), evaluation_strategy="steps", eval_steps=args.steps // 5,
+                load_best_model_at_end=True, **RUNS[name][0], learning_rate=lr)
+
+
+def run_one(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[str, Any]:
+    """One (row, seed, learning rate), reused from --out when finished with the same settings."""
+    from xgblora import train
+    from xgblora.config import Config
+
+    slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
+    path = Path(args.out) / f"{slug}-lr{lr:g}-seed{seed}.json"
+    config = run_config(args, name, seed, lr)
+    if path.is_file() and json.loads(path.read_text()).get("config") == config:
+        return json.loads(path.read_text())
+    result = train.run(Config(**config, output_dir=str(path.with_suffix("")), overwrite_output_dir=True))
+    saved = {"run": name, "seed": seed, "lr": lr, "config": config, "dev_loss": result["dev_loss"],
+             "test_loss": result["loss"], "train_loss": result["train_loss"],
+             "trainable_params": result["trainable_params"], "train_s": result["train_runtime_s"]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(saved, indent=2) + "\n")
+    print(f"  {name} lr {lr:g} seed {seed}: dev loss {saved['dev_loss']:.3f}, test loss {saved['test_loss']:.3f}, "
+          f"train {saved['train_s']:.0f} s", flush=True)
+    return saved
+
+
+def choose_lr(args: argparse.Namespace, name: str) -> float:
+    """The grid's learning rate with the lowest dev loss at the first seed."""
+    grid = RUNS[name][1]
+    dev = {lr: run_one(args, name, args.seeds[0], lr)["dev_loss"] for lr in grid}
+    return min(grid, key=lambda lr: dev[lr])
+
+
+def _mean_std(values: list[float]) -> str:
+    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """Markdown: per row, the chosen lr, dev and test loss (mean ± std over seeds), parameters, steps."""
+    lines = ["| run | lr (dev) | test loss | dev loss | train loss | trainable params | steps |",
+             "|---|---|---|---|---|---|---|"]
+    for name in RUNS:
+        rows = [r for r in results if r["run"] == name]
+        if rows:
+            lines.append(f"| {name} | {rows[0]['lr']:g} | {_mean_std([r['test_loss'] for r in rows])} | "
+                         f"{_mean_std([r['dev_loss'] for r in rows])} | {_mean_std([r['train_loss'] for r in rows])} | "
+                         f"{rows[0]['trainable_params']:,} | {rows[0]['config']['max_steps']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run the benchmark; print and write (--out/rank_regime.md) its table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data_dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    parser.add_argument("--model_name", default="tiny-llama")
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), metavar="RUN")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--num_train", type=int, default=2000)
+    parser.add_argument("--num_dev", type=int, default=200)
+    parser.add_argument("--num_eval", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--out", default="rank-regime")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    chosen = {name: choose_lr(args, name) for name in args.runs}
+    results = [run_one(args, name, seed, chosen[name]) for seed in args.seeds for name in args.runs]
+    text = table(results) + (f"\n\n{args.model_name}, GSM8K: train {args.num_train}, dev {args.num_dev}, test "
+                             f"{args.num_eval}, seeds {args.seeds}; {time.perf_counter() - started:.0f} s.\n")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "rank_regime.md").write_text(text)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
