@@ -53,9 +53,41 @@ def test_probe_solves_the_regularised_logistic_regression_on_pooled_features():
         y = torch.tensor([ex.gold[0] for ex in examples])
         layer = model.classifier
         assert _objective_gradient(layer, x, y, 1e-3).abs().max() > 1e-2  # the random head is no optimum
-        accuracy = head.fit_probe(model, tok, examples, scoring, l2=1e-3, batch_size=7)
-        assert _objective_gradient(layer, x, y, 1e-3).abs().max() < 1e-4
+        l2, accuracy = head.fit_probe(model, tok, examples, scoring, l2=1e-3, batch_size=7)
+        assert l2 == 1e-3 and _objective_gradient(layer, x, y, 1e-3).abs().max() < 1e-4
         assert accuracy == float(((x @ layer.weight.T + layer.bias).argmax(-1) == y).float().mean())
+
+
+def test_cross_validation_picks_the_l2_with_the_best_held_out_accuracy():
+    """Noisy labels carried by one of 61 directions, 100 examples: a weak penalty fits noise, a strong one loses the
+    signal. The choice must be the grid's best 5-fold accuracy, computed here by hand with the same folds."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(100, 61, generator=gen)
+    y = ((x[:, 0] + torch.randn(100, generator=gen)) > 0).long()
+    grid = (1e-4, 1e-1, 1.0, 1e3)
+    folds = torch.randperm(100, generator=torch.Generator().manual_seed(0)).chunk(5)
+    by_hand = {}
+    for l2 in grid:
+        hits = 0
+        for k, held_out in enumerate(folds):
+            fit = torch.cat([f for j, f in enumerate(folds) if j != k])
+            weight, bias = head.logistic_regression(x[fit], y[fit], 2, l2)
+            hits += int(((x[held_out] @ weight.T + bias).argmax(-1) == y[held_out]).sum())
+        by_hand[l2] = hits / 100
+    best = max(by_hand.values())
+    assert list(by_hand.values()).count(best) == 1 and by_hand[1e-1] == best  # an inner grid point wins here
+    assert head.cross_validated_l2(x, y, 2, grid) == 1e-1
+
+
+def test_a_run_fits_its_probe_with_the_cross_validated_l2_unless_given(tmp_path, monkeypatch):
+    asked, fitted = [], []
+    monkeypatch.setattr(head, "cross_validated_l2", lambda x, y, n: asked.append(len(y)) or 0.125)
+    solve = head.logistic_regression
+    monkeypatch.setattr(head, "logistic_regression", lambda x, y, n, l2: fitted.append(l2) or solve(x, y, n, l2))
+    train.run(_cfg(tmp_path / "auto", max_steps=1))
+    train.run(_cfg(tmp_path / "given", max_steps=1, head_probe_l2=0.25))
+    assert asked == [64]  # once, on the 64 training examples, and not when the L2 is given
+    assert fitted == [0.125, 0.25]
 
 
 def _cfg(tmp_path, **overrides) -> Config:

@@ -65,6 +65,7 @@ class Config(ModelOptions):
                         ("auto", "cls", "mean", "last"))
     head_init: str = _opt("probe", "How a new classifier head starts: probe (a logistic regression fitted by L-BFGS on the frozen model's features of the training examples, seconds) or random.",
                           ("probe", "random"))
+    head_probe_l2: float | None = _opt(None, "L2 strength of the --head_init probe's logistic regression (default: chosen from 1e-3 to 3e-1 by 5-fold cross-validation on the training examples).")
     head_trainer: str = _opt("first-order", "Under --trainer zo, how a new classifier head trains: first-order (AdamW on the features MeZO's forwards computed, detached: inference memory, and the dual batch still applies), frozen (the head stays as initialised), or zo (perturbed with the body).",
                              ("first-order", "frozen", "zo"))
     head_learning_rate: float = _opt(1e-3, "AdamW learning rate of a first-order head under --trainer zo (constant).")
@@ -190,7 +191,7 @@ class Config(ModelOptions):
         _check_positive(self, "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                         "lora_r", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
                         "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
-                        "zo_eps", "head_learning_rate", "temperature")
+                        "zo_eps", "head_learning_rate", "head_probe_l2", "temperature")
         for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")

@@ -64,24 +64,49 @@ def logistic_regression(x: Tensor, y: Tensor, n_classes: int, l2: float, max_ite
     return weight.detach(), bias.detach()
 
 
+PROBE_L2_GRID = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
+PROBE_FOLDS = 5
+
+
+def cross_validated_l2(x: Tensor, y: Tensor, n_classes: int, grid: Sequence[float] = PROBE_L2_GRID,
+                       folds: int = PROBE_FOLDS) -> float:
+    """The grid's L2 strength whose probe has the best k-fold cross-validated accuracy on (x, y); a tie goes to the
+    stronger one. Only the training examples are used, so no dev split is needed and none is spent."""
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    parts = [part for part in order.chunk(folds) if len(part)]
+
+    def accuracy(l2: float) -> float:
+        hits = 0
+        for k, held_out in enumerate(parts):
+            fit = torch.cat([part for j, part in enumerate(parts) if j != k])
+            weight, bias = logistic_regression(x[fit], y[fit], n_classes, l2)
+            hits += int(((x[held_out].float() @ weight.T + bias).argmax(-1) == y[held_out]).sum())
+        return hits / len(y)
+
+    scores = {l2: accuracy(l2) for l2 in grid}
+    return max(sorted(grid, reverse=True), key=lambda l2: scores[l2])
+
+
 def fit_probe(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
-              scoring: encoders.LabelScoring, *, l2: float = 1e-3, batch_size: int = 32,
-              max_length: int = 512) -> float:
-    """Fit the head's output layer to the examples' labels on the frozen model's features; returns the probe's
-    training accuracy. The features are what that layer reads (the pooled vector, or a RoBERTa head's dense
-    output), taken in eval mode (no dropout)."""
+              scoring: encoders.LabelScoring, *, l2: float | None = None, batch_size: int = 32,
+              max_length: int = 512) -> tuple[float, float]:
+    """Fit the head's output layer to the examples' labels on the frozen model's features; returns the L2 strength
+    used (`cross_validated_l2` when l2 is None) and the probe's training accuracy. The features are what that layer
+    reads (the pooled vector, or a RoBERTa head's dense output), taken in eval mode (no dropout)."""
     layer = output_layer(model)
     with recording_inputs(layer) as inputs:
         labels = [batch.labels for _, batch, _ in encoders.logits_by_batch(
             model, tokenizer, examples, scoring, batch_size=batch_size, max_length=max_length)]
     x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs]).cpu()
     y = torch.cat(labels).cpu()
+    if l2 is None:
+        l2 = cross_validated_l2(x, y, layer.out_features)
     weight, bias = logistic_regression(x, y, layer.out_features, l2)
     with torch.no_grad():
         layer.weight.copy_(weight)
         if layer.bias is not None:
             layer.bias.copy_(bias)
-    return float(((x.float() @ weight.T + bias).argmax(-1) == y).float().mean())
+    return l2, float(((x.float() @ weight.T + bias).argmax(-1) == y).float().mean())
 
 
 class HeadTrainer:

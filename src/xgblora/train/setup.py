@@ -77,9 +77,9 @@ def init_head(run: RunSetup, method: Method) -> None:
     if run.cfg.head_init != "probe" or not method.head or run.scoring is None or run.scoring.kind != "classifier":
         return
     cfg = run.cfg
-    accuracy = fit_probe(run.model, run.tokenizer, run.splits.train, run.scoring,
-                         batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length)
-    log.info("head: linear probe on %s-pooled features, training accuracy %.3f", cfg.pooling, accuracy)
+    l2, accuracy = fit_probe(run.model, run.tokenizer, run.splits.train, run.scoring, l2=cfg.head_probe_l2,
+                             batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length)
+    log.info("head: linear probe on %s-pooled features, L2 %g, training accuracy %.3f", cfg.pooling, l2, accuracy)
 
 
 def setup_method(model: torch.nn.Module, cfg: Config, contrastive: Contrastive | None = None) -> Method:
