@@ -31,7 +31,7 @@ RUNS: dict[str, tuple[dict[str, Any], tuple[float, ...]]] = {
     "XGBLoRA r=1, paper preset (AdamW)": (dict(method="xgblora"), (3e-3, 1e-2, 3e-2)),
     # more boosters, each on every layer: the most total rank XGBLoRA can build in the same steps
     "XGBLoRA r=1, plain, 25 boosters (AdamW)": (dict(method="xgblora", xgblora_preset="plain",
-                                                     xgblora_num_boosters=25), (1e-2, 3e-2)),
+                                                     xgblora_num_boosters=25), (3e-3, 1e-2, 3e-2)),
 }
 
 
