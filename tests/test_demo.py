@@ -1,4 +1,5 @@
-"""The offline demo: generated data, all four runs, and a clear margin over the untrained model (shortened)."""
+"""The offline demo: generated data, all four runs at the demo's own length, and a clear margin over the untrained
+model."""
 
 import json
 
@@ -11,10 +12,10 @@ def test_generated_task_is_seeded_and_balanced():
     assert 150 < sum(r["label"] for r in rows) < 250
 
 
-def test_shortened_demo_beats_untrained_model(tmp_path):
+def test_demo_beats_untrained_model(tmp_path):
     from xgblora.demo import run_demo
 
-    done = run_demo(tmp_path, steps=60, num_eval=100)
+    done = run_demo(tmp_path, num_eval=100)
     rows = {r["label"]: r for r in done["rows"]}
     assert set(rows) == {"xgblora (regular)", "lora (regular)", "xgblora (zo)", "lora (zo)"}
     assert not done["failed"]
