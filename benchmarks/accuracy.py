@@ -50,6 +50,9 @@ RUNS: dict[str, tuple[str, dict[str, Any], tuple[float, ...]]] = {
     "HF Trainer + PEFT LoRA r=8 (AdamW)": ("hf", dict(method="lora", lora_r=8, trainer="regular"), ()),
 }
 HF_LR_FROM = "LoRA r=8 (AdamW)"
+# Bump when this protocol or an xgblora default it runs on changes: a finished run of another version in --out is
+# run again rather than mixed into the table (version 2: the probe's L2 by cross-validation).
+PROTOCOL_VERSION = 2
 MEZO_STEP_FACTOR = 10
 EVALS = 10  # dev evaluations per run; the best dev checkpoint is the one tested
 
@@ -162,20 +165,20 @@ def worker(spec: str) -> None:
 # ----------------------------------------------------------------------------- the benchmark
 
 def run_one(args: argparse.Namespace, name: str, task: str, seed: int, lr: float) -> dict[str, Any]:
-    """One (run, task, seed, learning rate), reused from --out when already finished."""
+    """One (run, task, seed, learning rate), reused from --out when finished with the same settings and protocol."""
     slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
     path = Path(args.out) / task / f"{slug}-lr{lr:g}-seed{seed}.json"
     config = run_config(args, name, task, seed, lr)
     if path.is_file():
         saved = json.loads(path.read_text())
-        if saved.get("config") == config:
+        if saved.get("config") == config and saved.get("protocol") == PROTOCOL_VERSION:
             return saved
     job = json.dumps({"side": RUNS[name][0], "config": config})
     proc = subprocess.run([sys.executable, __file__, "--worker", job], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} seed {seed} failed:\n{proc.stderr[-3000:]}")
     result = {**json.loads(proc.stdout.strip().splitlines()[-1]), "run": name, "task": task, "seed": seed,
-              "lr": lr, "config": config}
+              "lr": lr, "config": config, "protocol": PROTOCOL_VERSION}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"  {task} {name} lr {lr:g} seed {seed}: test {result['accuracy']:.3f}, dev {result['dev_accuracy']:.3f}, "

@@ -5,9 +5,9 @@ land within a point of each other, so XGBLoRA's growing total rank has nothing t
 the regime where rank must matter: an update that has to carry a lot of new knowledge. No pretrained causal LM can
 be loaded here, so the model is the built-in random Llama (`tiny-llama`: 2 layers, hidden 64, 512-token byte
 vocabulary) learning GSM8K's worked solutions (prompt = question, completion = answer): the adapters must learn
-the language itself, which a rank-1 update cannot hold and full fine-tuning can. Rows: full FT, LoRA r=8, LoRA r=1
-and XGBLoRA (rank-1 boosters, the paper preset), LoRA and XGBLoRA on every linear layer of the blocks, AdamW,
-the same steps and batches. Each row's learning rate is chosen from its grid on dev loss at seed 0 (the dev split
+the language itself, which a rank-1 update cannot hold and full fine-tuning can. Rows: full FT, LoRA r=8, LoRA r=1,
+and XGBLoRA with rank-1 boosters: the paper preset with 5 and with 25 boosters, and the plain preset (every layer,
+no penalty) with 25; LoRA and XGBLoRA on every linear layer of the blocks, AdamW, the same steps and batches. Each row's learning rate is chosen from its grid on dev loss at seed 0 (the dev split
 is drawn from GSM8K's train split); the test loss is over GSM8K's test split at the best dev checkpoint, used for
 nothing else. Finished runs are kept as JSON in --out and reused.
 
@@ -22,6 +22,10 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+# Bump when this protocol or an xgblora default it runs on changes: a finished run of another version in --out is
+# run again rather than mixed into the table.
+PROTOCOL_VERSION = 1
 
 # name -> (Config overrides, learning-rate grid)
 RUNS: dict[str, tuple[dict[str, Any], tuple[float, ...]]] = {
@@ -46,22 +50,25 @@ def run_config(args: argparse.Namespace, name: str, seed: int, lr: float) -> dic
                 seed=seed, lora_target_modules="all-linear", trainer="regular", max_steps=args.steps,
                 per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=32, max_length=512,
                 max_new_tokens=1, lr_scheduler_type="linear", warmup_ratio=0.06, save_strategy="no",
-                logging_steps=max(1, args.steps // 10), evaluation_strategy="steps", eval_steps=args.steps // 5,
+                logging_steps=max(1, args.steps // 10), evaluation_strategy="steps", eval_steps=max(1, args.steps // 5),
                 load_best_model_at_end=True, **RUNS[name][0], learning_rate=lr)
 
 
 def run_one(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[str, Any]:
-    """One (row, seed, learning rate), reused from --out when finished with the same settings."""
+    """One (row, seed, learning rate), reused from --out when finished with the same settings and protocol."""
     from xgblora import train
     from xgblora.config import Config
 
     slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
     path = Path(args.out) / f"{slug}-lr{lr:g}-seed{seed}.json"
     config = run_config(args, name, seed, lr)
-    if path.is_file() and json.loads(path.read_text()).get("config") == config:
-        return json.loads(path.read_text())
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("config") == config and saved.get("protocol") == PROTOCOL_VERSION:
+            return saved
     result = train.run(Config(**config, output_dir=str(path.with_suffix("")), overwrite_output_dir=True))
-    saved = {"run": name, "seed": seed, "lr": lr, "config": config, "dev_loss": result["dev_loss"],
+    saved = {"run": name, "seed": seed, "lr": lr, "config": config, "protocol": PROTOCOL_VERSION,
+             "dev_loss": result["dev_loss"],
              "test_loss": result["loss"], "train_loss": result["train_loss"],
              "trainable_params": result["trainable_params"], "train_s": result["train_runtime_s"]}
     path.parent.mkdir(parents=True, exist_ok=True)

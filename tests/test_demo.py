@@ -3,6 +3,8 @@ model."""
 
 import json
 
+import pytest
+
 from xgblora.demo import sentiment_rows
 
 
@@ -12,6 +14,7 @@ def test_generated_task_is_seeded_and_balanced():
     assert 150 < sum(r["label"] for r in rows) < 250
 
 
+@pytest.mark.slow
 def test_demo_beats_untrained_model(tmp_path):
     from xgblora.demo import run_demo
 

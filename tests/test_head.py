@@ -58,25 +58,56 @@ def test_probe_solves_the_regularised_logistic_regression_on_pooled_features():
         assert accuracy == float(((x @ layer.weight.T + layer.bias).argmax(-1) == y).float().mean())
 
 
-def test_cross_validation_picks_the_l2_with_the_best_held_out_accuracy():
+def _recording_fits(monkeypatch) -> list[tuple[torch.Tensor, float]]:
+    """Record the rows and L2 of every logistic regression that cross_validated_l2 fits."""
+    fits, solve = [], head.logistic_regression
+    monkeypatch.setattr(head, "logistic_regression",
+                        lambda x, y, n, l2, **kw: fits.append((x, l2)) or solve(x, y, n, l2, **kw))
+    return fits
+
+
+def _held_out(x: torch.Tensor, fitted_rows: torch.Tensor) -> torch.Tensor:
+    """The mask of x's rows that a fit did not see."""
+    return ~(x[:, None] == fitted_rows[None]).all(-1).any(-1)
+
+
+def test_cross_validation_picks_the_l2_with_the_best_held_out_accuracy(monkeypatch):
     """Noisy labels carried by one of 61 directions, 100 examples: a weak penalty fits noise, a strong one loses the
-    signal. The choice must be the grid's best 5-fold accuracy, computed here by hand with the same folds."""
+    signal. The folds must partition the examples into 5 parts of 20, and the choice must be the grid's best
+    held-out accuracy, recomputed here from the folds the function used."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(100, 61, generator=gen)
     y = ((x[:, 0] + torch.randn(100, generator=gen)) > 0).long()
     grid = (1e-4, 1e-1, 1.0, 1e3)
-    folds = torch.randperm(100, generator=torch.Generator().manual_seed(0)).chunk(5)
+    solve = head.logistic_regression  # itself checked against its optimality conditions above
+    fits = _recording_fits(monkeypatch)
+    chosen = head.cross_validated_l2(x, y, 2, grid)
     by_hand = {}
     for l2 in grid:
+        held_out = [_held_out(x, rows) for rows, fitted_l2 in fits if fitted_l2 == l2]
+        assert [int(mask.sum()) for mask in held_out] == [20] * 5
+        assert torch.stack(held_out).sum(0).eq(1).all()  # every example held out exactly once
         hits = 0
-        for k, held_out in enumerate(folds):
-            fit = torch.cat([f for j, f in enumerate(folds) if j != k])
-            weight, bias = head.logistic_regression(x[fit], y[fit], 2, l2)
-            hits += int(((x[held_out] @ weight.T + bias).argmax(-1) == y[held_out]).sum())
+        for mask in held_out:
+            weight, bias = solve(x[~mask], y[~mask], 2, l2)
+            hits += int(((x[mask] @ weight.T + bias).argmax(-1) == y[mask]).sum())
         by_hand[l2] = hits / 100
     best = max(by_hand.values())
     assert list(by_hand.values()).count(best) == 1 and by_hand[1e-1] == best  # an inner grid point wins here
-    assert head.cross_validated_l2(x, y, 2, grid) == 1e-1
+    assert chosen == 1e-1
+
+
+def test_cross_validation_folds_on_small_sets_and_ties(monkeypatch):
+    """16 examples still give 5 folds (sizes 4, 3, 3, 3, 3); a tie goes to the strongest L2; one example cannot be
+    cross-validated and gets the strongest."""
+    gen = torch.Generator().manual_seed(1)
+    y = torch.arange(16) % 2
+    x = torch.randn(16, 3, generator=gen) + 6.0 * (2 * y[:, None] - 1)  # separable: every L2 scores 100%
+    fits = _recording_fits(monkeypatch)
+    assert head.cross_validated_l2(x, y, 2, (1e-3, 1e-2, 1e-1)) == 1e-1
+    sizes = sorted(int(_held_out(x, rows).sum()) for rows, l2 in fits if l2 == 1e-3)
+    assert sizes == [3, 3, 3, 3, 4]
+    assert head.cross_validated_l2(x[:1], y[:1], 2, (1e-3, 1e-1)) == 1e-1
 
 
 def test_a_run_fits_its_probe_with_the_cross_validated_l2_unless_given(tmp_path, monkeypatch):

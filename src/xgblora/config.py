@@ -65,7 +65,7 @@ class Config(ModelOptions):
                         ("auto", "cls", "mean", "last"))
     head_init: str = _opt("probe", "How a new classifier head starts: probe (a logistic regression fitted by L-BFGS on the frozen model's features of the training examples, seconds) or random.",
                           ("probe", "random"))
-    head_probe_l2: float | None = _opt(None, "L2 strength of the --head_init probe's logistic regression (default: chosen from 1e-3 to 3e-1 by 5-fold cross-validation on the training examples).")
+    head_probe_l2: float | None = _opt(None, "L2 strength of the --head_init probe's logistic regression (default: chosen by k-fold cross-validation on the training examples from head.PROBE_L2_GRID, 1e-3 to 3e-1, k = head.PROBE_FOLDS = 5).")
     head_trainer: str = _opt("first-order", "Under --trainer zo, how a new classifier head trains: first-order (AdamW on the features MeZO's forwards computed, detached: inference memory, and the dual batch still applies), frozen (the head stays as initialised), or zo (perturbed with the body).",
                              ("first-order", "frozen", "zo"))
     head_learning_rate: float = _opt(1e-3, "AdamW learning rate of a first-order head under --trainer zo (constant).")

@@ -9,6 +9,7 @@ after 1,260 steps and 57-61% after 10,000, while a probe fitted in seconds reach
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
@@ -22,6 +23,7 @@ from xgblora.data.tasks import Example
 from xgblora.optim.fo import build_optimizer
 from xgblora.scoring import head_module
 
+log = logging.getLogger("xgblora")
 T = TypeVar("T")
 
 
@@ -71,11 +73,18 @@ PROBE_FOLDS = 5
 def cross_validated_l2(x: Tensor, y: Tensor, n_classes: int, grid: Sequence[float] = PROBE_L2_GRID,
                        folds: int = PROBE_FOLDS) -> float:
     """The grid's L2 strength whose probe has the best k-fold cross-validated accuracy on (x, y); a tie goes to the
-    stronger one. Only the training examples are used, so no dev split is needed and none is spent."""
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    parts = [part for part in order.chunk(folds) if len(part)]
+    stronger one. Only the training examples are used, so no dev split is needed and none is spent.
 
-    def accuracy(l2: float) -> float:
+    The folds are min(folds, n) parts of sizes within one of each other, from a fixed shuffle (seed 0, whatever the
+    run's seed, so a run's choice does not vary with it), not stratified by class. Cost: folds x len(grid) L-BFGS
+    fits on the cached features. With fewer than two examples nothing can be held out: the strongest L2.
+    """
+    if len(y) < 2:
+        return max(grid)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    parts = order.tensor_split(min(folds, len(y)))
+
+    def cv_accuracy(l2: float) -> float:
         hits = 0
         for k, held_out in enumerate(parts):
             fit = torch.cat([part for j, part in enumerate(parts) if j != k])
@@ -83,7 +92,8 @@ def cross_validated_l2(x: Tensor, y: Tensor, n_classes: int, grid: Sequence[floa
             hits += int(((x[held_out].float() @ weight.T + bias).argmax(-1) == y[held_out]).sum())
         return hits / len(y)
 
-    scores = {l2: accuracy(l2) for l2 in grid}
+    scores = {l2: cv_accuracy(l2) for l2 in grid}
+    log.debug("probe L2 by %d-fold cross-validation: %s", len(parts), scores)
     return max(sorted(grid, reverse=True), key=lambda l2: scores[l2])
 
 

@@ -138,7 +138,7 @@ def evaluate_model(cfg: RFTConfig, model_path: str, adapter: str | None, verifie
         params = dataclasses.replace(sampling_params(cfg), num_samples=cfg.pass_k)
         runs[f"pass@{cfg.pass_k}"] = sample_questions(loaded, questions, params, round_dir / "eval-samples.jsonl")
     examples = questions.prompts.examples
-    metrics = {name: sum(any(verifier.correct(t, ex.answers[0]) for t in texts)
+    metrics = {name: sum(any(verifier.judge(texts, ex.answers[0]))
                          for ex, texts in zip(examples, completions, strict=True)) / len(examples)
                for name, completions in runs.items()}
     atomic.write_text(round_dir / "eval.json", json.dumps(metrics, indent=2) + "\n")
