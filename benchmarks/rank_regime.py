@@ -7,9 +7,10 @@ be loaded here, so the model is the built-in random Llama (`tiny-llama`: 2 layer
 vocabulary) learning GSM8K's worked solutions (prompt = question, completion = answer): the adapters must learn
 the language itself, which a rank-1 update cannot hold and full fine-tuning can. Rows: full FT, LoRA r=8, LoRA r=1,
 and XGBLoRA with rank-1 boosters: the paper preset with 5 and with 25 boosters, and the plain preset (every layer,
-no penalty) with 25; LoRA and XGBLoRA on every linear layer of the blocks, AdamW, the same steps and batches. Each row's learning rate is chosen from its grid on dev loss at seed 0 (the dev split
-is drawn from GSM8K's train split); the test loss is over GSM8K's test split at the best dev checkpoint, used for
-nothing else. Finished runs are kept as JSON in --out and reused.
+no penalty) with 25; LoRA and XGBLoRA on every linear layer of the blocks, AdamW, the same steps and batches.
+Each row's learning rate is chosen from its grid on dev loss at seed 0 (the dev split is drawn from GSM8K's train
+split); the test loss is over GSM8K's test split at the best dev checkpoint, used for nothing else. Finished runs
+are kept as JSON in --out and reused.
 
     python benchmarks/rank_regime.py --data_dir ../shared/data --out rank-regime
 """
@@ -50,8 +51,8 @@ def run_config(args: argparse.Namespace, name: str, seed: int, lr: float) -> dic
                 seed=seed, lora_target_modules="all-linear", trainer="regular", max_steps=args.steps,
                 per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=32, max_length=512,
                 max_new_tokens=1, lr_scheduler_type="linear", warmup_ratio=0.06, save_strategy="no",
-                logging_steps=max(1, args.steps // 10), evaluation_strategy="steps", eval_steps=max(1, args.steps // 5),
-                load_best_model_at_end=True, **RUNS[name][0], learning_rate=lr)
+                logging_steps=max(1, args.steps // 10), evaluation_strategy="steps",
+                eval_steps=max(1, args.steps // 5), load_best_model_at_end=True, **RUNS[name][0], learning_rate=lr)
 
 
 def run_one(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[str, Any]:
@@ -68,8 +69,7 @@ def run_one(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[s
             return saved
     result = train.run(Config(**config, output_dir=str(path.with_suffix("")), overwrite_output_dir=True))
     saved = {"run": name, "seed": seed, "lr": lr, "config": config, "protocol": PROTOCOL_VERSION,
-             "dev_loss": result["dev_loss"],
-             "test_loss": result["loss"], "train_loss": result["train_loss"],
+             "dev_loss": result["dev_loss"], "test_loss": result["loss"], "train_loss": result["train_loss"],
              "trainable_params": result["trainable_params"], "train_s": result["train_runtime_s"]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(saved, indent=2) + "\n")
