@@ -1,0 +1,43 @@
+"""benchmarks/rank_regime.py end to end at toy size: the grid at the first seed, the choice on dev loss, equal
+parameters for LoRA r=1 and XGBLoRA, the table, and finished runs reused only under the same protocol."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "rank_regime.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("rank_regime_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_toy_rank_regime_chooses_on_dev_and_reuses_runs(tmp_path, shared_data):
+    bench = _load_script()
+    runs = ["LoRA r=1 (AdamW)", "XGBLoRA r=1, plain, 25 boosters (AdamW)"]
+    bench.RUNS[runs[0]] = (bench.RUNS[runs[0]][0], (1e-2, 1e-1))  # two grid points: CI time
+    bench.RUNS[runs[1]] = (bench.RUNS[runs[1]][0], (1e-2,))
+    argv = ["--data_dir", str(shared_data), "--num_train", "16", "--num_dev", "8", "--num_eval", "8", "--steps", "25",
+            "--batch_size", "4", "--seeds", "0", "1", "--out", str(tmp_path), "--runs", *runs]
+    text = bench.main(argv)
+    saved = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    lora = [r for r in saved if r["run"] == runs[0]]
+    assert sorted((r["seed"], r["lr"]) for r in lora if r["seed"] == 0) == [(0, 1e-2), (0, 1e-1)]
+    chosen = min((r for r in lora if r["seed"] == 0), key=lambda r: r["dev_loss"])["lr"]
+    assert [r["lr"] for r in lora if r["seed"] == 1] == [chosen]  # the other seeds run the dev choice only
+    assert f"| {runs[0]} | {chosen:g} |" in text and f"| {runs[1]} | 0.01 |" in text
+    xgb = [r for r in saved if r["run"] == runs[1]]
+    assert {r["trainable_params"] for r in xgb} == {lora[0]["trainable_params"]}  # equal parameters, rank 1
+    assert all(r["config"]["max_steps"] == 25 for r in saved)
+
+    mtimes = {p: p.stat().st_mtime for p in tmp_path.glob("*.json")}
+    assert bench.main(argv).split("\n\n")[0] == text.split("\n\n")[0]
+    assert {p: p.stat().st_mtime for p in tmp_path.glob("*.json")} == mtimes  # finished runs are reused
+    bench.PROTOCOL_VERSION += 1
+    bench.main([*argv[:-2], runs[1]])
+    assert all(p.stat().st_mtime > mtimes[p] for p in tmp_path.glob("xgblora*.json"))  # a new protocol runs again
