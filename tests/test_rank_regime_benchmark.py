@@ -3,22 +3,13 @@ parameters for LoRA r=1 and XGBLoRA, the table, and finished runs reused only un
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "rank_regime.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("rank_regime_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_benchmark
 
 
 def test_toy_rank_regime_chooses_on_dev_and_reuses_runs(tmp_path, shared_data):
-    bench = _load_script()
+    bench = load_benchmark("rank_regime")
     runs = ["LoRA r=1 (AdamW)", "XGBLoRA r=1, plain, 25 boosters (AdamW)"]
     bench.RUNS[runs[0]] = (bench.RUNS[runs[0]][0], (1e-2, 1e-1))  # two grid points: CI time
     bench.RUNS[runs[1]] = (bench.RUNS[runs[1]][0], (1e-2,))

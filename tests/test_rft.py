@@ -32,7 +32,7 @@ def test_extractors(spec, text, answer):
 def test_a_user_function_extracts(tmp_path, monkeypatch):
     (tmp_path / "my_verifier.py").write_text("def last_word(text):\n    return text.split()[-1] if text.split() else None\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert Verifier(make_extractor("my_verifier:last_word")).correct("so it is Blue.", "blue")
+    assert Verifier(make_extractor("my_verifier:last_word")).judge(["so it is Blue."], "blue") == [True]
 
 
 @pytest.mark.parametrize("spec", ["nope", "regex:(", "no_such_module_xyz:f"])

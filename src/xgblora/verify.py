@@ -106,10 +106,6 @@ class Verifier:
         found = self.extract(reference)
         return reference.strip() if found is None else str(found)
 
-    def correct(self, completion: str, reference: str) -> bool:
-        """Whether the completion's extracted answer agrees with the reference's."""
-        return self.judge([completion], reference)[0]
-
     def judge(self, completions: Sequence[str], reference: str) -> list[bool]:
         """Whether each completion is correct; each is extracted once, as a user's extractor may be costly."""
         want = self.reference_answer(reference)
