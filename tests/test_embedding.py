@@ -186,7 +186,7 @@ def test_a_learnt_temperature_trains_and_resumes_exactly(tmp_path):
     data = pairs_file(tmp_path / "pairs.jsonl")
     values = dict(model_name="tiny-bert", objective="contrastive", train_file=str(data), num_train=10, method="lora",
                   learning_rate=1e-2, max_steps=4, per_device_train_batch_size=4, max_length=24, device="cpu",
-                  learnable_temperature=True, temperature=0.1, no_eval=True, save_steps=2, seed=1)
+                  learnable_temperature=True, contrastive_temperature=0.1, no_eval=True, save_steps=2, seed=1)
     whole = run(Config(**values, output_dir=str(tmp_path / "whole")))
     assert whole["temperature"] != pytest.approx(0.1, abs=1e-4)  # AdamW moved it
     part = run(Config(**values, output_dir=str(tmp_path / "part"),

@@ -72,7 +72,7 @@ def losses(model, tokenizer, cfg: Config, pairs, sft) -> tuple[float, float]:
     generative = sequence_training_set(seqs, tokenizer.pad_token_id, token_mean=True).batch(range(len(seqs)))
     with torch.no_grad():
         model.eval()
-        contrastive = per_example_loss(model, batch, Contrastive(cfg.pooling, cfg.temperature, False, True)).mean()
+        contrastive = per_example_loss(model, batch, Contrastive(cfg.pooling, cfg.similarity_temperature, False, True)).mean()
         return float(contrastive), float(per_example_loss(model, generative).mean())
 
 

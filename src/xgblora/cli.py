@@ -37,6 +37,7 @@ MEZO_DEFAULTS = {"num_train": 0, "trainer": "none", "result_file": "auto"}
 # trains LoRA adapters on the user's own data.
 RFT_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 2e-4, "num_return_sequences": 8,
                 "temperature": 0.7, "max_new_tokens": 256}
+COMMAND_DEFAULTS = {"eval": EVAL_DEFAULTS, "mezo": MEZO_DEFAULTS, "rft": RFT_DEFAULTS}
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -158,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         if name in OPTIONS:
-            config_mod.add_arguments(p, OPTIONS[name])
+            config_mod.add_arguments(p, OPTIONS[name], COMMAND_DEFAULTS.get(name))
         elif name == "export":
             p.add_argument("run_dir", help="A run's --output_dir (holds config.yaml, and final/ once finished).")
             p.add_argument("--checkpoint", default=None, metavar="step-N|latest|best",

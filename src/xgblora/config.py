@@ -99,14 +99,21 @@ class Config(ModelOptions):
     # embedding models (pair data): contrastive training and GRIT
     objective: str = _opt("lm", "What the model learns: lm (the task's own loss: answer tokens, candidates or labels), contrastive (an embedding model: InfoNCE over query/positive pairs with in-batch and hard negatives; --train_file rows of query, positive and optional negative(s)), grit (a causal LM that embeds and generates: contrastive on --train_file pairs plus the language-modelling loss on --grit_train_file instruction rows).",
                           ("lm", "contrastive", "grit"))
-    query_instruction: str = _opt("", "Contrastive/GRIT: text put before every query (e.g. 'query: ', or GritLM's '<|user|>\\n...\\n<|embed|>\\n').")
-    doc_instruction: str = _opt("", "Contrastive/GRIT: text put before every document (e.g. 'passage: ').")
-    temperature: float = _opt(0.05, "Contrastive: softmax temperature of the cosine similarities (0.05 is sentence-transformers' scale 20).")
-    learnable_temperature: bool = _opt(False, "Contrastive: learn the temperature (as CLIP does, its log-scale trained by AdamW from --temperature).")
-    bidirectional: bool | None = _opt(None, "Contrastive/GRIT with a causal LM: the embedding pass attends both ways (GritLM); default on for grit where the model allows it (checked), off for contrastive.")
+    query_instruction: str = _opt("", "Contrastive/GRIT: text put before every query (e.g. 'query: '); with --instruction_format gritlm the task instruction that GritLM's format wraps.")
+    doc_instruction: str = _opt("", "Contrastive/GRIT: text put before every document (e.g. 'passage: '); with --instruction_format gritlm wrapped the same way.")
+    instruction_format: str = _opt("plain", "Contrastive/GRIT: plain (the instructions as they are) or gritlm (GritLM's format: '<|user|>\\n{instruction}\\n<|embed|>\\n', or '<|embed|>\\n' without an instruction, for queries and documents alike).",
+                                   ("plain", "gritlm"))
+    include_prompt: bool | None = _opt(None, "Contrastive/GRIT: the instruction's tokens count in the mean pooling (sentence-transformers' Pooling include_prompt); they are always attended to. Default: off for grit (GritLM pools the text only), on for contrastive.")
+    contrastive_temperature: float | None = _opt(None, "Contrastive/GRIT: softmax temperature of the cosine similarities. Default: 0.02 for grit (GritLM's), 0.05 for contrastive (sentence-transformers' scale 20).",
+                                                 aliases=("temperature",))
+    contrastive_loss: str = _opt("infonce", "Contrastive: infonce (each query against all documents: sentence-transformers' MultipleNegativesRankingLoss) or symmetric (also each positive against all queries, the two averaged: MultipleNegativesSymmetricRankingLoss).",
+                                 ("infonce", "symmetric"))
+    learnable_temperature: bool = _opt(False, "Contrastive: learn the temperature (as CLIP does, its log-scale trained by AdamW from --contrastive_temperature).")
+    bidirectional: bool | None = _opt(None, "Contrastive/GRIT with a causal LM: the embedding pass attends both ways (GritLM); default on for grit (the model must allow it: checked, and --attn_implementation auto picks sdpa), off for contrastive.")
     grit_train_file: str | None = _opt(None, "GRIT: instruction data for the generative loss, in any form --train_file takes (messages, prompt/completion, text).")
     grit_contrastive_weight: float = _opt(1.0, "GRIT: weight of the contrastive loss.")
     grit_generative_weight: float = _opt(1.0, "GRIT: weight of the generative loss.")
+    grit_generative_batch_size: int | None = _opt(None, "GRIT: instruction examples per batch for the generative loss (GritLM's per_device_generative_bs; default: --per_device_train_batch_size, one per pair).")
     # method
     method: str = _opt("ft", "What trains: full fine-tuning, LoRA, or XGBLoRA boosters.", ("ft", "lora", "xgblora"))
     lora: bool = _opt(False, "Same as --method lora (MeZO's flag).")
@@ -191,7 +198,8 @@ class Config(ModelOptions):
         _check_positive(self, "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                         "lora_r", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
                         "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
-                        "zo_eps", "head_learning_rate", "head_probe_l2", "temperature")
+                        "zo_eps", "head_learning_rate", "head_probe_l2", "contrastive_temperature",
+                        "grit_generative_batch_size")
         for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
@@ -217,9 +225,21 @@ class Config(ModelOptions):
                         self.rank, ", rsLoRA" if self.use_rslora else "", (self.scaling / 2) ** 2)
         if self.learnable_temperature and self.trainer == "zo":
             raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
-                            "weights only); fix the temperature with --temperature instead")
+                            "weights only); fix the temperature with --contrastive_temperature instead")
         if not 0.0 < self.xgblora_shrinkage <= 1.0:
             raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
+
+    @property
+    def similarity_temperature(self) -> float:
+        """--contrastive_temperature, else 0.02 for grit (GritLM's arguments.py) and 0.05 for contrastive."""
+        if self.contrastive_temperature is not None:
+            return self.contrastive_temperature
+        return 0.02 if self.objective == "grit" else 0.05
+
+    @property
+    def pools_prompt(self) -> bool:
+        """--include_prompt, else off for grit (GritLM masks the instruction out of the pooling) and on otherwise."""
+        return self.include_prompt if self.include_prompt is not None else self.objective != "grit"
 
     @property
     def rank(self) -> int:
@@ -335,19 +355,28 @@ class RFTConfig(Config, SamplingOptions):
 
     rounds: int = _opt(1, "Rounds of sample -> verify -> train -> evaluate; each samples from and trains on the last round's model.")
     sampler_model: str | None = _opt(None, "A model (e.g. a larger one) that samples every round, instead of the model being trained.")
-    keep_per_prompt: int = _opt(4, "Most correct, distinct completions kept per question.")
-    verifier: str = _opt("gsm8k", "How an answer is read: gsm8k (the number after ####), answer_tags (<answer>...</answer>), regex:PATTERN, or module:function.")
+    keep_per_prompt: int | None = _opt(None, "Most correct, distinct completions kept per question (default: all, as RFT's reference keeps them).")
+    distinct: str = _opt("equations", "Which correct completions count as the same: equations (the same list of <<a*b=c>> calculator annotations, the most different one kept: RFT's reference; completions without annotations by their text) or text.",
+                         ("equations", "text"))
+    check_equations: bool = _opt(True, "Reject a correct completion whose calculator annotations <<lhs=rhs>> do not hold (lhs evaluated, within 1e-3 of rhs), as RFT's reference does.")
+    include_gold: bool = _opt(False, "Also train on each question's reference solution (RFT trains on the SFT data plus the samples; off here as --model_name has usually been fine-tuned on it already).")
+    restart_from_base: bool = _opt(False, "Each round fine-tunes the starting model (--model_name with its --adapter) on that round's samples (STaR, ReST-EM), instead of continuing from the last round's model; samples still come from the last round's model.")
+    rationalize: bool = _opt(False, "STaR's rationalisation: questions with no correct sample are sampled again with the reference answer as a hint; correct hinted completions are trained on under the original question.")
+    verifier: str = _opt("gsm8k", "How an answer is read: gsm8k (the first number after the first ####), answer_tags (<answer>...</answer>), regex:PATTERN, or module:function.")
     answer_tolerance: float = _opt(1e-6, "Numbers agree within this relative tolerance.")
-    pass_k: int = _opt(8, "Held-out evaluation: pass@k from k samples per question at --temperature (besides greedy pass@1); 0 for pass@1 only.")
+    pass_k: int = _opt(8, "Held-out evaluation: pass@k at --temperature (besides greedy pass@1); 0 for pass@1 only.")
+    pass_n: int | None = _opt(None, "Held-out evaluation: samples drawn per question for pass@k, n >= k (the unbiased estimator 1 - C(n-c, k) / C(n, k) of Chen et al. 2021; default k).")
     raw_prompts: bool = _opt(False, "Send string prompts as they are, even when the tokenizer has a chat template.")
     output_root: str = _opt("rft", "Folder holding one sub-folder per round and the report.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_sampling()
-        _check_positive(self, "rounds", "keep_per_prompt", "max_new_tokens")
+        _check_positive(self, "rounds", "keep_per_prompt", "max_new_tokens", "pass_n")
         if self.pass_k < 0:
             raise UserError(f"--pass_k must be 0 or more, got {self.pass_k}")
+        if self.pass_n is not None and self.pass_n < self.pass_k:
+            raise UserError(f"--pass_n {self.pass_n} must be at least --pass_k {self.pass_k}")
         if not self.train_file or not self.eval_file:
             raise UserError("xgblora rft needs --train_file (questions with reference answers to sample on) and "
                             "--eval_file (held-out questions to measure on)")
@@ -410,15 +439,24 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one flag per dataclass field, in underscore and hyphen spelling plus aliases; defaults are suppressed."""
+def _aliases(cls: type, f: dataclasses.Field) -> tuple[str, ...]:
+    """A field's other names, less those that are a field of the class themselves (`xgblora rft --temperature` is
+    the sampling temperature; in `xgblora train` it names --contrastive_temperature)."""
+    names = {other.name for other in dataclasses.fields(cls)}
+    return tuple(a for a in f.metadata.get("aliases", ()) if a not in names)
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, defaults: dict[str, Any] | None = None) -> None:
+    """Add one flag per dataclass field, in underscore and hyphen spelling plus aliases; defaults are suppressed
+    (from_namespace applies them), and the help shows the command's own (`defaults`) where it has one."""
+    defaults = defaults or {}
     for f in dataclasses.fields(cls):
         base, optional, is_list = _field_type(cls, f)
         names = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
-        for alias in f.metadata.get("aliases", ()):
+        for alias in _aliases(cls, f):
             names |= {f"--{alias}", f"--{alias.replace('_', '-')}"}
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
-                                  "help": f"{f.metadata.get('help', '')} (default: {_default(f)})"}
+                                  "help": f"{f.metadata.get('help', '')} (default: {defaults.get(f.name, _default(f))})"}
         if base is bool:
             kwargs.update(nargs="?", const=True, type=_converter(bool, optional), metavar="BOOL")
         elif is_list:
@@ -467,7 +505,7 @@ def read_yaml(cls: type, path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    aliases = {a: f.name for f in fields.values() for a in f.metadata.get("aliases", ())}
+    aliases = {a: f.name for f in fields.values() for a in _aliases(cls, f)}
     values: dict[str, Any] = {}
     for key, value in data.items():
         name = aliases.get(str(key).replace("-", "_"), str(key).replace("-", "_"))

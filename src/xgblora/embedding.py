@@ -2,6 +2,9 @@
 bidirectional attention for a causal LM where it allows it (GritLM's embedding pass), and batched encoding of texts.
 
 Every path that embeds goes through `embed`: training's contrastive loss, retrieval evaluation, `xgblora encode`.
+An instruction prefix is always attended to; `skip` leaves its tokens out of the mean pooling, as GritLM does
+(ContextualAI/gritlm, gritlm/training/model.py `encode`: the instruction positions zeroed in the pooling mask) and
+sentence-transformers' Pooling(include_prompt=False).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
-from xgblora.data.pairs import pad_right, tokenize
+from xgblora.data.pairs import pad_right, prefix_length, tokenize
 from xgblora.scoring import eval_mode, pool
 
 POOLINGS = ("mean", "cls", "last")
@@ -41,11 +44,22 @@ def hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, b
     return net(input_ids=input_ids, attention_mask=mask).last_hidden_state
 
 
+def pooling_mask(attention_mask: Tensor, skip: int) -> Tensor:
+    """The attention mask without each row's first `skip` tokens (its instruction), a row's last token always kept
+    (a text cut to nothing by max_length still pools its last token)."""
+    if skip == 0:
+        return attention_mask
+    lengths = attention_mask.sum(1, keepdim=True)
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)[None, :]
+    return attention_mask * (positions >= torch.clamp(lengths - 1, max=skip))
+
+
 def embed(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, pooling: str,
-          bidirectional: bool = False) -> Tensor:
-    """Unit-length embeddings [B, H] (fp32) of right-padded inputs, pooled by 'mean', 'cls' or 'last'."""
+          bidirectional: bool = False, skip: int = 0) -> Tensor:
+    """Unit-length embeddings [B, H] (fp32) of right-padded inputs, pooled by 'mean', 'cls' or 'last'; the first
+    `skip` tokens (an instruction prefix) are attended to but not pooled."""
     hidden = hidden_states(model, input_ids, attention_mask, bidirectional)
-    pooled = hidden[:, 0] if pooling == "cls" else pool(hidden, attention_mask, pooling)
+    pooled = hidden[:, 0] if pooling == "cls" else pool(hidden, pooling_mask(attention_mask, skip), pooling)
     return nn.functional.normalize(pooled.float(), dim=-1)
 
 
@@ -67,9 +81,12 @@ def bidirectional_supported(model: nn.Module) -> bool:
 
 @torch.no_grad()
 def encode_texts(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, pooling: str,
-                 max_length: int, batch_size: int = 32, bidirectional: bool = False, prefix: str = "") -> Tensor:
-    """Unit-length embeddings [N, H] of texts (prefix prepended), in eval mode, longest first to pad little."""
+                 max_length: int, batch_size: int = 32, bidirectional: bool = False, prefix: str = "",
+                 include_prompt: bool = True) -> Tensor:
+    """Unit-length embeddings [N, H] of texts (prefix prepended, and pooled unless include_prompt is false), in eval
+    mode, longest first to pad little."""
     rows = tokenize(tokenizer, [prefix + t for t in texts], max_length)
+    skip = 0 if include_prompt else prefix_length(tokenizer, prefix)
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     device = next(model.parameters()).device
     out: list[Tensor] = [torch.empty(0)] * len(rows)
@@ -77,7 +94,7 @@ def encode_texts(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Se
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
             ids, mask = pad_right([rows[i] for i in chunk], tokenizer.pad_token_id)
-            vectors = embed(model, ids.to(device), mask.to(device), pooling, bidirectional).cpu()
+            vectors = embed(model, ids.to(device), mask.to(device), pooling, bidirectional, skip).cpu()
             for i, v in zip(chunk, vectors, strict=True):
                 out[i] = v
     return torch.stack(out) if out else torch.empty(0, 0)

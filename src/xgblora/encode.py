@@ -18,6 +18,7 @@ from safetensors.torch import save
 
 from xgblora import atomic, models
 from xgblora.adapters.export import load_run_model
+from xgblora.data.pairs import embedding_prefixes
 from xgblora.data.sources import read_rows
 from xgblora.data.tasks import Fields
 from xgblora.embedding import encode_texts
@@ -54,15 +55,19 @@ def load_encoder(opts: EncodeOptions) -> tuple[Any, Any, dict[str, Any]]:
     run_dir = Path(opts.model)
     if (run_dir / "config.yaml").is_file():
         model, tokenizer, cfg = load_run_model(run_dir, opts.trust_remote_code)
-        prefix = cfg.get("doc_instruction" if opts.role == "document" else "query_instruction") or ""
+        prefixes = embedding_prefixes(cfg.get("instruction_format") or "plain", cfg.get("query_instruction") or "",
+                                      cfg.get("doc_instruction") or "")
         settings = {"pooling": cfg.get("pooling"), "max_length": cfg.get("max_length"),
-                    "bidirectional": bool(cfg.get("bidirectional")), "prefix": prefix}
+                    "bidirectional": bool(cfg.get("bidirectional")),
+                    "prefix": prefixes.doc if opts.role == "document" else prefixes.query,
+                    "include_prompt": cfg.get("include_prompt") is not False}
     else:
         kind = models.embedding_head(opts.model, "contrastive", opts.trust_remote_code)
         model, tokenizer = models.load(opts.model, device="cpu", trust_remote_code=opts.trust_remote_code, head=kind)
         path = models.resolve_path(opts.model)
         settings = {"pooling": models.sentence_pooling(opts.model) or ("last" if kind == "lm" else "mean"),
-                    "max_length": _st_max_length(path) or 512, "bidirectional": False, "prefix": ""}
+                    "max_length": _st_max_length(path) or 512, "bidirectional": False, "prefix": "",
+                    "include_prompt": True}
     given = {"pooling": opts.pooling, "max_length": opts.max_length, "bidirectional": opts.bidirectional,
              "prefix": opts.prefix}
     settings.update({k: v for k, v in given.items() if v is not None})
@@ -82,7 +87,7 @@ def encode_file(opts: EncodeOptions) -> dict[str, Any]:
     model, tokenizer, settings = load_encoder(opts)
     vectors = encode_texts(model, tokenizer, texts, pooling=settings["pooling"], max_length=int(settings["max_length"]),
                            batch_size=opts.batch_size, bidirectional=settings["bidirectional"],
-                           prefix=settings["prefix"])
+                           prefix=settings["prefix"], include_prompt=settings["include_prompt"])
     if out.suffix == ".npy":
         buffer = io.BytesIO()
         np.save(buffer, vectors.numpy(), allow_pickle=False)

@@ -50,7 +50,7 @@ class SharedPrefix:
         """Run the prefix once (one row, no padding) and keep its cache."""
         device = next(model.parameters()).device
         out = model(input_ids=torch.tensor([list(ids)], device=device), use_cache=True, logits_to_keep=1)
-        return cls(len(ids), out.past_key_values)
+        return cls(len(ids), out.cache)
 
     def expanded(self, rows: int) -> Cache:
         """A copy of the cache with `rows` identical rows (a batch appends its own tokens to it)."""
@@ -72,14 +72,14 @@ def prefix_cached_logprobs(model: PreTrainedModel, batch: dict[str, torch.Tensor
     width = suffix_ids.shape[1]
     past = shared.expanded(batch["prefix_input_ids"].shape[0]) if shared is not None else None
     out = model(input_ids=batch["prefix_input_ids"], attention_mask=batch["prefix_attention_mask"],
-                position_ids=batch["prefix_position_ids"], past_key_values=past,
+                position_ids=batch["prefix_position_ids"], cache=past,
                 use_cache=width > 1 or past is not None, logits_to_keep=1)
     logits = out.logits[owner]
     if width > 1:
-        cache = out.past_key_values
+        cache = out.cache
         cache.batch_select_indices(owner)
         tail = model(input_ids=suffix_ids[:, :-1], attention_mask=batch["suffix_attention_mask"][:, :-1],
-                     position_ids=batch["suffix_position_ids"][:, :-1], past_key_values=cache, use_cache=True).logits
+                     position_ids=batch["suffix_position_ids"][:, :-1], cache=cache, use_cache=True).logits
         logits = torch.cat([logits, tail], dim=1)
     return token_logprobs(logits, suffix_ids) * batch["target_mask"]
 

@@ -1,10 +1,10 @@
 """Evaluation of instruction data: loss and perplexity over the answer tokens, greedy generations stopped at EOS or
-the end of the turn, and their exact match / F1 against the references (GSM8K's `#### N` compared as numbers)."""
+the end of the turn, and their exact match / F1 against the references (GSM8K's `#### N` graded by RFT's verifier:
+`verify.gsm8k_answer`, the first number after the first `####`; a prediction without one is wrong)."""
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,14 +16,9 @@ from xgblora.data.batching import iter_batches
 from xgblora.data.tasks import Example
 from xgblora.evaluate import f1_score, generate, normalize_answer
 from xgblora.scoring import eval_mode, target_logprobs
+from xgblora.verify import Verifier, gsm8k_answer
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def final_number(text: str) -> float | None:
-    """The answer of a GSM8K-style solution: the first number after the last '####', else the text's last number."""
-    numbers = _NUMBER.findall(text.rsplit("####", 1)[1])[:1] if "####" in text else _NUMBER.findall(text)[-1:]
-    return float(numbers[0].replace(",", "")) if numbers else None
+GSM8K = Verifier(gsm8k_answer)
 
 
 @torch.inference_mode()
@@ -49,7 +44,7 @@ def evaluate_instructions(model: PreTrainedModel, tokenizer: PreTrainedTokenizer
 
     Metrics: `loss` (first: the best checkpoint has the lowest) and `perplexity`; for examples with a prompt to
     answer (not plain-text rows) `em` and `f1` against the reference, and `accuracy` when every reference ends in
-    GSM8K's `#### N` (the final numbers compared, to 1e-6).
+    GSM8K's `#### N` (graded as RFT grades it: `GSM8K.judge`).
     """
     loss = token_loss(model, tokenizer, examples, max_length=max_length, batch_size=batch_size,
                       train_on_prompt=train_on_prompt, stop_ids=stop_ids)
@@ -65,14 +60,9 @@ def evaluate_instructions(model: PreTrainedModel, tokenizer: PreTrainedTokenizer
     metrics["em"] = _mean([normalize_answer(p) == normalize_answer(r) for p, r in zip(predictions, references, strict=True)])
     metrics["f1"] = _mean([f1_score(p, r) for p, r in zip(predictions, references, strict=True)])
     if all("####" in r for r in references):
-        metrics["accuracy"] = _mean([_same_number(p, r) for p, r in zip(predictions, references, strict=True)])
+        metrics["accuracy"] = _mean([GSM8K.judge([p], r)[0] for p, r in zip(predictions, references, strict=True)])
     records = [{"prompt": t, "prediction": p, "reference": r} for t, p, r in zip(texts, predictions, references, strict=True)]
     return metrics, records
-
-
-def _same_number(prediction: str, reference: str) -> bool:
-    got, want = final_number(prediction), final_number(reference)
-    return got is not None and want is not None and abs(got - want) <= 1e-6 * max(1.0, abs(want))
 
 
 def _mean(values: Sequence[float | bool]) -> float:

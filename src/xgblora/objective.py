@@ -84,14 +84,16 @@ def pair_training_set(seqs: Sequence[PairSeq], pad_id: int) -> TrainingSet:
     return TrainingSet([len(s.docs[0]) for s in seqs], lambda idx: collate_pairs([seqs[i] for i in idx], pad_id))
 
 
-def grit_training_set(pairs: Sequence[PairSeq], generative: TrainingSet, pad_id: int) -> TrainingSet:
+def grit_training_set(pairs: Sequence[PairSeq], generative: TrainingSet, pad_id: int,
+                      generative_batch: int | None = None) -> TrainingSet:
     """GRIT: example k of an epoch is pair k mod P and instruction example k mod G, so an epoch covers the larger of
-    the two sets once and the smaller one over again; a batch holds both."""
+    the two sets once and the smaller one over again; a batch holds both, its generative part the instruction
+    examples of its first `generative_batch` indices (GritLM's per_device_generative_bs; default all)."""
     n = max(len(pairs), len(generative.lengths))
 
     def batch(idx: Sequence[int]) -> GritBatch:
         return GritBatch(pairs=collate_pairs([pairs[k % len(pairs)] for k in idx], pad_id),
-                         generative=generative.batch([k % len(generative.lengths) for k in idx]))
+                         generative=generative.batch([k % len(generative.lengths) for k in idx[:generative_batch]]))
 
     return TrainingSet([len(pairs[k % len(pairs)].docs[0]) for k in range(n)], batch)
 
@@ -168,31 +170,45 @@ Gather = Callable[[Tensor], tuple[Tensor, int]]  # this rank's rows -> (every ra
 
 
 def info_nce(queries: Tensor, docs: Tensor, positive: Tensor, doc_key: Tensor, scale: Tensor | float,
-             gather: Gather | None = None) -> Tensor:
+             gather: Gather | None = None, symmetric: bool = False) -> Tensor:
     """Each query's InfoNCE loss [B]: cross-entropy of its positive among all documents of the batch (every
     process's, when `gather` collects them), on scale x cosine similarity of unit vectors.
 
     A document with the same text as a query's positive (another query's copy of it) is left out of that query's
-    negatives: it is not one.
+    negatives: it is not one. symmetric: the mean of that and each positive's cross-entropy of its query among all
+    queries (sentence-transformers' MultipleNegativesSymmetricRankingLoss: MultipleNegativesRankingLoss with
+    directions query_to_doc and doc_to_query, partition_mode per_direction).
     """
     keys, offset = (doc_key, 0) if gather is None else gather(doc_key)
-    if gather is not None:
-        docs, _ = gather(docs)
+    all_docs = docs if gather is None else gather(docs)[0]
     target = positive + offset
-    scores = queries @ docs.T * scale
+    rows = torch.arange(len(target), device=target.device)
+    scores = queries @ all_docs.T * scale
     same = keys[None, :] == doc_key[positive][:, None]
-    same[torch.arange(len(target), device=target.device), target] = False
-    return nn.functional.cross_entropy(scores.masked_fill(same, float("-inf")), target, reduction="none")
+    same[rows, target] = False
+    loss = nn.functional.cross_entropy(scores.masked_fill(same, float("-inf")), target, reduction="none")
+    if not symmetric:
+        return loss
+    all_queries = queries if gather is None else gather(queries)[0]
+    query_keys = doc_key[positive] if gather is None else gather(doc_key[positive])[0]
+    back = docs[positive] @ all_queries.T * scale
+    same = query_keys[None, :] == doc_key[positive][:, None]  # a query whose positive is this document's copy
+    same[rows, rows + offset] = False
+    return (loss + nn.functional.cross_entropy(back.masked_fill(same, float("-inf")), rows + offset,
+                                               reduction="none")) / 2
 
 
 class Contrastive(nn.Module):
     """The embedding objective: pooling, attention direction, temperature (fixed, or learnt as a log-scale), the
-    cross-process gather of documents, and GRIT's weights. Owns its one parameter, the learnable log-scale."""
+    cross-process gather of documents, GRIT's weights, the instruction tokens left out of the pooling (`skips`: of
+    queries and documents; GritLM's), and the symmetric loss. Owns its one parameter, the learnable log-scale."""
 
     def __init__(self, pooling: str, temperature: float, learnable: bool = False, bidirectional: bool = False,
-                 gather: Gather | None = None, weights: tuple[float, float] = (1.0, 1.0)):
+                 gather: Gather | None = None, weights: tuple[float, float] = (1.0, 1.0),
+                 skips: tuple[int, int] = (0, 0), symmetric: bool = False):
         super().__init__()
         self.pooling, self.bidirectional, self.gather, self.weights = pooling, bidirectional, gather, weights
+        self.skips, self.symmetric = skips, symmetric
         log_scale = torch.tensor(math.log(1 / temperature))
         self.log_scale = nn.Parameter(log_scale) if learnable else None
         self.fixed_scale = 1 / temperature
@@ -204,9 +220,9 @@ class Contrastive(nn.Module):
 
     def forward(self, model: nn.Module, batch: PairBatch) -> Tensor:
         """Per-query InfoNCE [halves x B]; each half of MeZO's dual batch is its own contrastive batch."""
-        q = embed(model, batch.query_ids, batch.query_mask, self.pooling, self.bidirectional)
-        d = embed(model, batch.doc_ids, batch.doc_mask, self.pooling, self.bidirectional)
-        return torch.cat([info_nce(qh, dh, batch.positive, batch.doc_key, self.scale, self.gather)
+        q = embed(model, batch.query_ids, batch.query_mask, self.pooling, self.bidirectional, self.skips[0])
+        d = embed(model, batch.doc_ids, batch.doc_mask, self.pooling, self.bidirectional, self.skips[1])
+        return torch.cat([info_nce(qh, dh, batch.positive, batch.doc_key, self.scale, self.gather, self.symmetric)
                           for qh, dh in zip(q.chunk(batch.halves), d.chunk(batch.halves), strict=True)])
 
     def grit(self, model: nn.Module, batch: GritBatch) -> Tensor:

@@ -415,7 +415,8 @@ def write_rft_report(records: Sequence[dict[str, Any]], out_root: Path) -> dict[
     figure = Path(out_root) / "rft.png"
     fig.savefig(figure, dpi=110)
     plt.close(fig)
-    columns = ["round", *metrics, "samples", "correct", "kept", "kept_fraction", "questions_solved"]
+    columns = ["round", *metrics, "samples", "truncated", "correct", "kept", "train_rows", "kept_fraction",
+               "questions_solved"]
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
     cells = ["".join(f"<td>{_fmt_cell(r.get(c))}</td>" for c in columns) for r in records]
     image = base64.b64encode(figure.read_bytes()).decode("ascii")

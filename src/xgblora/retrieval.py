@@ -35,13 +35,15 @@ def metrics(rank: Tensor) -> dict[str, float]:
 
 def evaluate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], *, pooling: str,
              max_length: int, batch_size: int, bidirectional: bool = False,
-             prefixes: Prefixes = NO_PREFIXES) -> dict[str, Any]:
-    """recall@1/5/10 and MRR of the examples' queries against the corpus of their distinct documents."""
+             prefixes: Prefixes = NO_PREFIXES, include_prompt: bool = True) -> dict[str, Any]:
+    """recall@1/5/10 and MRR of the examples' queries against the corpus of their distinct documents (the prefixes
+    pooled unless include_prompt is false)."""
     if not examples:
         return {**metrics(torch.empty(0)), "corpus_size": 0, "num_queries": 0}
     corpus = list(dict.fromkeys(d for ex in examples for d in ex.candidates))
     where = {d: i for i, d in enumerate(corpus)}
-    options = dict(pooling=pooling, max_length=max_length, batch_size=batch_size, bidirectional=bidirectional)
+    options = dict(pooling=pooling, max_length=max_length, batch_size=batch_size, bidirectional=bidirectional,
+                   include_prompt=include_prompt)
     docs = encode_texts(model, tokenizer, corpus, prefix=prefixes.doc, **options)
     queries = encode_texts(model, tokenizer, [ex.prompt for ex in examples], prefix=prefixes.query, **options)
     gold = torch.tensor([where[ex.candidates[0]] for ex in examples], dtype=torch.long)

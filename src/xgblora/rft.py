@@ -1,16 +1,21 @@
 """`xgblora rft`: rejection-sampling fine-tuning in rounds of sample -> verify -> train -> evaluate.
 
 Each round samples N completions of every training question from the current model (or from --sampler_model),
-keeps the correct ones (verify.py: at most K distinct per question), fine-tunes the current model on them with
-the run's method and trainer (LoRA, XGBLoRA or full; AdamW or MeZO), merges the result, and measures pass@1
-(greedy) and pass@k on the held-out questions. The next round samples from and trains on that merged model.
-Round 0 is the starting model, measured only.
+keeps the correct ones (verify.py: completions cut off by max_new_tokens dropped, calculator annotations checked,
+one per equation list, as OFA-Sys/gsm8k-ScRel's collect_rejection_sampling.py does), fine-tunes the current model on
+them (or, with --restart_from_base, the starting model: STaR, ReST-EM) with the run's method and trainer (LoRA,
+XGBLoRA or full; AdamW or MeZO), merges the result, and measures pass@1 (greedy) and pass@k (the unbiased estimator
+from n >= k samples) on the held-out questions. The next round samples from that merged model. Round 0 is the
+starting model, measured only. A 4-bit run (--load_in_4bit) merges each round's adapter into the full-precision
+weights it dequantised and quantises the merged model again when the next round loads it.
 
 OUTPUT_ROOT/
   heldout.jsonl           the held-out questions as SFT rows (each training run's --eval_file)
   round-0/eval.json       the starting model's pass@1 and pass@k
   round-N/samples.jsonl   the training questions with their completions (`xgblora generate`'s format)
-  round-N/verified.jsonl  per question: samples drawn, correct, kept
+  round-N/hinted.jsonl    --rationalize: the unsolved questions' completions with the reference answer as a hint
+  round-N/verified.jsonl  per question: samples drawn, truncated (hit max_new_tokens: never kept), correct,
+                          equations_wrong, kept (distinct), rationalized, gold
   round-N/train.jsonl     the kept completions as SFT rows: messages when the prompt went through a chat
                           template, else prompt/completion
   round-N/run/            the training run (`xgblora train`'s output folder)
@@ -26,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +44,7 @@ from xgblora.data.tasks import Example, PromptTask
 from xgblora.errors import UserError
 from xgblora.generation import Prompts, read_prompts, sampling_params, write_completions
 from xgblora.sampling import SamplingParams
-from xgblora.verify import Verifier, keep_correct, make_extractor
+from xgblora.verify import Verifier, equations_hold, keep_correct, make_extractor
 
 log = logging.getLogger("xgblora")
 
@@ -100,47 +106,107 @@ def load_model(cfg: RFTConfig, path: str, adapter: str | None = None) -> LoadedM
     return LoadedModel(path, model, tokenizer)
 
 
-def sample_questions(loaded: LoadedModel, questions: Questions, params: SamplingParams, out: Path) -> list[list[str]]:
-    """The completions of every question (sampled into `out`, or read back when it exists)."""
+def sample_questions(loaded: LoadedModel, questions: Questions, params: SamplingParams, out: Path
+                     ) -> list[dict[str, Any]]:
+    """Each question's row of completions and finish reasons (sampled into `out`, or read back when it exists)."""
     if not out.exists():
         settings = {"model": loaded.path, "input": questions.source, **dataclasses.asdict(params)}
         write_completions(loaded.model, loaded.tokenizer, questions.prompts, params, out, settings)
-    return [row["completions"] for row in _read_jsonl(out)]
+    return _read_jsonl(out)
 
 
-def verify_round(cfg: RFTConfig, questions: Questions, completions: list[list[str]], verifier: Verifier,
-                 round_dir: Path) -> dict[str, Any]:
-    """Keep the correct completions: write train.jsonl and verified.jsonl; return the counts."""
-    rows, report = [], []
-    for i, (ex, turns, texts) in enumerate(zip(questions.prompts.examples, questions.turns, completions, strict=True)):
-        verdicts = verifier.judge(texts, ex.answers[0])
-        kept = keep_correct(texts, verdicts, cfg.keep_per_prompt)
-        rows += [sft_row(turns, ex, text) for text in kept]
-        report.append({"index": i, "samples": len(texts), "correct": sum(verdicts), "kept": len(kept)})
+@dataclass
+class Kept:
+    """The training completions of one question and the counts of how they were chosen."""
+
+    completions: list[str]
+    counts: dict[str, int]
+
+
+def keep_question(cfg: RFTConfig, verifier: Verifier, row: dict[str, Any], reference: str) -> Kept:
+    """The completions of one question to train on: finished (a completion cut off by max_new_tokens would teach
+    the model to stop mid-solution), correct, with equations that hold (--check_equations), distinct."""
+    texts, reasons = row["completions"], row["finish_reasons"]
+    finished = [text for text, reason in zip(texts, reasons, strict=True) if reason != "length"]
+    verdicts = verifier.judge(finished, reference)
+    holds = [not cfg.check_equations or equations_hold(text) for text in finished]
+    kept = keep_correct(finished, [v and h for v, h in zip(verdicts, holds, strict=True)], cfg.keep_per_prompt,
+                        cfg.distinct)
+    return Kept(kept, {"samples": len(texts), "truncated": len(texts) - len(finished), "correct": sum(verdicts),
+                       "equations_wrong": sum(v and not h for v, h in zip(verdicts, holds, strict=True)),
+                       "kept": len(kept)})
+
+
+def verify_round(cfg: RFTConfig, questions: Questions, rows: list[dict[str, Any]], verifier: Verifier,
+                 round_dir: Path, hinted: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Keep the correct completions (and, from `hinted`, the rationalised ones of unsolved questions; with
+    --include_gold the references): write train.jsonl and verified.jsonl; return the counts."""
+    train, report = [], []
+    for i, (ex, turns, row) in enumerate(zip(questions.prompts.examples, questions.turns, rows, strict=True)):
+        kept = keep_question(cfg, verifier, row, ex.answers[0])
+        rationalized = keep_question(cfg, verifier, hinted[i], ex.answers[0]).completions \
+            if hinted and i in hinted else []
+        gold = [ex.answers[0]] if cfg.include_gold else []
+        train += [sft_row(turns, ex, text) for text in [*gold, *kept.completions, *rationalized]]
+        report.append({"index": i, **kept.counts, "rationalized": len(rationalized), "gold": len(gold)})
     atomic.write_jsonl(round_dir / "verified.jsonl", report)
-    atomic.write_jsonl(round_dir / "train.jsonl", rows)
-    samples = sum(r["samples"] for r in report)
-    return {"samples": samples, "correct": sum(r["correct"] for r in report), "kept": len(rows),
-            "questions_solved": sum(r["kept"] > 0 for r in report), "questions": len(report),
-            "kept_fraction": len(rows) / samples if samples else 0.0}
+    atomic.write_jsonl(round_dir / "train.jsonl", train)
+    totals = {key: sum(r[key] for r in report) for key in report[0] if key != "index"} if report else {}
+    samples = totals.get("samples", 0)
+    return {**totals, "train_rows": len(train), "questions_solved": sum(r["kept"] > 0 for r in report),
+            "questions": len(report), "kept_fraction": totals.get("kept", 0) / samples if samples else 0.0}
+
+
+def unsolved(cfg: RFTConfig, verifier: Verifier, questions: Questions, rows: list[dict[str, Any]]) -> list[int]:
+    """The questions none of whose completions is kept (what --rationalize samples again with a hint)."""
+    return [i for i, (ex, row) in enumerate(zip(questions.prompts.examples, rows, strict=True))
+            if not keep_question(cfg, verifier, row, ex.answers[0]).completions]
+
+
+def hint_questions(cfg: RFTConfig, questions: Questions, chosen: list[int], verifier: Verifier,
+                   tokenizer: Any) -> Questions:
+    """The chosen questions with their reference answer given as a hint (STaR's rationalisation), rendered as the
+    questions are; a question in messages form gets the hint in its last user turn."""
+    examples = []
+    for i in chosen:
+        ex = questions.prompts.examples[i]
+        hint = f"\n(Hint: the answer is {verifier.reference_answer(ex.answers[0])}.)"
+        if ex.messages:
+            last = max(k for k, (role, _) in enumerate(ex.messages) if role == "user")
+            messages = tuple((role, text + hint if k == last else text) for k, (role, text) in enumerate(ex.messages))
+            examples.append(dataclasses.replace(ex, messages=messages))
+        else:
+            examples.append(dataclasses.replace(ex, prompt=ex.prompt + hint))
+    ids = [formats.generation_prompt_ids(tokenizer, ex, raw=cfg.raw_prompts)[-cfg.max_length:] for ex in examples]
+    prompts = Prompts([questions.prompts.rows[i] for i in chosen], examples, ids)
+    return Questions(questions.source, prompts, [questions.turns[i] for i in chosen])
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of a question with c correct of n samples: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021,
+    the Codex paper's estimator)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def evaluate_model(cfg: RFTConfig, model_path: str, adapter: str | None, verifier: Verifier,
                    round_dir: Path) -> dict[str, float]:
-    """pass@1 of greedy answers and pass@k of k samples per held-out question (written to eval.json)."""
+    """pass@1 of greedy answers and pass@k from n samples per held-out question (written to eval.json); no pass@k
+    at temperature 0 (every sample would be the greedy one)."""
     if (round_dir / "eval.json").exists():
         return json.loads((round_dir / "eval.json").read_text(encoding="utf-8"))
     loaded = load_model(cfg, model_path, adapter)
     questions = read_questions(cfg, cfg.eval_file, loaded.tokenizer)
-    greedy = dataclasses.replace(sampling_params(cfg), num_samples=1, temperature=0.0)
-    runs = {"pass@1": sample_questions(loaded, questions, greedy, round_dir / "eval-greedy.jsonl")}
-    if cfg.pass_k:
-        params = dataclasses.replace(sampling_params(cfg), num_samples=cfg.pass_k)
-        runs[f"pass@{cfg.pass_k}"] = sample_questions(loaded, questions, params, round_dir / "eval-samples.jsonl")
     examples = questions.prompts.examples
-    metrics = {name: sum(any(verifier.judge(texts, ex.answers[0]))
-                         for ex, texts in zip(examples, completions, strict=True)) / len(examples)
-               for name, completions in runs.items()}
+    greedy = dataclasses.replace(sampling_params(cfg), num_samples=1, temperature=0.0)
+    rows = sample_questions(loaded, questions, greedy, round_dir / "eval-greedy.jsonl")
+    metrics = {"pass@1": sum(any(verifier.judge(row["completions"], ex.answers[0]))
+                             for ex, row in zip(examples, rows, strict=True)) / len(examples)}
+    if cfg.pass_k and cfg.temperature > 0:
+        params = dataclasses.replace(sampling_params(cfg), num_samples=cfg.pass_n or cfg.pass_k)
+        rows = sample_questions(loaded, questions, params, round_dir / "eval-samples.jsonl")
+        metrics[f"pass@{cfg.pass_k}"] = sum(
+            pass_at_k(len(row["completions"]), sum(verifier.judge(row["completions"], ex.answers[0])), cfg.pass_k)
+            for ex, row in zip(examples, rows, strict=True)) / len(examples)
     atomic.write_text(round_dir / "eval.json", json.dumps(metrics, indent=2) + "\n")
     return metrics
 
@@ -197,18 +263,26 @@ def run_rft(cfg: RFTConfig) -> dict[str, Any]:
         round_dir = root / f"round-{number}"
         sampler = load_model(cfg, cfg.sampler_model) if cfg.sampler_model else load_model(cfg, model_path, adapter)
         questions = read_questions(cfg, cfg.train_file, sampler.tokenizer)
-        completions = sample_questions(sampler, questions, sampling_params(cfg), round_dir / "samples.jsonl")
-        counts = verify_round(cfg, questions, completions, verifier, round_dir)
-        if counts["kept"]:
-            model_path, adapter = train_round(cfg, model_path, adapter, round_dir, counts["kept"]), None
+        rows = sample_questions(sampler, questions, sampling_params(cfg), round_dir / "samples.jsonl")
+        hinted = None
+        if cfg.rationalize:
+            chosen = unsolved(cfg, verifier, questions, rows)
+            hints = hint_questions(cfg, questions, chosen, verifier, sampler.tokenizer)
+            hinted = dict(zip(chosen, sample_questions(sampler, hints, sampling_params(cfg),
+                                                       round_dir / "hinted.jsonl"), strict=True)) if chosen else {}
+        counts = verify_round(cfg, questions, rows, verifier, round_dir, hinted)
+        start = (cfg.model_name, cfg.adapter) if cfg.restart_from_base else (model_path, adapter)
+        if counts["train_rows"]:
+            model_path, adapter = train_round(cfg, *start, round_dir, counts["train_rows"]), None
             scores = evaluate_model(cfg, model_path, adapter, verifier, round_dir)
         else:  # the model stays as it was; a next round draws other samples from it
-            log.warning("rft round %d: none of the %d completions was correct, so nothing was trained; raise "
-                        "--num_return_sequences or --temperature, or start from a model fine-tuned on the task",
-                        number, counts["samples"])
+            log.warning("rft round %d: none of the %d completions was kept, so nothing was trained; raise "
+                        "--num_return_sequences, --temperature or --max_new_tokens, or start from a model "
+                        "fine-tuned on the task", number, counts["samples"])
             scores = {k: v for k, v in records[-1].items() if k.startswith("pass@")}
         records.append({"round": number, "model": model_path, **counts, **scores})
-        log.info("rft round %d: kept %d of %d samples; %s", number, counts["kept"], counts["samples"],
+        log.info("rft round %d: kept %d of %d samples (%d cut off by --max_new_tokens); %s", number, counts["kept"],
+                 counts["samples"], counts["truncated"],
                  ", ".join(f"{k} {v:.3f}" for k, v in records[-1].items() if k.startswith("pass@")))
     atomic.write_text(root / "rounds.json", json.dumps(records, indent=2) + "\n")
     return {"rounds": records, **write_rft_report(records, root)}

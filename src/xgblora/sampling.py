@@ -136,7 +136,7 @@ class Sampler:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                          use_cache=True, logits_to_keep=1)
-        logits, cache = out.logits[:, -1].float(), out.past_key_values
+        logits, cache = out.logits[:, -1].float(), out.cache
         n = self.params.num_samples
         if n > 1:
             cache.batch_repeat_interleave(n)
@@ -146,8 +146,8 @@ class Sampler:
     def _decode(self, token: torch.Tensor, mask: torch.Tensor, cache: object) -> torch.Tensor:
         """The next-token logits after one new token per row; positions count only real (unpadded) tokens."""
         position = mask.sum(1, keepdim=True) - 1
-        out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
-                         past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=position, cache=cache,
+                         use_cache=True)
         return out.logits[:, -1].float()
 
     def _pick(self, logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,15 +1,24 @@
 """Verifiers for rejection sampling: pull the final answer out of a completion and out of the reference, compare.
 
-An extractor is picked by name: `gsm8k` (the number after the last `####`; a completion without one has no answer,
-so only completions in the format being trained are kept), `answer_tags` (the text of the last
+An extractor is picked by name: `gsm8k` (the first number on the line of the first `####`, as GSM8K's own grader and
+ScRel's `extract_answer` read it (OFA-Sys/gsm8k-ScRel, collect_rejection_sampling.py: `ANS_RE.search`); a completion
+without one has no answer, so only completions in the format being trained are kept; the one GSM8K grader of the
+project, also instruction evaluation's), `answer_tags` (the text of the last
 `<answer>...</answer>`), `regex:PATTERN` (the last match; its first group when it has one), or `module:function`
 (a function of the text returning the answer or None, imported from the user's module). Two answers agree when
 both read as numbers within a relative tolerance, or else as equal normalised strings (SQuAD's normalisation).
+
+The correct completions of a question are then filtered and de-duplicated as RFT's reference does
+(OFA-Sys/gsm8k-ScRel, collect_rejection_sampling.py, `collect`): a completion whose calculator annotations
+`<<lhs=rhs>>` do not hold (`check_equation`: lhs evaluated, within 1e-3 of rhs) is rejected, and of the completions
+with the same list of equations only the one farthest (summed edit distance) from the others kept is kept.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import operator
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,13 +31,15 @@ Extractor = Callable[[str], "str | None"]
 _NUMBER = re.compile(r"^[-+]?\$?\d[\d,]*(?:\.\d+)?%?$|^[-+]?\$?\.\d+%?$")
 _FIRST_NUMBER = re.compile(r"[-+]?\$?\d[\d,]*(?:\.\d+)?")
 _TAGS = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_EQUATION = re.compile(r"<<([^>]*)>>")  # ScRel's pattern: everything inside << >>
 
 
 def gsm8k_answer(text: str) -> str | None:
-    """The first number after the last '####', or None."""
+    """The first number on the line of the first '####', or None: "#### 72\n\nQuestion: ...\n#### 9" answers 72 (a
+    model that goes on to write a new question after its answer has still answered)."""
     if "####" not in text:
         return None
-    found = _FIRST_NUMBER.search(text.rsplit("####", 1)[1])
+    found = _FIRST_NUMBER.search(text.split("####", 1)[1].split("\n", 1)[0])
     return found.group(0) if found else None
 
 
@@ -113,10 +124,93 @@ class Verifier:
         return [got is not None and same_answer(str(got), want, self.tolerance) for got in found]
 
 
-def keep_correct(completions: Sequence[str], verdicts: Sequence[bool], limit: int) -> list[str]:
-    """The correct completions, duplicates (up to surrounding white space) removed, at most `limit`, in order."""
-    kept: dict[str, str] = {}
-    for text, correct in zip(completions, verdicts, strict=True):
-        if correct and len(kept) < limit:
-            kept.setdefault(text.strip(), text)
-    return list(kept.values())
+def keep_correct(completions: Sequence[str], verdicts: Sequence[bool], limit: int | None = None,
+                 distinct: str = "text") -> list[str]:
+    """The correct completions, at most `limit` (None: all), in order, duplicates removed: `text` drops copies (up to
+    surrounding white space); `equations` keeps one completion per equation list (`distinct_by_equations`)."""
+    correct = [text for text, ok in zip(completions, verdicts, strict=True) if ok]
+    if distinct == "equations":
+        kept = distinct_by_equations(correct)
+    else:
+        first: dict[str, str] = {}
+        for text in correct:
+            first.setdefault(text.strip(), text)
+        kept = list(first.values())
+    return kept if limit is None else kept[:limit]
+
+
+def equations(text: str) -> list[str]:
+    """The calculator annotations of a GSM8K solution: the insides of its `<<...>>`, in order."""
+    return _EQUATION.findall(text)
+
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+              ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def _arithmetic(node: ast.AST) -> float:
+    """The value of an expression of numbers and + - * / // % ** (what a calculator annotation holds); anything
+    else raises ValueError. Python's eval, which ScRel uses, would run any code a model writes."""
+    if isinstance(node, ast.Expression):
+        return _arithmetic(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_arithmetic(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        left, right = _arithmetic(node.left), _arithmetic(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > 64:
+            raise ValueError("exponent too large")
+        return _OPERATORS[type(node.op)](left, right)
+    raise ValueError(f"not arithmetic: {ast.dump(node)}")
+
+
+def check_equation(equation: str) -> bool:
+    """Whether `lhs=rhs` holds: lhs evaluated is within 1e-3 of rhs (ScRel's `check_equation`; no '=' fails)."""
+    if "=" not in equation:
+        return False
+    lhs, rhs = equation.split("=")[:2]
+    try:
+        return abs(float(_arithmetic(ast.parse(lhs.strip(), mode="eval"))) - float(rhs)) < 1e-3
+    except (ValueError, SyntaxError, TypeError, ZeroDivisionError, OverflowError):
+        return False
+
+
+def equations_hold(text: str) -> bool:
+    """Whether every calculator annotation of a completion holds (a completion without any passes)."""
+    return all(check_equation(e) for e in equations(text))
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance between two strings, in characters (what ScRel's `editdistance.eval` computes)."""
+    if len(a) < len(b):
+        a, b = b, a
+    row = list(range(len(b) + 1))
+    for i, char in enumerate(a, 1):
+        previous, row[0] = row[0], i
+        for j, other in enumerate(b, 1):
+            previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (char != other))
+    return row[-1]
+
+
+def distinct_by_equations(completions: Sequence[str]) -> list[str]:
+    """One completion per equation list, as ScRel's `collect`: the equations joined with spaces removed are a
+    completion's key; a later completion with a key already kept replaces the kept one when its summed edit distance
+    to the other kept completions is larger (the most different paths are kept). A completion with no equations is
+    keyed by its text (ScRel keys them all alike, which keeps one such path per question: wrong for formats without
+    calculator annotations)."""
+    kept: list[str] = []
+    keys: list[str] = []
+    for text in completions:
+        found = equations(text)
+        key = "|".join(found).replace(" ", "") if found else "text:" + text.strip()
+        if key not in keys:
+            keys.append(key)
+            kept.append(text)
+            continue
+        i = keys.index(key)
+        others = [ref for ref in kept if ref != kept[i]]
+        if sum(edit_distance(text, ref) for ref in others) > sum(edit_distance(kept[i], ref) for ref in others):
+            kept[i] = text
+    return kept

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from xgblora import atomic
 from xgblora.adapters.lora import LoRALinear, is_adapter_param, unwrap
+from xgblora.data.pairs import embedding_prefixes
 from xgblora.errors import UserError
 
 # One low-rank term of a module's total update: scale * B @ A.
@@ -139,15 +140,16 @@ _ST_POOLING = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_toke
 
 
 def write_sentence_transformers(out: Path, pooling: str, dim: int, max_length: int, query_prefix: str = "",
-                                doc_prefix: str = "") -> None:
+                                doc_prefix: str = "", include_prompt: bool = True) -> None:
     """Make a saved model folder a sentence-transformers model with the pooling it was trained with: Transformer
-    (the folder itself) -> Pooling -> Normalize; the instruction prefixes become its prompts "query"/"document"."""
+    (the folder itself) -> Pooling (include_prompt false: the prompt's tokens left out, as GRIT pools) -> Normalize;
+    the instruction prefixes become its prompts "query"/"document"."""
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
     pooling_config = {"word_embedding_dimension": dim, "pooling_mode_max_tokens": False,
                       "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
-                      **{key: mode == pooling for mode, key in _ST_POOLING.items()}}
+                      **{key: mode == pooling for mode, key in _ST_POOLING.items()}, "include_prompt": include_prompt}
     prompts = {name: text for name, text in (("query", query_prefix), ("document", doc_prefix)) if text}
     files = {"modules.json": modules, "1_Pooling/config.json": pooling_config,
              "sentence_bert_config.json": {"max_seq_length": max_length, "do_lower_case": False},
@@ -161,8 +163,10 @@ def write_sentence_transformers(out: Path, pooling: str, dim: int, max_length: i
 
 def embedding_export(out: Path, cfg: dict[str, Any], dim: int) -> None:
     """The sentence-transformers files of an embedding run's (config.yaml as a dict) saved model."""
-    write_sentence_transformers(out, cfg["pooling"], dim, int(cfg["max_length"]), cfg.get("query_instruction") or "",
-                                cfg.get("doc_instruction") or "")
+    prefixes = embedding_prefixes(cfg.get("instruction_format") or "plain", cfg.get("query_instruction") or "",
+                                  cfg.get("doc_instruction") or "")
+    write_sentence_transformers(out, cfg["pooling"], dim, int(cfg["max_length"]), prefixes.query, prefixes.doc,
+                                cfg.get("include_prompt") is not False)
 
 
 # ----------------------------------------------------------------------------- `xgblora export`

@@ -103,6 +103,30 @@ class Prefixes:
 NO_PREFIXES = Prefixes()
 
 
+def gritlm_instruction(instruction: str) -> str:
+    """GritLM's embedding prompt (ContextualAI/gritlm, README and gritlm/training/data.py): the instruction as a user
+    turn, then the embed marker; the marker alone without an instruction."""
+    return f"<|user|>\n{instruction}\n<|embed|>\n" if instruction else "<|embed|>\n"
+
+
+def embedding_prefixes(instruction_format: str, query_instruction: str, doc_instruction: str) -> Prefixes:
+    """The prefixes of a run's queries and documents: its instructions as they are (plain) or in GritLM's format."""
+    if instruction_format == "gritlm":
+        return Prefixes(gritlm_instruction(query_instruction), gritlm_instruction(doc_instruction))
+    return Prefixes(query_instruction, doc_instruction)
+
+
+def prefix_length(tokenizer: PreTrainedTokenizerBase, prefix: str) -> int:
+    """How many leading tokens of a prefixed text the prefix takes: the prefix tokenised alone, with the tokenizer's
+    special tokens but a trailing one ([SEP], EOS) left out. GritLM (gritlm.py `encode`: the instruction's
+    tokens) and sentence-transformers (Transformer._get_prompt_length) count alike, so pooling without them matches
+    both; 0 for no prefix."""
+    if not prefix:
+        return 0
+    ids = tokenizer(prefix)["input_ids"]
+    return len(ids) - 1 if ids and ids[-1] in tokenizer.all_special_ids else len(ids)
+
+
 def pair_seqs(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
               prefixes: Prefixes = NO_PREFIXES) -> list[PairSeq]:
     """Tokenise every pair once (each distinct document once)."""

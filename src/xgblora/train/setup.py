@@ -21,7 +21,7 @@ from xgblora.adapters.lora import LoRALinear, attach, exact_targets, is_adapter_
 from xgblora.config import Config
 from xgblora.data import formats
 from xgblora.data.loading import Splits, load_rows, sample_splits
-from xgblora.data.pairs import PairTask, Prefixes, held_apart, pair_seqs
+from xgblora.data.pairs import PairTask, Prefixes, embedding_prefixes, held_apart, pair_seqs, prefix_length
 from xgblora.data.tasks import CustomTask, Example, Task, get_task
 from xgblora.distributed import Distributed
 from xgblora.errors import UserError
@@ -153,7 +153,8 @@ class RunSetup:
         if cfg.objective != "lm":
             return retrieval.evaluate(self.model, self.tokenizer, examples, pooling=cfg.pooling,
                                       max_length=cfg.max_length, batch_size=cfg.per_device_eval_batch_size,
-                                      bidirectional=bool(cfg.bidirectional), prefixes=self.prefixes), []
+                                      bidirectional=bool(cfg.bidirectional), prefixes=self.prefixes,
+                                      include_prompt=cfg.pools_prompt), []
         if self.task.instruction:
             return evaluate_instructions(self.model, self.tokenizer, examples, stop_ids=self.stop_ids,
                                          batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length,
@@ -168,7 +169,7 @@ class RunSetup:
     @property
     def prefixes(self) -> Prefixes:
         """The instruction prefixes of queries and documents (embedding runs)."""
-        return Prefixes(self.cfg.query_instruction, self.cfg.doc_instruction)
+        return embedding_prefixes(self.cfg.instruction_format, self.cfg.query_instruction, self.cfg.doc_instruction)
 
     @property
     def stop_ids(self) -> list[int]:
@@ -200,7 +201,7 @@ def load_run(cfg: Config, dist: Distributed) -> RunSetup:
     if head != "lm" and (cfg.sfc or cfg.icl_sfc):
         raise UserError(f"--sfc/--icl_sfc calibrate a causal LM's candidate scores; --head {head} has no surface forms")
     target = models.choose_device(dist.device or cfg.device)
-    model, tokenizer = models.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation,
+    model, tokenizer = models.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=attention(cfg, head),
                                    device=str(target), trust_remote_code=cfg.trust_remote_code,
                                    head=head, num_labels=len(words) or None, load_in_4bit=cfg.load_in_4bit,
                                    compute_dtype=_compute_dtype(cfg, target))
@@ -217,6 +218,16 @@ def load_run(cfg: Config, dist: Distributed) -> RunSetup:
         perf.enable_tf32(device)
     scoring = encoders.build_scoring(head, tokenizer, words, cfg.pooling) if words else None
     return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device)
+
+
+def attention(cfg: Config, head: str) -> str:
+    """The attention backend to load: --attn_implementation, but auto is sdpa for a causal LM's bidirectional
+    embedding pass (GRIT's default, or --bidirectional): flash-attention kernels take no 4D mask and would run it
+    causally."""
+    wants_bidirectional = cfg.bidirectional or (cfg.bidirectional is None and cfg.objective == "grit")
+    if cfg.attn_implementation == "auto" and head == "lm" and cfg.objective != "lm" and wants_bidirectional:
+        return "sdpa"
+    return cfg.attn_implementation
 
 
 def _compute_dtype(cfg: Config, device: torch.device) -> str:
@@ -236,30 +247,33 @@ def resolve(cfg: Config, model: torch.nn.Module, dist: Distributed, head: str = 
     pooling, bidirectional = cfg.pooling, cfg.bidirectional
     if pooling == "auto" and head == "classifier":
         pooling = models.sentence_pooling(cfg.model_name) or "cls"
+    embedding_options = {}
     if cfg.objective != "lm":
         bidirectional = resolve_bidirectional(cfg, model, head)
+        embedding_options = {"contrastive_temperature": cfg.similarity_temperature, "include_prompt": cfg.pools_prompt}
         if pooling == "auto":
             pooling = models.sentence_pooling(cfg.model_name) or ("last" if head == "lm" and not bidirectional
                                                                   else "mean")
     return dataclasses.replace(cfg, max_length=max_length, device=dist.device or cfg.device, pooling=pooling,
-                               bidirectional=bidirectional,
+                               bidirectional=bidirectional, **embedding_options,
                                save_only_model=cfg.save_only_model or dist.model_only_checkpoints)
 
 
 def resolve_bidirectional(cfg: Config, model: torch.nn.Module, head: str) -> bool:
-    """Whether a causal LM's embedding pass attends both ways: --bidirectional, default on for GRIT where the model
-    allows it (probed: a later token must change an earlier one's hidden state); encoders already do."""
+    """Whether a causal LM's embedding pass attends both ways: --bidirectional, default on for GRIT (probed: a later
+    token must change an earlier one's hidden state; a model that ignores the mask is an error, never a silently
+    causal pass); encoders already do."""
     if head != "lm" or cfg.bidirectional is False:
         return False
     if cfg.bidirectional is None and cfg.objective != "grit":
         return False
-    supported = embedding.bidirectional_supported(model)
-    if not supported and cfg.bidirectional:
-        raise UserError(f"--bidirectional: {model.config.model_type} with {model.config._attn_implementation} "
-                        f"attention ignores a bidirectional mask; use --attn_implementation sdpa or drop the flag")
-    log.info("embedding pass: %s attention", "bidirectional" if supported else "causal (the model ignores a "
-             "bidirectional mask)")
-    return supported
+    if not embedding.bidirectional_supported(model):
+        flag = "--bidirectional" if cfg.bidirectional else f"--objective {cfg.objective} (bidirectional by default)"
+        raise UserError(f"{flag}: {model.config.model_type} with {model.config._attn_implementation} attention "
+                        f"ignores a bidirectional mask; use --attn_implementation sdpa or eager, or pass "
+                        f"--bidirectional false for a causal embedding pass")
+    log.info("embedding pass: bidirectional attention")
+    return True
 
 
 def _warn_on_emulated_bf16(cfg: Config, device: torch.device) -> None:
@@ -304,7 +318,7 @@ def embedding_training_set(run: RunSetup) -> TrainingSet:
     examples = load_rows(task, "train", None)
     seqs = formats.instruction_seqs(tokenizer, examples, cfg.max_length, cfg.train_on_prompt, run.stop_ids)
     generative = sequence_training_set(seqs, tokenizer.pad_token_id, token_mean=True)
-    return grit_training_set(pairs, generative, tokenizer.pad_token_id)
+    return grit_training_set(pairs, generative, tokenizer.pad_token_id, cfg.grit_generative_batch_size)
 
 
 def build_contrastive(run: RunSetup, dist: Distributed) -> Contrastive | None:
@@ -312,9 +326,12 @@ def build_contrastive(run: RunSetup, dist: Distributed) -> Contrastive | None:
     cfg = run.cfg
     if cfg.objective == "lm":
         return None
-    return Contrastive(cfg.pooling, cfg.temperature, cfg.learnable_temperature, bool(cfg.bidirectional),
+    skips = (0, 0) if cfg.pools_prompt else (prefix_length(run.tokenizer, run.prefixes.query),
+                                             prefix_length(run.tokenizer, run.prefixes.doc))
+    return Contrastive(cfg.pooling, cfg.similarity_temperature, cfg.learnable_temperature, bool(cfg.bidirectional),
                        gather=dist.gather_rows if dist.world_size > 1 else None,
-                       weights=(cfg.grit_contrastive_weight, cfg.grit_generative_weight)).to(run.device)
+                       weights=(cfg.grit_contrastive_weight, cfg.grit_generative_weight), skips=skips,
+                       symmetric=cfg.contrastive_loss == "symmetric").to(run.device)
 
 
 def packing_enabled(run: RunSetup) -> bool:
