@@ -68,6 +68,41 @@ def test_contrastive_loss_equals_sentence_transformers_multiple_negatives_rankin
     assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-4)
 
 
+def test_symmetric_contrastive_loss_equals_sentence_transformers_symmetric_ranking_loss():
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    path = models.resolve_path(MINILM)
+    model, tokenizer = models.load(MINILM, head="embed")
+    examples = [Example(f"what about {t}?", (f"{t}. It was fine.", f"{TOPICS[-1 - i]} again."), (0,))
+                for i, t in enumerate(TOPICS[:5])]
+    batch = collate_pairs(pair_seqs(tokenizer, examples, 64), tokenizer.pad_token_id)
+    ours = per_example_loss(model.eval(), batch, Contrastive("mean", 0.05, symmetric=True)).mean()
+    one_way = per_example_loss(model.eval(), batch, Contrastive("mean", 0.05)).mean()
+
+    reference = st.SentenceTransformer(path, device="cpu").eval()
+    reference.max_seq_length = 64
+    columns = [[ex.prompt for ex in examples], [ex.candidates[0] for ex in examples],
+               [ex.candidates[1] for ex in examples]]
+    features = [reference.tokenize(texts) for texts in columns]
+    symmetric = MultipleNegativesRankingLoss(reference, scale=20.0, directions=("query_to_doc", "doc_to_query"),
+                                             partition_mode="per_direction")  # MNSRL, as its deprecation says
+    theirs = symmetric(features, None)
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-4)
+    assert abs(float((ours - one_way).detach())) > 1e-3
+
+
+def test_minilm_trains_with_the_symmetric_loss(tmp_path):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"query": f"what about {t}?", "positive": f"{t}. It was fine."}) + "\n"
+                            for t in TOPICS), encoding="utf-8")
+    results = run(Config(model_name=MINILM, objective="contrastive", contrastive_loss="symmetric",
+                         train_file=str(data), eval_file=str(data), num_train=6, method="lora", max_steps=2,
+                         per_device_train_batch_size=3, max_length=32, save_strategy="no", device="cpu",
+                         output_dir=str(tmp_path / "run")))
+    assert "recall@1" in results
+
+
 def test_retrieval_metrics_equal_a_sort_of_the_similarities():
     gen = torch.Generator().manual_seed(1)
     q = torch.nn.functional.normalize(torch.randn(30, 4, generator=gen), dim=-1)

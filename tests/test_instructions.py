@@ -24,7 +24,8 @@ from xgblora.data.loading import load_rows
 from xgblora.data.tasks import CustomTask, Example
 from xgblora.errors import UserError
 from xgblora.evaluate import generate
-from xgblora.instruction_eval import final_number
+from xgblora import instruction_eval
+from xgblora.verify import Verifier, make_extractor
 from xgblora.logging import read_metrics
 from xgblora.objective import per_example_loss
 
@@ -245,10 +246,18 @@ def test_generation_stops_at_a_stop_token(chat_model):
     assert text == tokenizer.decode(free[:first], skip_special_tokens=True) != tokenizer.decode(free)
 
 
-def test_final_number_reads_gsm8k_answers():
-    assert final_number("so 3 + 4 = 7 apples\n#### 1,234") == 1234.0
-    assert final_number("The answer is 12.5, not 3") == 3.0
-    assert final_number("no number") is None
+@pytest.mark.parametrize("prediction, reference, right", [
+    ("so 3 + 4 = 7 apples\n#### 1,234", "#### 1234", True),
+    ("#### 72\n\nQuestion: how many more?\n#### 9", "#### 72", True),  # the first #### answers
+    ("The answer is 12", "#### 12", False),  # no ####: no answer, as the RFT verifier reads it
+])
+def test_instruction_eval_grades_gsm8k_as_the_rft_verifier_does(monkeypatch, prediction, reference, right):
+    model, tokenizer = models.load("tiny-llama")
+    monkeypatch.setattr(instruction_eval, "generate", lambda *args, **kwargs: [prediction])
+    metrics, _ = instruction_eval.evaluate_instructions(model, tokenizer, [Example("2 + 2?", (), (), (reference,))],
+                                                        stop_ids=[tokenizer.eos_token_id], max_new_tokens=4)
+    verifier = Verifier(make_extractor("gsm8k"))
+    assert metrics["accuracy"] == float(right) == float(verifier.judge([prediction], reference)[0])
 
 
 # ----------------------------------------------------------------------------- end to end on GSM8K

@@ -4,6 +4,7 @@ the temperature / top-p distribution computed by hand."""
 import pytest
 import torch
 
+from xgblora import models
 from xgblora.models import random_model
 from xgblora.sampling import Sampler, SamplingParams, batch_generator, plan_batches
 
@@ -103,3 +104,15 @@ def test_the_plan_keeps_every_batch_within_its_token_budget():
     for batch in plan:
         assert len(batch) == 1 or len(batch) * 3 * (max(lengths[i] for i in batch) + 10) <= 400
     assert plan[0][0] == 4  # longest first
+
+
+def test_the_sampler_uses_no_argument_announced_for_removal():
+    """transformers announces removals with FutureWarning (`past_key_values` -> `cache`); none may be raised."""
+    import warnings
+
+    model, _ = models.load("tiny-llama")
+    params = SamplingParams(num_samples=2, max_new_tokens=3, temperature=1.0, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        samples = Sampler(model, 0, [2], params).sample_batch([[1, 5, 6]], batch_generator(0, 0, torch.device("cpu")))
+    assert len(samples[0]) == 2
