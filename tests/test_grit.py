@@ -12,11 +12,12 @@ from xgblora import cli, models
 from xgblora.config import Config
 from xgblora.data import formats
 from xgblora.data.loading import load_rows
-from xgblora.data.pairs import collate_pairs, pair_seqs
+from xgblora.data.pairs import Prefixes, collate_pairs, gritlm_instruction, pair_seqs, prefix_length
 from xgblora.data.tasks import CustomTask, Example
-from xgblora.embedding import bidirectional_supported, encode_texts, hidden_states
-from xgblora.objective import Contrastive, per_example_loss, sequence_training_set
-from xgblora.train import run
+from xgblora.embedding import bidirectional_supported, embed, encode_texts, hidden_states
+from xgblora.errors import UserError
+from xgblora.objective import Contrastive, grit_training_set, per_example_loss, sequence_training_set
+from xgblora.train import run, setup
 
 TOPICS = ["the movie was a love story", "a film about the war", "the best story of the year", "a boring time",
           "funny and good", "the terrible acting", "a great new film", "what a fun movie", "the dull plot",
@@ -80,12 +81,14 @@ def test_grit_lowers_both_losses_and_its_merged_export_embeds_and_generates(tmp_
     pairs, sft = write_data(tmp_path)
     out = tmp_path / "run"
     results = run(Config(model_name="tiny-llama", objective="grit", train_file=str(pairs), grit_train_file=str(sft),
+                         instruction_format="gritlm", query_instruction="Find a review of another film",
                          eval_file=str(pairs), num_train=8, num_dev=2, method="lora", learning_rate=3e-3,
                          max_steps=24, per_device_train_batch_size=4, max_length=48, evaluation_strategy="steps",
                          eval_steps=12,
                          output_dir=str(out), device="cpu", lora_target_modules="all-linear"))
     cfg = Config(**{k: v for k, v in yaml.safe_load((out / "config.yaml").read_text()).items()})
     assert cfg.bidirectional is True and cfg.pooling == "mean"  # GRIT's default where the model allows it
+    assert cfg.include_prompt is False and cfg.contrastive_temperature == 0.02  # GritLM's pooling and temperature
     evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "eval_recall@1" in line]
     assert [e["step"] for e in evals] == [12, 24] and "recall@1" in results
 
@@ -102,8 +105,18 @@ def test_grit_lowers_both_losses_and_its_merged_export_embeds_and_generates(tmp_
     from safetensors.torch import load_file
 
     queries = [json.loads(line)["query"] for line in pairs.read_text().splitlines()]
-    exported = encode_texts(trained, merged_tokenizer, queries, pooling="mean", max_length=48, bidirectional=True)
+    prefix = gritlm_instruction("Find a review of another film")
+    exported = encode_texts(trained, merged_tokenizer, queries, pooling="mean", max_length=48, bidirectional=True,
+                            prefix=prefix, include_prompt=False)
     torch.testing.assert_close(load_file(vectors)["embeddings"], exported, rtol=1e-4, atol=1e-5)
+    # sentence-transformers loads the export and embeds the same: its "query" prompt left out of the pooling
+    # (include_prompt false), the model attending both ways (transformers' is_causal=False)
+    st = pytest.importorskip("sentence_transformers")
+    pooling_config = json.loads((merged / "1_Pooling" / "config.json").read_text())
+    assert pooling_config["include_prompt"] is False
+    reference = st.SentenceTransformer(str(merged), device="cpu", config_kwargs={"is_causal": False})
+    theirs = torch.stack([reference.encode(q, prompt_name="query", convert_to_tensor=True) for q in queries])
+    torch.testing.assert_close(theirs, exported, rtol=1e-4, atol=1e-5)
     assert np.allclose(torch.linalg.norm(exported, dim=1).numpy(), 1.0, atol=1e-5)
     # and generates: greedy continuations of a training prompt, from the merged weights with the KV cache
     prompt = merged_tokenizer("Question: is a boring time good?\nAnswer:", return_tensors="pt")
@@ -120,3 +133,75 @@ def test_grit_needs_a_causal_lm_and_instruction_data(tmp_path):
     with pytest.raises(Exception, match="--grit_train_file"):
         run(Config(model_name="tiny-llama", objective="grit", train_file=str(pairs), num_train=4, max_steps=1,
                    output_dir=str(tmp_path / "b")))
+
+
+def test_grit_pooling_leaves_the_instruction_out_as_gritlm_does():
+    """GritLM's encode (ContextualAI/gritlm, gritlm.py): the instruction + text tokenised right-padded, a
+    bidirectional pass (here transformers' own, is_causal=False), the instruction's tokens zeroed in the pooling
+    mask, the masked mean, normalised."""
+    model, tokenizer = models.load("tiny-llama")
+    model.eval()
+    instruction = gritlm_instruction("Retrieve a review of the same film")
+    texts = ["a film about the war", "funny", "the best story of the year, they said"]
+    ours = encode_texts(model, tokenizer, texts, pooling="mean", max_length=64, bidirectional=True,
+                        prefix=instruction, include_prompt=False)
+    with_instruction = encode_texts(model, tokenizer, texts, pooling="mean", max_length=64, bidirectional=True,
+                                    prefix=instruction)
+
+    tokenizer.padding_side = "right"
+    inputs = tokenizer([instruction + t for t in texts], padding=True, return_tensors="pt")
+    model.config.is_causal = False
+    with torch.no_grad():
+        hidden = model.model(**inputs).last_hidden_state
+    mask = inputs["attention_mask"].clone()
+    mask[:, :len(tokenizer(instruction)["input_ids"])] = 0
+    s = torch.sum(hidden * mask.unsqueeze(-1).float(), dim=1)
+    reference = torch.nn.functional.normalize(s / mask.sum(dim=1, keepdim=True).float(), dim=-1)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-5)
+    assert (ours - with_instruction).abs().max() > 1e-3  # pooling the instruction in is another embedding
+
+
+def test_the_contrastive_loss_pools_as_encoding_does():
+    """Training's embeddings (Contrastive with the prefixes' lengths) equal encode_texts' without the instruction."""
+    model, tokenizer = models.load("tiny-llama")
+    model.eval()
+    prefix = gritlm_instruction("Find the answer")
+    examples = [Example(query(i), (positive(i),), (0,)) for i in range(3)]
+    prefixes = Prefixes(prefix, gritlm_instruction(""))
+    batch = collate_pairs(pair_seqs(tokenizer, examples, 48, prefixes), tokenizer.pad_token_id)
+    skips = (prefix_length(tokenizer, prefixes.query), prefix_length(tokenizer, prefixes.doc))
+    contrastive = Contrastive("mean", 0.02, bidirectional=True, skips=skips)
+    with torch.no_grad():
+        q = embed(model, batch.query_ids, batch.query_mask, "mean", True, contrastive.skips[0])
+    expected = encode_texts(model, tokenizer, [query(i) for i in range(3)], pooling="mean", max_length=48,
+                            bidirectional=True, prefix=prefix, include_prompt=False)
+    torch.testing.assert_close(q, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_bidirectional_embedding_pass_never_runs_causally(monkeypatch):
+    """auto attention is sdpa for GRIT's (and --bidirectional's) pass, as flash-attention would ignore the 4D
+    mask; a model that ignores it anyway is an error, not a causal pass."""
+    assert setup.attention(Config(objective="grit"), "lm") == "sdpa"
+    assert setup.attention(Config(objective="contrastive", bidirectional=True), "lm") == "sdpa"
+    assert setup.attention(Config(objective="contrastive"), "lm") == "auto"  # causal by choice: last-token pooling
+    assert setup.attention(Config(objective="grit", attn_implementation="eager"), "lm") == "eager"
+    model, _ = models.load("tiny-llama")
+    monkeypatch.setattr(setup.embedding, "bidirectional_supported", lambda model: False)
+    with pytest.raises(UserError, match="ignores a bidirectional mask"):
+        setup.resolve_bidirectional(Config(objective="grit"), model, "lm")
+    assert setup.resolve_bidirectional(Config(objective="grit", bidirectional=False), model, "lm") is False
+
+
+def test_grit_generative_batch_size_takes_that_many_instruction_examples(tmp_path):
+    _, tokenizer = models.load("tiny-llama")
+    pairs = pair_seqs(tokenizer, [Example(query(i), (positive(i),), (0,)) for i in range(6)], 32)
+    _, sft = write_data(tmp_path)
+    task = CustomTask(Config(task_name="custom", train_file=str(sft)))
+    seqs = formats.instruction_seqs(tokenizer, load_rows(task, "train", None), 48, False,
+                                    formats.stop_token_ids(tokenizer))
+    generative = sequence_training_set(seqs, tokenizer.pad_token_id, token_mean=True)
+    batch = grit_training_set(pairs, generative, tokenizer.pad_token_id, generative_batch=2).batch([3, 4, 5, 0])
+    assert batch.pairs.n_examples == 4 and batch.generative.n_examples == 2
+    whole = grit_training_set(pairs, generative, tokenizer.pad_token_id).batch([3, 4, 5, 0])
+    assert whole.generative.n_examples == 4
+    torch.testing.assert_close(batch.generative.input_ids, generative.batch([3, 4]).input_ids)

@@ -16,7 +16,7 @@ from tokenizers import processors
 from transformers import AutoTokenizer
 
 from xgblora import config as config_mod
-from xgblora import models, scoring, train
+from xgblora import instruction_eval, models, scoring, train
 from xgblora.config import Config
 from xgblora.data import formats
 from xgblora.data.batching import collate, collate_packed
@@ -24,10 +24,9 @@ from xgblora.data.loading import load_rows
 from xgblora.data.tasks import CustomTask, Example
 from xgblora.errors import UserError
 from xgblora.evaluate import generate
-from xgblora import instruction_eval
-from xgblora.verify import Verifier, make_extractor
 from xgblora.logging import read_metrics
 from xgblora.objective import per_example_loss
+from xgblora.verify import Verifier, make_extractor
 
 CONVERSATION = (("system", "Be brief."), ("user", "2+2?"), ("assistant", "4"), ("user", "and 3+3?"),
                 ("assistant", "6, since 3+3=6"))

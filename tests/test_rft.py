@@ -3,17 +3,29 @@ resumed), and one round raising held-out accuracy on arithmetic a tiny model lea
 
 import json
 import random
+import re
 
 import pytest
+import yaml
 
 from xgblora import generation
 from xgblora.adapters.export import export_run
 from xgblora.cli import main
 from xgblora.config import Config, RFTConfig
 from xgblora.errors import UserError
-from xgblora.rft import run_rft
+from xgblora.rft import keep_question, pass_at_k, run_rft
 from xgblora.train import run
-from xgblora.verify import Verifier, gsm8k_answer, keep_correct, make_extractor, same_answer
+from xgblora.verify import (
+    Verifier,
+    check_equation,
+    distinct_by_equations,
+    edit_distance,
+    equations_hold,
+    gsm8k_answer,
+    keep_correct,
+    make_extractor,
+    same_answer,
+)
 
 
 @pytest.mark.parametrize("spec, text, answer", [
@@ -78,7 +90,7 @@ def _rft_args(tmp_path, root, *extra):
             "--eval_file", str(tmp_path / "test.jsonl"), "--columns", "prompt=question,completion=answer",
             "--verifier", "accept_all:first_word", "--num_return_sequences", "3", "--keep_per_prompt", "2",
             "--max_new_tokens", "10", "--max_batch_tokens", "1500", "--max_steps", "3", "--pass_k", "2",
-            "--save_strategy", "no",
+            "--save_strategy", "no", "--include_gold",
             "--output_root", str(tmp_path / root), "--device", "cpu", *extra]
 
 
@@ -111,15 +123,19 @@ def test_rft_on_gsm8k_writes_every_round_file_and_resumes_an_interrupted_samplin
         shared_data, "train", 8).splitlines()]
     assert all(len(s["completions"]) == 3 for s in samples)
     verified = [json.loads(line) for line in (round_1 / "verified.jsonl").read_text().splitlines()]
-    kept = [min(2, len({c.strip() for c in s["completions"]})) for s in samples]
-    assert [v["kept"] for v in verified] == kept and all(v["correct"] == 3 for v in verified)
+    finished = [[c for c, r in zip(s["completions"], s["finish_reasons"], strict=True) if r == "stop"]
+                for s in samples]
+    kept = [min(2, len({c.strip() for c in done})) for done in finished]
+    assert [v["kept"] for v in verified] == kept and [v["correct"] for v in verified] == [len(f) for f in finished]
+    assert [v["truncated"] for v in verified] == [3 - len(f) for f in finished]
     train = [json.loads(line) for line in (round_1 / "train.jsonl").read_text().splitlines()]
-    assert len(train) == sum(kept)
+    assert len(train) == sum(kept) + len(samples)  # --include_gold: each question's reference too
     assert train[0]["messages"][0] == {"role": "user", "content": samples[0]["question"]}
-    assert train[0]["messages"][-1] == {"role": "assistant", "content": samples[0]["completions"][0]}
+    assert train[0]["messages"][-1] == {"role": "assistant", "content": samples[0]["answer"]}
     assert (round_1 / "run" / "results.json").exists() and (round_1 / "model" / "config.json").exists()
     rounds = json.loads((tmp_path / "rft" / "rounds.json").read_text())
     assert [r["round"] for r in rounds] == [0, 1] and rounds[1]["kept"] == sum(kept)
+    assert rounds[1]["train_rows"] == len(train)
     assert set(rounds[0]) >= {"pass@1", "pass@2"} and (tmp_path / "rft" / "report.html").exists()
 
 
@@ -158,3 +174,176 @@ def test_one_rft_round_raises_held_out_accuracy_after_a_short_sft(tmp_path):
     before, after = (r["pass@1"] for r in done["rounds"])
     assert 0 < before < 1  # right on some held-out questions, wrong on others
     assert after >= before + 0.10
+
+
+# ----------------------------------------------------------------------------- the reference's choices
+
+def test_the_gsm8k_answer_is_the_first_one():
+    """ScRel's extract_answer (and GSM8K's grader) take the first `#### n`: a model that answers, then writes a new
+    question and answers that, has answered the first."""
+    assert gsm8k_answer("#### 72\n\nQuestion: and then?\n#### 9") == "72"
+    assert gsm8k_answer("####\n5 apples") is None  # nothing on the answer's line
+
+
+def scrl_check_equation(string):
+    """OFA-Sys/gsm8k-ScRel collect_rejection_sampling.py check_equation, verbatim (eval on the test's own strings)."""
+    if string.find('=') == -1:
+        return False
+    lhs = string.split('=')[0]
+    rhs = string.split('=')[1]
+    try:
+        lhs_result = eval(str(lhs))
+        if abs(float(lhs_result) - float(rhs)) < 1e-3:
+            return True
+    except BaseException:
+        return False
+    return False
+
+
+@pytest.mark.parametrize("equation", ["48/2=24", "3*4+1=13", "10-7=2", "2**3=8", "5/0=1", "7", "1,000*2=2000",
+                                      "12/5=2.4", "12/5=2.4001", "-3+1=-2", "a*2=4", "(3+4)*2=14", "3=3=3"])
+def test_check_equation_agrees_with_scrl(equation):
+    assert check_equation(equation) == scrl_check_equation(equation)
+
+
+def _levenshtein(a, b):
+    """Textbook recursion, memoised (the reference for ScRel's editdistance.eval)."""
+    from functools import lru_cache
+
+    @lru_cache(None)
+    def d(i, j):
+        if not i or not j:
+            return i or j
+        return min(d(i - 1, j) + 1, d(i, j - 1) + 1, d(i - 1, j - 1) + (a[i - 1] != b[j - 1]))
+
+    return d(len(a), len(b))
+
+
+def scrl_collect(pass_query):
+    """ScRel's de-duplication loop of `collect` (equation check included), verbatim but for editdistance."""
+    pattern = r'<<([^>]*)>>'
+    exist_match, kept = [], []
+    for q in pass_query:
+        matches = re.findall(pattern, q)
+        if all(scrl_check_equation(m) for m in matches):
+            matches = '|'.join(matches).replace(' ', '')
+            if matches not in exist_match:
+                kept.append(q)
+                exist_match.append(matches)
+            else:
+                now_query_idx = exist_match.index(matches)
+                now_query = kept[now_query_idx]
+                now_score = sum([_levenshtein(now_query, ref) for ref in kept if ref != now_query])
+                q_score = sum([_levenshtein(q, ref) for ref in kept if ref != now_query])
+                if q_score > now_score:
+                    kept[now_query_idx] = q
+    return kept
+
+
+def test_equation_de_duplication_keeps_what_scrl_keeps():
+    paths = ["He pays 3*4=<<3*4=12>>12.\n#### 12", "3 * 4 = <<3 * 4=12>>12 so\n#### 12",
+             "First, 2*6=<<2*6=12>>12 dollars in total, all told.\n#### 12", "<<3*4=13>>13 wrong\n#### 12",
+             "Since 3*4=<<3*4=12>>12, a much longer explanation of the very same sum here.\n#### 12",
+             "<<6+6=12>>12\n#### 12"]
+    correct = [p for p in paths if equations_hold(p)]
+    assert distinct_by_equations(correct) == scrl_collect(paths)
+    assert len(scrl_collect(paths)) == 3 and edit_distance("kitten", "sitting") == _levenshtein("kitten", "sitting")
+
+
+@pytest.mark.parametrize("n, c, k", [(10, 0, 1), (10, 3, 1), (10, 3, 4), (20, 19, 5), (8, 8, 8), (16, 2, 8)])
+def test_pass_at_k_is_the_unbiased_estimator(n, c, k):
+    """Chen et al. 2021's numerically stable form, as the Codex paper writes it."""
+    import numpy as np
+
+    reference = 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+    assert pass_at_k(n, c, k) == pytest.approx(reference)
+
+
+def test_completions_cut_off_by_max_new_tokens_are_never_kept():
+    cfg = RFTConfig(train_file="t", eval_file="e", distinct="text")
+    row = {"completions": ["#### 4", "so #### 4", "2 + 2 is #### 4"], "finish_reasons": ["stop", "length", "stop"]}
+    kept = keep_question(cfg, Verifier(make_extractor("gsm8k")), row, "#### 4")
+    assert kept.completions == ["#### 4", "2 + 2 is #### 4"]
+    assert kept.counts == {"samples": 3, "truncated": 1, "correct": 2, "equations_wrong": 0, "kept": 2}
+
+
+def test_rft_temperature_is_the_sampling_one_and_greedy_is_allowed(capsys):
+    from xgblora.cli import build_parser
+    from xgblora.config import from_namespace
+
+    args = build_parser().parse_args(["rft", "--train_file", "t", "--eval_file", "e", "--temperature", "0",
+                                      "--num_return_sequences", "1"])
+    cfg = from_namespace(RFTConfig, args, {"temperature": 0.7})
+    assert cfg.temperature == 0.0 and cfg.contrastive_temperature is None
+    train = build_parser().parse_args(["train", "--objective", "contrastive", "--temperature", "0.1"])
+    assert from_namespace(Config, train).contrastive_temperature == 0.1
+    assert Config(objective="grit").similarity_temperature == 0.02
+    assert Config(objective="contrastive").similarity_temperature == 0.05
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["rft", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Sampling temperature; 0 is greedy. (default: 0.7)" in help_text
+    assert "--contrastive_temperature" in help_text
+
+
+ARITHMETIC = [(a, b) for a in range(1, 6) for b in range(1, 6) if a != b]
+
+
+def _designed(a, b):
+    """Four completions of "Which is larger, a or b?": two with the same (right) equation, one right answer with a
+    wrong equation, one right answer cut off by max_new_tokens."""
+    m = max(a, b)
+    return ([f"{a}-{b}=<<{a}-{b}={a - b}>>{a - b}\n#### {m}", f"So {a}-{b}=<<{a} - {b}={a - b}>>{a - b}, hence\n#### {m}",
+             f"<<{a}+{b}={a + b + 1}>>\n#### {m}", f"#### {m}"], ["stop", "stop", "stop", "length"])
+
+
+def _arithmetic_rft(tmp_path, monkeypatch, name, *extra, rounds=1):
+    def write(file, chosen):
+        rows = [{"question": f"Which is larger, {a} or {b}?", "answer": f"{a} vs {b}\n#### {max(a, b)}"}
+                for a, b in chosen]
+        (tmp_path / file).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write("questions.jsonl", ARITHMETIC[:3])
+    write("heldout.jsonl", ARITHMETIC[3:5])
+    real = generation.completion_record
+
+    def record(index, samples, tokenizer):
+        if len(samples) == 1:  # held-out greedy answers: the model's own
+            return real(index, samples, tokenizer)
+        texts, reasons = _designed(*ARITHMETIC[index])
+        return {"index": index, "completions": texts, "finish_reasons": reasons}
+
+    monkeypatch.setattr(generation, "completion_record", record)
+    assert main(["rft", "--model_name", "tiny-llama", "--train_file", str(tmp_path / "questions.jsonl"),
+                 "--eval_file", str(tmp_path / "heldout.jsonl"), "--columns", "prompt=question,completion=answer",
+                 "--num_return_sequences", "4", "--max_new_tokens", "4", "--max_steps", "1", "--pass_k", "0",
+                 "--save_strategy", "no", "--rounds", str(rounds), "--output_root", str(tmp_path / name),
+                 "--device", "cpu", *extra]) == 0
+    return json.loads((tmp_path / name / "rounds.json").read_text())
+
+
+def test_rft_options_change_the_kept_set_as_documented(tmp_path, monkeypatch):
+    """On the arithmetic task: by default (the reference's) each question keeps one path (two share an equation
+    list, one has a wrong equation, one was cut off); --check_equations false keeps the wrong-equation path too;
+    --distinct text keeps both phrasings; --include_gold adds the reference solution."""
+    default = _arithmetic_rft(tmp_path, monkeypatch, "default")[1]
+    assert (default["kept"], default["truncated"], default["equations_wrong"], default["train_rows"]) == (3, 3, 3, 3)
+    unchecked = _arithmetic_rft(tmp_path, monkeypatch, "unchecked", "--check_equations", "false")[1]
+    assert (unchecked["kept"], unchecked["train_rows"]) == (6, 6)
+    text = _arithmetic_rft(tmp_path, monkeypatch, "text", "--distinct", "text")[1]
+    assert (text["kept"], text["train_rows"]) == (6, 6)
+    gold = _arithmetic_rft(tmp_path, monkeypatch, "gold", "--include_gold")[1]
+    assert (gold["kept"], gold["gold"], gold["train_rows"]) == (3, 3, 6)
+    rows = [json.loads(line) for line in (tmp_path / "gold" / "round-1" / "train.jsonl").read_text().splitlines()]
+    assert rows[0]["messages"][-1]["content"] == "2 vs 1\n#### 2"  # the reference first, then the kept path
+
+
+def test_restart_from_base_trains_every_round_from_the_starting_model(tmp_path, monkeypatch):
+    def started_from(name, number):
+        cfg = yaml.safe_load((tmp_path / name / f"round-{number}" / "run" / "config.yaml").read_text())
+        return cfg["model_name"]
+
+    _arithmetic_rft(tmp_path, monkeypatch, "continue", rounds=2)
+    restarted = _arithmetic_rft(tmp_path, monkeypatch, "restart", "--restart_from_base", rounds=2)
+    assert started_from("continue", 2) == str(tmp_path / "continue" / "round-1" / "model")
+    assert started_from("restart", 2) == "tiny-llama" and restarted[2]["trained_from"] == "tiny-llama"

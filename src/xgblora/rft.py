@@ -280,7 +280,7 @@ def run_rft(cfg: RFTConfig) -> dict[str, Any]:
                         "--num_return_sequences, --temperature or --max_new_tokens, or start from a model "
                         "fine-tuned on the task", number, counts["samples"])
             scores = {k: v for k, v in records[-1].items() if k.startswith("pass@")}
-        records.append({"round": number, "model": model_path, **counts, **scores})
+        records.append({"round": number, "model": model_path, "trained_from": start[0], **counts, **scores})
         log.info("rft round %d: kept %d of %d samples (%d cut off by --max_new_tokens); %s", number, counts["kept"],
                  counts["samples"], counts["truncated"],
                  ", ".join(f"{k} {v:.3f}" for k, v in records[-1].items() if k.startswith("pass@")))
