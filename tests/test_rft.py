@@ -8,12 +8,13 @@ import re
 import pytest
 import yaml
 
-from xgblora import generation
+from xgblora import generation, models
 from xgblora.adapters.export import export_run
 from xgblora.cli import main
 from xgblora.config import Config, RFTConfig
+from xgblora.data.tasks import Example
 from xgblora.errors import UserError
-from xgblora.rft import keep_question, pass_at_k, run_rft
+from xgblora.rft import Questions, hint_questions, keep_question, pass_at_k, run_rft
 from xgblora.train import run
 from xgblora.verify import (
     Verifier,
@@ -297,7 +298,7 @@ def _designed(a, b):
              f"<<{a}+{b}={a + b + 1}>>\n#### {m}", f"#### {m}"], ["stop", "stop", "stop", "length"])
 
 
-def _arithmetic_rft(tmp_path, monkeypatch, name, *extra, rounds=1):
+def _arithmetic_rft(tmp_path, monkeypatch, name, *extra, rounds=1, designer=None):
     def write(file, chosen):
         rows = [{"question": f"Which is larger, {a} or {b}?", "answer": f"{a} vs {b}\n#### {max(a, b)}"}
                 for a, b in chosen]
@@ -310,7 +311,7 @@ def _arithmetic_rft(tmp_path, monkeypatch, name, *extra, rounds=1):
     def record(index, samples, tokenizer):
         if len(samples) == 1:  # held-out greedy answers: the model's own
             return real(index, samples, tokenizer)
-        texts, reasons = _designed(*ARITHMETIC[index])
+        texts, reasons = (designer or _designed)(*ARITHMETIC[index])
         return {"index": index, "completions": texts, "finish_reasons": reasons}
 
     monkeypatch.setattr(generation, "completion_record", record)
@@ -322,28 +323,67 @@ def _arithmetic_rft(tmp_path, monkeypatch, name, *extra, rounds=1):
     return json.loads((tmp_path / name / "rounds.json").read_text())
 
 
-def test_rft_options_change_the_kept_set_as_documented(tmp_path, monkeypatch):
-    """On the arithmetic task: by default (the reference's) each question keeps one path (two share an equation
-    list, one has a wrong equation, one was cut off); --check_equations false keeps the wrong-equation path too;
-    --distinct text keeps both phrasings; --include_gold adds the reference solution."""
-    default = _arithmetic_rft(tmp_path, monkeypatch, "default")[1]
-    assert (default["kept"], default["truncated"], default["equations_wrong"], default["train_rows"]) == (3, 3, 3, 3)
-    unchecked = _arithmetic_rft(tmp_path, monkeypatch, "unchecked", "--check_equations", "false")[1]
-    assert (unchecked["kept"], unchecked["train_rows"]) == (6, 6)
-    text = _arithmetic_rft(tmp_path, monkeypatch, "text", "--distinct", "text")[1]
-    assert (text["kept"], text["train_rows"]) == (6, 6)
-    gold = _arithmetic_rft(tmp_path, monkeypatch, "gold", "--include_gold")[1]
-    assert (gold["kept"], gold["gold"], gold["train_rows"]) == (3, 3, 6)
-    rows = [json.loads(line) for line in (tmp_path / "gold" / "round-1" / "train.jsonl").read_text().splitlines()]
-    assert rows[0]["messages"][-1]["content"] == "2 vs 1\n#### 2"  # the reference first, then the kept path
+@pytest.mark.parametrize("flags, kept, train_rows", [
+    ((), 3, 3),  # the reference's defaults: one path per question (two share an equation list, one is wrong)
+    (("--check_equations", "false"), 6, 6),  # the wrong-equation path too
+    (("--distinct", "text"), 6, 6),  # both phrasings of the same equations
+    (("--include_gold",), 3, 6),  # and each question's reference solution
+])
+def test_rft_options_change_the_kept_set_as_documented(tmp_path, monkeypatch, flags, kept, train_rows):
+    """On the arithmetic task, with four designed completions per question (two with the same right equation, one
+    right answer with a wrong equation, one right answer cut off by max_new_tokens), each option changes what is
+    kept as its help says; the counts are the round report's."""
+    report = _arithmetic_rft(tmp_path, monkeypatch, "rft", *flags)[1]
+    assert (report["kept"], report["train_rows"], report["truncated"]) == (kept, train_rows, 3)
+    assert report["equations_wrong"] == (0 if "--check_equations" in flags else 3)  # rejected for them
+    assert report["gold"] == (3 if "--include_gold" in flags else 0)
+    rows = [json.loads(line) for line in (tmp_path / "rft" / "round-1" / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == train_rows
+    first = "1 vs 2\n#### 2" if "--include_gold" in flags else _designed(1, 2)[0][0]
+    assert rows[0] == {"prompt": "Which is larger, 1 or 2?", "completion": first}
 
 
 def test_restart_from_base_trains_every_round_from_the_starting_model(tmp_path, monkeypatch):
-    def started_from(name, number):
-        cfg = yaml.safe_load((tmp_path / name / f"round-{number}" / "run" / "config.yaml").read_text())
-        return cfg["model_name"]
+    from xgblora import rft
 
-    _arithmetic_rft(tmp_path, monkeypatch, "continue", rounds=2)
-    restarted = _arithmetic_rft(tmp_path, monkeypatch, "restart", "--restart_from_base", rounds=2)
-    assert started_from("continue", 2) == str(tmp_path / "continue" / "round-1" / "model")
-    assert started_from("restart", 2) == "tiny-llama" and restarted[2]["trained_from"] == "tiny-llama"
+    loaded, real = [], rft.load_model
+    monkeypatch.setattr(rft, "load_model", lambda cfg, path, adapter=None: loaded.append(path) or real(cfg, path,
+                                                                                                         adapter))
+    rounds = _arithmetic_rft(tmp_path, monkeypatch, "restart", "--restart_from_base", rounds=2)
+    for number in (1, 2):
+        cfg = yaml.safe_load((tmp_path / "restart" / f"round-{number}" / "run" / "config.yaml").read_text())
+        assert cfg["model_name"] == "tiny-llama" == rounds[number]["trained_from"]
+    assert rounds[2]["model"] == str(tmp_path / "restart" / "round-2" / "model")
+    round_1 = str(tmp_path / "restart" / "round-1" / "model")
+    # loads: round 0's evaluation, round 1's sampler, its evaluation, round 2's sampler (round 1's model), ...
+    assert loaded[:4] == ["tiny-llama", "tiny-llama", round_1, round_1]
+
+
+def test_rationalize_samples_unsolved_questions_with_the_answer_as_a_hint(tmp_path, monkeypatch):
+    """STaR: question 0 has no correct sample; sampled again with its answer as a hint, its correct completion is
+    trained on under the original question."""
+    calls = []
+
+    def designed(a, b):
+        calls.append((a, b))
+        if len(calls) == 1:  # question 0's own samples: all wrong
+            return ["#### 0"] * 4, ["stop"] * 4
+        return _designed(a, b)
+
+    rounds = _arithmetic_rft(tmp_path, monkeypatch, "star", "--rationalize", designer=designed)
+    assert rounds[1]["rationalized"] == 1 and rounds[1]["questions_solved"] == 2
+    hinted = [json.loads(line) for line in (tmp_path / "star" / "round-1" / "hinted.jsonl").read_text().splitlines()]
+    assert [h["question"] for h in hinted] == ["Which is larger, 1 or 2?"]
+    rows = [json.loads(line) for line in (tmp_path / "star" / "round-1" / "train.jsonl").read_text().splitlines()]
+    assert {"prompt": "Which is larger, 1 or 2?", "completion": _designed(1, 2)[0][0]} in rows
+
+
+def test_a_hint_is_the_reference_answer_in_the_prompt():
+    _, tokenizer = models.load("tiny-llama-chat")
+    cfg = RFTConfig(train_file="t", eval_file="e")
+    ex = Example("Which is larger, 1 or 2?", (), (), ("1 vs 2\n#### 2",))
+    prompts = generation.Prompts([{}], [ex], [[1]])
+    questions = Questions("t", prompts, [[("user", ex.prompt)]])
+    hinted = hint_questions(cfg, questions, [0], Verifier(make_extractor("gsm8k")), tokenizer)
+    text = tokenizer.decode(hinted.prompts.ids[0])
+    assert "Which is larger, 1 or 2?\n(Hint: the answer is 2.)" in text and hinted.turns == questions.turns
