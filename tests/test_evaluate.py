@@ -122,7 +122,7 @@ def test_prefix_cache_runs_each_prompt_once():
 
     def record(module, args, kwargs):  # noqa: ARG001
         ids, mask = kwargs["input_ids"], kwargs["attention_mask"][:, -kwargs["input_ids"].shape[1]:]
-        cached = kwargs.get("past_key_values") is not None
+        cached = kwargs.get("cache") is not None
         fed.extend((cached, row[m.bool()].tolist()) for row, m in zip(ids, mask, strict=True))
 
     handle = model.register_forward_pre_hook(record, with_kwargs=True)

@@ -114,8 +114,9 @@ def test_grit_lowers_both_losses_and_its_merged_export_embeds_and_generates(tmp_
     st = pytest.importorskip("sentence_transformers")
     pooling_config = json.loads((merged / "1_Pooling" / "config.json").read_text())
     assert pooling_config["include_prompt"] is False
-    reference = st.SentenceTransformer(str(merged), device="cpu", config_kwargs={"is_causal": False})
-    theirs = torch.stack([reference.encode(q, prompt_name="query", convert_to_tensor=True) for q in queries])
+    reference = st.SentenceTransformer(str(merged), device="cpu")
+    reference[0].auto_model.config.is_causal = False
+    theirs = reference.encode(queries, prompt_name="query", convert_to_tensor=True)
     torch.testing.assert_close(theirs, exported, rtol=1e-4, atol=1e-5)
     assert np.allclose(torch.linalg.norm(exported, dim=1).numpy(), 1.0, atol=1e-5)
     # and generates: greedy continuations of a training prompt, from the merged weights with the KV cache
