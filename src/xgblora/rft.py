@@ -137,18 +137,16 @@ def keep_question(cfg: RFTConfig, verifier: Verifier, row: dict[str, Any], refer
                        "kept": len(kept)})
 
 
-def verify_round(cfg: RFTConfig, questions: Questions, rows: list[dict[str, Any]], verifier: Verifier,
-                 round_dir: Path, hinted: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Keep the correct completions (and, from `hinted`, the rationalised ones of unsolved questions; with
-    --include_gold the references): write train.jsonl and verified.jsonl; return the counts."""
+def verify_round(cfg: RFTConfig, questions: Questions, kept: list[Kept], round_dir: Path,
+                 rationalized: dict[int, Kept] | None = None) -> dict[str, Any]:
+    """Write train.jsonl (each question's reference with --include_gold, its kept completions, its rationalised ones)
+    and verified.jsonl; return the counts."""
     train, report = [], []
-    for i, (ex, turns, row) in enumerate(zip(questions.prompts.examples, questions.turns, rows, strict=True)):
-        kept = keep_question(cfg, verifier, row, ex.answers[0])
-        rationalized = keep_question(cfg, verifier, hinted[i], ex.answers[0]).completions \
-            if hinted and i in hinted else []
+    for i, (ex, turns, own) in enumerate(zip(questions.prompts.examples, questions.turns, kept, strict=True)):
+        hinted = rationalized[i].completions if rationalized and i in rationalized else []
         gold = [ex.answers[0]] if cfg.include_gold else []
-        train += [sft_row(turns, ex, text) for text in [*gold, *kept.completions, *rationalized]]
-        report.append({"index": i, **kept.counts, "rationalized": len(rationalized), "gold": len(gold)})
+        train += [sft_row(turns, ex, text) for text in [*gold, *own.completions, *hinted]]
+        report.append({"index": i, **own.counts, "rationalized": len(hinted), "gold": len(gold)})
     atomic.write_jsonl(round_dir / "verified.jsonl", report)
     atomic.write_jsonl(round_dir / "train.jsonl", train)
     totals = {key: sum(r[key] for r in report) for key in report[0] if key != "index"} if report else {}
@@ -157,10 +155,10 @@ def verify_round(cfg: RFTConfig, questions: Questions, rows: list[dict[str, Any]
             "questions": len(report), "kept_fraction": totals.get("kept", 0) / samples if samples else 0.0}
 
 
-def unsolved(cfg: RFTConfig, verifier: Verifier, questions: Questions, rows: list[dict[str, Any]]) -> list[int]:
-    """The questions none of whose completions is kept (what --rationalize samples again with a hint)."""
-    return [i for i, (ex, row) in enumerate(zip(questions.prompts.examples, rows, strict=True))
-            if not keep_question(cfg, verifier, row, ex.answers[0]).completions]
+def keep_all(cfg: RFTConfig, verifier: Verifier, questions: Questions, rows: list[dict[str, Any]]) -> list[Kept]:
+    """What each question keeps of its completions (each completion extracted once)."""
+    return [keep_question(cfg, verifier, row, ex.answers[0])
+            for ex, row in zip(questions.prompts.examples, rows, strict=True)]
 
 
 def hint_questions(cfg: RFTConfig, questions: Questions, chosen: list[int], verifier: Verifier,
@@ -264,13 +262,14 @@ def run_rft(cfg: RFTConfig) -> dict[str, Any]:
         sampler = load_model(cfg, cfg.sampler_model) if cfg.sampler_model else load_model(cfg, model_path, adapter)
         questions = read_questions(cfg, cfg.train_file, sampler.tokenizer)
         rows = sample_questions(sampler, questions, sampling_params(cfg), round_dir / "samples.jsonl")
-        hinted = None
-        if cfg.rationalize:
-            chosen = unsolved(cfg, verifier, questions, rows)
-            hints = hint_questions(cfg, questions, chosen, verifier, sampler.tokenizer)
-            hinted = dict(zip(chosen, sample_questions(sampler, hints, sampling_params(cfg),
-                                                       round_dir / "hinted.jsonl"), strict=True)) if chosen else {}
-        counts = verify_round(cfg, questions, rows, verifier, round_dir, hinted)
+        kept = keep_all(cfg, verifier, questions, rows)
+        rationalized = {}
+        unsolved = [i for i, k in enumerate(kept) if not k.completions]
+        if cfg.rationalize and unsolved:  # STaR: sampled again with the answer as a hint, trained on without it
+            hints = hint_questions(cfg, questions, unsolved, verifier, sampler.tokenizer)
+            hinted = sample_questions(sampler, hints, sampling_params(cfg), round_dir / "hinted.jsonl")
+            rationalized = dict(zip(unsolved, keep_all(cfg, verifier, hints, hinted), strict=True))
+        counts = verify_round(cfg, questions, kept, round_dir, rationalized)
         start = (cfg.model_name, cfg.adapter) if cfg.restart_from_base else (model_path, adapter)
         if counts["train_rows"]:
             model_path, adapter = train_round(cfg, *start, round_dir, counts["train_rows"]), None
