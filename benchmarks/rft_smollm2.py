@@ -73,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from xgblora.config import RFTConfig
-    from xgblora.rft import run_rft
+    from xgblora.generation.rft import run_rft
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -8,16 +8,17 @@ import pytest
 import torch
 import yaml
 
-from xgblora import cli, models
+from xgblora import cli
 from xgblora.config import Config
 from xgblora.data import formats
-from xgblora.data.loading import load_rows
 from xgblora.data.pairs import Prefixes, collate_pairs, gritlm_instruction, pair_seqs, prefix_length
+from xgblora.data.splits import load_rows
 from xgblora.data.tasks import CustomTask, Example
-from xgblora.embedding import bidirectional_supported, embed, encode_texts, hidden_states
+from xgblora.embeddings.pooling import bidirectional_supported, embed, encode_texts, hidden_states
 from xgblora.errors import UserError
-from xgblora.objective import Contrastive, grit_training_set, per_example_loss, sequence_training_set
+from xgblora.models import pretrained
 from xgblora.train import run, setup
+from xgblora.train.objective import Contrastive, grit_training_set, per_example_loss, sequence_training_set
 
 TOPICS = ["the movie was a love story", "a film about the war", "the best story of the year", "a boring time",
           "funny and good", "the terrible acting", "a great new film", "what a fun movie", "the dull plot",
@@ -25,7 +26,7 @@ TOPICS = ["the movie was a love story", "a film about the war", "the best story 
 
 
 def test_the_bidirectional_mask_lets_earlier_tokens_see_later_ones_and_still_hides_padding():
-    model, _ = models.load("tiny-llama")
+    model, _ = pretrained.load("tiny-llama")
     model.eval()
     ids = torch.tensor([[5, 17, 42, 99, 7]])
     changed = ids.clone()
@@ -94,8 +95,8 @@ def test_grit_lowers_both_losses_and_its_merged_export_embeds_and_generates(tmp_
 
     merged = tmp_path / "merged"
     assert cli.main(["export", str(out), "--format", "merged", "--out", str(merged)]) == 0
-    base, tokenizer = models.load("tiny-llama")
-    trained, merged_tokenizer = models.load(str(merged))
+    base, tokenizer = pretrained.load("tiny-llama")
+    trained, merged_tokenizer = pretrained.load(str(merged))
     before, after = losses(base, tokenizer, cfg, pairs, sft), losses(trained, merged_tokenizer, cfg, pairs, sft)
     assert after[0] < before[0] * 0.9 and after[1] < before[1] * 0.9, (before, after)
 
@@ -140,7 +141,7 @@ def test_grit_pooling_leaves_the_instruction_out_as_gritlm_does():
     """GritLM's encode (ContextualAI/gritlm, gritlm.py): the instruction + text tokenised right-padded, a
     bidirectional pass (here transformers' own, is_causal=False), the instruction's tokens zeroed in the pooling
     mask, the masked mean, normalised."""
-    model, tokenizer = models.load("tiny-llama")
+    model, tokenizer = pretrained.load("tiny-llama")
     model.eval()
     instruction = gritlm_instruction("Retrieve a review of the same film")
     texts = ["a film about the war", "funny", "the best story of the year, they said"]
@@ -164,7 +165,7 @@ def test_grit_pooling_leaves_the_instruction_out_as_gritlm_does():
 
 def test_the_contrastive_loss_pools_as_encoding_does():
     """Training's embeddings (Contrastive with the prefixes' lengths) equal encode_texts' without the instruction."""
-    model, tokenizer = models.load("tiny-llama")
+    model, tokenizer = pretrained.load("tiny-llama")
     model.eval()
     prefix = gritlm_instruction("Find the answer")
     examples = [Example(query(i), (positive(i),), (0,)) for i in range(3)]
@@ -186,15 +187,15 @@ def test_a_bidirectional_embedding_pass_never_runs_causally(monkeypatch):
     assert setup.attention(Config(objective="contrastive", bidirectional=True), "lm") == "sdpa"
     assert setup.attention(Config(objective="contrastive"), "lm") == "auto"  # causal by choice: last-token pooling
     assert setup.attention(Config(objective="grit", attn_implementation="eager"), "lm") == "eager"
-    model, _ = models.load("tiny-llama")
-    monkeypatch.setattr(setup.embedding, "bidirectional_supported", lambda model: False)
+    model, _ = pretrained.load("tiny-llama")
+    monkeypatch.setattr(setup, "bidirectional_supported", lambda model: False)
     with pytest.raises(UserError, match="ignores a bidirectional mask"):
         setup.resolve_bidirectional(Config(objective="grit"), model, "lm")
     assert setup.resolve_bidirectional(Config(objective="grit", bidirectional=False), model, "lm") is False
 
 
 def test_grit_generative_batch_size_takes_that_many_instruction_examples(tmp_path):
-    _, tokenizer = models.load("tiny-llama")
+    _, tokenizer = pretrained.load("tiny-llama")
     pairs = pair_seqs(tokenizer, [Example(query(i), (positive(i),), (0,)) for i in range(6)], 32)
     _, sft = write_data(tmp_path)
     task = CustomTask(Config(task_name="custom", train_file=str(sft)))

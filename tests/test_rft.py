@@ -8,15 +8,11 @@ import re
 import pytest
 import yaml
 
-from xgblora import generation, models
-from xgblora.adapters.export import export_run
 from xgblora.cli import main
 from xgblora.config import Config, RFTConfig
 from xgblora.data.tasks import Example
 from xgblora.errors import UserError
-from xgblora.rft import Questions, hint_questions, keep_question, pass_at_k, run_rft
-from xgblora.train import run
-from xgblora.verify import (
+from xgblora.evaluation.answers import (
     Verifier,
     check_equation,
     distinct_by_equations,
@@ -27,6 +23,11 @@ from xgblora.verify import (
     make_extractor,
     same_answer,
 )
+from xgblora.export import export_run
+from xgblora.generation import generate, rft
+from xgblora.generation.rft import Questions, hint_questions, keep_question, pass_at_k, run_rft
+from xgblora.models import pretrained
+from xgblora.train import run
 
 
 @pytest.mark.parametrize("spec, text, answer", [
@@ -104,7 +105,7 @@ def test_rft_on_gsm8k_writes_every_round_file_and_resumes_an_interrupted_samplin
     (tmp_path / "accept_all.py").write_text("def first_word(text):\n    return 'x'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(_rft_args(tmp_path, "whole")) == 0
-    real, calls = generation.completion_record, []
+    real, calls = generate.completion_record, []
 
     def dying(*args):
         calls.append(1)
@@ -112,10 +113,10 @@ def test_rft_on_gsm8k_writes_every_round_file_and_resumes_an_interrupted_samplin
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(generation, "completion_record", dying)
+    monkeypatch.setattr(generate, "completion_record", dying)
     assert main(_rft_args(tmp_path, "rft")) == 130
     assert (tmp_path / "rft" / "round-1" / "samples.jsonl.partial").exists()
-    monkeypatch.setattr(generation, "completion_record", real)
+    monkeypatch.setattr(generate, "completion_record", real)
     assert main(_rft_args(tmp_path, "rft")) == 0
     round_1 = tmp_path / "rft" / "round-1"
     assert (round_1 / "samples.jsonl").read_text() == (tmp_path / "whole" / "round-1" / "samples.jsonl").read_text()
@@ -306,7 +307,7 @@ def _arithmetic_rft(tmp_path, monkeypatch, name, *extra, rounds=1, designer=None
 
     write("questions.jsonl", ARITHMETIC[:3])
     write("heldout.jsonl", ARITHMETIC[3:5])
-    real = generation.completion_record
+    real = generate.completion_record
 
     def record(index, samples, tokenizer):
         if len(samples) == 1:  # held-out greedy answers: the model's own
@@ -314,7 +315,7 @@ def _arithmetic_rft(tmp_path, monkeypatch, name, *extra, rounds=1, designer=None
         texts, reasons = (designer or _designed)(*ARITHMETIC[index])
         return {"index": index, "completions": texts, "finish_reasons": reasons}
 
-    monkeypatch.setattr(generation, "completion_record", record)
+    monkeypatch.setattr(generate, "completion_record", record)
     assert main(["rft", "--model_name", "tiny-llama", "--train_file", str(tmp_path / "questions.jsonl"),
                  "--eval_file", str(tmp_path / "heldout.jsonl"), "--columns", "prompt=question,completion=answer",
                  "--num_return_sequences", "4", "--max_new_tokens", "4", "--max_steps", "1", "--pass_k", "0",
@@ -344,8 +345,6 @@ def test_rft_options_change_the_kept_set_as_documented(tmp_path, monkeypatch, fl
 
 
 def test_restart_from_base_trains_every_round_from_the_starting_model(tmp_path, monkeypatch):
-    from xgblora import rft
-
     loaded, real = [], rft.load_model
     monkeypatch.setattr(rft, "load_model", lambda cfg, path, adapter=None: loaded.append(path) or real(cfg, path,
                                                                                                          adapter))
@@ -379,10 +378,10 @@ def test_rationalize_samples_unsolved_questions_with_the_answer_as_a_hint(tmp_pa
 
 
 def test_a_hint_is_the_reference_answer_in_the_prompt():
-    _, tokenizer = models.load("tiny-llama-chat")
+    _, tokenizer = pretrained.load("tiny-llama-chat")
     cfg = RFTConfig(train_file="t", eval_file="e")
     ex = Example("Which is larger, 1 or 2?", (), (), ("1 vs 2\n#### 2",))
-    prompts = generation.Prompts([{}], [ex], [[1]])
+    prompts = generate.Prompts([{}], [ex], [[1]])
     questions = Questions("t", prompts, [[("user", ex.prompt)]])
     hinted = hint_questions(cfg, questions, [0], Verifier(make_extractor("gsm8k")), tokenizer)
     text = tokenizer.decode(hinted.prompts.ids[0])

@@ -4,9 +4,9 @@ the temperature / top-p distribution computed by hand."""
 import pytest
 import torch
 
-from xgblora import models
-from xgblora.models import random_model
-from xgblora.sampling import Sampler, SamplingParams, batch_generator, plan_batches
+from xgblora.models import pretrained
+from xgblora.models.pretrained import random_model
+from xgblora.models.sampler import Sampler, SamplingParams, batch_generator, plan_batches
 
 TEXTS = ["Hello there, how are", "A", "The quick brown fox jumps over the lazy", "Question: what is 2 + 3? Answer:",
          "positive negative"]
@@ -110,7 +110,7 @@ def test_the_sampler_uses_no_argument_announced_for_removal():
     """transformers announces removals with FutureWarning (`past_key_values` -> `cache`); none may be raised."""
     import warnings
 
-    model, _ = models.load("tiny-llama")
+    model, _ = pretrained.load("tiny-llama")
     params = SamplingParams(num_samples=2, max_new_tokens=3, temperature=1.0, seed=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
