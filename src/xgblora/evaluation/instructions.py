@@ -1,6 +1,6 @@
 """Evaluation of instruction data: loss and perplexity over the answer tokens, greedy generations stopped at EOS or
 the end of the turn, and their exact match / F1 against the references (GSM8K's `#### N` graded by RFT's verifier:
-`verify.gsm8k_answer`, the first number after the first `####`; a prediction without one is wrong)."""
+`answers.gsm8k_answer`, the first number after the first `####`; a prediction without one is wrong)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
 """`xgblora rft`: rejection-sampling fine-tuning in rounds of sample -> verify -> train -> evaluate.
 
 Each round samples N completions of every training question from the current model (or from --sampler_model),
-keeps the correct ones (verify.py: completions cut off by max_new_tokens dropped, calculator annotations checked,
-one per equation list, as OFA-Sys/gsm8k-ScRel's collect_rejection_sampling.py does), fine-tunes the current model on
-them (or, with --restart_from_base, the starting model: STaR, ReST-EM) with the run's method and trainer (LoRA,
-XGBLoRA or full; AdamW or MeZO), merges the result, and measures pass@1 (greedy) and pass@k (the unbiased estimator
-from n >= k samples) on the held-out questions. The next round samples from that merged model. Round 0 is the
-starting model, measured only. A 4-bit run (--load_in_4bit) merges each round's adapter into the full-precision
-weights it dequantised and quantises the merged model again when the next round loads it.
+keeps the correct ones (evaluation/answers.py: completions cut off by max_new_tokens dropped, calculator
+annotations checked, one per equation list, as OFA-Sys/gsm8k-ScRel's collect_rejection_sampling.py does),
+fine-tunes the current model on them (or, with --restart_from_base, the starting model: STaR, ReST-EM) with the
+run's method and trainer (LoRA, XGBLoRA or full; AdamW or MeZO), merges the result, and measures pass@1 (greedy)
+and pass@k (the unbiased estimator from n >= k samples) on the held-out questions. The next round samples from
+that merged model. Round 0 is the starting model, measured only. A 4-bit run (--load_in_4bit) merges each round's
+adapter into the full-precision weights it dequantised and quantises the merged model again when the next round
+loads it.
 
 OUTPUT_ROOT/
   heldout.jsonl           the held-out questions as SFT rows (each training run's --eval_file)
