@@ -207,3 +207,5 @@ def test_grit_generative_batch_size_takes_that_many_instruction_examples(tmp_pat
     whole = grit_training_set(pairs, generative, tokenizer.pad_token_id).batch([3, 4, 5, 0])
     assert whole.generative.n_examples == 4
     torch.testing.assert_close(batch.generative.input_ids, generative.batch([3, 4]).input_ids)
+    with pytest.raises(UserError, match="--grit_generative_batch_size 9"):
+        Config(objective="grit", grit_generative_batch_size=9, per_device_train_batch_size=8)

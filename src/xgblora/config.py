@@ -228,6 +228,10 @@ class Config(ModelOptions):
                         "grows with the square of the scale, %gx that of r=8, alpha=16; lower --lora_alpha (default "
                         "2r) if the loss jumps or predictions collapse to one class", self.scaling, self.alpha,
                         self.rank, ", rsLoRA" if self.use_rslora else "", (self.scaling / 2) ** 2)
+        if (self.grit_generative_batch_size or 0) > self.per_device_train_batch_size:
+            raise UserError(f"--grit_generative_batch_size {self.grit_generative_batch_size} takes the instruction "
+                            f"examples of a batch's first pairs: at most --per_device_train_batch_size "
+                            f"{self.per_device_train_batch_size}")
         if self.learnable_temperature and self.trainer == "zo":
             raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
                             "weights only); fix the temperature with --contrastive_temperature instead")
