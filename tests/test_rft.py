@@ -92,7 +92,7 @@ def _rft_args(tmp_path, root, *extra):
             "--eval_file", str(tmp_path / "test.jsonl"), "--columns", "prompt=question,completion=answer",
             "--verifier", "accept_all:first_word", "--num_return_sequences", "3", "--keep_per_prompt", "2",
             "--max_new_tokens", "10", "--max_batch_tokens", "1500", "--max_steps", "3", "--pass_k", "2",
-            "--save_strategy", "no", "--include_gold",
+            "--save_strategy", "no", "--include_gold", "--pass_n", "3",
             "--output_root", str(tmp_path / root), "--device", "cpu", *extra]
 
 
@@ -139,6 +139,8 @@ def test_rft_on_gsm8k_writes_every_round_file_and_resumes_an_interrupted_samplin
     assert [r["round"] for r in rounds] == [0, 1] and rounds[1]["kept"] == sum(kept)
     assert rounds[1]["train_rows"] == len(train)
     assert set(rounds[0]) >= {"pass@1", "pass@2"} and (tmp_path / "rft" / "report.html").exists()
+    drawn = [json.loads(line) for line in (tmp_path / "rft" / "round-0" / "eval-samples.jsonl").read_text().splitlines()]
+    assert all(len(row["completions"]) == 3 for row in drawn)  # pass@2 estimated from n = 3 samples
 
 
 def test_rft_refuses_questions_without_a_reference_answer(tmp_path, capsys):
