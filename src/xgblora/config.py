@@ -25,6 +25,8 @@ ZO_MAX_SCALING = 4.0
 # The paper's Eq. 7 adds lambda (|A|^2 + |B|^2) to each booster's loss; its value for our models is not in the text
 # we could read, so it is a small one that changes little (see README); DEFAULT_BOOSTERS is ours too.
 PAPER_NORM_PENALTY = 1e-3
+# MeZO's protocol draws 1000 training examples from a task's train split; a user's own data uses every row.
+MEZO_NUM_TRAIN = 1000
 DEFAULT_BOOSTERS = 5
 
 
@@ -84,8 +86,9 @@ class Config(ModelOptions):
     template: str | None = _opt(None, "Custom classification task: prompt template with {field} slots, e.g. '{text} It was'.")
     label_words: str | None = _opt(None, "Custom classification task: comma-separated verbalizers, one per label, in label order.")
     label_names: str | None = _opt(None, "Custom classification task: comma-separated label values as they appear in the file (default 0,1,...).")
-    num_train: int = _opt(1000, "Training examples drawn from the train split (demonstrations when --trainer none).")
-    num_dev: int | None = _opt(None, "Dev examples drawn from the train split (disjoint from the training ones).")
+    num_train: int | None = _opt(None, "Training examples drawn from the train split (demonstrations when --trainer none). Default: every row of your own data (--train_file, --objective contrastive/grit); 1000 for MeZO's tasks (MeZO's protocol).")
+    num_dev: int | None = _opt(None, "Dev examples drawn from the train split (disjoint from the training ones); none unless given. The dev split is what --evaluation_strategy steps and --load_best_model_at_end read.")
+    eval_split_ratio: float | None = _opt(None, "Your own data: hold out this fraction of --train_file's rows as the dev split (instead of --num_dev N).")
     num_eval: int | None = _opt(None, "Evaluation examples drawn from the validation split (all when unset).")
     train_set_seed: int = _opt(0, "Seed of the train/dev sampling.")
     dev_pool: str = _opt("any", "Which train-split examples the dev set is drawn from: any, or sentences (inputs with at least 8 words and a sentence-final . ! or ?: SST-2's train split is mostly phrases, its validation split full sentences).",
@@ -179,6 +182,16 @@ class Config(ModelOptions):
     no_eval: bool = _opt(False, "Skip the final evaluation.")
 
     def __post_init__(self) -> None:
+        if self.num_train is None and not self.own_data:
+            self.num_train = MEZO_NUM_TRAIN
+        if self.eval_split_ratio is not None:
+            if not self.own_data:
+                raise UserError(f"--eval_split_ratio holds out a share of your own --train_file; task "
+                                f"{self.task_name} follows MeZO's protocol: pass --num_dev N")
+            if self.num_dev is not None:
+                raise UserError("--num_dev and --eval_split_ratio both size the dev split; pass one of them")
+            if not 0.0 < self.eval_split_ratio < 1.0:
+                raise UserError(f"--eval_split_ratio must be in (0, 1), got {self.eval_split_ratio}")
         if self.xgblora:
             self.method = "xgblora"
         elif self.lora and self.method == "ft":
@@ -192,7 +205,15 @@ class Config(ModelOptions):
                         "lora_r", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
                         "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
                         "zo_eps", "head_learning_rate", "head_probe_l2", "temperature")
-        for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema"):
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise UserError(f"--max_steps must be positive (or -1: train --num_train_epochs epochs), got {self.max_steps}")
+        if self.max_steps == -1 and self.num_train_epochs <= 0:
+            raise UserError(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
+        _check_positive(self, "save_total_limit", "max_new_tokens")
+        for name in ("warmup_steps", "weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name} must be 0 or more, got {getattr(self, name)}")
+        for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema", "warmup_ratio"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
         parse_report_to(self.report_to)
@@ -220,6 +241,12 @@ class Config(ModelOptions):
                             "weights only); fix the temperature with --temperature instead")
         if not 0.0 < self.xgblora_shrinkage <= 1.0:
             raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
+
+    @property
+    def own_data(self) -> bool:
+        """Whether the rows are the user's own (--task_name custom, or pairs for an embedding objective) rather than
+        one of MeZO's tasks: their defaults are every row for training and no dev split."""
+        return self.task_name.lower() == "custom" or self.objective != "lm"
 
     @property
     def rank(self) -> int:

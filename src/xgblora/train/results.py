@@ -25,7 +25,7 @@ def result_file_tag(cfg: Config) -> str:
     tag += "-sfc" if cfg.sfc else ""
     tag += "-icl_sfc" if cfg.icl_sfc else ""
     tag += f"-sampleeval{cfg.num_eval}" if cfg.num_eval is not None else ""
-    tag += f"-ntrain{cfg.num_train}" if cfg.num_train > 0 else ""
+    tag += f"-ntrain{cfg.num_train}" if cfg.num_train else ""
     tag += f"-ndev{cfg.num_dev}" if cfg.num_dev is not None else ""
     tag += f"-{cfg.tag}" if cfg.tag else ""
     return tag

@@ -20,7 +20,7 @@ from xgblora.adapters.export import read_adapter
 from xgblora.adapters.lora import LoRALinear, attach, exact_targets, is_adapter_param, prepare_full_ft
 from xgblora.config import Config
 from xgblora.data import formats
-from xgblora.data.loading import Splits, load_rows, sample_splits
+from xgblora.data.loading import Splits, describe, load_rows, sample_splits
 from xgblora.data.pairs import PairTask, Prefixes, held_apart, pair_seqs
 from xgblora.data.tasks import CustomTask, Example, Task, get_task
 from xgblora.distributed import Distributed
@@ -190,11 +190,15 @@ def load_run(cfg: Config, dist: Distributed) -> RunSetup:
     task = PairTask(cfg) if embedding_run else get_task(cfg.task_name, cfg)
     splits = sample_splits(task, cfg)
     if embedding_run:  # a document trained on is not a held-out document
-        splits = Splits(splits.train, held_apart(splits.train, splits.dev, "dev"),
-                        held_apart(splits.train, splits.eval, "eval"))
+        splits = dataclasses.replace(splits, dev=held_apart(splits.train, splits.dev, "dev"),
+                                     eval=held_apart(splits.train, splits.eval, "eval"))
         head = models.embedding_head(cfg.model_name, cfg.objective, cfg.trust_remote_code)
     else:
         head = models.resolve_head(cfg.head, cfg.model_name, cfg.trust_remote_code)
+    if cfg.trainer != "none":
+        check_monitor(cfg, splits)
+    if dist.is_main:
+        log.info("%s", describe(task, cfg, splits))
     words = encoders.label_words(task.name, splits.train, splits.dev, splits.eval) if head not in ("lm", "embed") \
         else ()
     if head != "lm" and (cfg.sfc or cfg.icl_sfc):
@@ -217,6 +221,18 @@ def load_run(cfg: Config, dist: Distributed) -> RunSetup:
         perf.enable_tf32(device)
     scoring = encoders.build_scoring(head, tokenizer, words, cfg.pooling) if words else None
     return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device)
+
+
+def check_monitor(cfg: Config, splits: Splits) -> None:
+    """Periodic evaluation and best-checkpoint selection read the dev split, never the evaluation (test) split."""
+    wants = "--load_best_model_at_end" if cfg.load_best_model_at_end else \
+        "--evaluation_strategy steps" if cfg.evaluation_strategy == "steps" else None
+    if wants and not splits.monitor:
+        own = "--num_dev N or --eval_split_ratio R (held out of --train_file), or --eval_file with your validation " \
+              "rows" if cfg.own_data else "--num_dev N (N examples drawn from the train split, disjoint from the " \
+                                          "training ones)"
+        raise UserError(f"{wants} needs a dev split, and choosing on the evaluation split would report a test score "
+                        f"that was used for the choice; pass {own}")
 
 
 def _compute_dtype(cfg: Config, device: torch.device) -> str:
@@ -273,7 +289,8 @@ def training_set(run: RunSetup) -> TrainingSet:
     """The tokenised training examples, packed or padded, for the run's head and objective."""
     cfg = run.cfg
     if not run.splits.train:
-        raise UserError(f"--trainer {cfg.trainer} needs training examples: --num_train is {cfg.num_train}")
+        raise UserError(f"--trainer {cfg.trainer} needs training examples: --num_train is {cfg.num_train}"
+                        if cfg.num_train is not None else f"--trainer {cfg.trainer}: no training examples left")
     if cfg.train_as_classification and run.task.generation and run.head == "lm":
         raise UserError(f"--train_as_classification needs answer candidates; {run.task.name} is a generation task "
                         f"(train it on the answer tokens, the default)")
