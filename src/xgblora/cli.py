@@ -31,12 +31,13 @@ COMMANDS = {
 
 # Per-command defaults that differ from the dataclass's. MeZO's run.py evaluates zero-shot unless given --trainer
 # and --num_train k, and copies its results to result/<tag>.json; `xgblora mezo` keeps that for its command lines.
-EVAL_DEFAULTS = {"num_train": 0}
+EVAL_DEFAULTS = {"num_train": 0, "trainer": "none"}
 MEZO_DEFAULTS = {"num_train": 0, "trainer": "none", "result_file": "auto"}
 # RFT samples 8 answers per question at temperature 0.7 (the seed workflow's oversampling, a little below it) and
 # trains LoRA adapters on the user's own data.
 RFT_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 2e-4, "num_return_sequences": 8,
                 "temperature": 0.7, "max_new_tokens": 256}
+COMMAND_DEFAULTS = {"eval": EVAL_DEFAULTS, "mezo": MEZO_DEFAULTS, "rft": RFT_DEFAULTS}
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -49,8 +50,9 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from xgblora.train import run
 
+    if getattr(args, "trainer", "none") != "none":
+        raise UserError(f"xgblora eval does not train (--trainer {args.trainer}); use xgblora train")
     cfg = config_mod.from_namespace(config_mod.Config, args, EVAL_DEFAULTS)
-    cfg.trainer = "none"
     print(json.dumps(run(cfg), indent=2))
     return 0
 
@@ -158,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         if name in OPTIONS:
-            config_mod.add_arguments(p, OPTIONS[name])
+            config_mod.add_arguments(p, OPTIONS[name], COMMAND_DEFAULTS.get(name))
         elif name == "export":
             p.add_argument("run_dir", help="A run's --output_dir (holds config.yaml, and final/ once finished).")
             p.add_argument("--checkpoint", default=None, metavar="step-N|latest|best",
@@ -186,10 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_encode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="A trained run's folder (config.yaml, final/), a merged export, or any model "
                                  "--model_name takes (folder, pkg:, hub id).")
-    p.add_argument("--input", required=True, help="The texts: JSONL, CSV/TSV, parquet, arrow, a save_to_disk folder "
-                                                 "or a dataset id.")
-    p.add_argument("--output", required=True, help="Where to write the embeddings: FILE.npy or FILE.safetensors "
-                                                  "(tensor 'embeddings'); never over an existing file.")
+    p.add_argument("--input_file", "--input-file", "--input", dest="input_file", required=True,
+                   help="The texts: JSONL, CSV/TSV, parquet, arrow, a save_to_disk folder or a dataset id.")
+    p.add_argument("--output_file", "--output-file", "--output", dest="output_file", required=True,
+                   help="Where to write the embeddings: FILE.npy or FILE.safetensors (tensor 'embeddings'); never "
+                        "over an existing file.")
     p.add_argument("--column", default="text", help="The field holding the text (default: text).")
     p.add_argument("--role", choices=("query", "document"), default="query",
                    help="A run's instruction prefix to put first: its --query_instruction or --doc_instruction.")

@@ -75,7 +75,7 @@ class Config(ModelOptions):
     task_name: str = _opt("SST2", "SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, DROP, or custom.")
     data_dir: str | None = _opt(None, "Folder with <task>/{train,dev}.jsonl in GLUE/SuperGLUE field names (else HF datasets).")
     train_file: str | None = _opt(None, "Custom task: training data: JSON/JSONL, CSV/TSV, parquet, arrow, a save_to_disk folder, or a dataset id.")
-    eval_file: str | None = _opt(None, "Custom task: evaluation data, in any form --train_file takes (default: drawn from train_file).")
+    eval_file: str | None = _opt(None, "Your own data: the evaluation rows, in any form --train_file takes; with no dev split, also what --evaluation_strategy steps and --load_best_model_at_end watch. Without it: the rows --num_train N did not draw, or no evaluation when every row trains.")
     columns: str | None = _opt(None, "Custom task: map your column names to ours, OURS=THEIRS,... (e.g. prompt=question,completion=answer).")
     data_format: str = _opt("auto", "Custom instruction data: messages (chat turns), prompt_completion (also prompt/response; a conversational prompt/completion is a chat), text (language modelling); auto: from each row's fields.",
                             ("auto", "messages", "prompt_completion", "text"))
@@ -97,7 +97,7 @@ class Config(ModelOptions):
     max_new_tokens: int = _opt(50, "Generation tasks: most tokens to generate.")
     sfc: bool = _opt(False, "Calibrate candidate scores with surface-form competition (SFC).")
     icl_sfc: bool = _opt(False, "SFC with the demonstrations in the calibration prompt.")
-    only_train_option: bool = _opt(True, "Train on the gold candidate's tokens only.")
+    only_train_option: bool = _opt(True, "MeZO's tasks on a causal LM: the loss is on the gold candidate's tokens only (false: on every token of prompt and candidate, as MeZO's run.py). Instruction data: see --train_on_prompt.")
     train_as_classification: bool = _opt(False, "Train with cross-entropy over the candidates.")
     # embedding models (pair data): contrastive training and GRIT
     objective: str = _opt("lm", "What the model learns: lm (the task's own loss: answer tokens, candidates or labels), contrastive (an embedding model: InfoNCE over query/positive pairs with in-batch and hard negatives; --train_file rows of query, positive and optional negative(s)), grit (a causal LM that embeds and generates: contrastive on --train_file pairs plus the language-modelling loss on --grit_train_file instruction rows).",
@@ -239,6 +239,11 @@ class Config(ModelOptions):
         if self.learnable_temperature and self.trainer == "zo":
             raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
                             "weights only); fix the temperature with --temperature instead")
+        if not self.only_train_option and (self.train_as_classification or self.objective != "lm"
+                                           or self.task_name.lower() == "custom"):
+            raise UserError("--only_train_option false puts the loss on every token of a MeZO task's prompt and "
+                            "gold candidate; it has no meaning with --train_as_classification, an embedding "
+                            "objective or custom data (instruction data: --train_on_prompt)")
         if not 0.0 < self.xgblora_shrinkage <= 1.0:
             raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
 
@@ -437,15 +442,19 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one flag per dataclass field, in underscore and hyphen spelling plus aliases; defaults are suppressed."""
+def add_arguments(parser: argparse.ArgumentParser, cls: type, defaults: dict[str, Any] | None = None) -> None:
+    """Add one flag per dataclass field, in underscore and hyphen spelling plus aliases; defaults are suppressed
+    (the help shows the command's own: `defaults` first, then the dataclass's)."""
     for f in dataclasses.fields(cls):
         base, optional, is_list = _field_type(cls, f)
         names = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
         for alias in f.metadata.get("aliases", ()):
             names |= {f"--{alias}", f"--{alias.replace('_', '-')}"}
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
-                                  "help": f"{f.metadata.get('help', '')} (default: {_default(f)})"}
+        default = (defaults or {}).get(f.name, _default(f))
+        text = f.metadata.get("help", "")
+        if default is not None or "default" not in text.lower():  # else the help says what unset means
+            text += f" (default: {'unset' if default is None else default})"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text}
         if base is bool:
             kwargs.update(nargs="?", const=True, type=_converter(bool, optional), metavar="BOOL")
         elif is_list:

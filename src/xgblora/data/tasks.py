@@ -57,7 +57,10 @@ class Fields:
     def get(self, key: str) -> Any:
         """The raw value of a field that must be present."""
         if key not in self.row:
-            raise self.error(key, "missing")
+            if self.prefix:
+                raise self.error(key, "missing")
+            raise self.error(key, f"missing; the row has: {', '.join(map(str, self.row)) or 'no fields'} "
+                                  f"(--columns {key}=YOURS maps your column to it)")
         return self.row[key]
 
     def text(self, key: str, allow_empty: bool = False) -> str:
@@ -320,7 +323,7 @@ class CustomTask(Task):
     name, dir_name, hf_dataset = "custom", "custom", ("json", None)  # read from train_file / eval_file
 
     def __init__(self, cfg: Config):
-        if not cfg.train_file:
+        if not cfg.train_file and not (cfg.trainer == "none" and cfg.eval_file):
             raise UserError("task 'custom' needs --train_file: with --template and --label_words for classification, "
                             'else instruction rows ({"messages": [...]}, {"prompt": ..., "completion": ...} or '
                             '{"text": ...})')

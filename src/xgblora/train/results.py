@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from xgblora import atomic
+from xgblora import atomic, models
 from xgblora.adapters import export
 from xgblora.config import Config
 from xgblora.train.setup import Method
@@ -117,6 +117,10 @@ def write_model_card(cfg: Config, results: dict[str, Any]) -> None:
     rows = "".join(f"| {k} | {v:.4g} |\n" for k, v in sorted(metrics.items()))
     auto = _auto_class(final, adapter)
     load = f"from {'peft' if adapter else 'transformers'} import {auto}\nmodel = {auto}.from_pretrained(\"{final}\")"
+    if adapter and (cfg.model_name in models.RANDOM_MODELS or cfg.model_name.startswith("pkg:")):
+        # PEFT reads the base from the hub or a folder: a built-in or packaged base loads through xgblora
+        load = (f"from xgblora.loading import load_for_inference\n"
+                f"model, tokenizer = load_for_inference(\"{final}\")  # the base {cfg.model_name} with this adapter")
     card = f"""---
 base_model: {cfg.model_name}
 library_name: {"peft" if adapter else "transformers"}

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from xgblora import distributed
+from xgblora import atomic, distributed
 from xgblora.config import Config
 from xgblora.errors import UserError
 from xgblora.logging import setup_console_logging
@@ -27,8 +27,8 @@ def run(cfg: Config, hooks: Hooks | None = None) -> dict[str, Any]:
     setup_console_logging()
     dist = distributed.setup(cfg)  # before the model loads: it picks this rank's GPU
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with run_lock(out) if dist.is_main else contextlib.nullcontext():  # the main process owns the folder
+    with atomic.output_folder(out, "--output_dir"), \
+            run_lock(out) if dist.is_main else contextlib.nullcontext():  # the main process owns the folder
         return _run(cfg, dist, out, hooks)
 
 

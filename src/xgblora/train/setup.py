@@ -297,6 +297,8 @@ def training_set(run: RunSetup) -> TrainingSet:
     if cfg.objective != "lm":
         return embedding_training_set(run)
     if run.scoring is not None:
+        if not cfg.only_train_option:
+            raise UserError(f"--only_train_option false: --head {run.head} scores labels, not tokens of the prompt")
         return label_training_set(run.tokenizer, run.splits.train, cfg.max_length, run.scoring)
     token_mean = cfg.loss_mean == "token" or (cfg.loss_mean == "auto" and run.task.instruction)
     if run.task.instruction:
@@ -304,7 +306,8 @@ def training_set(run: RunSetup) -> TrainingSet:
                                      run.stop_ids)
         return sequence_training_set(seqs, run.tokenizer.pad_token_id, packing_enabled(run), token_mean)
     return causal_training_set(run.tokenizer, run.splits.train, cfg.max_length, cfg.train_as_classification,
-                               packed=packing_enabled(run), token_mean=token_mean)
+                               packed=packing_enabled(run), token_mean=token_mean,
+                               whole_sequence=not cfg.only_train_option)
 
 
 def embedding_training_set(run: RunSetup) -> TrainingSet:
