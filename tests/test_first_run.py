@@ -52,7 +52,7 @@ CASES = {
     "max_steps -5": (["train", "--max_steps", "-5"], r"--max_steps must be positive"),
     "epochs 0": (["train", "--num_train_epochs", "0"], "--num_train_epochs must be positive"),
     "no such model folder": (["train", "--task_name", "custom", "--train_file", "chat.jsonl", "--model_name",
-                              "./models/mine"], "model './models/mine': no such folder"),
+                              "./models/mine"], "cannot load model './models/mine': no such folder"),
     "uncached hub id offline": (["train", "--task_name", "custom", "--train_file", "chat.jsonl", "--model_name",
                                  "someone/not-cached-model"],
                                 "not in the Hugging Face cache .* HF_HUB_OFFLINE is set"),
