@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from xgblora.errors import UserError
+
 
 def temporary_name(path: Path) -> Path:
     """Where `path` is written before it is renamed into place."""
@@ -119,8 +121,6 @@ def replaced_folder(path: Path) -> Iterator[Path]:
 def output_folder(path: Path, flag: str) -> Iterator[Path]:
     """Create an output folder (and its parents) for the block; a file in its way is a one-line UserError, and the
     folders created here are removed again if the block fails while they are still empty."""
-    from xgblora.errors import UserError
-
     path = Path(path)
     blocked = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
     if blocked is not None:

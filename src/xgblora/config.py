@@ -512,7 +512,23 @@ def read_yaml(cls: type, path: str) -> dict[str, Any]:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise UserError(f"{path}: unknown key {key!r}{hint}")
         values[name] = _check_yaml_value(cls, fields[name], value, path)
-    return values
+    return {k: _beside(Path(path).parent, v) if k in INPUT_PATHS and isinstance(v, str) else v
+            for k, v in values.items()}
+
+
+# Options naming files or folders a run reads: in a YAML config they are relative to the config's own folder
+# (outputs stay relative to where the command runs).
+INPUT_PATHS = ("train_file", "eval_file", "grit_train_file", "chat_template", "data_dir", "input_file", "adapter",
+               "model_name", "sampler_model", "resume_from_checkpoint")
+
+
+def _beside(folder: Path, value: str) -> str:
+    """A relative path in a YAML config, read from the config's folder: when it exists there or is written as a
+    path (./x, ../x); anything else (a hub id, a built-in model, 'latest') is left as it is."""
+    if Path(value).is_absolute() or value.startswith(("~", "pkg:")):
+        return value
+    candidate = folder / value
+    return str(candidate) if candidate.exists() or value.startswith(("./", "../")) else value
 
 
 def from_namespace(cls: type, ns: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Config:
