@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import pytest
 
 from xgblora import cli
@@ -122,7 +123,20 @@ def workspace(tmp_path_factory) -> tuple[Path, dict[str, str]]:
             {"question": f"who wrote book {i}?", "passage": f"Book {i} was written by author number {i}."}
             for i in range(40)]),
         "texts.jsonl": _write_jsonl(root / "texts.jsonl", [{"text": f"text {i}"} for i in range(5)]),
+        "chat_eval.jsonl": _write_jsonl(root / "chat_eval.jsonl", chat[:4]),
+        "questions.jsonl": _write_jsonl(root / "questions.jsonl", [
+            {"prompt": r["question"], "completion": r["answer"]} for r in gsm8k[:8]]),
+        "heldout.jsonl": _write_jsonl(root / "heldout.jsonl", [
+            {"prompt": r["question"], "completion": r["answer"]} for r in gsm8k[8:]]),
     }
+    reviews = [("a fine and moving film", "pos"), ("dull and far too long", "neg")] * 8
+    for name, rows in (("reviews.csv", reviews), ("test.csv", reviews[:4])):
+        (root / name).write_text("text,label\n" + "".join(f"{t},{label}\n" for t, label in rows), encoding="utf-8")
+        data[name] = str(root / name)
+    pairs = [json.loads(line) for line in Path(data["pairs.jsonl"]).read_text().splitlines()]
+    data["pairs.parquet"] = str(root / "pairs.parquet")
+    datasets.Dataset.from_list([{"query": p["question"], "positive": p["passage"]} for p in pairs]).to_parquet(
+        data["pairs.parquet"])
     return root, data
 
 
