@@ -171,3 +171,18 @@ def test_train_eval_generate_export_and_load_in_peft(method, files, capsys):
         torch.testing.assert_close(peft_model(input_ids=ids).logits, ours(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
     card = (run / "final" / "README.md").read_text()
     assert "load_for_inference" in card and "AutoPeftModel" not in card  # a built-in base is not on the hub
+
+
+def test_warnings_are_one_plain_line_and_library_renames_are_silenced(monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    monkeypatch.setattr(warnings, "filters", list(warnings.filters))
+    cli.plain_warnings()
+    assert warnings.formatwarning("2 of 3 prompts were longer", UserWarning, "/x/evaluate.py", 75) == \
+        "xgblora: warning: 2 of 3 prompts were longer\n"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn_explicit("`past_key_values` is deprecated", FutureWarning, "module.py", 1,
+                               module="torch.nn.modules.module")
+        warnings.warn_explicit("yours", UserWarning, "evaluate.py", 1, module="xgblora.evaluate")
+    assert [str(w.message) for w in caught] == ["yours"]

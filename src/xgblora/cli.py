@@ -8,6 +8,7 @@ import difflib
 import json
 import sys
 import typing
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -218,11 +219,19 @@ def _unrecognized(command: str, unknown: list[str]) -> UserError:
     return UserError(f"unrecognized arguments: {' '.join(unknown)}{hint} (see xgblora {command} --help)")
 
 
+def plain_warnings() -> None:
+    """Warnings as one plain line each ("xgblora: warning: ..."), without the source line Python adds; the
+    FutureWarnings transformers and torch raise about their own API renames (a user cannot act on them) are off."""
+    warnings.formatwarning = lambda message, category, *rest, **kw: f"xgblora: warning: {message}\n"  # noqa: ARG005
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|transformers)(\.|$)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `xgblora` console script; returns the exit code (2 for a user error)."""
     from xgblora.logging import setup_console_logging
 
     setup_console_logging()
+    plain_warnings()
     args, unknown = build_parser().parse_known_args(argv)
     try:
         if unknown:
