@@ -186,3 +186,21 @@ def test_warnings_are_one_plain_line_and_library_renames_are_silenced(monkeypatc
                                module="torch.nn.modules.module")
         warnings.warn_explicit("yours", UserWarning, "evaluate.py", 1, module="xgblora.evaluate")
     assert [str(w.message) for w in caught] == ["yours"]
+
+
+@pytest.mark.parametrize(("command", "flag", "default"), [
+    ("train", "--trainer", "regular"), ("eval", "--trainer", "none"), ("mezo", "--trainer", "none"),
+    ("mezo", "--result_file", "auto"), ("rft", "--method", "lora"), ("train", "--method", "ft"),
+    ("encode", "--batch_size", "32"), ("demo", "--steps", None)])
+def test_help_shows_each_commands_own_default(command, flag, default, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    entries, lines = [], capsys.readouterr().out.split("options:")[1].splitlines()
+    for line in lines:  # one entry per flag: its first line starts with two spaces and a dash
+        if line.startswith("  -"):
+            entries.append(line)
+        elif entries:
+            entries[-1] += " " + line.strip()
+    (entry,) = [e for e in entries if flag in e.split()[0].rstrip(",").split(",") or e.split()[0].rstrip(",") == flag]
+    entry = " ".join(entry.split())
+    assert f"(default: {default})" in entry if default is not None else "(default: " in entry, entry

@@ -153,13 +153,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's help ends with its default, unless the help already says what it is or the flag is a switch."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one sub-command per entry of COMMANDS."""
     parser = _Parser(prog="xgblora", description="Fast, memory-lean fine-tuning: XGBLoRA, LoRA, full FT; "
                                                  "AdamW or MeZO.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False,
+                           formatter_class=_Help)
         if name in OPTIONS:
             config_mod.add_arguments(p, OPTIONS[name], COMMAND_DEFAULTS.get(name))
         elif name == "export":
@@ -194,7 +205,7 @@ def _add_encode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output_file", "--output-file", "--output", dest="output_file", required=True,
                    help="Where to write the embeddings: FILE.npy or FILE.safetensors (tensor 'embeddings'); never "
                         "over an existing file.")
-    p.add_argument("--column", default="text", help="The field holding the text (default: text).")
+    p.add_argument("--column", default="text", help="The field holding the text.")
     p.add_argument("--role", choices=("query", "document"), default="query",
                    help="A run's instruction prefix to put first: its --query_instruction or --doc_instruction.")
     p.add_argument("--prefix", default=None, help="Text put before every input (wins over --role).")
@@ -204,9 +215,10 @@ def _add_encode_arguments(p: argparse.ArgumentParser) -> None:
                    help="Tokens per input (default: the run's, or the model's max_seq_length, else 512).")
     p.add_argument("--bidirectional", type=config_mod.parse_bool, default=None, metavar="BOOL",
                    help="A causal LM attends both ways (default: as the run was trained).")
-    p.add_argument("--batch_size", "--batch-size", type=int, default=32)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true")
+    p.add_argument("--batch_size", "--batch-size", type=int, default=32, help="Texts per forward.")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available).")
+    p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
+                   help="Let the model run its own code (only when you pass it).")
 
 
 def _unrecognized(command: str, unknown: list[str]) -> UserError:
