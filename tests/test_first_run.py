@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from xgblora import cli, models
-from xgblora.verify import make_extractor
+from xgblora import cli
+from xgblora.evaluation.answers import make_extractor
+from xgblora.models import pretrained
 
 
 def _jsonl(path: Path, rows) -> str:
@@ -22,7 +23,7 @@ def no_model(monkeypatch):
     """Any model load fails the test: the errors below must come before one."""
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the input was checked")
-    monkeypatch.setattr(models, "load", refuse)
+    monkeypatch.setattr(pretrained, "load", refuse)
 
 
 @pytest.fixture
@@ -102,7 +103,7 @@ def test_a_run_that_fails_after_creating_its_folder_removes_it(files, monkeypatc
     def broken(*args, **kwargs):
         from xgblora.errors import UserError
         raise UserError("cannot load model 'x': broken")
-    monkeypatch.setattr(models, "load", broken)
+    monkeypatch.setattr(pretrained, "load", broken)
     assert cli.main(["train", "--task_name", "custom", "--train_file", "chat.jsonl", "--output_dir", "a/b/run"]) == 2
     assert not (files / "a").exists()
 
@@ -112,9 +113,9 @@ def test_only_train_option_false_puts_the_loss_on_every_token_as_hf_does():
     import torch
 
     from xgblora.data.tasks import Example
-    from xgblora.objective import causal_training_set, per_example_loss
+    from xgblora.train.objective import causal_training_set, per_example_loss
 
-    model, tokenizer = models.random_model("tiny-llama", seed=1)
+    model, tokenizer = pretrained.random_model("tiny-llama", seed=1)
     example = Example("The film was a joy to watch. It was", (" terrible", " great"), (1,))
     whole = causal_training_set(tokenizer, [example], 64, False, whole_sequence=True).batch([0])
     gold_only = causal_training_set(tokenizer, [example], 64, False).batch([0])
@@ -143,7 +144,7 @@ def test_train_eval_generate_export_and_load_in_peft(method, files, capsys):
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from xgblora.loading import load_for_inference
+    from xgblora.adapters.trained import load_for_inference
 
     run = files / "run"
     assert cli.main(["train", "--model_name", "tiny-llama-chat", "--task_name", "custom", "--train_file", "chat.jsonl",
@@ -162,7 +163,7 @@ def test_train_eval_generate_export_and_load_in_peft(method, files, capsys):
     assert cli.main(["export", str(run), "--format", "peft", "--out", str(files / "peft")]) == 0
     tokenizer = AutoTokenizer.from_pretrained(files / "peft")
     assert tokenizer.chat_template and tokenizer.chat_template == AutoTokenizer.from_pretrained(run / "final").chat_template
-    base, _ = models.random_model("tiny-llama-chat")
+    base, _ = pretrained.random_model("tiny-llama-chat")
     peft_model = PeftModel.from_pretrained(base, files / "peft").eval()
     ours, _ = load_for_inference(str(run))
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "q1"}], add_generation_prompt=True,
@@ -184,7 +185,7 @@ def test_warnings_are_one_plain_line_and_library_renames_are_silenced(monkeypatc
     with warnings.catch_warnings(record=True) as caught:
         warnings.warn_explicit("`past_key_values` is deprecated", FutureWarning, "module.py", 1,
                                module="torch.nn.modules.module")
-        warnings.warn_explicit("yours", UserWarning, "evaluate.py", 1, module="xgblora.evaluate")
+        warnings.warn_explicit("yours", UserWarning, "evaluate.py", 1, module="xgblora.evaluation.candidates")
     assert [str(w.message) for w in caught] == ["yours"]
 
 

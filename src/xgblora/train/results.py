@@ -11,9 +11,11 @@ from typing import Any
 
 import torch
 
-from xgblora import atomic, models
-from xgblora.adapters import export
+from xgblora import atomic
+from xgblora.adapters.peft import to_peft
 from xgblora.config import Config
+from xgblora.embeddings.st_format import embedding_export
+from xgblora.models.pretrained import RANDOM_MODELS
 from xgblora.train.setup import Method
 
 log = logging.getLogger("xgblora")
@@ -73,7 +75,7 @@ def write_adapter(cfg: Config, method: Method, folder: Path, task_type: str | No
     """The adapted model as a PEFT LoRA adapter in folder: boosters (merged and current) concatenated, the head as
     modules_to_save; for final/ and for every checkpoint."""
     history = method.boosting.history if method.boosting is not None else []
-    export.to_peft(method.modules, history, folder, cfg.model_name, head=dict(method.head), task_type=task_type)
+    to_peft(method.modules, history, folder, cfg.model_name, head=dict(method.head), task_type=task_type)
 
 
 def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Method,
@@ -86,7 +88,7 @@ def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Meth
         else:
             model.save_pretrained(final, state_dict=state)
             if embedding:  # the whole model: a sentence-transformers model as it stands
-                export.embedding_export(final, dataclasses.asdict(cfg), model.config.hidden_size)
+                embedding_export(final, dataclasses.asdict(cfg), model.config.hidden_size)
         side = tokenizer.padding_side
         tokenizer.padding_side = "right" if embedding else side  # embeddings read right-padded inputs
         tokenizer.save_pretrained(final)
@@ -117,9 +119,9 @@ def write_model_card(cfg: Config, results: dict[str, Any]) -> None:
     rows = "".join(f"| {k} | {v:.4g} |\n" for k, v in sorted(metrics.items()))
     auto = _auto_class(final, adapter)
     load = f"from {'peft' if adapter else 'transformers'} import {auto}\nmodel = {auto}.from_pretrained(\"{final}\")"
-    if adapter and (cfg.model_name in models.RANDOM_MODELS or cfg.model_name.startswith("pkg:")):
+    if adapter and (cfg.model_name in RANDOM_MODELS or cfg.model_name.startswith("pkg:")):
         # PEFT reads the base from the hub or a folder: a built-in or packaged base loads through xgblora
-        load = (f"from xgblora.loading import load_for_inference\n"
+        load = (f"from xgblora.adapters.trained import load_for_inference\n"
                 f"model, tokenizer = load_for_inference(\"{final}\")  # the base {cfg.model_name} with this adapter")
     card = f"""---
 base_model: {cfg.model_name}

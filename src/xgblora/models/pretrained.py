@@ -5,11 +5,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import re
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub
 import torch
+from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -22,9 +23,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from xgblora import quant
 from xgblora.errors import UserError
-from xgblora.scoring import contiguous_head_input
+from xgblora.models import quant
+from xgblora.models.scoring import contiguous_head_input
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -225,9 +226,6 @@ def resolve_path(name_or_path: str) -> str:
 def check_name(name_or_path: str) -> None:
     """Fail in seconds, before anything loads, on a model name that cannot load: a path that does not exist, or a
     hub id that is neither cached nor reachable (offline, transformers would retry the download for a minute)."""
-    import huggingface_hub
-    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
-
     if name_or_path in RANDOM_MODELS or name_or_path.startswith("pkg:"):
         resolve_path(name_or_path)
         return
@@ -258,9 +256,6 @@ def check_name(name_or_path: str) -> None:
                         f"reached ({type(exc).__name__}); connect, or pass a local folder") from None
 
 
-_IN_A_BLOCK = re.compile(r"\.\d+\.")  # a numbered transformer block: what a built-in model quantises
-
-
 def load(name_or_path: str, *, dtype: str = "float32", attn_implementation: str = "auto", device: str = "cpu",
          trust_remote_code: bool = False, head: str = "lm", num_labels: int | None = None,
          load_in_4bit: bool = False, compute_dtype: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -279,7 +274,7 @@ def load(name_or_path: str, *, dtype: str = "float32", attn_implementation: str 
     if name_or_path in RANDOM_MODELS:
         model, tokenizer = random_model(name_or_path, dtype=dtype, attn_implementation=attn, head=head, **labels)
         if load_in_4bit:
-            quant.quantize_linears(model.to(target), lambda name: bool(_IN_A_BLOCK.search(name)), compute, target)
+            quant.quantize_linears(model.to(target), quant.in_transformer_block, compute, target)
     else:
         path = resolve_path(name_or_path)
         quantized = {"quantization_config": quant.bnb_config(compute), "device_map": {"": target}} \
