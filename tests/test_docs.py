@@ -44,7 +44,8 @@ SKIPPED = {
     "...": "a placeholder for flags; tests/test_distributed.py runs multi-process training",
     "--suite gpu": "minutes long; tests/test_bench.py runs the suite",
 }
-SLOW = ("xgblora mezo", "xgblora rft", "--objective grit", "xgblora chat", "mezo.sh", "--dev_pool sentences")
+SLOW = ("xgblora mezo", "xgblora rft", "--objective grit", "xgblora chat", "mezo.sh", "--dev_pool sentences",
+        "--eval_file chat_eval.jsonl")
 
 
 def _shell_blocks(text: str) -> list[str]:
