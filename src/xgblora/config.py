@@ -103,6 +103,7 @@ class Config(ModelOptions):
     doc_instruction: str = _opt("", "Contrastive/GRIT: text put before every document (e.g. 'passage: ').")
     temperature: float = _opt(0.05, "Contrastive: softmax temperature of the cosine similarities (0.05 is sentence-transformers' scale 20).")
     learnable_temperature: bool = _opt(False, "Contrastive: learn the temperature (as CLIP does, its log-scale trained by AdamW from --temperature).")
+    mini_batch_size: int = _opt(0, "Contrastive/GRIT: gradient caching (GradCache): embed the batch this many rows at a time, without a graph, and back-propagate each mini-batch from the gradients of the whole batch's loss: every query keeps the whole batch's negatives at the memory of one mini-batch (the same loss and gradients). 0: the batch in one piece.")
     bidirectional: bool | None = _opt(None, "Contrastive/GRIT with a causal LM: the embedding pass attends both ways (GritLM); default on for grit where the model allows it (checked), off for contrastive.")
     grit_train_file: str | None = _opt(None, "GRIT: instruction data for the generative loss, in any form --train_file takes (messages, prompt/completion, text).")
     grit_contrastive_weight: float = _opt(1.0, "GRIT: weight of the contrastive loss.")
@@ -218,6 +219,8 @@ class Config(ModelOptions):
         if self.learnable_temperature and self.trainer == "zo":
             raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
                             "weights only); fix the temperature with --temperature instead")
+        if self.mini_batch_size < 0:
+            raise UserError(f"--mini_batch_size must be 0 (off) or a number of rows, got {self.mini_batch_size}")
         if not 0.0 < self.xgblora_shrinkage <= 1.0:
             raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
 
