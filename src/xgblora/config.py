@@ -219,8 +219,9 @@ class Config(ModelOptions):
         if self.learnable_temperature and self.trainer == "zo":
             raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
                             "weights only); fix the temperature with --temperature instead")
-        if self.mini_batch_size < 0:
-            raise UserError(f"--mini_batch_size must be 0 (off) or a number of rows, got {self.mini_batch_size}")
+        if self.mini_batch_size < 0 or (self.mini_batch_size and self.objective == "lm"):
+            raise UserError(f"--mini_batch_size (gradient caching) takes a number of rows with --objective "
+                            f"contrastive or grit, got {self.mini_batch_size} with --objective {self.objective}")
         if not 0.0 < self.xgblora_shrinkage <= 1.0:
             raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
 
