@@ -17,7 +17,13 @@ from xgblora.data.pairs import collate_pairs, pair_seqs
 from xgblora.data.tasks import CustomTask, Example
 from xgblora.embedding import embed
 from xgblora.gradcache import mini_batches
-from xgblora.objective import Contrastive, grit_training_set, info_nce, per_example_loss, sequence_training_set
+from xgblora.objective import (
+    Contrastive,
+    grit_training_set,
+    info_nce,
+    per_example_loss,
+    sequence_training_set,
+)
 from xgblora.optim.zo import MeZO
 from xgblora.train import run
 
