@@ -11,7 +11,8 @@ Data: training pairs from MultiRC's train split, less the questions of a seeded 
 split, which chooses the learning rate: batch 16, each of --lrs, seed 0, dev recall@1); test: a seeded sample of
 --test_queries questions of its validation split against the distinct paragraphs of that sample (SuperGLUE's
 own split: no paragraph in two splits). Hard negatives: `xgblora mine` with the untrained model over the training
-paragraphs (defaults: the most similar paragraph that is not the question's own, within a 5% relative margin).
+paragraphs (defaults: the most similar paragraph that is not the question's own, outside a 5% relative margin);
+the rows with a mined negative are those trained on, on both sides.
 
     nice -n 10 python benchmarks/retrieval_batch.py --data_dir ../shared/data --out /tmp/retrieval-batch
 
@@ -56,15 +57,18 @@ def write_splits(data_dir: Path, out: Path, test_queries: int) -> dict[str, Path
     return files
 
 
-def mined(files: dict[str, Path], out: Path, max_length: int) -> dict[str, Any]:
-    """The training pairs with one hard negative each, mined by the untrained model (once)."""
+def mined(files: dict[str, Path], out: Path, max_length: int) -> Path:
+    """The training pairs that got a hard negative from the untrained model (mined once), each with it: the same
+    rows for both trainers (sentence-transformers' columns cannot be ragged)."""
     from xgblora.mine import MineOptions, mine_file
 
-    path = out / "multirc-train-mined.jsonl"
-    if path.exists():
-        return {"output": str(path)}
-    return mine_file(MineOptions(model=MODEL, input=str(files["train"]), output=str(path), max_length=max_length,
-                                 device="cpu"))
+    path, hard = out / "multirc-train-mined.jsonl", out / "multirc-train-hard.jsonl"
+    if not path.exists():
+        print(json.dumps(mine_file(MineOptions(model=MODEL, input=str(files["train"]), output=str(path),
+                                               max_length=max_length, device="cpu"))), flush=True)
+    rows = [line for line in path.read_text(encoding="utf-8").splitlines() if '"negatives"' in line]
+    hard.write_text("".join(line + "\n" for line in rows), encoding="utf-8")
+    return hard
 
 
 def xgblora_run(args: argparse.Namespace, train: Path, evaluate: Path, seed: int, name: str, lr: float,
@@ -102,7 +106,7 @@ def st_run(args: argparse.Namespace, train: Path, evaluate: Path, seed: int, lr:
     """SentenceTransformerTrainer with a PEFT LoRA adapter: MultipleNegativesRankingLoss at batch 16, its cached
     twin (GradCache) above; one column per hard negative."""
     from datasets import Dataset
-    from peft import LoraConfig, TaskType
+    from peft import LoraConfig, TaskType, inject_adapter_in_model
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
     from sentence_transformers.sentence_transformer.losses import (
         CachedMultipleNegativesRankingLoss,
@@ -118,8 +122,11 @@ def st_run(args: argparse.Namespace, train: Path, evaluate: Path, seed: int, lr:
     torch.manual_seed(seed)
     model = SentenceTransformer(models.resolve_path(MODEL), device="cpu")
     model.max_seq_length = args.max_length
-    model.add_adapter(LoraConfig(task_type=TaskType.FEATURE_EXTRACTION, r=8, lora_alpha=16, lora_dropout=0.0,
-                                 target_modules=["query", "value"]))
+    # PEFT's own injection (model.add_adapter asks transformers for a newer PEFT than this machine has)
+    inject_adapter_in_model(LoraConfig(task_type=TaskType.FEATURE_EXTRACTION, r=8, lora_alpha=16, lora_dropout=0.0,
+                                       target_modules=["query", "value"]), model[0].auto_model)
+    for name, param in model.named_parameters():
+        param.requires_grad = "lora_" in name
     rows = [json.loads(line) for line in train.read_text(encoding="utf-8").splitlines()]
     columns = {"anchor": [r["query"] for r in rows], "positive": [r["positive"] for r in rows]}
     if "negatives" in rows[0]:
@@ -202,8 +209,7 @@ def main() -> None:
            for lr in args.lrs}
     lr = max(dev, key=lambda k: dev[k]["recall@1"])
     print(json.dumps({"chosen_lr": lr}), flush=True)
-    print(json.dumps(mined(files, out, args.max_length)), flush=True)
-    hard = out / "multirc-train-mined.jsonl"
+    hard = mined(files, out, args.max_length)
     record("test", "zero-shot (no training)", 0, lambda: zero_shot(files["test"], args.max_length))
     for seed in args.seeds:
         for batch in args.batch_sizes:
