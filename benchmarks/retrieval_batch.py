@@ -60,7 +60,7 @@ def write_splits(data_dir: Path, out: Path, test_queries: int) -> dict[str, Path
 def mined(files: dict[str, Path], out: Path, max_length: int) -> Path:
     """The training pairs that got a hard negative from the untrained model (mined once), each with it: the same
     rows for both trainers (sentence-transformers' columns cannot be ragged)."""
-    from xgblora.mine import MineOptions, mine_file
+    from xgblora.embeddings.mine import MineOptions, mine_file
 
     path, hard = out / "multirc-train-mined.jsonl", out / "multirc-train-hard.jsonl"
     if not path.exists():
@@ -89,7 +89,7 @@ def xgblora_run(args: argparse.Namespace, train: Path, evaluate: Path, seed: int
 
 def st_evaluate(model: Any, evaluate: Path, max_length: int) -> dict[str, float]:
     """recall@1 and MRR of a SentenceTransformer, by xgblora's metrics on its embeddings."""
-    from xgblora import retrieval
+    from xgblora.evaluation import retrieval
 
     rows = [json.loads(line) for line in evaluate.read_text(encoding="utf-8").splitlines()]
     corpus = list(dict.fromkeys(r["positive"] for r in rows))
@@ -117,10 +117,10 @@ def st_run(args: argparse.Namespace, train: Path, evaluate: Path, seed: int, lr:
         SentenceTransformerTrainingArguments,
     )
 
-    from xgblora import models
+    from xgblora.models import pretrained
 
     torch.manual_seed(seed)
-    model = SentenceTransformer(models.resolve_path(MODEL), device="cpu")
+    model = SentenceTransformer(pretrained.resolve_path(MODEL), device="cpu")
     model.max_seq_length = args.max_length
     # PEFT's own injection (model.add_adapter asks transformers for a newer PEFT than this machine has)
     inject_adapter_in_model(LoraConfig(task_type=TaskType.FEATURE_EXTRACTION, r=8, lora_alpha=16, lora_dropout=0.0,
@@ -150,9 +150,9 @@ def st_run(args: argparse.Namespace, train: Path, evaluate: Path, seed: int, lr:
 def zero_shot(evaluate: Path, max_length: int) -> dict:
     from sentence_transformers import SentenceTransformer
 
-    from xgblora import models
+    from xgblora.models import pretrained
 
-    return {**st_evaluate(SentenceTransformer(models.resolve_path(MODEL), device="cpu"), evaluate, max_length),
+    return {**st_evaluate(SentenceTransformer(pretrained.resolve_path(MODEL), device="cpu"), evaluate, max_length),
             "train_s": 0.0}
 
 

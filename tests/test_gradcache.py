@@ -8,24 +8,24 @@ import json
 import pytest
 import torch
 
-from xgblora import models
 from xgblora.adapters.lora import attach, is_adapter_param
 from xgblora.config import Config
 from xgblora.data import formats
-from xgblora.data.loading import load_rows
 from xgblora.data.pairs import collate_pairs, pair_seqs
+from xgblora.data.splits import load_rows
 from xgblora.data.tasks import CustomTask, Example
-from xgblora.embedding import embed
-from xgblora.gradcache import mini_batches
-from xgblora.objective import (
+from xgblora.embeddings.gradcache import mini_batches
+from xgblora.embeddings.pooling import embed
+from xgblora.models import pretrained
+from xgblora.optim.zo import MeZO
+from xgblora.train import run
+from xgblora.train.objective import (
     Contrastive,
     grit_training_set,
     info_nce,
     per_example_loss,
     sequence_training_set,
 )
-from xgblora.optim.zo import MeZO
-from xgblora.train import run
 
 TOPICS = ["the movie was a love story", "a film about the war", "the best story of the year", "a boring time",
           "funny and good", "the terrible acting", "a great new film", "what a fun movie", "the dull plot",
@@ -70,7 +70,7 @@ def test_mini_batches_cover_every_row_once_and_align_the_halves_of_a_dual_batch(
 
 @pytest.mark.parametrize("mini_batch", [1, 3, 4])
 def test_cached_contrastive_loss_and_gradients_equal_the_batch_in_one_piece(mini_batch):
-    model, tokenizer = models.load("tiny-bert", head="embed")
+    model, tokenizer = pretrained.load("tiny-bert", head="embed")
     model.eval()  # no dropout: the one-piece batch and the mini-batches compute the same function
     batch = pair_batch(tokenizer, negatives=2)
     params = list(model.parameters())
@@ -82,7 +82,7 @@ def test_cached_contrastive_loss_and_gradients_equal_the_batch_in_one_piece(mini
 
 def test_with_dropout_each_recomputed_mini_batch_draws_the_masks_of_its_forward():
     """Reference: the same mini-batches embedded with a graph, in the same order, from the same RNG state."""
-    model, tokenizer = models.load("tiny-bert", head="embed")
+    model, tokenizer = pretrained.load("tiny-bert", head="embed")
     model.train()
     batch = pair_batch(tokenizer)
     params = list(model.parameters())
@@ -109,7 +109,7 @@ def test_with_dropout_each_recomputed_mini_batch_draws_the_masks_of_its_forward(
 
 def test_cached_grit_equals_grit_in_one_piece(tmp_path):
     """GRIT's embedding half cached (a tiny Llama embedding bidirectionally) beside its generative half."""
-    model, tokenizer = models.load("tiny-llama")
+    model, tokenizer = pretrained.load("tiny-llama")
     model.eval()
     sft = tmp_path / "sft.jsonl"
     sft.write_text("".join(json.dumps({"prompt": f"Is {t} good?", "completion": " Yes."}) + "\n" for t in TOPICS),
@@ -135,9 +135,9 @@ def test_cached_grit_equals_grit_in_one_piece(tmp_path):
 
 def test_mezo_dual_batch_in_mini_batches_gives_the_losses_of_the_whole_batch():
     """Under MeZO the cached path is two chunked forwards: L+ and L- equal the one-piece dual batch's."""
-    _, tokenizer = models.load("tiny-bert", head="embed")
+    _, tokenizer = pretrained.load("tiny-bert", head="embed")
     batch = pair_batch(tokenizer, n=8)
-    model, _ = models.load("tiny-bert", head="embed")
+    model, _ = pretrained.load("tiny-bert", head="embed")
     report = attach(model, None, r=4, alpha=8)
     with torch.no_grad():
         for m in report.modules.values():
@@ -156,8 +156,8 @@ def test_mezo_dual_batch_in_mini_batches_gives_the_losses_of_the_whole_batch():
 
 
 def test_a_run_with_mini_batches_trains_like_the_run_in_one_piece(tmp_path, monkeypatch):
-    kind, shape = models.RANDOM_MODELS["tiny-bert"]
-    monkeypatch.setitem(models.RANDOM_MODELS, "tiny-bert",
+    kind, shape = pretrained.RANDOM_MODELS["tiny-bert"]
+    monkeypatch.setitem(pretrained.RANDOM_MODELS, "tiny-bert",
                         (kind, {**shape, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}))
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps({"query": f"what about {t}?", "positive": f"{t}, they said."}) + "\n"

@@ -22,11 +22,11 @@ from typing import Any
 from torch import Tensor
 
 from xgblora import atomic
-from xgblora.adapters.export import run_config
+from xgblora.checkpoint import run_config
 from xgblora.data.sources import parse_columns, read_rows
 from xgblora.data.tasks import Fields
-from xgblora.embedding import encode_texts
-from xgblora.encode import EncodeOptions, load_encoder
+from xgblora.embeddings.encode import EncodeOptions, load_encoder
+from xgblora.embeddings.pooling import encode_texts
 from xgblora.errors import UserError
 
 
