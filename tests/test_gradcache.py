@@ -16,6 +16,7 @@ from xgblora.data.splits import load_rows
 from xgblora.data.tasks import CustomTask, Example
 from xgblora.embeddings.gradcache import mini_batches
 from xgblora.embeddings.pooling import embed
+from xgblora.errors import UserError
 from xgblora.models import pretrained
 from xgblora.optim.zo import MeZO
 from xgblora.train import run
@@ -173,3 +174,10 @@ def test_a_run_with_mini_batches_trains_like_the_run_in_one_piece(tmp_path, monk
         losses.append([r["loss"] for r in rows if "loss" in r])
     assert len(losses[0]) == 4 and losses[1] == pytest.approx(losses[0], rel=1e-5)
     assert losses[0][0] != losses[0][-1]
+
+
+def test_mini_batch_size_is_refused_where_it_cannot_apply():
+    with pytest.raises(UserError, match="--mini_batch_size"):
+        Config(task_name="SST2", mini_batch_size=4)
+    with pytest.raises(UserError, match="--mini_batch_size"):
+        Config(objective="contrastive", train_file="pairs.jsonl", mini_batch_size=-1)
