@@ -183,6 +183,8 @@ def main() -> None:
     parser.add_argument("--test_queries", type=int, default=300)
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3], help="chosen on dev (batch 16, seed 0)")
     parser.add_argument("--no_st", action="store_true", help="xgblora rows only")
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="run only the test rows whose name holds one of these strings (a second process's share)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -192,10 +194,12 @@ def main() -> None:
     log = out / "rows.jsonl"
     done = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
-    def record(split: str, name: str, seed: int, how) -> dict:
+    def record(split: str, name: str, seed: int, how) -> dict | None:
         for r in done:
             if (r["split"], r["run"], r["seed"]) == (split, name, seed):
                 return r
+        if split == "test" and args.only and not any(part in name for part in args.only):
+            return None
         row = {"split": split, "run": name, "seed": seed, **how()}
         done.append(row)
         with log.open("a", encoding="utf-8") as handle:
