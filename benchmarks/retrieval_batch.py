@@ -64,7 +64,7 @@ def mined(files: dict[str, Path], out: Path, max_length: int) -> Path:
 
     path, hard = out / "multirc-train-mined.jsonl", out / "multirc-train-hard.jsonl"
     if not path.exists():
-        print(json.dumps(mine_file(MineOptions(model=MODEL, input=str(files["train"]), output=str(path),
+        print(json.dumps(mine_file(MineOptions(model=MODEL, input_file=str(files["train"]), output_file=str(path),
                                                max_length=max_length, device="cpu"))), flush=True)
     rows = [line for line in path.read_text(encoding="utf-8").splitlines() if '"negatives"' in line]
     hard.write_text("".join(line + "\n" for line in rows), encoding="utf-8")

@@ -63,8 +63,8 @@ def pairs_file(path, n: int = 14):
 def test_mine_writes_a_pair_file_the_trainer_reads_and_never_overwrites(tmp_path, capsys):
     rows = pairs_file(tmp_path / "pairs.jsonl")
     out = tmp_path / "mined.jsonl"
-    args = ["mine", "tiny-bert", "--input", str(tmp_path / "pairs.jsonl"), "--columns",
-            "query=question,positive=passage", "--output", str(out), "--num_negatives", "2", "--range_min", "1",
+    args = ["mine", "tiny-bert", "--input_file", str(tmp_path / "pairs.jsonl"), "--columns",
+            "query=question,positive=passage", "--output_file", str(out), "--num_negatives", "2", "--range_min", "1",
             "--relative_margin", "0"]
     assert cli.main(args) == 0
     mined = [json.loads(line) for line in out.read_text().splitlines()]

@@ -35,8 +35,8 @@ class MineOptions:
     """What `xgblora mine` was asked for."""
 
     model: str
-    input: str
-    output: str
+    input_file: str
+    output_file: str
     columns: str | None = None
     corpus: str | None = None
     corpus_column: str = "text"
@@ -103,11 +103,11 @@ def _doc_prefix(model: str) -> str:
 
 
 def _check(opts: MineOptions) -> Path:
-    out = Path(opts.output)
+    out = Path(opts.output_file)
     if out.suffix != ".jsonl":
-        raise UserError(f"--output {out}: name a .jsonl file (rows of query, positive, negatives)")
+        raise UserError(f"--output_file {out}: name a .jsonl file (rows of query, positive, negatives)")
     if out.exists():
-        raise UserError(f"--output {out}: exists; choose a new file name (xgblora does not overwrite your files)")
+        raise UserError(f"--output_file {out}: exists; choose a new file name (xgblora does not overwrite your files)")
     if opts.num_negatives < 1 or opts.range_min < 0 or opts.range_max <= opts.range_min:
         raise UserError(f"need --num_negatives >= 1 and 0 <= --range_min < --range_max, got {opts.num_negatives}, "
                         f"{opts.range_min}, {opts.range_max}")
@@ -119,7 +119,7 @@ def _check(opts: MineOptions) -> Path:
 def mine_file(opts: MineOptions) -> dict[str, Any]:
     """Mine negatives for every row of --input and write them to --output; returns what was done."""
     out = _check(opts)
-    rows = [Fields(row, where) for where, row in read_rows(opts.input, columns=parse_columns(opts.columns))]
+    rows = [Fields(row, where) for where, row in read_rows(opts.input_file, columns=parse_columns(opts.columns))]
     pairs = [(r.text("query"), r.text("positive")) for r in rows]
     extra = [Fields(row, where).text(opts.corpus_column) for where, row in read_rows(opts.corpus)] \
         if opts.corpus else []
@@ -129,7 +129,8 @@ def mine_file(opts: MineOptions) -> dict[str, Any]:
     own: dict[str, list[int]] = {q: [] for q in queries}
     for q, p in pairs:
         own[q].append(where[p])
-    model, tokenizer, settings = load_encoder(EncodeOptions(model=opts.model, input=opts.input, output=opts.output,
+    model, tokenizer, settings = load_encoder(EncodeOptions(model=opts.model, input_file=opts.input_file,
+                                                            output_file=opts.output_file,
                                                             max_length=opts.max_length, device=opts.device,
                                                             trust_remote_code=opts.trust_remote_code))
     encode = dict(pooling=settings["pooling"], max_length=int(settings["max_length"]), batch_size=opts.batch_size,
@@ -143,7 +144,7 @@ def mine_file(opts: MineOptions) -> dict[str, Any]:
     written = [{"query": q, "positive": p, **({"negatives": [corpus[i] for i in found[q]]} if found[q] else {})}
                for q, p in pairs]
     if not atomic.create_text(out, atomic.jsonl(written)):
-        raise UserError(f"--output {out}: exists; choose a new file name (xgblora does not overwrite your files)")
+        raise UserError(f"--output_file {out}: exists; choose a new file name (xgblora does not overwrite your files)")
     short = sum(len(found[q]) < opts.num_negatives for q, _ in pairs)
     return {"output": str(out), "rows": len(pairs), "queries": len(queries), "corpus_size": len(corpus),
             "negatives": sum(len(found[q]) for q, _ in pairs), "rows_short_of_num_negatives": short}
