@@ -24,7 +24,6 @@ the completion positions reach the LM head.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -124,6 +123,10 @@ class CompletionBatch(TokenBatch):
     old_logps: Tensor | None = None
     ref_logps: Tensor | None = None
 
+    def rows(self, index: Tensor) -> CompletionBatch:
+        """The batch of the given rows, in that order."""
+        return self._map(lambda t: t[index.to(t.device)])
+
 
 def completion_logprobs(model: nn.Module, batch: TokenBatch, temperature: float,
                         with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -203,7 +206,3 @@ class GRPOLoss:
         self.statistics.add({**stats, "entropy": entropy}, mask)
         return (losses * mask).sum(1) * batch.nll_weight * batch.loss_scale
 
-
-def with_weights(batch: CompletionBatch, weights: Tensor) -> CompletionBatch:
-    """The batch with its completions' loss weights set."""
-    return dataclasses.replace(batch, nll_weight=weights.to(batch.input_ids.device))
