@@ -399,6 +399,9 @@ class GRPOConfig(Config, SamplingOptions):
                             f"--num_generations {self.num_return_sequences}")
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise UserError("--epsilon and --epsilon_high must be 0 or more")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise UserError(f"--reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} "
+                            f"--reward_funcs")
 
     @property
     def optimizer_batch(self) -> int:

@@ -138,6 +138,7 @@ class GRPORun:
 
     def __init__(self, cfg: GRPOConfig):
         transformers.set_seed(cfg.seed)
+        self.rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)  # its errors come first
         source = loading.resolve(cfg.model_name, cfg.adapter)
         cfg = dataclasses.replace(cfg, model_name=source.base,
                                   adapter=str(source.adapter) if source.adapter else None)
@@ -157,7 +158,6 @@ class GRPORun:
         self.method = setup_method(self.model, cfg)
         self.model.eval()  # dropout off: the old, new and perturbed log-probabilities come from one function
         self.autocast = autocast_dtype(cfg, self.device)
-        self.rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)
         self.prompts = self._read(cfg.train_file)
         self.heldout = self._read(cfg.eval_file) if cfg.eval_file else None
         self.plan = Plan(cfg.num_return_sequences, cfg.generation_batch, cfg.optimizer_batch,
