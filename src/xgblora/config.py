@@ -28,6 +28,11 @@ PAPER_NORM_PENALTY = 1e-3
 DEFAULT_BOOSTERS = 5
 
 
+def lora_scaling(alpha: float, r: int, rslora: bool = False) -> float:
+    """A LoRA branch's multiplier of B A: alpha / r (LoRA), or alpha / sqrt(r) (rsLoRA, Kalajdzievski 2023)."""
+    return alpha / (math.sqrt(r) if rslora else r)
+
+
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
     meta = {"help": help, "choices": choices, "aliases": aliases}
     if isinstance(default, list):
@@ -258,7 +263,7 @@ class Config(ModelOptions):
     @property
     def scaling(self) -> float:
         """The adapters' multiplier of B A: alpha / r, or alpha / sqrt(r) under rsLoRA."""
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+        return lora_scaling(self.alpha, self.rank, self.use_rslora)
 
 
 
