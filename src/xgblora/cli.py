@@ -89,7 +89,7 @@ def _rft(args: argparse.Namespace) -> int:
 
 
 def _grpo(args: argparse.Namespace) -> int:
-    from xgblora.grpo_loop import run_grpo
+    from xgblora.generation.grpo import run_grpo
 
     print(json.dumps(run_grpo(config_mod.from_namespace(config_mod.GRPOConfig, args, GRPO_DEFAULTS)), indent=2))
     return 0

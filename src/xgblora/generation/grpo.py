@@ -33,16 +33,18 @@ import transformers
 from tqdm.auto import tqdm
 
 from xgblora import config as config_mod
-from xgblora import loading, models, perf
+from xgblora import perf
+from xgblora.adapters import trained
+from xgblora.checkpoint import Checkpointer, prune
 from xgblora.config import GRPOConfig
 from xgblora.data import formats
-from xgblora.data.batching import TokenSeq, collate
+from xgblora.data.collation import TokenSeq, collate
 from xgblora.data.order import BatchStream
 from xgblora.data.sources import parse_columns
 from xgblora.distributed import LOCAL
 from xgblora.errors import UserError
-from xgblora.generation import Prompts, read_prompts, sampling_params
-from xgblora.grpo import (
+from xgblora.generation.generate import Prompts, read_prompts, sampling_params
+from xgblora.generation.grpo_objective import (
     CompletionBatch,
     GRPOLoss,
     Objective,
@@ -51,12 +53,12 @@ from xgblora.grpo import (
     completion_logprobs,
     row_weights,
 )
-from xgblora.logging import MetricsLog
+from xgblora.generation.rewards import Rewards
+from xgblora.logs import MetricsLog
+from xgblora.models import pretrained
+from xgblora.models.sampler import Sample, Sampler, SamplingParams
 from xgblora.optim.schedule import Schedule
-from xgblora.rewards import Rewards
-from xgblora.sampling import Sample, Sampler, SamplingParams
 from xgblora.trackers import open_trackers, parse_report_to
-from xgblora.train.checkpoint import Checkpointer, prune
 from xgblora.train.lock import run_lock
 from xgblora.train.loop import LossWindow, StopRequested, build_stepper, graceful_stop
 from xgblora.train.results import save_final, write_adapter, write_results
@@ -139,11 +141,11 @@ class GRPORun:
     def __init__(self, cfg: GRPOConfig):
         transformers.set_seed(cfg.seed)
         self.rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)  # its errors come first
-        source = loading.resolve(cfg.model_name, cfg.adapter)
+        source = trained.resolve(cfg.model_name, cfg.adapter)
         cfg = dataclasses.replace(cfg, model_name=source.base,
                                   adapter=str(source.adapter) if source.adapter else None)
-        self.device = models.choose_device(cfg.device)
-        self.model, self.tokenizer = models.load(
+        self.device = pretrained.choose_device(cfg.device)
+        self.model, self.tokenizer = pretrained.load(
             cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation, device=str(self.device),
             trust_remote_code=cfg.trust_remote_code, load_in_4bit=cfg.load_in_4bit)
         if cfg.chat_template:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from xgblora.errors import UserError
-from xgblora.verify import Verifier, make_extractor
+from xgblora.evaluation.answers import Verifier, make_extractor
 
 RewardFunc = Callable[..., Sequence["float | None"]]
 _BUILT_IN = re.compile(r"^(gsm8k|answer_tags|regex:.*)$", re.DOTALL)

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from xgblora.adapters.lora import LoRALinear
 from xgblora.data.batches import TokenBatch
-from xgblora.scoring import token_logprobs
+from xgblora.models.scoring import token_logprobs
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
