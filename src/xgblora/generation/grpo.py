@@ -321,7 +321,7 @@ class GRPORun:
 
     def fit(self) -> dict[str, Any]:
         """Evaluate, train to max_steps (or a stop signal), evaluate; return the run's statistics."""
-        cfg, plan = self.cfg, self.plan
+        cfg = self.cfg
         if self.step == 0:
             self.before = self.evaluate()
             if self.before:
@@ -338,12 +338,8 @@ class GRPORun:
             if self.step == 0 and self.before:
                 self.metrics.log({"step": 0, **self.before})
             while self.step < self.max_steps:
-                position = self.step % plan.cycle
-                if position == 0 or self.buffer.current is None:
-                    self.buffer.current = self.generate()
-                lr = self.schedule(self.step)
-                self.window.add(self._step(self.buffer.current.batch, position % plan.steps_per_generation, lr))
-                self.step += 1
+                loss, lr = self.train_step()
+                self.window.add(loss)
                 self._boost()
                 if self.step % cfg.logging_steps == 0 or self.step == self.max_steps:
                     progress.set_postfix(self._log(lr), refresh=False)
@@ -365,6 +361,16 @@ class GRPORun:
                 "resumes": self.resumes, "peak_memory_mb": round(perf.peak_memory_mb(self.device), 1),
                 "boosters": len(self.method.boosting.history) if self.method.boosting is not None else 0,
                 **{f"before_{k}": v for k, v in self.before.items()}, **after}
+
+    def train_step(self) -> tuple[torch.Tensor, float]:
+        """One optimizer step (a new generation batch first when the last one is used up): its loss and lr."""
+        position = self.step % self.plan.cycle
+        if position == 0 or self.buffer.current is None:
+            self.buffer.current = self.generate()
+        lr = self.schedule(self.step)
+        loss = self._step(self.buffer.current.batch, position % self.plan.steps_per_generation, lr)
+        self.step += 1
+        return loss, lr
 
     def _step(self, batch: CompletionBatch, index: int, lr: float) -> torch.Tensor:
         """One optimizer step on the index-th optimizer batch of the generation batch."""
