@@ -185,7 +185,7 @@ def test_grpo_raises_held_out_accuracy_after_a_short_sft(tmp_path):
     some held-out questions and wrong on others; 30 GRPO steps on 60 questions (G = 8, two prompts per step, the
     gsm8k correctness reward) then answer more of them right. Seed 1 measured 0.10 -> 0.23 on this CPU; the
     margin asked is 0.10."""
-    from xgblora.adapters.export import export_run
+    from xgblora.export import export_run
 
     from xgblora.train import run
 
