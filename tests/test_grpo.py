@@ -130,6 +130,8 @@ def test_an_interrupted_run_resumes_exactly(data, monkeypatch):
 def test_xgblora_merges_its_boosters_during_rl(data):
     done = run_grpo(_cfg(data, "xgb", method="xgblora", max_steps=4, xgblora_steps_per_iteration=2))
     assert done["boosters"] == 2
+    page = (data / "xgb" / "report.html").read_text()
+    assert "GRPO report" in page and "eval_pass@1" in page and (data / "xgb" / "grpo.png").stat().st_size > 0
 
 
 def test_mezo_estimates_the_grpo_loss_from_a_dual_batch_as_from_two_passes():

@@ -12,7 +12,8 @@ after num_iterations passes a new batch is sampled. XGBLoRA merges its boosters 
 
 OUTPUT_DIR/ config.yaml, metrics.jsonl (per logging step: loss, lr, rewards per function and total, accuracy,
 completion length, clip ratio, KL, entropy), checkpoints/step-N (exact resume: the generation batch in flight is
-saved with the optimizer state), final/ (as `xgblora train`), results.json (held-out pass@1 before and after).
+saved with the optimizer state), final/ (as `xgblora train`), results.json (held-out pass@1 before and after),
+grpo.png and report.html (the curves of metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from xgblora.logs import MetricsLog
 from xgblora.models import pretrained
 from xgblora.models.sampler import Sample, Sampler, SamplingParams
 from xgblora.optim.schedule import Schedule
+from xgblora.report import write_grpo_report
 from xgblora.trackers import open_trackers, parse_report_to
 from xgblora.train.lock import run_lock
 from xgblora.train.loop import LossWindow, StopRequested, build_stepper, graceful_stop
@@ -432,4 +434,5 @@ def run_grpo(cfg: GRPOConfig) -> dict[str, Any]:
                             f"another --output_dir")
         results = GRPORun(cfg).fit()
         write_results(cfg, results)
+        write_grpo_report(out, results)
     return results
