@@ -13,6 +13,7 @@ from xgblora.cli import main
 from xgblora.config import Config, GRPOConfig
 from xgblora.data.collation import TokenSeq, collate
 from xgblora.errors import UserError
+from xgblora.export import export_run
 from xgblora.generation import grpo as grpo_loop
 from xgblora.generation.grpo import run_grpo
 from xgblora.generation.grpo_objective import (
@@ -23,6 +24,7 @@ from xgblora.generation.grpo_objective import (
 )
 from xgblora.generation.rewards import Rewards
 from xgblora.optim.zo import MeZO
+from xgblora.train import run
 
 
 def _write_pairs(path, pairs):
@@ -168,6 +170,14 @@ def test_mezo_trains_the_adapter(data):
     assert done["steps"] == 2 and any(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)
 
 
+def test_a_prompt_without_a_reference_is_a_one_line_error_naming_its_row(data, capsys):
+    (data / "noref.jsonl").write_text('{"prompt": "1 or 2?", "completion": "#### 2"}\n{"prompt": "3 or 4?"}\n')
+    code = main(["grpo", "--model_name", "tiny-llama", "--train_file", str(data / "noref.jsonl"),
+                 "--output_dir", str(data / "bad"), "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "noref.jsonl:2" in err and "reference" in err
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--generation_batch_size", "12"], "multiple of the optimizer batch"),
     (["--num_generations", "3"], "multiple of --num_generations 3"),
@@ -187,10 +197,6 @@ def test_grpo_raises_held_out_accuracy_after_a_short_sft(tmp_path):
     some held-out questions and wrong on others; 30 GRPO steps on 60 questions (G = 8, two prompts per step, the
     gsm8k correctness reward) then answer more of them right. Seed 1 measured 0.10 -> 0.23 on this CPU; the
     margin asked is 0.10."""
-    from xgblora.export import export_run
-
-    from xgblora.train import run
-
     pairs = [(a, b) for a in range(10) for b in range(10) if a != b]
     random.Random(0).shuffle(pairs)
     _write_pairs(tmp_path / "sft.jsonl", pairs[:15])

@@ -195,8 +195,16 @@ class GRPORun:
             log.info("resumed from %s at step %d", path, self.step)
 
     def _read(self, source: str) -> Prompts:
-        return read_prompts(source, self.tokenizer, columns=self.cfg.columns, raw=self.cfg.raw_prompts,
-                            max_length=self.cfg.max_length)
+        """The prompts of a file; with a correctness reward, each needs a reference answer."""
+        prompts = read_prompts(source, self.tokenizer, columns=self.cfg.columns, raw=self.cfg.raw_prompts,
+                               max_length=self.cfg.max_length)
+        if self.rewards.accuracy_index is not None:
+            for example, row in zip(prompts.examples, prompts.rows, strict=True):
+                if not example.answers and "reference" not in row:
+                    raise UserError(f"{example.source}: no reference answer for --reward_funcs "
+                                    f"{self.rewards.names[self.rewards.accuracy_index]} (a completion, response, or "
+                                    f"final assistant turn; --columns completion=answer maps yours)")
+        return prompts
 
     # ------------------------------------------------------------------ state
 
@@ -279,7 +287,7 @@ class GRPORun:
         ref = None
         if cfg.beta:
             with contextlib.nullcontext() if self.reference is not None else adapters_off(self.method.modules):
-                ref = self._logprobs(self.reference or self.model, batch)
+                ref = self._logprobs(self.reference if self.reference is not None else self.model, batch)
         return dataclasses.replace(batch, old_logps=old, ref_logps=ref)
 
     @torch.no_grad()
