@@ -136,6 +136,21 @@ def _completion_value(prompt: Any, text: str) -> Any:
     return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
 
 
+def load_policy(cfg: GRPOConfig) -> tuple[GRPOConfig, torch.nn.Module, Any]:
+    """The model to train and its tokenizer (a run or adapter folder names its base), and the config resolved
+    against them (the device, max_length within the model's positions)."""
+    source = trained.resolve(cfg.model_name, cfg.adapter)
+    cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
+    device = pretrained.choose_device(cfg.device)
+    model, tokenizer = pretrained.load(cfg.model_name, dtype=cfg.dtype_name,
+                                       attn_implementation=cfg.attn_implementation, device=str(device),
+                                       trust_remote_code=cfg.trust_remote_code, load_in_4bit=cfg.load_in_4bit)
+    if cfg.chat_template:
+        formats.set_chat_template(tokenizer, cfg.chat_template)
+    max_length = min(cfg.max_length, getattr(model.config, "max_position_embeddings", cfg.max_length))
+    return dataclasses.replace(cfg, max_length=max_length, device=str(device)), model, tokenizer
+
+
 class GRPORun:
     """The state of one GRPO run (model, method, stepper, prompts, rewards, the generation batch in flight) and its
     loop, `fit()`."""
@@ -143,17 +158,8 @@ class GRPORun:
     def __init__(self, cfg: GRPOConfig):
         transformers.set_seed(cfg.seed)
         self.rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)  # its errors come first
-        source = trained.resolve(cfg.model_name, cfg.adapter)
-        cfg = dataclasses.replace(cfg, model_name=source.base,
-                                  adapter=str(source.adapter) if source.adapter else None)
-        self.device = pretrained.choose_device(cfg.device)
-        self.model, self.tokenizer = pretrained.load(
-            cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation, device=str(self.device),
-            trust_remote_code=cfg.trust_remote_code, load_in_4bit=cfg.load_in_4bit)
-        if cfg.chat_template:
-            formats.set_chat_template(self.tokenizer, cfg.chat_template)
-        max_length = min(cfg.max_length, getattr(self.model.config, "max_position_embeddings", cfg.max_length))
-        self.cfg = cfg = dataclasses.replace(cfg, max_length=max_length, device=str(self.device))
+        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer = load_policy(cfg)
+        self.device = next(model.parameters()).device
         self.out = Path(cfg.output_dir)
         config_mod.dump(cfg, self.out / "config.yaml")
         # full fine-tuning has no adapter to switch off: its reference is a frozen copy (only when beta needs it)
@@ -182,17 +188,21 @@ class GRPORun:
         self.window = LossWindow(self.device)
         self.step, self.generations, self.resumes, self.earlier_s = 0, 0, 0, 0.0
         self.before: dict[str, float] = {}
-        self.checkpointer = Checkpointer(
-            self.out / "checkpoints", model=self.model,
-            tensors=lambda: self.method.trainable_state(with_bases=boosting is not None),
-            components={"stepper": self.stepper, "generation": self.buffer},
-            model_components={"boosting": boosting} if boosting is not None else {},
-            save_only_model=cfg.save_only_model,
-            write_adapter=functools.partial(write_adapter, cfg, self.method) if self.method.modules else None)
+        self.checkpointer = self._checkpointer()
         if cfg.resume_from_checkpoint:
             path, state = self.checkpointer.restore(cfg.resume_from_checkpoint)
             self.load_state_dict(state)
             log.info("resumed from %s at step %d", path, self.step)
+
+    def _checkpointer(self) -> Checkpointer:
+        boosting = self.method.boosting  # merged boosters live in the base weights
+        return Checkpointer(
+            self.out / "checkpoints", model=self.model,
+            tensors=lambda: self.method.trainable_state(with_bases=boosting is not None),
+            components={"stepper": self.stepper, "generation": self.buffer},
+            model_components={"boosting": boosting} if boosting is not None else {},
+            save_only_model=self.cfg.save_only_model,
+            write_adapter=functools.partial(write_adapter, self.cfg, self.method) if self.method.modules else None)
 
     def _read(self, source: str) -> Prompts:
         """The prompts of a file; with a correctness reward, each needs a reference answer."""
