@@ -25,6 +25,8 @@ ZO_MAX_SCALING = 4.0
 # The paper's Eq. 7 adds lambda (|A|^2 + |B|^2) to each booster's loss; its value for our models is not in the text
 # we could read, so it is a small one that changes little (see README); DEFAULT_BOOSTERS is ours too.
 PAPER_NORM_PENALTY = 1e-3
+# MeZO's protocol draws 1000 training examples from a task's train split; a user's own data uses every row.
+MEZO_NUM_TRAIN = 1000
 DEFAULT_BOOSTERS = 5
 
 
@@ -78,7 +80,7 @@ class Config(ModelOptions):
     task_name: str = _opt("SST2", "SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, DROP, or custom.")
     data_dir: str | None = _opt(None, "Folder with <task>/{train,dev}.jsonl in GLUE/SuperGLUE field names (else HF datasets).")
     train_file: str | None = _opt(None, "Custom task: training data: JSON/JSONL, CSV/TSV, parquet, arrow, a save_to_disk folder, or a dataset id.")
-    eval_file: str | None = _opt(None, "Custom task: evaluation data, in any form --train_file takes (default: drawn from train_file).")
+    eval_file: str | None = _opt(None, "Your own data: the evaluation rows, in any form --train_file takes; with no dev split, also what --evaluation_strategy steps and --load_best_model_at_end watch. Without it: the rows --num_train N did not draw, or no evaluation when every row trains.")
     columns: str | None = _opt(None, "Custom task: map your column names to ours, OURS=THEIRS,... (e.g. prompt=question,completion=answer).")
     data_format: str = _opt("auto", "Custom instruction data: messages (chat turns), prompt_completion (also prompt/response; a conversational prompt/completion is a chat), text (language modelling); auto: from each row's fields.",
                             ("auto", "messages", "prompt_completion", "text"))
@@ -89,8 +91,9 @@ class Config(ModelOptions):
     template: str | None = _opt(None, "Custom classification task: prompt template with {field} slots, e.g. '{text} It was'.")
     label_words: str | None = _opt(None, "Custom classification task: comma-separated verbalizers, one per label, in label order.")
     label_names: str | None = _opt(None, "Custom classification task: comma-separated label values as they appear in the file (default 0,1,...).")
-    num_train: int = _opt(1000, "Training examples drawn from the train split (demonstrations when --trainer none).")
-    num_dev: int | None = _opt(None, "Dev examples drawn from the train split (disjoint from the training ones).")
+    num_train: int | None = _opt(None, "Training examples drawn from the train split (demonstrations when --trainer none). Default: every row of your own data (--train_file, --objective contrastive/grit); 1000 for MeZO's tasks (MeZO's protocol).")
+    num_dev: int | None = _opt(None, "Dev examples drawn from the train split (disjoint from the training ones); none unless given. The dev split is what --evaluation_strategy steps and --load_best_model_at_end read.")
+    eval_split_ratio: float | None = _opt(None, "Your own data: hold out this fraction of --train_file's rows as the dev split (instead of --num_dev N).")
     num_eval: int | None = _opt(None, "Evaluation examples drawn from the validation split (all when unset).")
     train_set_seed: int = _opt(0, "Seed of the train/dev sampling.")
     dev_pool: str = _opt("any", "Which train-split examples the dev set is drawn from: any, or sentences (inputs with at least 8 words and a sentence-final . ! or ?: SST-2's train split is mostly phrases, its validation split full sentences).",
@@ -99,7 +102,7 @@ class Config(ModelOptions):
     max_new_tokens: int = _opt(50, "Generation tasks: most tokens to generate.")
     sfc: bool = _opt(False, "Calibrate candidate scores with surface-form competition (SFC).")
     icl_sfc: bool = _opt(False, "SFC with the demonstrations in the calibration prompt.")
-    only_train_option: bool = _opt(True, "Train on the gold candidate's tokens only.")
+    only_train_option: bool = _opt(True, "MeZO's tasks on a causal LM: the loss is on the gold candidate's tokens only (false: on every token of prompt and candidate, as MeZO's run.py). Instruction data: see --train_on_prompt.")
     train_as_classification: bool = _opt(False, "Train with cross-entropy over the candidates.")
     # embedding models (pair data): contrastive training and GRIT
     objective: str = _opt("lm", "What the model learns: lm (the task's own loss: answer tokens, candidates or labels), contrastive (an embedding model: InfoNCE over query/positive pairs with in-batch and hard negatives; --train_file rows of query, positive and optional negative(s)), grit (a causal LM that embeds and generates: contrastive on --train_file pairs plus the language-modelling loss on --grit_train_file instruction rows).",
@@ -184,6 +187,16 @@ class Config(ModelOptions):
     no_eval: bool = _opt(False, "Skip the final evaluation.")
 
     def __post_init__(self) -> None:
+        if self.num_train is None and not self.own_data:
+            self.num_train = MEZO_NUM_TRAIN
+        if self.eval_split_ratio is not None:
+            if not self.own_data:
+                raise UserError(f"--eval_split_ratio holds out a share of your own --train_file; task "
+                                f"{self.task_name} follows MeZO's protocol: pass --num_dev N")
+            if self.num_dev is not None:
+                raise UserError("--num_dev and --eval_split_ratio both size the dev split; pass one of them")
+            if not 0.0 < self.eval_split_ratio < 1.0:
+                raise UserError(f"--eval_split_ratio must be in (0, 1), got {self.eval_split_ratio}")
         if self.xgblora:
             self.method = "xgblora"
         elif self.lora and self.method == "ft":
@@ -197,7 +210,15 @@ class Config(ModelOptions):
                         "lora_r", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
                         "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
                         "zo_eps", "head_learning_rate", "head_probe_l2", "temperature")
-        for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema"):
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise UserError(f"--max_steps must be positive (or -1: train --num_train_epochs epochs), got {self.max_steps}")
+        if self.max_steps == -1 and self.num_train_epochs <= 0:
+            raise UserError(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
+        _check_positive(self, "save_total_limit", "max_new_tokens")
+        for name in ("warmup_steps", "weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name} must be 0 or more, got {getattr(self, name)}")
+        for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema", "warmup_ratio"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
         parse_report_to(self.report_to)
@@ -223,8 +244,19 @@ class Config(ModelOptions):
         if self.learnable_temperature and self.trainer == "zo":
             raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
                             "weights only); fix the temperature with --temperature instead")
+        if not self.only_train_option and (self.train_as_classification or self.objective != "lm"
+                                           or self.task_name.lower() == "custom"):
+            raise UserError("--only_train_option false puts the loss on every token of a MeZO task's prompt and "
+                            "gold candidate; it has no meaning with --train_as_classification, an embedding "
+                            "objective or custom data (instruction data: --train_on_prompt)")
         if not 0.0 < self.xgblora_shrinkage <= 1.0:
             raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
+
+    @property
+    def own_data(self) -> bool:
+        """Whether the rows are the user's own (--task_name custom, or pairs for an embedding objective) rather than
+        one of MeZO's tasks: their defaults are every row for training and no dev split."""
+        return self.task_name.lower() == "custom" or self.objective != "lm"
 
     @property
     def rank(self) -> int:
@@ -481,15 +513,19 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one flag per dataclass field, in underscore and hyphen spelling plus aliases; defaults are suppressed."""
+def add_arguments(parser: argparse.ArgumentParser, cls: type, defaults: dict[str, Any] | None = None) -> None:
+    """Add one flag per dataclass field, in underscore and hyphen spelling plus aliases; defaults are suppressed
+    (the help shows the command's own: `defaults` first, then the dataclass's)."""
     for f in dataclasses.fields(cls):
         base, optional, is_list = _field_type(cls, f)
         names = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
         for alias in f.metadata.get("aliases", ()):
             names |= {f"--{alias}", f"--{alias.replace('_', '-')}"}
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
-                                  "help": f"{f.metadata.get('help', '')} (default: {_default(f)})"}
+        default = (defaults or {}).get(f.name, _default(f))
+        text = f.metadata.get("help", "")
+        if default is not None or "default" not in text.lower():  # else the help says what unset means
+            text += f" (default: {'unset' if default is None else default})"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text}
         if base is bool:
             kwargs.update(nargs="?", const=True, type=_converter(bool, optional), metavar="BOOL")
         elif is_list:
@@ -547,7 +583,23 @@ def read_yaml(cls: type, path: str) -> dict[str, Any]:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise UserError(f"{path}: unknown key {key!r}{hint}")
         values[name] = _check_yaml_value(cls, fields[name], value, path)
-    return values
+    return {k: _beside(Path(path).parent, v) if k in INPUT_PATHS and isinstance(v, str) else v
+            for k, v in values.items()}
+
+
+# Options naming files or folders a run reads: in a YAML config they are relative to the config's own folder
+# (outputs stay relative to where the command runs).
+INPUT_PATHS = ("train_file", "eval_file", "grit_train_file", "chat_template", "data_dir", "input_file", "adapter",
+               "model_name", "sampler_model", "resume_from_checkpoint")
+
+
+def _beside(folder: Path, value: str) -> str:
+    """A relative path in a YAML config, read from the config's folder: when it exists there or is written as a
+    path (./x, ../x); anything else (a hub id, a built-in model, 'latest') is left as it is."""
+    if Path(value).is_absolute() or value.startswith(("~", "pkg:")):
+        return value
+    candidate = folder / value
+    return str(candidate) if candidate.exists() or value.startswith(("./", "../")) else value
 
 
 def from_namespace(cls: type, ns: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Config:

@@ -262,7 +262,8 @@ def plot_losses(runs: Sequence[RunSummary], path: Path, smoothing: float = 0.9) 
                 continue
             steps, mean, low, high = series
             name = f"{label}, mean of {len(seeds)} seeds" if len(seeds) > 1 else f"{label}, seed {seeds[0].seed}"
-            handles.append(loss_ax.plot(steps, mean, color=color, lw=1.8, label=name)[0])
+            dots = {"marker": "o", "ms": 4} if len(steps) < 3 else {}  # a line through one point draws nothing
+            handles.append(loss_ax.plot(steps, mean, color=color, lw=1.8, label=name, **dots)[0])
             if len(seeds) > 1:
                 loss_ax.fill_between(steps, low, high, color=color, alpha=0.18, lw=0)
             merges = _merge_steps(seeds)

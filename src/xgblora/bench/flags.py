@@ -29,8 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval_task", "--eval-task", default="RTE",
                         help="Task whose templates and dev rows shape the evaluation workload (SST2, RTE, CB, ...).")
     parser.add_argument("--data_dir", "--data-dir", default=None,
-                        help="Folder with <task>/dev.jsonl for the evaluation workload; without it, synthetic prompts "
-                             "of RTE's length (premise of ~50 words) with its template and Yes/No candidates.")
+                        help="Folder with <task>/dev.jsonl for the evaluation workload (without it, synthetic prompts "
+                             "of RTE's length, premise of ~50 words, with its template and Yes/No candidates) and "
+                             "gsm8k/train.jsonl for --suite sft (without it, generated GSM8K-shaped conversations).")
     parser.add_argument("--json", default=None, metavar="FILE", help="Write every figure to this JSON file.")
     parser.add_argument("--skip_hf", "--skip-hf", action="store_true",
                         help="Skip the Hugging Face Trainer + PEFT baseline.")
