@@ -23,6 +23,7 @@ COMMANDS = {
     "generate": "Sample completions of every prompt in a file (N per prompt, greedy or sampled); JSONL out, resumable.",
     "chat": "Talk to a model in the terminal: streamed replies, multi-turn through the chat template.",
     "rft": "Rejection-sampling fine-tuning: rounds of sample -> verify -> train -> evaluate (pass@1, pass@k).",
+    "grpo": "Online RL with verifiable rewards (GRPO, TRL's options): sample G answers per prompt, reward, update.",
     "bench": "Measure speed and memory against baselines.",
     "env": "Print the environment report (versions, device, attention backends, chosen defaults).",
     "export": "Export a run as a PEFT adapter or a merged model.",
@@ -40,6 +41,9 @@ MEZO_DEFAULTS = {"num_train": 0, "trainer": "none", "result_file": "auto"}
 RFT_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 2e-4, "num_return_sequences": 8,
                 "temperature": 0.7, "max_new_tokens": 256}
 COMMAND_DEFAULTS = {"eval": EVAL_DEFAULTS, "mezo": MEZO_DEFAULTS, "rft": RFT_DEFAULTS}
+
+# GRPO trains a LoRA adapter by default, at a learning rate for adapters (TRL's 1e-6 is for full fine-tuning).
+GRPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5}
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -85,6 +89,13 @@ def _rft(args: argparse.Namespace) -> int:
     done = run_rft(config_mod.from_namespace(config_mod.RFTConfig, args, RFT_DEFAULTS))
     print(json.dumps(done["rounds"], indent=2))
     print(f"report: {done['html']}  figure: {done['figure']}")
+    return 0
+
+
+def _grpo(args: argparse.Namespace) -> int:
+    from xgblora.generation.grpo import run_grpo
+
+    print(json.dumps(run_grpo(config_mod.from_namespace(config_mod.GRPOConfig, args, GRPO_DEFAULTS)), indent=2))
     return 0
 
 
@@ -148,12 +159,13 @@ def _env(args: argparse.Namespace) -> int:  # noqa: ARG001
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "mezo": _mezo, "compare": _compare, "eval": _eval, "generate": _generate, "chat": _chat, "rft": _rft,
+    "grpo": _grpo,
     "bench": _bench, "env": _env, "export": _export, "demo": _demo, "encode": _encode,
     "mine": _mine}
 # The options dataclass of each command that takes one (its flags, --config YAML keys and suggestions).
 OPTIONS = {"train": config_mod.Config, "eval": config_mod.Config, "mezo": config_mod.Config,
            "compare": config_mod.CompareConfig, "generate": config_mod.GenerateConfig, "chat": config_mod.ChatConfig,
-           "rft": config_mod.RFTConfig}
+           "rft": config_mod.RFTConfig, "grpo": config_mod.GRPOConfig}
 
 
 class _Parser(argparse.ArgumentParser):
