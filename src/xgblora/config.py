@@ -117,6 +117,7 @@ class Config(ModelOptions):
     contrastive_loss: str = _opt("infonce", "Contrastive: infonce (each query against all documents: sentence-transformers' MultipleNegativesRankingLoss) or symmetric (also each positive against all queries, the two averaged: MultipleNegativesSymmetricRankingLoss).",
                                  ("infonce", "symmetric"))
     learnable_temperature: bool = _opt(False, "Contrastive: learn the temperature (as CLIP does, its log-scale trained by AdamW from --contrastive_temperature).")
+    mini_batch_size: int = _opt(0, "Contrastive/GRIT: gradient caching (GradCache): embed the batch this many rows at a time, without a graph, and back-propagate each mini-batch from the gradients of the whole batch's loss: every query keeps the whole batch's negatives at the memory of one mini-batch (the same loss and gradients). 0: the batch in one piece.")
     bidirectional: bool | None = _opt(None, "Contrastive/GRIT with a causal LM: the embedding pass attends both ways (GritLM); default on for grit (the model must allow it: checked, and --attn_implementation auto picks sdpa), off for contrastive.")
     grit_train_file: str | None = _opt(None, "GRIT: instruction data for the generative loss, in any form --train_file takes (messages, prompt/completion, text).")
     grit_contrastive_weight: float = _opt(1.0, "GRIT: weight of the contrastive loss.")
@@ -256,6 +257,9 @@ class Config(ModelOptions):
         if self.learnable_temperature and self.trainer == "zo":
             raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
                             "weights only); fix the temperature with --contrastive_temperature instead")
+        if self.mini_batch_size < 0 or (self.mini_batch_size and self.objective == "lm"):
+            raise UserError(f"--mini_batch_size (gradient caching) takes a number of rows with --objective "
+                            f"contrastive or grit, got {self.mini_batch_size} with --objective {self.objective}")
         if not self.only_train_option and (self.train_as_classification or self.objective != "lm"
                                            or self.task_name.lower() == "custom"):
             raise UserError("--only_train_option false puts the loss on every token of a MeZO task's prompt and "
@@ -421,6 +425,72 @@ class RFTConfig(Config, SamplingOptions):
         if not self.train_file or not self.eval_file:
             raise UserError("xgblora rft needs --train_file (questions with reference answers to sample on) and "
                             "--eval_file (held-out questions to measure on)")
+
+
+@dataclass
+class GRPOConfig(Config, SamplingOptions):
+    """Options of `xgblora grpo`: the train options (method, trainer, optimiser, checkpoints) plus GRPO's, under TRL's
+    GRPOConfig names where TRL has them. --train_file holds the prompts, --eval_file the held-out ones (pass@1)."""
+
+    num_return_sequences: int = _opt(8, "Completions per prompt, G (TRL's num_generations): each prompt runs once and its KV cache is shared by them.",
+                                     aliases=("num_generations", "num_samples"))
+    max_new_tokens: int = _opt(256, "Most tokens per completion (TRL's max_completion_length; dr_grpo's normaliser).",
+                               aliases=("max_completion_length",))
+    temperature: float = _opt(1.0, "Sampling temperature (the log-probabilities of the loss are taken at it too, as TRL does).")
+    reward_funcs: list[str] = _opt(["gsm8k"], "Reward functions: gsm8k, answer_tags, regex:PATTERN (1 when the answer agrees with the row's reference, else 0), format:<one of those> (1 when an answer is found at all), or module:function (TRL's signature: f(prompts, completions, completion_ids, **columns) -> list of floats).")
+    reward_weights: list[float] | None = _opt(None, "Weight of each reward function in the total reward (default: 1 each).")
+    answer_tolerance: float = _opt(1e-6, "Correctness rewards: numbers agree within this relative tolerance.")
+    beta: float = _opt(0.0, "KL coefficient to the reference policy (TRL's default 0: no reference pass). The reference is the model with its adapter switched off; under --method ft a frozen copy.")
+    epsilon: float = _opt(0.2, "Clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high].")
+    epsilon_high: float | None = _opt(None, "Upper clipping epsilon (default: epsilon; DAPO uses 0.28).")
+    loss_type: str = _opt("dapo", "How token losses add up: grpo (each completion's mean, then the mean), dr_grpo (sum over max_completion_length per completion), dapo (the mean over the generation batch's tokens: TRL's default).",
+                          ("grpo", "dr_grpo", "dapo"))
+    scale_rewards: str = _opt("group", "Advantages are rewards minus their group's mean, divided by the std of the group, of the batch, or not at all (none; Dr. GRPO).",
+                              ("group", "batch", "none"))
+    use_bias_correction_kl: bool = _opt(True, "Multiply the KL term by the importance ratio (TRL's default; the unbiased reverse-KL gradient).")
+    mask_truncated_completions: bool = _opt(False, "Leave completions cut at max_completion_length out of the loss.")
+    num_iterations: int = _opt(1, "Optimizer passes over each generation batch (mu).")
+    generation_batch_size: int | None = _opt(None, "Completions sampled at a time (a multiple of the optimizer batch, per_device_train_batch_size x gradient_accumulation_steps, and of G; default: one optimizer batch).")
+    steps_per_generation: int | None = _opt(None, "Micro-batches per generation batch (TRL's; the other way to set generation_batch_size).")
+    log_completions: bool = _opt(False, "Log a few completions, with their rewards, to metrics.jsonl at every logging step.")
+    raw_prompts: bool = _opt(False, "Send string prompts as they are, even when the tokenizer has a chat template.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_sampling()
+        _check_positive(self, "max_new_tokens", "num_iterations", "generation_batch_size", "steps_per_generation")
+        if self.temperature == 0:
+            raise UserError("--temperature 0 samples one greedy completion G times: GRPO needs a temperature above 0")
+        if not self.train_file:
+            raise UserError("xgblora grpo needs --train_file (prompts, with reference answers for correctness rewards)")
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise UserError("give --generation_batch_size or --steps_per_generation, not both")
+        if self.generation_batch % self.optimizer_batch:
+            raise UserError(f"--generation_batch_size {self.generation_batch} must be a multiple of the optimizer "
+                            f"batch, per_device_train_batch_size x gradient_accumulation_steps = {self.optimizer_batch}")
+        if self.generation_batch % self.num_return_sequences:
+            raise UserError(f"the generation batch of {self.generation_batch} completions must be a multiple of "
+                            f"--num_generations {self.num_return_sequences}")
+        if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
+            raise UserError("--epsilon and --epsilon_high must be 0 or more")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise UserError(f"--reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} "
+                            f"--reward_funcs")
+
+    @property
+    def optimizer_batch(self) -> int:
+        """Completions per optimizer step."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def generation_batch(self) -> int:
+        """Completions sampled at a time: --generation_batch_size, else --steps_per_generation micro-batches, else
+        one optimizer batch."""
+        if self.generation_batch_size is not None:
+            return self.generation_batch_size
+        if self.steps_per_generation is not None:
+            return self.steps_per_generation * self.per_device_train_batch_size
+        return self.optimizer_batch
 
 
 def check_choices(cfg: Any) -> None:

@@ -352,7 +352,8 @@ def build_contrastive(run: RunSetup, dist: Distributed) -> Contrastive | None:
                                              prefix_length(run.tokenizer, run.prefixes.doc))
     return Contrastive(cfg.pooling, cfg.similarity_temperature, cfg.learnable_temperature, bool(cfg.bidirectional),
                        gather=dist.gather_rows if dist.world_size > 1 else None,
-                       weights=(cfg.grit_contrastive_weight, cfg.grit_generative_weight), skips=skips,
+                       weights=(cfg.grit_contrastive_weight, cfg.grit_generative_weight),
+                       mini_batch=cfg.mini_batch_size, skips=skips,
                        symmetric=cfg.contrastive_loss == "symmetric").to(run.device)
 
 
