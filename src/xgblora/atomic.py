@@ -92,6 +92,28 @@ def _fsync_tree(root: Path) -> None:
 
 
 @contextlib.contextmanager
+def created_folder(path: Path) -> Iterator[Path]:
+    """Yield an empty temporary folder (this process's own) to fill; when the block ends, rename it to `path` unless
+    another writer put one there first, in which case that one is kept and ours removed. Either way `path` then
+    holds a complete folder; when the block raises, nothing is left behind."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        try:
+            os.rename(tmp, path)  # refused (ENOTEMPTY / EEXIST) when another writer's folder is already there
+        except OSError:
+            if not path.is_dir():
+                raise
+        fsync_dir(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def replaced_folder(path: Path) -> Iterator[Path]:
     """Yield an empty temporary folder to fill; when the block ends, swap it in for `path` (a previous `path` is
     removed after the swap). When the block raises, the temporary folder is removed and `path` is left as it was."""

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from xgblora import gguf_cache
+
 
 def enable_tf32(device: torch.device) -> bool:
     """Allow TF32 matmuls/convolutions on CUDA devices of compute capability 8.0+; returns whether it was enabled."""
@@ -52,6 +54,7 @@ def environment() -> dict[str, Any]:
         "bf16_supported": torch.cuda.is_bf16_supported() if cuda else cpu_has_bf16(),
         "flash_attn_installed": importlib.util.find_spec("flash_attn") is not None,
         "peft_installed": importlib.util.find_spec("peft") is not None,
+        "gguf_cache": str(gguf_cache.cache_dir()),
     }
     if cuda:
         report["sdpa_backends"] = {
