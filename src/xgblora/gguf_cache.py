@@ -65,7 +65,7 @@ def local_file(name: str) -> Path:
     if path.is_file():
         return path
     parts = name.split("/")
-    if path.exists() or len(parts) < 3:
+    if path.is_absolute() or name.startswith((".", "~")) or len(parts) < 3 or Path(parts[0]).exists():
         raise UserError(f"model {name!r}: no such GGUF file")
     from huggingface_hub import hf_hub_download
 
