@@ -94,7 +94,7 @@ def file_digest(path: Path) -> str:
 def dequantised_folder(name: str) -> Path:
     """The model folder holding the GGUF checkpoint `name` dequantised (converted on first use, see above)."""
     path = local_file(name)
-    folder = cache_dir() / f"{path.name[:-len(SUFFIX)]}-{file_digest(path)[:16]}"
+    folder = cache_dir() / file_digest(path)  # the same bytes under another name or folder share one copy
     if (folder / "config.json").is_file():
         return folder
     log.info("dequantising %s once into %s (later loads read it from there)", path, folder)
