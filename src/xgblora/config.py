@@ -15,7 +15,6 @@ from typing import Any
 
 import yaml
 
-from xgblora import gguf_cache
 from xgblora.errors import UserError
 from xgblora.trackers import parse_report_to
 
@@ -27,6 +26,17 @@ ZO_MAX_SCALING = 4.0
 # we could read, so it is a small one that changes little (see README); DEFAULT_BOOSTERS is ours too.
 PAPER_NORM_PENALTY = 1e-3
 DEFAULT_BOOSTERS = 5
+GGUF_SUFFIX = ".gguf"
+
+
+def is_gguf(name_or_path: str) -> bool:
+    """Whether a model name names a GGUF file (a local path, or owner/repo/FILE.gguf on the hub)."""
+    return name_or_path.lower().endswith(GGUF_SUFFIX)
+
+
+def lora_scaling(alpha: float, r: int, rslora: bool = False) -> float:
+    """A LoRA branch's multiplier of B A: alpha / r (LoRA), or alpha / sqrt(r) (rsLoRA, Kalajdzievski 2023)."""
+    return alpha / (math.sqrt(r) if rslora else r)
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -54,9 +64,14 @@ class ModelOptions:
     def resolve_gguf_file(self) -> None:
         """Fold --gguf_file into --model_name, a local GGUF path made absolute: the one name config.yaml and a
         trained adapter record, so eval, generate and export find the same base from any directory."""
-        if self.gguf_file is not None:
-            self.model_name, self.gguf_file = gguf_cache.join(self.model_name, self.gguf_file), None
-        self.model_name = gguf_cache.canonical(self.model_name)
+        if self.gguf_file is not None:  # a local folder's file by its absolute path, a hub repository's as repo/FILE
+            folder = Path(self.model_name).expanduser()
+            self.model_name = str(folder / self.gguf_file) if folder.is_dir() else \
+                f"{self.model_name.rstrip('/')}/{self.gguf_file}"
+            self.gguf_file = None
+        path = Path(self.model_name).expanduser()
+        if is_gguf(self.model_name) and path.is_file():
+            self.model_name = str(path.resolve())
 
     @property
     def dtype_name(self) -> str:
@@ -268,7 +283,7 @@ class Config(ModelOptions):
     @property
     def scaling(self) -> float:
         """The adapters' multiplier of B A: alpha / r, or alpha / sqrt(r) under rsLoRA."""
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+        return lora_scaling(self.alpha, self.rank, self.use_rslora)
 
 
 

@@ -18,7 +18,7 @@ import yaml
 
 from xgblora import atomic
 from xgblora.errors import UserError
-from xgblora.logging import read_metrics
+from xgblora.logs import read_metrics
 
 METRICS = ("accuracy", "f1")  # the test metric of a run is the first of these in its results.json
 MANY_MERGES = 30  # above this many merges the loss panel marks them with ticks only, no lines
@@ -55,7 +55,7 @@ def _read_mapping(path: Path, loader: Any) -> dict:
     return data
 
 
-def load_run(run_dir: Path) -> RunSummary:
+def read_run_summary(run_dir: Path) -> RunSummary:
     """Read a finished run's folder: config.yaml (what ran), results.json (final metrics), metrics.jsonl (curves)."""
     run_dir = Path(run_dir)
     if not (run_dir / "results.json").is_file():

