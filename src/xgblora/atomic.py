@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -93,13 +94,13 @@ def _fsync_tree(root: Path) -> None:
 
 @contextlib.contextmanager
 def created_folder(path: Path) -> Iterator[Path]:
-    """Yield an empty temporary folder (this process's own) to fill; when the block ends, rename it to `path` unless
+    """Yield an empty temporary folder (this writer's own) to fill; when the block ends, rename it to `path` unless
     another writer put one there first, in which case that one is kept and ours removed. Either way `path` then
-    holds a complete folder; when the block raises, nothing is left behind."""
+    holds a complete folder; when the block raises, nothing is left behind (a killed process leaves a hidden
+    `.NAME.*.tmp` folder, never a partial `path`)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
         _fsync_tree(tmp)
