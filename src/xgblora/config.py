@@ -26,6 +26,14 @@ ZO_MAX_SCALING = 4.0
 # we could read, so it is a small one that changes little (see README); DEFAULT_BOOSTERS is ours too.
 PAPER_NORM_PENALTY = 1e-3
 DEFAULT_BOOSTERS = 5
+ZO_ESTIMATORS = ("mezo", "fzoo", "svrg", "nspsa")
+
+
+def trainer_label(trainer: str, zo_estimator: str = "mezo", zo_optimizer: str = "sgd") -> str:
+    """The trainer as run labels say it: regular, zo (MeZO-SGD), or zo:ESTIMATOR[+OPTIMIZER] (zo:fzoo, zo:mezo+adam)."""
+    if trainer != "zo" or (zo_estimator, zo_optimizer) == ("mezo", "sgd"):
+        return trainer
+    return f"zo:{zo_estimator}" + ("" if zo_optimizer == "sgd" else f"+{zo_optimizer}")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -133,7 +141,12 @@ class Config(ModelOptions):
     trainer: str = _opt("regular", "regular (AdamW), zo (MeZO), or none (evaluate only: what `xgblora eval` runs).", ("none", "regular", "zo"))
     learning_rate: float = _opt(1e-5, "Peak learning rate.")
     zo_eps: float = _opt(1e-3, "MeZO perturbation size epsilon.")
-    zo_dual: bool = _opt(True, "MeZO with adapters: both perturbed losses from one forward over a doubled batch.")
+    zo_dual: bool | None = _opt(None, "ZO with adapters: both perturbed losses of a two-point estimate from one forward over a doubled batch (default: on where it applies: adapters with mezo, nspsa or svrg).")
+    zo_estimator: str = _opt("mezo", "Zeroth-order gradient estimator: mezo (two-point SPSA, 2 forwards/step), nspsa (mean of --zo_queries two-point estimates), fzoo (--zo_queries one-sided Rademacher estimates over their std, queries+1 forwards), svrg (MeZO-SVRG: large-batch anchor every --zo_svrg_period steps, 4 forwards between).", ZO_ESTIMATORS)
+    zo_queries: int | None = _opt(None, "Perturbations per step: nspsa's two-point estimates (default 4), fzoo's one-sided ones (default 8); mezo and svrg use 1.")
+    zo_optimizer: str = _opt("sgd", "What the ZO estimate drives: sgd (in place, no state), momentum (torch SGD, --adam_beta1 as momentum), adam (torch AdamW); the last two keep fp32 state as large as the trainable weights.", ("sgd", "momentum", "adam"))
+    zo_svrg_period: int = _opt(10, "svrg: steps from one anchor step to the next.")
+    zo_svrg_anchor_batches: int = _opt(8, "svrg: training batches the anchor step's large-batch estimate averages (2 forwards each).")
     zo_stochastic_rounding: bool | None = _opt(None, "MeZO full-model update in half precision with stochastic rounding (default on in bf16/fp16).")
     per_device_train_batch_size: int = _opt(8, "Training micro-batch size per device.")
     per_device_eval_batch_size: int = _opt(8, "Evaluation batch size (in (example, candidate) pairs).")
@@ -191,7 +204,8 @@ class Config(ModelOptions):
         _check_positive(self, "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                         "lora_r", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
                         "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
-                        "zo_eps", "head_learning_rate", "head_probe_l2", "temperature")
+                        "zo_eps", "head_learning_rate", "head_probe_l2", "temperature", "zo_queries", "zo_svrg_period",
+                        "zo_svrg_anchor_batches")
         for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
@@ -215,11 +229,29 @@ class Config(ModelOptions):
                         "grows with the square of the scale, %gx that of r=8, alpha=16; lower --lora_alpha (default "
                         "2r) if the loss jumps or predictions collapse to one class", self.scaling, self.alpha,
                         self.rank, ", rsLoRA" if self.use_rslora else "", (self.scaling / 2) ** 2)
+        if self.trainer == "zo":
+            self._check_zo_estimator()
         if self.learnable_temperature and self.trainer == "zo":
             raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
                             "weights only); fix the temperature with --temperature instead")
         if not 0.0 < self.xgblora_shrinkage <= 1.0:
             raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
+
+    def _check_zo_estimator(self) -> None:
+        """Refuse the ZO flags an estimator cannot use, with the reason."""
+        if self.zo_queries is not None and self.zo_estimator in ("mezo", "svrg") and self.zo_queries != 1:
+            raise UserError(f"--zo_queries {self.zo_queries}: --zo_estimator {self.zo_estimator} takes one "
+                            f"perturbation per step; use --zo_estimator nspsa (n two-point estimates) or fzoo")
+        if self.zo_estimator == "fzoo" and self.zo_queries is not None and self.zo_queries < 2:
+            raise UserError(f"--zo_queries {self.zo_queries}: fzoo divides by the spread of its perturbed losses "
+                            f"and needs at least 2")
+        if self.zo_estimator == "fzoo" and self.zo_dual:
+            raise UserError("--zo_dual: fzoo perturbs one-sided with --zo_queries different vectors, which the "
+                            "doubled batch (+z and -z of one vector) cannot carry; drop --zo_dual")
+        if self.zo_optimizer != "sgd" and self.method == "ft" and self.dtype_name != "float32":
+            raise UserError(f"--zo_optimizer {self.zo_optimizer} keeps its state in the weights' dtype, where "
+                            f"{self.dtype_name} loses the small updates of full fine-tuning: load fp32 weights or "
+                            f"use --zo_optimizer sgd")
 
     @property
     def rank(self) -> int:
@@ -270,7 +302,7 @@ class CompareConfig(Config):
     output_root: str = _opt("compare", "Folder holding one sub-folder per run and the report.")
     loss_figure_path: str | None = _opt(None, "Where to write the loss figure (default <output_root>/loss.png).")
     seeds: list[int] = _opt([0], "Seeds to run each method with.")
-    methods: list[str] = _opt(["xgblora", "lora"], "Methods to compare: ft, lora, xgblora, optionally as method:trainer (e.g. lora:regular).")
+    methods: list[str] = _opt(["xgblora", "lora"], "Methods to compare: ft, lora, xgblora, optionally as method:trainer (e.g. lora:regular), the trainer also a ZO estimator (lora:fzoo, lora:svrg, lora:nspsa, lora:mezo).")
     overwrite: bool = _opt(False, "Redo runs that already finished.")
 
 

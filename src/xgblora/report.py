@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from xgblora import atomic
+from xgblora.config import trainer_label
 from xgblora.errors import UserError
 from xgblora.logging import read_metrics
 
@@ -67,7 +68,8 @@ def load_run(run_dir: Path) -> RunSummary:
         return config.get(config_key, results.get(results_key, default))
 
     metrics_path = run_dir / "metrics.jsonl"
-    return RunSummary(run_dir=run_dir, method=str(pick("method", "method", "?")), trainer=str(pick("trainer", "trainer", "?")),
+    return RunSummary(run_dir=run_dir, method=str(pick("method", "method", "?")), trainer=trainer_label(str(pick("trainer", "trainer", "?")), config.get("zo_estimator", "mezo"),
+                                                 config.get("zo_optimizer", "sgd")),
                       task=str(pick("task_name", "task", "?")), model=str(pick("model_name", "model", "?")),
                       seed=int(pick("seed", "seed", 0)), results=results,
                       metrics=read_metrics(metrics_path) if metrics_path.is_file() else [])
