@@ -112,18 +112,19 @@ def hf_run(values: dict[str, Any], out: Path) -> dict[str, Any]:
         TrainingArguments,
     )
 
-    from xgblora import encoders, models
     from xgblora.config import Config
-    from xgblora.data.loading import sample_splits
+    from xgblora.data.splits import sample_splits
     from xgblora.data.tasks import get_task
+    from xgblora.evaluation import labels
+    from xgblora.models import pretrained
 
     started = time.perf_counter()
     cfg = Config(**values)
     task = get_task(cfg.task_name, cfg)
     splits = sample_splits(task, cfg)
-    words = encoders.label_words(task.name, splits.train, splits.dev, splits.eval)
+    words = labels.label_words(task.name, splits.train, splits.dev, splits.eval)
     transformers.set_seed(cfg.seed)
-    path = models.resolve_path(cfg.model_name)
+    path = pretrained.resolve_path(cfg.model_name)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=len(words))
     model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=cfg.rank, lora_alpha=cfg.alpha,
@@ -143,8 +144,8 @@ def hf_run(values: dict[str, Any], out: Path) -> dict[str, Any]:
     train_started = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - train_started
-    scoring = encoders.build_scoring("classifier", tok, words)
-    test, dev = (encoders.evaluate(model, tok, examples, scoring, batch_size=cfg.per_device_eval_batch_size,
+    scoring = labels.build_scoring("classifier", tok, words)
+    test, dev = (labels.evaluate(model, tok, examples, scoring, batch_size=cfg.per_device_eval_batch_size,
                                    max_length=cfg.max_length) for examples in (splits.eval, splits.dev))
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from xgblora.train import checkpoint
+from xgblora import checkpoint
 
 
 def timed(fn) -> float:

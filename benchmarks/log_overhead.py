@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from xgblora.logging import MetricsLog
+from xgblora.logs import MetricsLog
 
 
 def naive_log(path: Path, record: dict) -> None:

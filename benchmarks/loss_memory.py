@@ -24,21 +24,21 @@ def step_peak_mb(args: argparse.Namespace, variant: str) -> float:
     """Memory (MiB) one training step of `variant` adds to what this process held before it."""
     import torch
 
-    from xgblora import models, scoring
     from xgblora.adapters.lora import attach
     from xgblora.bench.memory import added_peak_mb
     from xgblora.bench.workloads import synthetic_seqs
-    from xgblora.data.batching import collate
-    from xgblora.objective import TrainingLoss
+    from xgblora.data.collation import collate
+    from xgblora.models import pretrained, scoring
+    from xgblora.train.objective import TrainingLoss
 
     if variant == "plain":
         scoring.token_logprobs = lambda logits, targets: torch.log_softmax(
             logits[:, :targets.shape[1]].float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     device = torch.device(args.device)
-    models.RANDOM_MODELS["llama-128k-bench"] = ("llama", dict(
+    pretrained.RANDOM_MODELS["llama-128k-bench"] = ("llama", dict(
         vocab_size=128256, hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=4096))
-    model, tokenizer = models.random_model("llama-128k-bench", dtype=args.dtype)
+    model, tokenizer = pretrained.random_model("llama-128k-bench", dtype=args.dtype)
     attach(model, ["q_proj", "v_proj"], r=8, alpha=16.0)
     model.to(device)
     seqs = synthetic_seqs(args.batch_size, args.seq_len, args.target_len, 128256)

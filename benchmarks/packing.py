@@ -19,17 +19,17 @@ import statistics
 
 import torch
 
-from xgblora import models
 from xgblora.adapters.lora import attach, is_adapter_param
 from xgblora.bench.timing import time_interleaved
 from xgblora.config import Config
-from xgblora.data.loading import sample_splits
 from xgblora.data.order import epoch_batches
+from xgblora.data.splits import sample_splits
 from xgblora.data.tasks import get_task
-from xgblora.objective import TrainingLoss, causal_training_set
+from xgblora.models import pretrained
+from xgblora.models.scoring import packing_supported
 from xgblora.optim.fo import AdamWStepper
 from xgblora.optim.zo import MeZO, ZOStepper
-from xgblora.scoring import packing_supported
+from xgblora.train.objective import TrainingLoss, causal_training_set
 
 
 def steps_of(model: torch.nn.Module, modules: dict, batch_size: int) -> dict:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    model, tokenizer = models.load(args.model_name, dtype=args.dtype)
+    model, tokenizer = pretrained.load(args.model_name, dtype=args.dtype)
     if not packing_supported(model):
         raise SystemExit(f"{args.model_name} lets packed sequences attend to each other: nothing to compare")
     modules = attach(model, r=8).modules

@@ -24,22 +24,22 @@ def measure(args: argparse.Namespace, mode: str) -> dict[str, float]:
     """Load the model for `mode`, run one forward (inference) or one MeZO step; return the memory it took (MiB)."""
     import torch
 
-    from xgblora import models
     from xgblora.adapters.lora import attach
     from xgblora.bench.memory import RssSampler, _rss_mb
     from xgblora.bench.workloads import synthetic_seqs
-    from xgblora.data.batching import collate
-    from xgblora.objective import TrainingLoss
+    from xgblora.data.collation import collate
+    from xgblora.models import pretrained
     from xgblora.optim.zo import MeZO
+    from xgblora.train.objective import TrainingLoss
 
     device = torch.device(args.device)
-    models.RANDOM_MODELS["llama-bench"] = ("llama", dict(
+    pretrained.RANDOM_MODELS["llama-bench"] = ("llama", dict(
         vocab_size=32000, hidden_size=args.hidden, intermediate_size=int(2.6875 * args.hidden) // 32 * 32,
         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 256,
         max_position_embeddings=4096))
     before = torch.cuda.memory_allocated() / 2**20 if device.type == "cuda" else _rss_mb()
     nf4 = mode.startswith("nf4")
-    model, tokenizer = models.load("llama-bench", dtype="bfloat16", device=args.device, load_in_4bit=nf4,
+    model, tokenizer = pretrained.load("llama-bench", dtype="bfloat16", device=args.device, load_in_4bit=nf4,
                                    compute_dtype="bfloat16")
     gc.collect()
     seqs = synthetic_seqs(args.batch_size, args.seq_len, args.seq_len // 4, 32000)

@@ -71,7 +71,7 @@ def xgblora_run(args: argparse.Namespace, files: dict[str, Path], seed: int, nam
 
 def st_evaluate(model: Any, files: dict[str, Path], max_length: int) -> dict[str, float]:
     """recall@1 and MRR of a SentenceTransformer on the test split, with xgblora's metrics on its embeddings."""
-    from xgblora import retrieval
+    from xgblora.evaluation import retrieval
 
     rows = [json.loads(line) for line in files["test"].read_text(encoding="utf-8").splitlines()]
     corpus = list(dict.fromkeys(r["passage"] for r in rows))
@@ -94,10 +94,10 @@ def st_run(args: argparse.Namespace, files: dict[str, Path], seed: int, lr: floa
         SentenceTransformerTrainingArguments,
     )
 
-    from xgblora import models
+    from xgblora.models import pretrained
 
     torch.manual_seed(seed)
-    model = SentenceTransformer(models.resolve_path(MODEL), device="cpu")
+    model = SentenceTransformer(pretrained.resolve_path(MODEL), device="cpu")
     model.max_seq_length = args.max_length
     if lora:
         from peft import LoraConfig, TaskType
@@ -123,9 +123,9 @@ def st_run(args: argparse.Namespace, files: dict[str, Path], seed: int, lr: floa
 def zero_shot(files: dict[str, Path], max_length: int) -> dict:
     from sentence_transformers import SentenceTransformer
 
-    from xgblora import models
+    from xgblora.models import pretrained
 
-    return {**st_evaluate(SentenceTransformer(models.resolve_path(MODEL), device="cpu"), files, max_length),
+    return {**st_evaluate(SentenceTransformer(pretrained.resolve_path(MODEL), device="cpu"), files, max_length),
             "train_s": 0.0}
 
 

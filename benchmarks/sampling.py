@@ -28,15 +28,15 @@ def build(args: argparse.Namespace):
     """The model, the tokenised prompts and the stop tokens of a run."""
     import torch
 
-    from xgblora import models
     from xgblora.data import formats
     from xgblora.data.tasks import Example
+    from xgblora.models import pretrained
 
-    models.RANDOM_MODELS["llama-110m-bench"] = ("llama", dict(
+    pretrained.RANDOM_MODELS["llama-110m-bench"] = ("llama", dict(
         vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=4, max_position_embeddings=4096, tie_word_embeddings=True))
-    model, tokenizer = models.random_model("llama-110m-bench", dtype=args.dtype)
-    tokenizer.chat_template = models.ZEPHYR_CHAT_TEMPLATE
+    model, tokenizer = pretrained.random_model("llama-110m-bench", dtype=args.dtype)
+    tokenizer.chat_template = pretrained.ZEPHYR_CHAT_TEMPLATE
     model.to(args.device).eval()
     questions = [json.loads(line)["question"] for line in
                  (Path(args.data) / "gsm8k" / "test.jsonl").read_text().splitlines()[:args.prompts]]
@@ -49,7 +49,7 @@ def workload(args: argparse.Namespace, variant: str):
     """A function that draws num_samples completions of every prompt with the variant."""
     import torch
 
-    from xgblora.sampling import Sampler, SamplingParams
+    from xgblora.models.sampler import Sampler, SamplingParams
 
     model, tokenizer, prompts, stops = build(args)
     if variant == "xgblora":

@@ -84,7 +84,7 @@ def worker(spec: str) -> None:
     """A run's process: train, test at the best dev checkpoint, print the result and the dev curve as JSON."""
     from xgblora import train
     from xgblora.config import Config
-    from xgblora.logging import read_metrics
+    from xgblora.logs import read_metrics
 
     values = json.loads(spec)
     with tempfile.TemporaryDirectory() as tmp:

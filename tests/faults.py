@@ -48,7 +48,8 @@ KILLED = -signal.SIGKILL
 # stderr to that file, and prints the child's pid, then (when it ends) its exit status (-9: SIGKILL)
 FORK_SERVER = """
 import json, os, sys, traceback
-from xgblora import cli, train  # torch, transformers and xgblora imported once, before any fork
+from xgblora import cli  # torch, transformers and xgblora imported once, before any fork
+from xgblora import train
 
 for line in sys.stdin:
     args, stderr_path = json.loads(line)

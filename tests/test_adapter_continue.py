@@ -11,18 +11,20 @@ import torch
 import yaml
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from xgblora import loading, models
-from xgblora.adapters.export import export_run, read_adapter
+from xgblora.adapters import trained
+from xgblora.adapters.peft import read_adapter
 from xgblora.config import Config
 from xgblora.demo import LABEL_WORDS, TEMPLATE, write_data
+from xgblora.export import export_run
+from xgblora.models import pretrained
 from xgblora.train import run
 from xgblora.train.setup import setup_method
 
 PEFT_LOGITS = """
 import json, sys, torch
 from peft import PeftModel
-from xgblora import models
-base = models.load("tiny-llama")[0]
+from xgblora.models import pretrained
+base = pretrained.load("tiny-llama")[0]
 model = PeftModel.from_pretrained(base, sys.argv[1]).eval()
 with torch.no_grad():
     logits = model(input_ids=torch.load(sys.argv[2], weights_only=True)).logits
@@ -36,7 +38,7 @@ IDS = torch.randint(3, 400, (2, 12), generator=torch.Generator().manual_seed(1))
 def peft_adapter(tmp_path_factory) -> Path:
     """A rank-4 rsLoRA adapter on q/v/o of tiny-llama, trained 5 AdamW steps by PEFT itself (B far from zero)."""
     folder = tmp_path_factory.mktemp("peft") / "adapter"
-    base = models.load("tiny-llama")[0]
+    base = pretrained.load("tiny-llama")[0]
     config = LoraConfig(r=4, lora_alpha=6, target_modules=["q_proj", "v_proj", "o_proj"], use_rslora=True,
                         task_type="CAUSAL_LM")
     model = get_peft_model(base, config)
@@ -66,9 +68,9 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 
 @pytest.mark.parametrize("method", ["lora", "xgblora"])
 def test_a_peft_adapter_loads_exactly_into_xgblora_layers(peft_adapter: Path, method: str) -> None:
-    reference = _logits(PeftModel.from_pretrained(models.load("tiny-llama")[0], peft_adapter))
-    model = models.load("tiny-llama")[0]
-    plain = _logits(models.load("tiny-llama")[0])
+    reference = _logits(PeftModel.from_pretrained(pretrained.load("tiny-llama")[0], peft_adapter))
+    model = pretrained.load("tiny-llama")[0]
+    plain = _logits(pretrained.load("tiny-llama")[0])
     m = setup_method(model, Config(model_name="tiny-llama", adapter=str(peft_adapter), method=method))
     assert set(m.modules) == {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj",
                                                                                               "o_proj")}
@@ -98,7 +100,7 @@ def test_training_continues_from_a_peft_adapter_and_loads_back_in_peft(peft_adap
     out = _train_on(peft_adapter, tmp_path, method)
     cfg = yaml.safe_load((out / "config.yaml").read_text())
     assert cfg["model_name"] == "tiny-llama" and cfg["adapter"] == str(peft_adapter)
-    ours = _logits(loading.load_for_inference(str(out))[0])  # xgblora's loader: merged into the base
+    ours = _logits(trained.load_for_inference(str(out))[0])  # xgblora's loader: merged into the base
     peft = _peft_logits(out / "final", tmp_path)  # PEFT's loader in a fresh process
     torch.testing.assert_close(peft, ours, atol=2e-5, rtol=0)
     start, final = read_adapter(peft_adapter)[0], read_adapter(out / "final")[0]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from xgblora.bench import flags, suite, table, workloads
+from xgblora.bench import flags, suites, table, workloads
 from xgblora.bench.baselines import hf_vs_xgblora
 
 
@@ -23,7 +23,7 @@ def _positive(value) -> bool:
 
 
 def test_bench_quick_writes_every_key_and_prints_the_table(tmp_path, capsys):
-    assert suite.main(_args(tmp_path, "--skip_hf")) == 0
+    assert suites.main(_args(tmp_path, "--skip_hf")) == 0
     out = capsys.readouterr().out
     assert "MeZO LoRA step / two forwards" in out and "target" in out
     res = json.loads((tmp_path / "bench.json").read_text())
@@ -61,7 +61,7 @@ def test_hf_peft_baseline_gives_a_speedup(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the CPU part; with a GPU the suite runs its CUDA part")
 def test_gpu_suite_runs_its_cpu_part_and_names_what_needs_cuda(tmp_path, capsys):
     args = _args(tmp_path, "--suite", "gpu")
-    assert suite.main(args) == 0
+    assert suites.main(args) == 0
     res = json.loads((tmp_path / "bench.json").read_text())
     parts = res["parts"]
     assert res["cuda"] is False and (tmp_path / "bench.md").read_text().startswith("GPU suite (no CUDA")
@@ -77,7 +77,7 @@ def test_sft_suite_quick_compares_with_trl_on_the_same_tokens(tmp_path, shared_d
     pytest.importorskip("trl")
     args = _args(tmp_path, "--suite", "sft", "--sft_models", "tiny-llama-chat", "--sft_variants", "padded", "packed",
                  "--data_dir", str(shared_data), "--skip_memory")
-    assert suite.main(args) == 0
+    assert suites.main(args) == 0
     cases = json.loads((tmp_path / "bench.json").read_text())["cases"]
     assert [c["variant"] for c in cases] == ["padded", "packed"]
     for c in cases:

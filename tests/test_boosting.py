@@ -8,9 +8,9 @@ import torch
 from conftest import forget_state_in
 from torch import nn
 
-from xgblora import models
 from xgblora.adapters.boosting import Boosting, block_of
 from xgblora.adapters.lora import LoRALinear, attach
+from xgblora.models import pretrained
 
 
 def _batch(model, step: int) -> torch.Tensor:
@@ -19,7 +19,7 @@ def _batch(model, step: int) -> torch.Tensor:
 
 def _setup(seed: int = 0, r: int = 1, **boost):
     torch.manual_seed(seed)
-    model, _ = models.load("tiny-opt")
+    model, _ = pretrained.load("tiny-opt")
     model.eval()  # no dropout: runs are comparable
     report = attach(model, r=r, alpha=16.0)
     boosting = None

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
+from xgblora import checkpoint
 from xgblora.errors import UserError
-from xgblora.train import checkpoint
 
 
 def test_save_load_round_trip_and_rng(tmp_path):

@@ -11,16 +11,16 @@ import types
 import pytest
 import torch
 
-from xgblora import models
 from xgblora.adapters import lora
 from xgblora.bench.workloads import synthetic_seqs
 from xgblora.config import Config
-from xgblora.data.batching import collate, collate_packed
+from xgblora.data.collation import collate, collate_packed
 from xgblora.distributed import Distributed
-from xgblora.objective import TrainingLoss, per_example_loss
+from xgblora.models import pretrained
+from xgblora.models.scoring import packing_supported
 from xgblora.optim.fo import AdamWStepper, build_optimizer
 from xgblora.optim.zo import MeZO
-from xgblora.scoring import packing_supported
+from xgblora.train.objective import TrainingLoss, per_example_loss
 from xgblora.train.setup import autocast_dtype
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
@@ -29,7 +29,7 @@ CUDA = torch.device("cuda")
 
 
 def _lora_model(name: str = "tiny-llama", dtype: str = "float32", attn: str = "auto") -> tuple[torch.nn.Module, dict]:
-    model, _ = models.load(name, dtype=dtype, device="cuda", attn_implementation=attn)
+    model, _ = pretrained.load(name, dtype=dtype, device="cuda", attn_implementation=attn)
     report = lora.attach(model, ["q_proj", "v_proj"], r=8, alpha=16.0)
     with torch.no_grad():  # B = 0 at init: give the adapters an effect to compare
         gen = torch.Generator("cuda").manual_seed(0)
@@ -59,11 +59,11 @@ def test_bf16_autocast_is_the_cuda_default_and_close_to_fp32():
 
 
 def test_attention_auto_is_flash_or_sdpa_and_scores_as_eager():
-    chosen = models.choose_attention("auto", CUDA)
+    chosen = pretrained.choose_attention("auto", CUDA)
     assert chosen == ("flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa")
     dtype = "bfloat16" if chosen.startswith("flash") else "float32"
-    auto, _ = models.load("tiny-llama", dtype=dtype, device="cuda")
-    eager, _ = models.load("tiny-llama", dtype=dtype, device="cuda", attn_implementation="eager")
+    auto, _ = pretrained.load("tiny-llama", dtype=dtype, device="cuda")
+    eager, _ = pretrained.load("tiny-llama", dtype=dtype, device="cuda", attn_implementation="eager")
     assert auto.config._attn_implementation == chosen  # noqa: SLF001
     assert torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
     _, batch = _batch(auto)
@@ -74,7 +74,7 @@ def test_attention_auto_is_flash_or_sdpa_and_scores_as_eager():
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn is not installed")
 def test_varlen_packing_with_flash_attention_scores_as_padding():
-    model, _ = models.load("tiny-llama", dtype="bfloat16", device="cuda", attn_implementation="flash_attention_2")
+    model, _ = pretrained.load("tiny-llama", dtype="bfloat16", device="cuda", attn_implementation="flash_attention_2")
     assert packing_supported(model)
     seqs, padded = _batch(model, rows=6)
     packed = collate_packed(seqs).to(CUDA)

@@ -14,19 +14,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from xgblora import distributed, models, train
+from xgblora import distributed, train
 from xgblora.config import Config
-from xgblora.logging import read_metrics
+from xgblora.logs import read_metrics
+from xgblora.models import pretrained
 
 # One rank of a test run: tiny-opt without dropout (so 1 x 2b and 2 x b see the same function); gradient buckets of
 # XGBLORA_TEST_BUCKET_BYTES; rank 1 dies or stalls after step XGBLORA_TEST_FAIL_AT_STEP. These variables are read
 # here only, not by xgblora.
 WORKER = '''
 import os, sys, time
-from xgblora import cli, distributed, models, train
+from xgblora import cli
+from xgblora import distributed
+from xgblora.models import pretrained
+from xgblora import train
 distributed.BUCKET_BYTES = int(os.environ.get("XGBLORA_TEST_BUCKET_BYTES", distributed.BUCKET_BYTES))
-kind, shape = models.RANDOM_MODELS["tiny-opt"]
-models.RANDOM_MODELS["tiny-opt"] = (kind, {**shape, "dropout": 0.0})
+kind, shape = pretrained.RANDOM_MODELS["tiny-opt"]
+pretrained.RANDOM_MODELS["tiny-opt"] = (kind, {**shape, "dropout": 0.0})
 at = int(os.environ.get("XGBLORA_TEST_FAIL_AT_STEP", "0"))
 if at and os.environ["RANK"] == "1":
     def fail(state):
@@ -61,8 +65,8 @@ def options(tmp_path: Path, out: Path, **overrides) -> dict:
 
 def run_one(monkeypatch: pytest.MonkeyPatch, values: dict) -> dict:
     """The single-process reference, in this process (tiny-opt without dropout, as in WORKER)."""
-    kind, shape = models.RANDOM_MODELS["tiny-opt"]
-    monkeypatch.setitem(models.RANDOM_MODELS, "tiny-opt", (kind, {**shape, "dropout": 0.0}))
+    kind, shape = pretrained.RANDOM_MODELS["tiny-opt"]
+    monkeypatch.setitem(pretrained.RANDOM_MODELS, "tiny-opt", (kind, {**shape, "dropout": 0.0}))
     return train.run(Config(**values))
 
 

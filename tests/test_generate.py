@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from xgblora import generation
 from xgblora.cli import main
-from xgblora.models import random_model
+from xgblora.generation import generate
+from xgblora.models.pretrained import random_model
 
 ROWS = [{"prompt": "What is 2 + 3?", "id": "a"},
         {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
@@ -38,7 +38,7 @@ def _lines(path):
 
 def _interrupt_at_third_prompt(monkeypatch):
     """Make the run stop (as Ctrl-C does) part-way, after at least one batch was written; returns the real function."""
-    real, calls = generation.completion_record, []
+    real, calls = generate.completion_record, []
 
     def dying(*args):
         calls.append(1)
@@ -46,7 +46,7 @@ def _interrupt_at_third_prompt(monkeypatch):
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(generation, "completion_record", dying)
+    monkeypatch.setattr(generate, "completion_record", dying)
     return real
 
 
@@ -70,7 +70,7 @@ def test_an_interrupted_generation_resumes_to_the_same_file_with_nothing_twice(t
     assert 0 < len(written) < len(ROWS)
     with open(partial, "a") as handle:  # a torn last line, as a kill during the write leaves
         handle.write('{"index": 4, "compl')
-    monkeypatch.setattr(generation, "completion_record", real)
+    monkeypatch.setattr(generate, "completion_record", real)
     assert _generate(tmp_path) == 0
     assert (tmp_path / "out.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
 
@@ -127,8 +127,8 @@ def test_sampling_options_out_of_range_are_refused(tmp_path, capsys, flags, mess
 
 def test_generate_gives_the_same_greedy_completions_from_a_run_its_peft_export_its_merged_export_and_base_plus_adapter(
         tmp_path):
-    from xgblora.adapters.export import export_run
     from xgblora.config import Config
+    from xgblora.export import export_run
     from xgblora.train import run
 
     data = tmp_path / "train.jsonl"

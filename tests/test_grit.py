@@ -8,15 +8,16 @@ import pytest
 import torch
 import yaml
 
-from xgblora import cli, models
+from xgblora import cli
 from xgblora.config import Config
 from xgblora.data import formats
-from xgblora.data.loading import load_rows
 from xgblora.data.pairs import collate_pairs, pair_seqs
+from xgblora.data.splits import load_rows
 from xgblora.data.tasks import CustomTask, Example
-from xgblora.embedding import bidirectional_supported, encode_texts, hidden_states
-from xgblora.objective import Contrastive, per_example_loss, sequence_training_set
+from xgblora.embeddings.pooling import bidirectional_supported, encode_texts, hidden_states
+from xgblora.models import pretrained
 from xgblora.train import run
+from xgblora.train.objective import Contrastive, per_example_loss, sequence_training_set
 
 TOPICS = ["the movie was a love story", "a film about the war", "the best story of the year", "a boring time",
           "funny and good", "the terrible acting", "a great new film", "what a fun movie", "the dull plot",
@@ -24,7 +25,7 @@ TOPICS = ["the movie was a love story", "a film about the war", "the best story 
 
 
 def test_the_bidirectional_mask_lets_earlier_tokens_see_later_ones_and_still_hides_padding():
-    model, _ = models.load("tiny-llama")
+    model, _ = pretrained.load("tiny-llama")
     model.eval()
     ids = torch.tensor([[5, 17, 42, 99, 7]])
     changed = ids.clone()
@@ -91,8 +92,8 @@ def test_grit_lowers_both_losses_and_its_merged_export_embeds_and_generates(tmp_
 
     merged = tmp_path / "merged"
     assert cli.main(["export", str(out), "--format", "merged", "--out", str(merged)]) == 0
-    base, tokenizer = models.load("tiny-llama")
-    trained, merged_tokenizer = models.load(str(merged))
+    base, tokenizer = pretrained.load("tiny-llama")
+    trained, merged_tokenizer = pretrained.load(str(merged))
     before, after = losses(base, tokenizer, cfg, pairs, sft), losses(trained, merged_tokenizer, cfg, pairs, sft)
     assert after[0] < before[0] * 0.9 and after[1] < before[1] * 0.9, (before, after)
 

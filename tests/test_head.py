@@ -8,15 +8,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from xgblora import encoders, head, models, train
+from xgblora import train
 from xgblora.adapters.lora import attach
 from xgblora.config import Config
-from xgblora.data.loading import sample_splits
+from xgblora.data.splits import sample_splits
 from xgblora.data.tasks import Example, get_task
 from xgblora.demo import sentiment_rows, write_data
 from xgblora.distributed import LOCAL
-from xgblora.objective import TrainingLoss
+from xgblora.evaluation import labels
+from xgblora.models import pretrained
+from xgblora.train import head
 from xgblora.train.loop import build_stepper
+from xgblora.train.objective import TrainingLoss
 from xgblora.train.setup import setup_method
 
 WORDS = (" terrible", " great")
@@ -47,8 +50,8 @@ def _objective_gradient(layer: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor
 def test_probe_solves_the_regularised_logistic_regression_on_pooled_features():
     examples = _examples(48)
     for pooling in ("mean", "cls"):
-        model, tok = models.load("tiny-bert", head="classifier", num_labels=2)
-        scoring = encoders.build_scoring("classifier", tok, WORDS, pooling)
+        model, tok = pretrained.load("tiny-bert", head="classifier", num_labels=2)
+        scoring = labels.build_scoring("classifier", tok, WORDS, pooling)
         x = _features_by_hand(model, tok, examples, pooling)
         y = torch.tensor([ex.gold[0] for ex in examples])
         layer = model.classifier
@@ -142,7 +145,7 @@ def _final_head(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
 def test_a_mezo_run_starts_from_the_probe_and_each_head_trainer_does_what_it_says(tmp_path, head_trainer):
     cfg = _cfg(tmp_path, head_trainer=head_trainer, learning_rate=5e-2)
     train.run(cfg)
-    fresh, tok = models.load("tiny-bert", head="classifier", num_labels=2)  # the same weights as the run's
+    fresh, tok = pretrained.load("tiny-bert", head="classifier", num_labels=2)  # the same weights as the run's
     examples = sample_splits(get_task("custom", cfg), cfg).train
     x = _features_by_hand(fresh, tok, examples, "mean")
     y = torch.tensor([ex.gold[0] for ex in examples])
@@ -157,22 +160,22 @@ def test_a_mezo_run_starts_from_the_probe_and_each_head_trainer_does_what_it_say
 
 
 def test_first_order_head_steps_on_the_autograd_gradient_of_detached_features():
-    model, tok = models.load("tiny-bert", head="classifier", num_labels=2)
+    model, tok = pretrained.load("tiny-bert", head="classifier", num_labels=2)
     attach(model, None, r=2)
-    named = [(n, p) for n, p in model.named_parameters() if encoders.is_head_param(n)]
+    named = [(n, p) for n, p in model.named_parameters() if labels.is_head_param(n)]
     for _, p in named:
         p.requires_grad_(True)
-    scoring = encoders.build_scoring("classifier", tok, WORDS, "mean")
+    scoring = labels.build_scoring("classifier", tok, WORDS, "mean")
     examples = _examples(12)
-    batch = encoders.collate(encoders.encode(tok, examples, 64, scoring), tok.pad_token_id, scoring)
+    batch = labels.collate(labels.encode(tok, examples, 64, scoring), tok.pad_token_id, scoring)
     model.eval()
-    loss = torch.nn.functional.cross_entropy(encoders.label_logits(model, batch), batch.labels)
+    loss = torch.nn.functional.cross_entropy(labels.label_logits(model, batch), batch.labels)
     reference = torch.autograd.grad(loss, model.classifier.weight)[0]  # through the whole forward
     before = model.classifier.weight.detach().clone()
     lr = 1e-3
     trainer = head.HeadTrainer(model, named, lr)
     with torch.no_grad():  # as MeZO's forwards run: on the doubled batch, without autograd
-        trainer.train_on(lambda: encoders.label_logits(model, batch.doubled()), batch)
+        trainer.train_on(lambda: labels.label_logits(model, batch.doubled()), batch)
     adam_first_step = -lr * reference / (reference.abs() + 1e-8)  # AdamW's first step: lr * m / (sqrt(v) + eps)
     torch.testing.assert_close(model.classifier.weight - before, adam_first_step, rtol=1e-3, atol=1e-7)
 
@@ -180,7 +183,7 @@ def test_first_order_head_steps_on_the_autograd_gradient_of_detached_features():
 def test_only_a_zo_trained_head_keeps_mezo_off_the_dual_batch(tmp_path):
     for head_trainer, dual, in_mezo in (("first-order", True, False), ("frozen", True, False), ("zo", False, True)):
         cfg = _cfg(tmp_path / head_trainer, head_trainer=head_trainer)
-        model, _ = models.load("tiny-bert", head="classifier", num_labels=2)
+        model, _ = pretrained.load("tiny-bert", head="classifier", num_labels=2)
         method = setup_method(model, cfg)
         stepper = build_stepper(cfg, method, TrainingLoss(model), LOCAL, torch.device("cpu"))
         mezo_params = {id(p) for p, _ in stepper.mezo._params}

@@ -16,17 +16,18 @@ from tokenizers import processors
 from transformers import AutoTokenizer
 
 from xgblora import config as config_mod
-from xgblora import models, scoring, train
+from xgblora import train
 from xgblora.config import Config
 from xgblora.data import formats
-from xgblora.data.batching import collate, collate_packed
-from xgblora.data.loading import load_rows
+from xgblora.data.collation import collate, collate_packed
+from xgblora.data.splits import load_rows
 from xgblora.data.tasks import CustomTask, Example
 from xgblora.errors import UserError
-from xgblora.evaluate import generate
-from xgblora.instruction_eval import final_number
-from xgblora.logging import read_metrics
-from xgblora.objective import per_example_loss
+from xgblora.evaluation.instructions import final_number
+from xgblora.logs import read_metrics
+from xgblora.models import pretrained, scoring
+from xgblora.models.sampler import greedy_continuations
+from xgblora.train.objective import per_example_loss
 
 CONVERSATION = (("system", "Be brief."), ("user", "2+2?"), ("assistant", "4"), ("user", "and 3+3?"),
                 ("assistant", "6, since 3+3=6"))
@@ -34,7 +35,7 @@ CONVERSATION = (("system", "Be brief."), ("user", "2+2?"), ("assistant", "4"), (
 
 @pytest.fixture(scope="module")
 def chat_model():
-    return models.random_model("tiny-llama-chat", seed=1)
+    return pretrained.random_model("tiny-llama-chat", seed=1)
 
 
 def gsm8k_rows(shared_data: Path, n: int) -> list[dict]:
@@ -164,7 +165,7 @@ def test_bos_once_whether_or_not_the_template_writes_it(chat_model):
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 2)])
     assert tokenizer("a")["input_ids"][0] == tokenizer.bos_token_id  # this tokenizer adds BOS
     ex = Example("", (), (), messages=CONVERSATION[1:3])
-    for template in (models.ZEPHYR_CHAT_TEMPLATE, "{{ bos_token }}" + models.ZEPHYR_CHAT_TEMPLATE):
+    for template in (pretrained.ZEPHYR_CHAT_TEMPLATE, "{{ bos_token }}" + pretrained.ZEPHYR_CHAT_TEMPLATE):
         tokenizer.chat_template = template
         (seq,) = formats.instruction_seqs(tokenizer, [ex], 1024)
         assert seq.ids.count(tokenizer.bos_token_id) == 1 and seq.ids[0] == tokenizer.bos_token_id, template
@@ -241,7 +242,7 @@ def test_generation_stops_at_a_stop_token(chat_model):
                           pad_token_id=tokenizer.pad_token_id, eos_token_id=None)[0, len(prompt):].tolist()
     stop = free[2]
     first = free.index(stop)  # greedy decoding up to the first occurrence of the stop token, which it leaves out
-    (text,) = generate(model, tokenizer, [prompt], [stop], max_new_tokens=6)
+    (text,) = greedy_continuations(model, tokenizer, [prompt], [stop], max_new_tokens=6)
     assert text == tokenizer.decode(free[:first], skip_special_tokens=True) != tokenizer.decode(free)
 
 
@@ -283,10 +284,10 @@ def test_a_chat_model_trains_on_gsm8k_as_messages_prompt_completion_and_renamed_
         predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
         assert len(predictions) == 4 and all(p["reference"].rsplit("#### ", 1)[1] for p in predictions)
     final = tmp_path / "messages" / "final"  # the adapter with its tokenizer, chat template and model card
-    assert AutoTokenizer.from_pretrained(final).chat_template == models.ZEPHYR_CHAT_TEMPLATE
+    assert AutoTokenizer.from_pretrained(final).chat_template == pretrained.ZEPHYR_CHAT_TEMPLATE
     card = (final / "README.md").read_text()
     assert "base_model: tiny-llama-chat" in card and "AutoPeftModelForCausalLM" in card and "| loss |" in card
-    peft_model = PeftModel.from_pretrained(models.load("tiny-llama-chat")[0], final)
+    peft_model = PeftModel.from_pretrained(pretrained.load("tiny-llama-chat")[0], final)
     assert sum("lora_A" in n for n, _ in peft_model.named_parameters()) == 4  # q, v of two layers
 
 
@@ -305,7 +306,7 @@ def test_the_example_configs_run(shared_data, tmp_path, monkeypatch, name):
 
 
 def test_the_best_checkpoint_of_instruction_data_has_the_lowest_dev_loss(shared_data, tmp_path):
-    from xgblora.train import checkpoint
+    from xgblora import checkpoint
 
     rows = gsm8k_rows(shared_data, 40)
     (tmp_path / "pc.jsonl").write_text("".join(json.dumps({"prompt": r["question"], "completion": r["answer"]}) + "\n"

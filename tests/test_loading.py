@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from xgblora.config import Config
-from xgblora.data.loading import load_rows, sample_splits
 from xgblora.data.sources import read_jsonl
+from xgblora.data.splits import load_rows, sample_splits
 from xgblora.data.tasks import get_task
 from xgblora.errors import UserError
 
@@ -200,7 +200,7 @@ def test_custom_without_eval_rows_left(tmp_path):
 
 
 def test_dev_pool_sentences_keeps_the_train_draw_and_draws_dev_from_full_sentences(shared_data):
-    from xgblora.data.loading import is_sentence
+    from xgblora.data.splits import is_sentence
 
     common = dict(task_name="SST2", data_dir=str(shared_data), num_train=300, num_dev=100, train_set_seed=1)
     plain = sample_splits(get_task("SST2", Config(**common)), Config(**common))

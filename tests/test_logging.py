@@ -13,7 +13,7 @@ from xgblora import train
 from xgblora.config import Config
 from xgblora.data.batches import LabelBatch
 from xgblora.errors import UserError
-from xgblora.logging import MetricsLog, ProgressLine, read_metrics, setup_console_logging
+from xgblora.logs import MetricsLog, ProgressLine, read_metrics, setup_console_logging
 from xgblora.trackers import open_trackers
 
 

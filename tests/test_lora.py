@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from xgblora import models
-from xgblora.adapters.export import to_peft
 from xgblora.adapters.lora import LoRALinear, attach, default_targets, lora_modules, prepare_full_ft, unwrap
+from xgblora.adapters.peft import to_peft
 from xgblora.errors import UserError
+from xgblora.models import pretrained
 
 
 def _layer(in_f: int = 16, out_f: int = 12, r: int = 4, alpha: float = 8.0, dtype=torch.float32, seed: int = 0):
@@ -105,7 +105,7 @@ def test_merge_of_a_single_layer():
 
 @pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])
 def test_merge_keeps_logits_fp32(name):
-    model, _ = models.load(name)
+    model, _ = pretrained.load(name)
     attach(model, r=4, alpha=8.0)
     _train_adapters(model)
     assert all(m.lora_B.abs().max() > 0 for m in lora_modules(model).values())
@@ -127,7 +127,7 @@ def test_merge_keeps_logits_fp32(name):
 
 @pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])
 def test_merge_keeps_logits_bf16(name):
-    model, _ = models.load(name, dtype="bfloat16")
+    model, _ = pretrained.load(name, dtype="bfloat16")
     plain = copy.deepcopy(model)
     attach(model, r=4, alpha=8.0)
     _train_adapters(model, lr=1e-1)
@@ -169,7 +169,7 @@ def test_dual_perturbation_single_layer():
 
 @pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])
 def test_dual_perturbation_whole_model(name):
-    model, _ = models.load(name)
+    model, _ = pretrained.load(name)
     attach(model, r=2, alpha=4.0)
     _train_adapters(model, steps=2)
     mods = lora_modules(model)
@@ -198,7 +198,7 @@ def test_dual_perturbation_whole_model(name):
 
 
 def test_attach_on_opt_350m_shape():
-    model, _ = models.random_model("opt-350m-random", hidden_size=64, ffn_dim=128, num_attention_heads=4,
+    model, _ = pretrained.random_model("opt-350m-random", hidden_size=64, ffn_dim=128, num_attention_heads=4,
                                    word_embed_proj_dim=64, vocab_size=512)
     total_before = sum(p.numel() for p in model.parameters())
     report = attach(model, r=8, alpha=16.0)
@@ -214,7 +214,7 @@ def test_attach_on_opt_350m_shape():
 
 
 def test_attach_errors():
-    model, _ = models.load("tiny-opt")
+    model, _ = pretrained.load("tiny-opt")
     with pytest.raises(UserError, match=r"nope.*fc1"):
         attach(model, ["nope"])
     attach(model, ["fc1"], r=2)
@@ -245,7 +245,7 @@ def _peft_targets(model: nn.Module, target_modules) -> set[str]:
 
 
 def test_all_linear_adapts_the_seven_projections_of_every_llama_block_as_peft_does():
-    model, _ = models.load("tiny-llama")
+    model, _ = pretrained.load("tiny-llama")
     report = attach(copy.deepcopy(model), "all-linear", r=2)
     projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -255,13 +255,13 @@ def test_all_linear_adapts_the_seven_projections_of_every_llama_block_as_peft_do
 
 @pytest.mark.parametrize("spec", [r".*\.(q_proj|o_proj)", "q_proj,mlp.up_proj", ["k_proj", "down_proj"]])
 def test_regex_and_suffix_targets_select_what_peft_selects(spec):
-    model, _ = models.load("tiny-llama")
+    model, _ = pretrained.load("tiny-llama")
     peft_spec = spec.split(",") if isinstance(spec, str) and "," in spec else spec
     assert set(attach(copy.deepcopy(model), spec, r=2).modules) == _peft_targets(model, peft_spec)
 
 
 def test_a_bad_regex_is_a_user_error():
-    model, _ = models.load("tiny-llama")
+    model, _ = pretrained.load("tiny-llama")
     with pytest.raises(UserError, match=r"not a valid regular expression"):
         attach(model, ".*(q_proj")
 
@@ -295,7 +295,7 @@ def test_gpt2_conv1d_adapter_matches_peft_exports_and_merges_in_its_layout(tmp_p
 
 
 def test_prepare_full_ft():
-    model, _ = models.load("tiny-opt")
+    model, _ = pretrained.load("tiny-opt")
     for p in model.parameters():
         p.requires_grad_(False)
     count = prepare_full_ft(model)
@@ -341,9 +341,9 @@ def test_zo_with_a_large_adapter_scale_warns(caplog):
 
 
 def test_a_plain_rslora_adapter_exports_with_its_scale(tmp_path):
-    from xgblora.adapters.export import read_adapter, to_peft
+    from xgblora.adapters.peft import read_adapter, to_peft
 
-    model, _ = models.load("tiny-opt")
+    model, _ = pretrained.load("tiny-opt")
     report = attach(model, None, r=4, alpha=6.0, rslora=True)
     for m in report.modules.values():
         nn.init.normal_(m.lora_B)

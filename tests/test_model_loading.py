@@ -1,4 +1,4 @@
-"""loading.py and `xgblora export --checkpoint`: an interrupted run's checkpoint exports as a PEFT adapter and as a
+"""trained.py and `xgblora export --checkpoint`: an interrupted run's checkpoint exports as a PEFT adapter and as a
 merged model whose logits (PEFT and transformers, fresh process) equal the live model's at that step; every source
 load_for_inference takes gives the same model."""
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from xgblora import cli, loading
+from xgblora import cli
+from xgblora.adapters import trained
 from xgblora.config import Config
 from xgblora.demo import LABEL_WORDS, TEMPLATE, write_data
 from xgblora.errors import UserError
@@ -20,9 +21,9 @@ FRESH = """
 import json, sys, torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
-from xgblora import models
+from xgblora.models import pretrained
 ids = torch.load(sys.argv[1], weights_only=True)
-peft = PeftModel.from_pretrained(models.load("tiny-llama")[0], sys.argv[2]).eval()
+peft = PeftModel.from_pretrained(pretrained.load("tiny-llama")[0], sys.argv[2]).eval()
 merged = AutoModelForCausalLM.from_pretrained(sys.argv[3]).eval()
 with torch.no_grad():
     torch.save({"peft": peft(input_ids=ids).logits, "merged": merged(input_ids=ids).logits}, sys.argv[4])
@@ -90,19 +91,19 @@ def test_load_for_inference_takes_a_run_folder_an_adapter_folder_or_base_plus_ad
     adapter = out / "checkpoints" / "step-4" / "adapter"
     live = interrupted["seen"]["step-4"]
     for args in ((str(out),), (str(adapter),), ("tiny-llama", str(adapter)), ("tiny-llama", str(out))):
-        model, tokenizer = loading.load_for_inference(*args)
+        model, tokenizer = trained.load_for_inference(*args)
         assert model.config.use_cache and not model.training and tokenizer.padding_side == "left"
         assert not any(".lora_" in n for n, _ in model.named_parameters())  # merged for speed
         with torch.no_grad():
             torch.testing.assert_close(model(input_ids=IDS).logits, live, atol=2e-5, rtol=0)
-    model, _ = loading.load_for_inference(str(out), load_in_4bit=True)  # a 4-bit base keeps the adapter attached
+    model, _ = trained.load_for_inference(str(out), load_in_4bit=True)  # a 4-bit base keeps the adapter attached
     assert any(".lora_" in n for n, _ in model.named_parameters())
 
 
 @pytest.mark.parametrize("spec, message", [("step-3", "no such checkpoint"), ("last", "give step-N, latest or best"),
                                           ("best", "no such checkpoint")])
 def test_a_missing_checkpoint_is_a_one_line_error(interrupted: dict, tmp_path: Path, spec: str, message: str) -> None:
-    from xgblora.adapters.export import export_run
+    from xgblora.export import export_run
 
     with pytest.raises(UserError, match=message) as info:
         export_run(interrupted["out"], "peft", tmp_path / "out", checkpoint=spec)
@@ -111,4 +112,4 @@ def test_a_missing_checkpoint_is_a_one_line_error(interrupted: dict, tmp_path: P
 
 def test_adapter_and_a_model_that_already_carries_one_is_refused(interrupted: dict) -> None:
     with pytest.raises(UserError, match="already carries an adapter"):
-        loading.resolve(str(interrupted["out"]), str(interrupted["out"]))
+        trained.resolve(str(interrupted["out"]), str(interrupted["out"]))

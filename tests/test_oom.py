@@ -6,14 +6,16 @@ import pytest
 import torch
 from test_train import adapter, make_cfg
 
-from xgblora import models, objective, train
+from xgblora import train
 from xgblora.config import Config
 from xgblora.data.tasks import Example
 from xgblora.distributed import LOCAL
 from xgblora.errors import UserError
-from xgblora.objective import causal_training_set, per_example_loss
+from xgblora.models import pretrained
 from xgblora.optim import fo
+from xgblora.train import objective
 from xgblora.train.loop import build_stepper
+from xgblora.train.objective import causal_training_set, per_example_loss
 from xgblora.train.setup import setup_method
 
 WORDS = ["a fine film", "dull", "the best story of the year", "boring and bad", "funny", "I love it",
@@ -32,7 +34,7 @@ def rows_over(limit: int):
 
 def setup(method: str, classification: bool, **cfg_overrides):
     """tiny-opt without dropout, the method's trainable parameters, and a config of the step."""
-    model, tokenizer = models.random_model("tiny-opt", dropout=0.0, seed=1)
+    model, tokenizer = pretrained.random_model("tiny-opt", dropout=0.0, seed=1)
     cfg = Config(method=method, trainer="regular", max_grad_norm=0.0, lora_target_modules="q_proj,v_proj,fc1",
                  train_as_classification=classification, **cfg_overrides)
     method_ = setup_method(model, cfg)
@@ -96,8 +98,8 @@ def test_out_of_memory_at_one_example_is_a_user_error_with_advice():
 
 def test_run_with_out_of_memory_finishes_warns_once_and_trains_as_without(shared_data, tmp_path, monkeypatch,
                                                                            capsys):
-    monkeypatch.setitem(models.RANDOM_MODELS, "tiny-opt",
-                        (models.RANDOM_MODELS["tiny-opt"][0], {**models.RANDOM_MODELS["tiny-opt"][1], "dropout": 0.0}))
+    monkeypatch.setitem(pretrained.RANDOM_MODELS, "tiny-opt",
+                        (pretrained.RANDOM_MODELS["tiny-opt"][0], {**pretrained.RANDOM_MODELS["tiny-opt"][1], "dropout": 0.0}))
     cfg = dict(max_steps=6, logging_steps=1, save_strategy="no", no_eval=True)
     whole = train.run(make_cfg(shared_data, tmp_path / "whole", **cfg))
     assert "out of memory" not in capsys.readouterr().err

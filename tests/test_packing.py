@@ -8,18 +8,19 @@ import pytest
 import torch
 from test_train import adapter, make_cfg
 
-from xgblora import models, train
+from xgblora import train
 from xgblora.adapters.lora import attach
 from xgblora.config import Config
-from xgblora.data.loading import sample_splits
+from xgblora.data.splits import sample_splits
 from xgblora.data.tasks import Example, get_task
 from xgblora.errors import UserError
-from xgblora.objective import causal_training_set, per_example_loss
+from xgblora.models import pretrained
+from xgblora.models.scoring import packing_supported
 from xgblora.optim import fo
 from xgblora.optim.fo import micro_batches
 from xgblora.optim.zo import MeZO
-from xgblora.scoring import packing_supported
 from xgblora.train import setup
+from xgblora.train.objective import causal_training_set, per_example_loss
 
 # Instruction-style rows: answers of 1 to 9 tokens after prompts of very different lengths.
 INSTRUCTIONS = [Example(p, (), (), answers=(a,)) for p, a in [
@@ -33,7 +34,7 @@ INSTRUCTIONS = [Example(p, (), (), answers=(a,)) for p, a in [
 
 
 def tiny_llama_with_lora():
-    model, tokenizer = models.random_model("tiny-llama", seed=2)
+    model, tokenizer = pretrained.random_model("tiny-llama", seed=2)
     modules = attach(model, r=4).modules
     torch.manual_seed(0)
     with torch.no_grad():  # B = 0 would leave A without gradient
@@ -115,8 +116,8 @@ def test_dual_mezo_on_a_packed_batch_equals_the_two_pass_step():
 @pytest.mark.parametrize("autocast", [False, True])
 def test_packing_support_is_detected(autocast):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # bf16 rounding is no leak
-        assert packing_supported(models.random_model("tiny-llama")[0])  # its mask follows the position ids
-        assert not packing_supported(models.random_model("tiny-opt")[0])  # OPT's mask ignores them
+        assert packing_supported(pretrained.random_model("tiny-llama")[0])  # its mask follows the position ids
+        assert not packing_supported(pretrained.random_model("tiny-opt")[0])  # OPT's mask ignores them
 
 
 @pytest.mark.parametrize("trainer", ["regular", "zo"])

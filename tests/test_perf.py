@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from xgblora import perf
+from xgblora import env, perf
 
 
 @pytest.mark.parametrize(("flags", "native"), [
@@ -22,9 +22,9 @@ def test_cpu_has_bf16_reads_the_flags(tmp_path, monkeypatch, flags, native):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_environment_reports_the_cpu_defaults(monkeypatch, native):
-    monkeypatch.setattr(perf, "cpu_has_bf16", lambda: native)
-    monkeypatch.setattr(perf.torch.cuda, "is_available", lambda: False)
-    report = perf.environment()
+    monkeypatch.setattr(env, "cpu_has_bf16", lambda: native)
+    monkeypatch.setattr(env.torch.cuda, "is_available", lambda: False)
+    report = env.environment()
     defaults = report["defaults"]
     assert report["bf16_supported"] is native
     assert defaults["device"] == "cpu" and defaults["attn_implementation"] == "sdpa"

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xgblora import models, quant
 from xgblora.adapters.lora import LoRALinear, attach, lora_modules
 from xgblora.config import Config
 from xgblora.demo import LABEL_WORDS, TEMPLATE, write_data
 from xgblora.errors import UserError
+from xgblora.models import pretrained, quant
 from xgblora.train import loop, run
 
 pytest.importorskip("bitsandbytes")
@@ -24,15 +24,15 @@ def _quantized_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_both_loaders_quantise_the_seven_projections_of_each_block_alike() -> None:
-    model, tokenizer = models.load("tiny-llama", load_in_4bit=True)
+    model, tokenizer = pretrained.load("tiny-llama", load_in_4bit=True)
     assert sorted(n.rsplit(".", 1)[-1] for n in _quantized_weights(model) if ".0." in n) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     assert not quant.is_quantized(model.lm_head)
     with tempfile.TemporaryDirectory() as folder:  # transformers' loader with BitsAndBytesConfig
-        fp32, _ = models.load("tiny-llama")
+        fp32, _ = pretrained.load("tiny-llama")
         fp32.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        loaded, _ = models.load(folder, load_in_4bit=True)
+        loaded, _ = pretrained.load(folder, load_in_4bit=True)
     with torch.no_grad():
         ours, theirs, full = model(input_ids=IDS).logits, loaded(input_ids=IDS).logits, fp32(input_ids=IDS).logits
     torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
@@ -40,7 +40,7 @@ def test_both_loaders_quantise_the_seven_projections_of_each_block_alike() -> No
 
 
 def test_adapter_gradients_through_a_4bit_base_equal_autograd_on_the_dequantised_weight() -> None:
-    model, _ = models.load("tiny-llama", load_in_4bit=True)
+    model, _ = pretrained.load("tiny-llama", load_in_4bit=True)
     layer = model.model.layers[0].self_attn.q_proj
     lora = LoRALinear(layer, r=4, alpha=8)
     torch.nn.init.normal_(lora.lora_B)
@@ -57,7 +57,7 @@ def test_an_xgblora_merge_into_a_4bit_layer_keeps_the_fp32_merge_within_1e_5() -
     """The side factors reproduce dequantised weight + fp32 delta to 1e-5 of the output's scale; re-quantising the
     merged weight (ReLoRA style) is measured beside it and is NF4-rounding far off."""
     bnb = quant.require_bitsandbytes()
-    model, _ = models.load("tiny-llama", load_in_4bit=True)
+    model, _ = pretrained.load("tiny-llama", load_in_4bit=True)
     layer = model.model.layers[0].mlp.down_proj
     lora = LoRALinear(layer, r=1, alpha=2)
     torch.nn.init.normal_(lora.lora_B, std=0.05)
@@ -81,7 +81,7 @@ def test_an_xgblora_merge_into_a_4bit_layer_keeps_the_fp32_merge_within_1e_5() -
 @pytest.mark.parametrize("method, trainer", [("lora", "regular"), ("lora", "zo"), ("xgblora", "zo")])
 def test_a_4bit_base_trains_its_adapters_and_keeps_its_weights(tmp_path, monkeypatch, method: str, trainer: str) -> None:
     train_file, eval_file = write_data(tmp_path / "data", n_train=40, n_eval=8)
-    before = _quantized_weights(models.load("tiny-llama", load_in_4bit=True)[0])
+    before = _quantized_weights(pretrained.load("tiny-llama", load_in_4bit=True)[0])
     cfg = Config(model_name="tiny-llama", load_in_4bit=True, task_name="custom", train_file=str(train_file),
                  eval_file=str(eval_file), template=TEMPLATE, label_words=LABEL_WORDS, num_train=32, num_eval=8,
                  method=method, trainer=trainer, learning_rate=1e-3 if trainer == "regular" else 1e-4,
@@ -113,7 +113,7 @@ def test_full_fine_tuning_of_a_4bit_base_is_refused() -> None:
 
 
 def test_a_merge_into_a_4bit_base_for_export_is_refused_one_line() -> None:
-    model, _ = models.load("tiny-llama", load_in_4bit=True)
+    model, _ = pretrained.load("tiny-llama", load_in_4bit=True)
     attach(model, None, r=2, alpha=4)
     from xgblora.adapters.lora import unwrap
 

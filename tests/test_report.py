@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from xgblora.errors import UserError
-from xgblora.report import load_run, summary_line, write_report
+from xgblora.report import read_run_summary, summary_line, write_report
 
 METHODS = (("xgblora", "zo"), ("lora", "zo"))
 SEEDS = (0, 1)
@@ -46,7 +46,7 @@ def _fake_run(folder, method, trainer, seed, steps=600, merge_every=100, eval_ev
 def report(tmp_path_factory):
     root = tmp_path_factory.mktemp("compare")
     results = {(m, s): _fake_run(root / f"{m}-{t}-seed{s}", m, t, s) for m, t in METHODS for s in SEEDS}
-    runs = [load_run(root / f"{m}-{t}-seed{s}") for m, t in METHODS for s in SEEDS]
+    runs = [read_run_summary(root / f"{m}-{t}-seed{s}") for m, t in METHODS for s in SEEDS]
     figure = root / "figures" / "loss_custom.png"
     return root, results, write_report(runs, root / "report", loss_figure_path=figure), figure
 
@@ -106,7 +106,7 @@ def test_summary_line(report):
 
 def test_one_seed_omits_std_and_default_figure_path(tmp_path):
     result = _fake_run(tmp_path / "run", "lora", "regular", 0)
-    out = write_report([load_run(tmp_path / "run")], tmp_path / "out", smoothing=0.0)
+    out = write_report([read_run_summary(tmp_path / "run")], tmp_path / "out", smoothing=0.0)
     assert out["loss_figure"] == tmp_path / "out" / "loss.png" and out["loss_figure"].is_file()
     assert summary_line(out["rows"]) == f"SST2: lora (regular) {result['accuracy']:.3f} (accuracy, 1 seed)"
     assert out["rows"][0]["test_std"] is None
@@ -117,7 +117,7 @@ def test_load_run_tolerates_missing_optional_files_and_keys(tmp_path):
     folder.mkdir()
     (folder / "results.json").write_text(json.dumps({"f1": 0.61, "task": "SQuAD", "model": "m", "method": "lora",
                                                      "trainer": "zo", "seed": 3}))
-    run = load_run(folder)
+    run = read_run_summary(folder)
     assert (run.task, run.method, run.seed, run.metrics) == ("SQuAD", "lora", 3, [])
     out = write_report([run], tmp_path / "out")
     row = out["rows"][0]
@@ -128,4 +128,4 @@ def test_load_run_tolerates_missing_optional_files_and_keys(tmp_path):
 def test_load_run_without_results_is_a_user_error(tmp_path):
     (tmp_path / "run").mkdir()
     with pytest.raises(UserError, match="no results.json"):
-        load_run(tmp_path / "run")
+        read_run_summary(tmp_path / "run")

@@ -6,14 +6,14 @@ import random
 
 import pytest
 
-from xgblora import generation
-from xgblora.adapters.export import export_run
 from xgblora.cli import main
 from xgblora.config import Config, RFTConfig
 from xgblora.errors import UserError
-from xgblora.rft import run_rft
+from xgblora.evaluation.answers import Verifier, gsm8k_answer, keep_correct, make_extractor, same_answer
+from xgblora.export import export_run
+from xgblora.generation import generate
+from xgblora.generation.rft import run_rft
 from xgblora.train import run
-from xgblora.verify import Verifier, gsm8k_answer, keep_correct, make_extractor, same_answer
 
 
 @pytest.mark.parametrize("spec, text, answer", [
@@ -91,7 +91,7 @@ def test_rft_on_gsm8k_writes_every_round_file_and_resumes_an_interrupted_samplin
     (tmp_path / "accept_all.py").write_text("def first_word(text):\n    return 'x'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(_rft_args(tmp_path, "whole")) == 0
-    real, calls = generation.completion_record, []
+    real, calls = generate.completion_record, []
 
     def dying(*args):
         calls.append(1)
@@ -99,10 +99,10 @@ def test_rft_on_gsm8k_writes_every_round_file_and_resumes_an_interrupted_samplin
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(generation, "completion_record", dying)
+    monkeypatch.setattr(generate, "completion_record", dying)
     assert main(_rft_args(tmp_path, "rft")) == 130
     assert (tmp_path / "rft" / "round-1" / "samples.jsonl.partial").exists()
-    monkeypatch.setattr(generation, "completion_record", real)
+    monkeypatch.setattr(generate, "completion_record", real)
     assert main(_rft_args(tmp_path, "rft")) == 0
     round_1 = tmp_path / "rft" / "round-1"
     assert (round_1 / "samples.jsonl").read_text() == (tmp_path / "whole" / "round-1" / "samples.jsonl").read_text()

@@ -27,13 +27,13 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from test_train import adapter, assert_same_tensors, interrupt_at, make_cfg, records
 
-from xgblora import cli, objective, train
+from xgblora import checkpoint, cli, train
 from xgblora.config import Config
-from xgblora.data.loading import load_rows
 from xgblora.data.sources import read_jsonl
+from xgblora.data.splits import load_rows
 from xgblora.data.tasks import Task, get_task
 from xgblora.errors import UserError
-from xgblora.train import checkpoint
+from xgblora.train import objective
 
 # ----------------------------------------------------------------------------- data files: any input, clean errors
 
@@ -273,8 +273,10 @@ def test_sigkill_at_10_random_moments_then_resume_equals_an_uninterrupted_run(sh
 DYING_SAVE = """
 import os, signal, sys
 import safetensors.torch
-from xgblora import cli, objective, train
-from xgblora.train import checkpoint
+from xgblora import cli
+from xgblora.train import objective
+from xgblora import train
+from xgblora import checkpoint
 
 at, calls, real = int(sys.argv[1]), [], checkpoint.save_file
 

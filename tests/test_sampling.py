@@ -4,8 +4,8 @@ the temperature / top-p distribution computed by hand."""
 import pytest
 import torch
 
-from xgblora.models import random_model
-from xgblora.sampling import Sampler, SamplingParams, batch_generator, plan_batches
+from xgblora.models.pretrained import random_model
+from xgblora.models.sampler import Sampler, SamplingParams, batch_generator, plan_batches
 
 TEXTS = ["Hello there, how are", "A", "The quick brown fox jumps over the lazy", "Question: what is 2 + 3? Answer:",
          "positive negative"]

@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 
 from xgblora.config import Config
-from xgblora.data.loading import load_rows
 from xgblora.data.sources import read_jsonl
+from xgblora.data.splits import load_rows
 from xgblora.data.tasks import TASKS, CustomTask, Example, get_task
 from xgblora.errors import UserError
 

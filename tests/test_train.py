@@ -17,14 +17,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from xgblora import cli, objective, perf, train
+from xgblora import checkpoint, cli, perf, train
 from xgblora import config as config_mod
 from xgblora.config import Config
-from xgblora.data.loading import sample_splits
+from xgblora.data.splits import sample_splits
 from xgblora.data.tasks import get_task
 from xgblora.errors import UserError
-from xgblora.logging import read_metrics
-from xgblora.train import checkpoint, loop
+from xgblora.logs import read_metrics
+from xgblora.train import loop, objective
 from xgblora.train import results as results_mod
 
 

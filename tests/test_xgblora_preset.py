@@ -7,17 +7,18 @@ import pytest
 import torch
 from test_train import make_cfg, records
 
-from xgblora import models, train
+from xgblora import train
 from xgblora.adapters.boosting import block_of
 from xgblora.config import Config
 from xgblora.distributed import LOCAL
-from xgblora.objective import TrainingLoss
+from xgblora.models import pretrained
 from xgblora.train.loop import build_stepper
+from xgblora.train.objective import TrainingLoss
 from xgblora.train.setup import setup_method
 
 
 def _six_layer_method(**overrides):
-    model, _ = models.random_model("tiny-bert", head="classifier", num_hidden_layers=6, num_labels=2)
+    model, _ = pretrained.random_model("tiny-bert", head="classifier", num_hidden_layers=6, num_labels=2)
     cfg = Config(method="xgblora", trainer="regular", **overrides)
     return model, cfg, setup_method(model, cfg)
 

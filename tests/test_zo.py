@@ -13,7 +13,7 @@ from torch import nn
 
 from xgblora.adapters.lora import LoRALinear, attach
 from xgblora.data.batches import TokenBatch
-from xgblora.models import load
+from xgblora.models.pretrained import load
 from xgblora.optim import zo
 from xgblora.optim.zo import MeZO, stochastic_round
 

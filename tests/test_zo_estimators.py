@@ -15,7 +15,7 @@ from torch import nn
 from xgblora.compare import parse_method
 from xgblora.config import Config
 from xgblora.errors import UserError
-from xgblora.models import load
+from xgblora.models.pretrained import load
 from xgblora.optim.zo import MeZO, ZOStepper
 from xgblora.optim.zo_estimators import FZOO, NSPSA, MeZOSVRG, SVRGStepper
 

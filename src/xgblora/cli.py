@@ -63,20 +63,20 @@ def _mezo(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from xgblora.generation import generate_file
+    from xgblora.generation.generate import generate_file
 
     print(json.dumps(generate_file(config_mod.from_namespace(config_mod.GenerateConfig, args)), indent=2))
     return 0
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from xgblora.chat import chat
+    from xgblora.generation.chat import chat
 
     return chat(config_mod.from_namespace(config_mod.ChatConfig, args))
 
 
 def _rft(args: argparse.Namespace) -> int:
-    from xgblora.rft import run_rft
+    from xgblora.generation.rft import run_rft
 
     done = run_rft(config_mod.from_namespace(config_mod.RFTConfig, args, RFT_DEFAULTS))
     print(json.dumps(done["rounds"], indent=2))
@@ -106,7 +106,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from xgblora.adapters.export import export_run
+    from xgblora.export import export_run
 
     print(json.dumps(export_run(Path(args.run_dir), args.format, Path(args.out), args.rank,
                                 trust_remote_code=args.trust_remote_code, checkpoint=args.checkpoint), indent=2))
@@ -114,7 +114,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _encode(args: argparse.Namespace) -> int:
-    from xgblora.encode import EncodeOptions, encode_file
+    from xgblora.embeddings.encode import EncodeOptions, encode_file
 
     options = {k: v for k, v in vars(args).items() if k != "command"}
     print(json.dumps(encode_file(EncodeOptions(**options)), indent=2))
@@ -122,13 +122,13 @@ def _encode(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from xgblora.bench.suite import main as bench_main
+    from xgblora.bench.suites import main as bench_main
 
     return bench_main(args)
 
 
 def _env(args: argparse.Namespace) -> int:  # noqa: ARG001
-    from xgblora.perf import environment
+    from xgblora.env import environment
 
     print(json.dumps(environment(), indent=2))
     return 0
@@ -217,7 +217,7 @@ def _unrecognized(command: str, unknown: list[str]) -> UserError:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `xgblora` console script; returns the exit code (2 for a user error)."""
-    from xgblora.logging import setup_console_logging
+    from xgblora.logs import setup_console_logging
 
     setup_console_logging()
     args, unknown = build_parser().parse_known_args(argv)

@@ -11,7 +11,7 @@ from typing import Any
 from xgblora import report, train
 from xgblora.config import ZO_ESTIMATORS, CompareConfig, Config
 from xgblora.errors import UserError
-from xgblora.logging import setup_console_logging
+from xgblora.logs import setup_console_logging
 
 log = logging.getLogger("xgblora")
 
@@ -78,6 +78,6 @@ def run_all(configs: list[Config], output_root: Path, loss_figure_path: Path | N
             log.error("%s failed:\n%s", name, traceback.format_exc())
     if not finished:
         raise UserError("no run finished: " + "; ".join(f"{n}: {m}" for n, m in failed))
-    runs = [report.load_run(out) for out in finished]
+    runs = [report.read_run_summary(out) for out in finished]
     written = report.write_report(runs, output_root, loss_figure_path)
     return {**written, "failed": failed, "summary": report.summary_line(written["rows"])}

@@ -29,11 +29,9 @@ DEFAULT_BOOSTERS = 5
 ZO_ESTIMATORS = ("mezo", "fzoo", "svrg", "nspsa")
 
 
-def trainer_label(trainer: str, zo_estimator: str = "mezo", zo_optimizer: str = "sgd") -> str:
-    """The trainer as run labels say it: regular, zo (MeZO-SGD), or zo:ESTIMATOR[+OPTIMIZER] (zo:fzoo, zo:mezo+adam)."""
-    if trainer != "zo" or (zo_estimator, zo_optimizer) == ("mezo", "sgd"):
-        return trainer
-    return f"zo:{zo_estimator}" + ("" if zo_optimizer == "sgd" else f"+{zo_optimizer}")
+def lora_scaling(alpha: float, r: int, rslora: bool = False) -> float:
+    """A LoRA branch's multiplier of B A: alpha / r (LoRA), or alpha / sqrt(r) (rsLoRA, Kalajdzievski 2023)."""
+    return alpha / (math.sqrt(r) if rslora else r)
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -290,7 +288,7 @@ class Config(ModelOptions):
     @property
     def scaling(self) -> float:
         """The adapters' multiplier of B A: alpha / r, or alpha / sqrt(r) under rsLoRA."""
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+        return lora_scaling(self.alpha, self.rank, self.use_rslora)
 
 
 

@@ -17,9 +17,8 @@ from typing import Any
 import yaml
 
 from xgblora import atomic
-from xgblora.config import trainer_label
 from xgblora.errors import UserError
-from xgblora.logging import read_metrics
+from xgblora.logs import read_metrics
 
 METRICS = ("accuracy", "f1")  # the test metric of a run is the first of these in its results.json
 MANY_MERGES = 30  # above this many merges the loss panel marks them with ticks only, no lines
@@ -45,6 +44,13 @@ class RunSummary:
         return f"{self.method} ({self.trainer})"
 
 
+def trainer_label(trainer: str, zo_estimator: str = "mezo", zo_optimizer: str = "sgd") -> str:
+    """The trainer as run labels say it: regular, zo (MeZO-SGD), or zo:ESTIMATOR[+OPTIMIZER] (zo:fzoo, zo:mezo+adam)."""
+    if trainer != "zo" or (zo_estimator, zo_optimizer) == ("mezo", "sgd"):
+        return trainer
+    return f"zo:{zo_estimator}" + ("" if zo_optimizer == "sgd" else f"+{zo_optimizer}")
+
+
 def _read_mapping(path: Path, loader: Any) -> dict:
     """A JSON or YAML file holding a mapping; UserError when it is unreadable or not a mapping."""
     try:
@@ -56,7 +62,7 @@ def _read_mapping(path: Path, loader: Any) -> dict:
     return data
 
 
-def load_run(run_dir: Path) -> RunSummary:
+def read_run_summary(run_dir: Path) -> RunSummary:
     """Read a finished run's folder: config.yaml (what ran), results.json (final metrics), metrics.jsonl (curves)."""
     run_dir = Path(run_dir)
     if not (run_dir / "results.json").is_file():

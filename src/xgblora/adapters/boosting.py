@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from xgblora.adapters.lora import LoRALinear
+from xgblora.adapters.lora import LoRALinear, check_adapted
 from xgblora.errors import UserError
-from xgblora.quant import is_quantized
+from xgblora.models.quant import is_quantized
 
 log = logging.getLogger("xgblora")
 
@@ -89,10 +89,7 @@ class Boosting:
     def absorb(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         """Merge a trained adapter ({module: (A, B, scaling)}) into the base weights as booster 1 at step 0: its
         record in the history keeps exports (base + every booster) exact."""
-        missing = sorted(set(factors) - set(self.modules))
-        if missing:
-            raise UserError(f"the adapter's module {missing[0]!r} is not among the adapted modules; leave "
-                            f"--lora_target_modules unset (the adapter's modules) or include it")
+        check_adapted(factors, self.modules)
         record = {}
         for name, (A, B, scale) in factors.items():
             self.modules[name].merge_factors(A, B, scale)

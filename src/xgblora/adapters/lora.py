@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xgblora.config import lora_scaling
 from xgblora.errors import UserError
-from xgblora.quant import is_quantized
+from xgblora.models.quant import in_transformer_block, is_quantized
 
 # Attention query and value projections, by model_type (the LoRA paper's choice and MeZO's).
 _DEFAULT_TARGETS: dict[tuple[str, ...], list[str]] = {
@@ -32,9 +33,17 @@ def is_adapter_param(name: str) -> bool:
     return ".lora_" in name or name.startswith("lora_")
 
 
-def lora_scaling(alpha: float, r: int, rslora: bool = False) -> float:
-    """The branch's multiplier: alpha / r (LoRA), or alpha / sqrt(r) (rsLoRA, Kalajdzievski 2023)."""
-    return alpha / (math.sqrt(r) if rslora else r)
+def adapter_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The model's adapter factors (every LoRALinear's lora_A and lora_B), by qualified name."""
+    return [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
+
+
+def check_adapted(names: Iterable[str], adapted: Iterable[str]) -> None:
+    """Refuse a trained adapter with a module that this run does not adapt (its factors would have no home)."""
+    missing = sorted(set(names) - set(adapted))
+    if missing:
+        raise UserError(f"the adapter's module {missing[0]!r} is not among the adapted modules; leave "
+                        f"--lora_target_modules unset (the adapter's modules) or include it")
 
 
 def lora_delta(A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
@@ -211,7 +220,6 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
-_IN_A_BLOCK = re.compile(r"\.\d+\.")  # ".3." in "model.layers.3.self_attn.q_proj": a numbered transformer block
 _REGEX_CHARS = set("*()[]|^$\\+?{}")
 
 
@@ -221,7 +229,7 @@ def target_matcher(spec: str | list[str] | None, model: nn.Module) -> Callable[[
     against the whole qualified name (a spec holding regex characters), or name suffixes (comma-separated or a
     list: exactly the name or its last dotted parts). None: the model family's attention query and value."""
     if isinstance(spec, str) and spec.strip() == "all-linear":
-        return lambda name: bool(_IN_A_BLOCK.search(name))
+        return in_transformer_block
     if isinstance(spec, str) and _REGEX_CHARS & set(spec):
         try:
             pattern = re.compile(spec)

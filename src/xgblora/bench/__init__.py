@@ -11,7 +11,10 @@ Modules, one concern each:
     memory     peak memory per workload, each in its own subprocess
     baselines  HF Trainer + PEFT LoRA training; scoring one (example, candidate) pair per forward
     table      targets, verdicts, the printed table
-    suite      `run` (every figure) and `main` (the command)
+    machine    the machine, library versions and date written beside every suite's figures
+    train_suite  the train suite: every training-step, evaluation and memory figure (`run`)
+    sft, icl, compile, gpu  the other suites (SFT vs TRL, in-context evaluation, --compile, the CUDA suite)
+    suites     the table of suites and `main` (the command)
 
 Import from the submodules: this package imports nothing, so `xgblora` builds its parser from `flags` without
 loading torch, and a memory worker's RSS counts only what its workload uses.

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from xgblora import models
 from xgblora.bench.timing import median, sync_device, time_interleaved
 from xgblora.bench.workloads import Bench, eval_examples
-from xgblora.data.batching import TokenSeq
+from xgblora.data.collation import TokenSeq
 from xgblora.data.tasks import Example
-from xgblora.evaluate import candidate_scores
+from xgblora.evaluation.candidates import candidate_scores
+from xgblora.models import pretrained
 
 try:  # optional: `xgblora bench` skips this baseline without peft (see suite.run)
     from peft import LoraConfig, get_peft_model
@@ -30,7 +30,7 @@ else:
 
 def _peft_lora_model(args: argparse.Namespace) -> torch.nn.Module:
     """The benchmark's model with PEFT LoRA adapters shaped like Bench's (r=8, alpha 16, q/v, no dropout)."""
-    model, _ = models.load(args.model_name, dtype=args.dtype, device=args.device)
+    model, _ = pretrained.load(args.model_name, dtype=args.dtype, device=args.device)
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                             target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
 

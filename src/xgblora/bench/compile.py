@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from xgblora import models
 from xgblora.adapters import lora
 from xgblora.bench.timing import median, sync_device
 from xgblora.bench.workloads import synthetic_seqs
 from xgblora.data.batches import TokenBatch
-from xgblora.data.batching import collate
-from xgblora.objective import TrainingLoss
+from xgblora.data.collation import collate
+from xgblora.models import pretrained
 from xgblora.optim.fo import AdamWStepper
 from xgblora.optim.zo import MeZO, ZOStepper
+from xgblora.train.objective import TrainingLoss
 
 WORKLOADS = ("adamw", "zo")
 
@@ -38,16 +38,16 @@ def _batches(args: argparse.Namespace, vocab: int, pad_id: int, device: torch.de
 
 def _stepper(args: argparse.Namespace, kind: str, compiled: bool) -> tuple[Any, torch.nn.Module]:
     """A fresh LoRA copy of the model and the stepper of `kind` over it, its forward compiled or not."""
-    model, _ = models.load(args.model_name, dtype=args.dtype, device=args.device)
+    model, _ = pretrained.load(args.model_name, dtype=args.dtype, device=args.device)
     report = lora.attach(model, ["q_proj", "v_proj"], r=8, alpha=16.0)
-    params = [(n, p) for n, p in model.named_parameters() if lora.is_adapter_param(n)]
+    params = lora.adapter_params(model)
     loss_fn = TrainingLoss(torch.compile(model) if compiled else model)
     if kind == "adamw":
         model.train()
         return AdamWStepper(params, loss_fn, max_grad_norm=1.0, micro_batch=args.batch_size), model
     model.eval()
     mezo = MeZO(params, lr=1e-5, eps=1e-3, dual_modules=report.modules)
-    return ZOStepper(mezo, loss_fn, device=models.choose_device(args.device)), model
+    return ZOStepper(mezo, loss_fn, device=pretrained.choose_device(args.device)), model
 
 
 def _timed(stepper: Any, batch: TokenBatch, device: torch.device) -> float:
@@ -60,7 +60,7 @@ def _timed(stepper: Any, batch: TokenBatch, device: torch.device) -> float:
 
 def compare_workload(args: argparse.Namespace, kind: str, warmup_steps: int = 6) -> dict[str, Any]:
     """Eager vs compiled steps of one workload: warm-up cost, then interleaved per-step medians."""
-    device = models.choose_device(args.device)
+    device = pretrained.choose_device(args.device)
     torch._dynamo.reset()  # noqa: SLF001 -- each workload compiles from scratch, as a new run would
     eager, _ = _stepper(args, kind, compiled=False)
     compiled, model = _stepper(args, kind, compiled=True)

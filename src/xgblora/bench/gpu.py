@@ -29,6 +29,9 @@ from typing import Any
 
 import torch
 
+from xgblora.bench import compile as compile_suite
+from xgblora.bench import icl, sft, train_suite
+
 USER_MODELS = ("llama-1b-random", "opt-1.3b-random")
 # Seconds each part is expected to take on an H100 (model set-up included); a part starts only if it fits
 ESTIMATE_S = {"cuda_tests": 120, "bench": 150, "sft": 90, "icl": 60, "compile": 120}
@@ -79,11 +82,8 @@ def _user_sizes(args: argparse.Namespace, model: str) -> argparse.Namespace:
 
 def cuda_parts(args: argparse.Namespace) -> list[tuple[str, str, Callable[[], Any]]]:
     """(name, estimate key, run) of every part that needs CUDA, in order of priority."""
-    from xgblora.bench import compile as compile_suite
-    from xgblora.bench import icl, sft, suite
-
     parts: list[tuple[str, str, Callable[[], Any]]] = [
-        (f"bench:{m}", "bench", lambda m=m: suite.run(_user_sizes(args, m))) for m in USER_MODELS]
+        (f"bench:{m}", "bench", lambda m=m: train_suite.run(_user_sizes(args, m))) for m in USER_MODELS]
     parts += [("sft", "sft", lambda: sft.run(_with(args, sft_models=["llama-100m-random"], sft_variants=["padded", "packed"],
                                              batch_size=16, repeats=3, warmup=1, dtype="bfloat16", quick=False,
                                              skip_memory=False)))]  # needs --data_dir (GSM8K)
@@ -97,14 +97,12 @@ def cuda_parts(args: argparse.Namespace) -> list[tuple[str, str, Callable[[], An
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every part that fits the time budget; the CPU part only where there is no CUDA device."""
-    from xgblora.bench import suite
-
     start = time.monotonic()
     left = lambda: args.gpu_budget_s - (time.monotonic() - start)  # noqa: E731
     cuda = torch.cuda.is_available() and args.device != "cpu"
     parts: dict[str, Any] = {"cuda_tests": cuda_tests(max(60.0, left()))}
     if not cuda:
-        parts["cpu_bench"] = suite.run(_with(args, model_name="tiny-opt", quick=True, skip_hf=True, skip_memory=True,
+        parts["cpu_bench"] = train_suite.run(_with(args, model_name="tiny-opt", quick=True, skip_hf=True, skip_memory=True,
                                              device="cpu"))
         for name, _, _ in cuda_parts(args):
             parts[name] = {"status": "needs CUDA"}

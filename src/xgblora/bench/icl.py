@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from xgblora import models
 from xgblora.bench.baselines import per_candidate_scores
 from xgblora.bench.timing import median, time_interleaved
 from xgblora.bench.workloads import synthetic_examples
-from xgblora.data.batching import demonstration_text
-from xgblora.data.loading import load_rows
+from xgblora.data.collation import demonstration_text
+from xgblora.data.splits import load_rows
 from xgblora.data.tasks import Example, get_task
-from xgblora.evaluate import candidate_scores
+from xgblora.evaluation.candidates import candidate_scores
+from xgblora.models import pretrained
 
 ICL_TASKS = ("RTE", "SST2")
 
@@ -92,7 +92,7 @@ def compare_task(model: torch.nn.Module, tokenizer: Any, args: argparse.Namespac
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every task of the ICL comparison on one model."""
-    model, tokenizer = models.load(args.model_name, dtype=args.dtype, device=args.device)
+    model, tokenizer = pretrained.load(args.model_name, dtype=args.dtype, device=args.device)
     model.eval()
     out = []
     for task_name in args.icl_tasks or ICL_TASKS:

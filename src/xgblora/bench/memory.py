@@ -22,7 +22,7 @@ import torch
 
 from xgblora.bench.timing import sync_device
 from xgblora.bench.workloads import Bench
-from xgblora.models import choose_device
+from xgblora.models.pretrained import choose_device
 from xgblora.perf import peak_memory_mb
 
 MEMORY_WORKLOADS = ("inference", "zo", "zo_full", "adamw")

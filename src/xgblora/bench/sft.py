@@ -34,16 +34,16 @@ from typing import Any
 
 import torch
 
-from xgblora import models
 from xgblora.adapters import lora
 from xgblora.bench.memory import RssSampler, _rss_mb
 from xgblora.bench.timing import sync_device
 from xgblora.data import formats
-from xgblora.data.batching import TokenSeq
+from xgblora.data.collation import TokenSeq
 from xgblora.data.tasks import Example
 from xgblora.errors import UserError
-from xgblora.objective import TrainingLoss, sequence_training_set
+from xgblora.models import pretrained
 from xgblora.optim.fo import AdamWStepper
+from xgblora.train.objective import TrainingLoss, sequence_training_set
 
 SFT_MODELS = ("llama-100m-random", "llama-100m-128k-random")
 VARIANTS = ("padded", "packed", "padded+gc", "packed+gc")
@@ -93,13 +93,13 @@ def gsm8k_conversations(data_dir: str, n: int) -> list[Example]:
 
 def chat_tokenizer(model_name: str) -> Any:
     """The model's tokenizer, with TinyLlama-Chat's template where it has none (the built-in random models)."""
-    if model_name in models.RANDOM_MODELS:
-        tokenizer = models.tiny_tokenizer()
+    if model_name in pretrained.RANDOM_MODELS:
+        tokenizer = pretrained.tiny_tokenizer()
     else:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(models.resolve_path(model_name))
-    tokenizer.chat_template = tokenizer.chat_template or models.ZEPHYR_CHAT_TEMPLATE
+        tokenizer = AutoTokenizer.from_pretrained(pretrained.resolve_path(model_name))
+    tokenizer.chat_template = tokenizer.chat_template or pretrained.ZEPHYR_CHAT_TEMPLATE
     return tokenizer
 
 
@@ -137,13 +137,13 @@ class XgbloraSFT:
     """xgblora's SFT step: LoRA on every linear layer, token-mean loss, `AdamWStepper`, as `xgblora train` runs it."""
 
     def __init__(self, case: SFTCase, seqs: list[TokenSeq]) -> None:
-        self.device = models.choose_device(case.device)
-        self.model, tokenizer = models.load(case.model_name, dtype=case.dtype, device=case.device)
+        self.device = pretrained.choose_device(case.device)
+        self.model, tokenizer = pretrained.load(case.model_name, dtype=case.dtype, device=case.device)
         lora.attach(self.model, LORA["targets"], r=LORA["r"], alpha=LORA["alpha"])
         if case.checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.train_set = sequence_training_set(seqs, tokenizer.pad_token_id, case.packed, token_mean=True)
-        params = [(n, p) for n, p in self.model.named_parameters() if lora.is_adapter_param(n)]
+        params = lora.adapter_params(self.model)
         self.stepper = AdamWStepper(params, TrainingLoss(self.model), max_grad_norm=1.0, micro_batch=case.batch_size)
 
     def step(self, rows: list[int]) -> torch.Tensor:
@@ -164,14 +164,14 @@ def trl_trainer(case: SFTCase, seqs: list[TokenSeq], callbacks: list[Any], outpu
         def _get_train_sampler(self, train_dataset=None):
             return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
 
-    model, tokenizer = models.load(case.model_name, dtype=case.dtype, device=case.device)
-    tokenizer.chat_template = tokenizer.chat_template or models.ZEPHYR_CHAT_TEMPLATE
+    model, tokenizer = pretrained.load(case.model_name, dtype=case.dtype, device=case.device)
+    tokenizer.chat_template = tokenizer.chat_template or pretrained.ZEPHYR_CHAT_TEMPLATE
     config = SFTConfig(
         output_dir=output_dir, max_steps=case.warmup + case.steps, per_device_train_batch_size=case.batch_size,
         learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, gradient_checkpointing=case.checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False}, padding_free=case.packed, max_length=None,
         report_to="none", save_strategy="no", logging_steps=10**9, disable_tqdm=True, dataloader_num_workers=0,
-        use_cpu=models.choose_device(case.device).type == "cpu", seed=0)
+        use_cpu=pretrained.choose_device(case.device).type == "cpu", seed=0)
     peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear",
                              task_type="CAUSAL_LM")
     return InOrder(model=model, args=config, train_dataset=Dataset.from_list(trl_rows(seqs)),
@@ -268,7 +268,7 @@ def memory_worker(config: dict[str, Any]) -> dict[str, float]:
         return mem
     with tempfile.TemporaryDirectory() as tmp:
         trainer = trl_trainer(case, seqs, [], tmp)
-        with _peak_added(models.choose_device(case.device)) as mem:
+        with _peak_added(pretrained.choose_device(case.device)) as mem:
             trainer.train()
     return mem
 

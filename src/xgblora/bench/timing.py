@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from xgblora.logging import MetricsLog
+from xgblora.logs import MetricsLog
 
 
 def sync_device(device: torch.device) -> None:

@@ -7,15 +7,15 @@ import random
 
 import torch
 
-from xgblora import models
 from xgblora.adapters import lora
 from xgblora.data.batches import TokenBatch
-from xgblora.data.batching import TokenSeq, collate
-from xgblora.data.loading import load_rows
+from xgblora.data.collation import TokenSeq, collate
+from xgblora.data.splits import load_rows
 from xgblora.data.tasks import RTE, Example, get_task
-from xgblora.objective import TrainingLoss, per_example_loss
+from xgblora.models import pretrained
 from xgblora.optim.fo import AdamWStepper
 from xgblora.optim.zo import MeZO, ZOStepper
+from xgblora.train.objective import TrainingLoss, per_example_loss
 
 _WORDS = ("the", "movie", "was", "great", "and", "story", "fun", "but", "ending", "felt", "long", "so", "I",
           "would", "not", "see", "it", "again", "this", "film", "is", "a", "good", "one", "with", "some", "bad",
@@ -51,12 +51,12 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace, with_lora: bool = True, with_plain: bool = True) -> None:
         self.args = args
-        self.device = models.choose_device(args.device)
-        self.plain, self.tokenizer = (models.load(args.model_name, dtype=args.dtype, device=args.device)
+        self.device = pretrained.choose_device(args.device)
+        self.plain, self.tokenizer = (pretrained.load(args.model_name, dtype=args.dtype, device=args.device)
                                       if with_plain else (None, None))
         self.lora_model, self.lora_report = None, None
         if with_lora:
-            self.lora_model, tok = models.load(args.model_name, dtype=args.dtype, device=args.device)
+            self.lora_model, tok = pretrained.load(args.model_name, dtype=args.dtype, device=args.device)
             self.tokenizer = self.tokenizer or tok
             self.lora_report = lora.attach(self.lora_model, ["q_proj", "v_proj"], r=8, alpha=16.0)
         model = self.plain if self.plain is not None else self.lora_model
@@ -114,4 +114,4 @@ class Bench:
         return self._steppers["adamw"].step(lambda: batch, lr=1e-4)
 
     def _adapters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(n, p) for n, p in self.lora_model.named_parameters() if lora.is_adapter_param(n)]
+        return lora.adapter_params(self.lora_model)

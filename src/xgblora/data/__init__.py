@@ -1,1 +1,4 @@
-"""Tasks (templates, verbalizers, metrics), data loading with MeZO's sampling protocol, and batching."""
+"""Data, before any model runs: rows from files (`sources`), MeZO's tasks and custom rows as Examples (`tasks`), pair
+rows for embeddings (`pairs`), chat templates and loss masks (`formats`), MeZO's train/dev/eval sampling (`splits`),
+tokenisation and collation (`collation`) into the typed batches (`batches`), and the resumable epoch order
+(`order`)."""

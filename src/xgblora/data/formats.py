@@ -24,7 +24,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from xgblora.data.batching import TokenSeq, encode_pairs, gold_continuation
+from xgblora.data.collation import TokenSeq, encode_pairs, gold_continuation
 from xgblora.data.tasks import Example
 from xgblora.errors import UserError
 

@@ -25,20 +25,20 @@ import torch
 from tqdm.auto import tqdm
 
 from xgblora import distributed, perf
+from xgblora.checkpoint import Checkpointer, prune
 from xgblora.config import Config
 from xgblora.data.batches import Batch
 from xgblora.data.order import BatchStream
 from xgblora.distributed import Distributed
 from xgblora.errors import UserError
-from xgblora.head import HeadTrainer
-from xgblora.logging import MetricsLog, ProgressLine
-from xgblora.objective import TrainingLoss, TrainingSet
+from xgblora.logs import MetricsLog, ProgressLine
 from xgblora.optim.fo import AdamWStepper
 from xgblora.optim.schedule import Schedule
 from xgblora.optim.zo import MeZO, ZOStepper
 from xgblora.optim.zo_estimators import FZOO, NSPSA, MeZOSVRG, SVRGStepper
 from xgblora.trackers import open_trackers, parse_report_to
-from xgblora.train.checkpoint import Checkpointer, prune
+from xgblora.train.head import HeadTrainer
+from xgblora.train.objective import TrainingLoss, TrainingSet
 from xgblora.train.results import adapter_task_type, save_final, write_adapter
 from xgblora.train.setup import Method, RunSetup
 
@@ -335,7 +335,7 @@ class Trainer:
 
         The first metric decides: the highest accuracy or F1, the lowest loss (instruction data)."""
         state = self.state
-        dev, predictions = self.run.score_and_predict(self.run.splits.dev)
+        dev, predictions = self.run.evaluate(self.run.model, self.run.splits.dev)
         samples = {"samples": predictions[:self.cfg.log_samples]} if self.cfg.log_samples and predictions else {}
         self.metrics.log({"step": state.step, **{f"eval_{k}": v for k, v in dev.items()}, **samples})
         name, value = next(iter(dev.items()))
@@ -374,7 +374,7 @@ class Trainer:
         final_state = self.dist.model_state(self.loss_fn.model)  # FSDP: the full weights (every rank takes part)
         if self.dist.is_main:
             save_final(cfg, self.run.model, self.run.tokenizer, method, final_state)
-        dev = self.run.score(self.run.splits.dev) if self.run.splits.dev and not cfg.no_eval else {}
+        dev = self.run.evaluate(self.run.model, self.run.splits.dev)[0] if self.run.splits.dev and not cfg.no_eval else {}
         return {"trainable_params": sum(p.numel() for _, p in method.named_params), "steps": state.step,
                 "train_runtime_s": round(runtime, 3),
                 "steps_per_second": round(state.step / runtime, 4) if runtime > 0 else None, "resumes": state.resumes,

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from xgblora import atomic
-from xgblora.adapters import export
+from xgblora.adapters.peft import to_peft
 from xgblora.config import Config
+from xgblora.embeddings.st_format import embedding_export
 from xgblora.train.setup import Method
 
 log = logging.getLogger("xgblora")
@@ -73,7 +74,7 @@ def write_adapter(cfg: Config, method: Method, folder: Path, task_type: str | No
     """The adapted model as a PEFT LoRA adapter in folder: boosters (merged and current) concatenated, the head as
     modules_to_save; for final/ and for every checkpoint."""
     history = method.boosting.history if method.boosting is not None else []
-    export.to_peft(method.modules, history, folder, cfg.model_name, head=dict(method.head), task_type=task_type)
+    to_peft(method.modules, history, folder, cfg.model_name, head=dict(method.head), task_type=task_type)
 
 
 def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Method,
@@ -86,7 +87,7 @@ def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Meth
         else:
             model.save_pretrained(final, state_dict=state)
             if embedding:  # the whole model: a sentence-transformers model as it stands
-                export.embedding_export(final, dataclasses.asdict(cfg), model.config.hidden_size)
+                embedding_export(final, dataclasses.asdict(cfg), model.config.hidden_size)
         side = tokenizer.padding_side
         tokenizer.padding_side = "right" if embedding else side  # embeddings read right-padded inputs
         tokenizer.save_pretrained(final)

@@ -13,11 +13,11 @@ import torch
 from xgblora import distributed
 from xgblora.config import Config
 from xgblora.errors import UserError
-from xgblora.logging import setup_console_logging
+from xgblora.logs import setup_console_logging
 from xgblora.train.lock import run_lock
 from xgblora.train.loop import Hooks, Trainer
 from xgblora.train.results import write_model_card, write_predictions, write_results
-from xgblora.train.setup import RunSetup, build_contrastive, init_head, load_run, setup_method, training_set
+from xgblora.train.setup import RunSetup, build_contrastive, init_head, set_up_run, setup_method, training_set
 
 log = logging.getLogger("xgblora")
 
@@ -38,7 +38,7 @@ def _run(cfg: Config, dist: distributed.Distributed, out: Path, hooks: Hooks | N
             and not cfg.resume_from_checkpoint:
         raise UserError(f"{out} already holds a finished run; pass --overwrite_output_dir to redo it, "
                         f"or another --output_dir")
-    setup = load_run(cfg, dist)
+    setup = set_up_run(cfg, dist)
     base = {"task": setup.task.name, "model": cfg.model_name, "head": setup.head, "trainer": cfg.trainer,
             "seed": cfg.seed, "num_eval": len(setup.splits.eval), "device": str(setup.device),
             "torch": torch.__version__}
@@ -55,7 +55,7 @@ def _evaluate_only(setup: RunSetup) -> dict[str, Any]:
         log.warning("--head classifier without training scores with a new, untrained head: expect chance accuracy")
     started = time.perf_counter()
     demos = setup.splits.train if setup.scoring is None else ()
-    metrics, predictions = setup.score_and_predict(setup.splits.eval, demos)
+    metrics, predictions = setup.evaluate(setup.model, setup.splits.eval, demos)
     write_predictions(setup.cfg, predictions)
     return {**metrics, "method": "none", "num_demos": len(demos),
             "eval_runtime_s": round(time.perf_counter() - started, 3)}
@@ -84,7 +84,7 @@ def _train(setup: RunSetup, dist: distributed.Distributed, hooks: Hooks | None) 
     if method.contrastive is not None:  # learnt or fixed, the temperature the embeddings were trained at
         results["temperature"] = round(1 / float(method.contrastive.scale), 6)
     if not cfg.no_eval:
-        metrics, predictions = setup.score_and_predict(setup.splits.eval)
+        metrics, predictions = setup.evaluate(setup.model, setup.splits.eval)
         write_predictions(cfg, predictions)
         results.update(metrics)
     return results

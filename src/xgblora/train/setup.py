@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,21 +15,33 @@ import torch
 import transformers
 
 from xgblora import config as config_mod
-from xgblora import embedding, encoders, loading, models, perf, retrieval
+from xgblora import perf
+from xgblora.adapters import trained
 from xgblora.adapters.boosting import Boosting
-from xgblora.adapters.export import read_adapter
-from xgblora.adapters.lora import LoRALinear, attach, exact_targets, is_adapter_param, prepare_full_ft
+from xgblora.adapters.lora import (
+    LoRALinear,
+    adapter_params,
+    attach,
+    check_adapted,
+    exact_targets,
+    prepare_full_ft,
+)
+from xgblora.adapters.peft import read_adapter
 from xgblora.config import Config
 from xgblora.data import formats
-from xgblora.data.loading import Splits, load_rows, sample_splits
 from xgblora.data.pairs import PairTask, Prefixes, held_apart, pair_seqs
-from xgblora.data.tasks import CustomTask, Example, Task, get_task
+from xgblora.data.splits import Splits, load_rows, sample_splits
+from xgblora.data.tasks import CustomTask, Task, get_task
 from xgblora.distributed import Distributed
+from xgblora.embeddings.pooling import bidirectional_supported
 from xgblora.errors import UserError
-from xgblora.evaluate import evaluate
-from xgblora.head import fit_probe
-from xgblora.instruction_eval import evaluate_instructions
-from xgblora.objective import (
+from xgblora.evaluation import labels
+from xgblora.evaluation.evaluators import Candidates, EvalSizes, Evaluator, Instructions, Labels, Retrieval
+from xgblora.models import pretrained
+from xgblora.models.quant import is_quantized
+from xgblora.models.scoring import packing_supported
+from xgblora.train.head import fit_probe
+from xgblora.train.objective import (
     Contrastive,
     TrainingSet,
     causal_training_set,
@@ -37,8 +50,6 @@ from xgblora.objective import (
     pair_training_set,
     sequence_training_set,
 )
-from xgblora.quant import is_quantized
-from xgblora.scoring import packing_supported
 
 log = logging.getLogger("xgblora")
 
@@ -89,8 +100,8 @@ def setup_method(model: torch.nn.Module, cfg: Config, contrastive: Contrastive |
         count = prepare_full_ft(model)
         log.info("full fine-tuning: %s trainable parameters", f"{count:,}")
         named = list(model.named_parameters())
-        return Method([(n, p) for n, p in named if not encoders.is_head_param(n)],
-                      [(n, p) for n, p in named if encoders.is_head_param(n)], contrastive=contrastive)
+        return Method([(n, p) for n, p in named if not labels.is_head_param(n)],
+                      [(n, p) for n, p in named if labels.is_head_param(n)], contrastive=contrastive)
     factors, adapter_head = read_adapter(Path(cfg.adapter)) if cfg.adapter else ({}, {})
     model.load_state_dict(adapter_head, strict=False)  # a trained classification head (modules_to_save)
     targets = cfg.lora_target_modules or (exact_targets(factors) if factors else None)
@@ -98,8 +109,8 @@ def setup_method(model: torch.nn.Module, cfg: Config, contrastive: Contrastive |
     if cfg.method == "lora":
         continue_from(factors, report.modules)
     log.info("%s", report)
-    adapters = [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
-    head = [(n, p) for n, p in model.named_parameters() if encoders.is_head_param(n)]
+    adapters = adapter_params(model)
+    head = [(n, p) for n, p in model.named_parameters() if labels.is_head_param(n)]
     for _, p in head:  # a new classification head trains in every method (or stays frozen: see zo_params)
         p.requires_grad_(True)
     boosting = None
@@ -118,10 +129,7 @@ def setup_method(model: torch.nn.Module, cfg: Config, contrastive: Contrastive |
 def continue_from(factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
                   modules: dict[str, LoRALinear]) -> None:
     """LoRA from a trained adapter: each of its modules takes the adapter's A, B, rank and scaling and trains on."""
-    missing = sorted(set(factors) - set(modules))
-    if missing:
-        raise UserError(f"the adapter's module {missing[0]!r} is not among the adapted modules; leave "
-                        f"--lora_target_modules unset (the adapter's modules) or include it")
+    check_adapted(factors, modules)
     for name, (A, B, scaling) in factors.items():
         modules[name].load_factors(A, B, scaling)
     if factors:
@@ -131,7 +139,7 @@ def continue_from(factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
 
 @dataclass
 class RunSetup:
-    """A loaded run: the resolved config, the task's splits, the model and how it scores examples."""
+    """A loaded run: the resolved config, the task's splits, the model, and the evaluator chosen for it."""
 
     cfg: Config
     task: Task
@@ -139,31 +147,9 @@ class RunSetup:
     head: str
     model: torch.nn.Module
     tokenizer: Any
-    scoring: encoders.LabelScoring | None
+    scoring: labels.LabelScoring | None
     device: torch.device
-
-    def score(self, examples: list[Example], demos: list[Example] | tuple = ()) -> dict[str, Any]:
-        """The task's metrics on examples (a label head reads one input: no in-context demonstrations)."""
-        return self.score_and_predict(examples, demos)[0]
-
-    def score_and_predict(self, examples: list[Example], demos: list[Example] | tuple = ()
-                          ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The task's metrics on examples, and the generations of instruction data (prompt, prediction, reference)."""
-        cfg = self.cfg
-        if cfg.objective != "lm":
-            return retrieval.evaluate(self.model, self.tokenizer, examples, pooling=cfg.pooling,
-                                      max_length=cfg.max_length, batch_size=cfg.per_device_eval_batch_size,
-                                      bidirectional=bool(cfg.bidirectional), prefixes=self.prefixes), []
-        if self.task.instruction:
-            return evaluate_instructions(self.model, self.tokenizer, examples, stop_ids=self.stop_ids,
-                                         batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length,
-                                         max_new_tokens=cfg.max_new_tokens, train_on_prompt=cfg.train_on_prompt)
-        if self.scoring is not None:
-            return encoders.evaluate(self.model, self.tokenizer, examples, self.scoring,
-                                     batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length), []
-        return evaluate(self.model, self.tokenizer, self.task, examples, demos=demos, sfc=cfg.sfc,
-                        icl_sfc=cfg.icl_sfc, batch_size=cfg.per_device_eval_batch_size, max_length=cfg.max_length,
-                        max_new_tokens=cfg.max_new_tokens), []
+    evaluate: Evaluator
 
     @property
     def prefixes(self) -> Prefixes:
@@ -181,10 +167,10 @@ class RunSetup:
         return autocast_dtype(self.cfg, self.device)
 
 
-def load_run(cfg: Config, dist: Distributed) -> RunSetup:
+def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
     """Task, splits, head and model; the config resolved against them and written to config.yaml."""
     transformers.set_seed(cfg.seed)
-    source = loading.resolve(cfg.model_name, cfg.adapter)  # a run or adapter folder names its base model
+    source = trained.resolve(cfg.model_name, cfg.adapter)  # a run or adapter folder names its base model
     cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
     embedding_run = cfg.objective != "lm"
     task = PairTask(cfg) if embedding_run else get_task(cfg.task_name, cfg)
@@ -192,20 +178,20 @@ def load_run(cfg: Config, dist: Distributed) -> RunSetup:
     if embedding_run:  # a document trained on is not a held-out document
         splits = Splits(splits.train, held_apart(splits.train, splits.dev, "dev"),
                         held_apart(splits.train, splits.eval, "eval"))
-        head = models.embedding_head(cfg.model_name, cfg.objective, cfg.trust_remote_code)
+        head = pretrained.embedding_head(cfg.model_name, cfg.objective, cfg.trust_remote_code)
     else:
-        head = models.resolve_head(cfg.head, cfg.model_name, cfg.trust_remote_code)
-    words = encoders.label_words(task.name, splits.train, splits.dev, splits.eval) if head not in ("lm", "embed") \
+        head = pretrained.resolve_head(cfg.head, cfg.model_name, cfg.trust_remote_code)
+    words = labels.label_words(task.name, splits.train, splits.dev, splits.eval) if head not in ("lm", "embed") \
         else ()
     if head != "lm" and (cfg.sfc or cfg.icl_sfc):
         raise UserError(f"--sfc/--icl_sfc calibrate a causal LM's candidate scores; --head {head} has no surface forms")
-    target = models.choose_device(dist.device or cfg.device)
-    model, tokenizer = models.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation,
+    target = pretrained.choose_device(dist.device or cfg.device)
+    model, tokenizer = pretrained.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation,
                                    device=str(target), trust_remote_code=cfg.trust_remote_code,
                                    head=head, num_labels=len(words) or None, load_in_4bit=cfg.load_in_4bit,
                                    compute_dtype=_compute_dtype(cfg, target))
     if source.adapter is not None and cfg.trainer == "none":  # evaluation; training starts from it in setup_method
-        loading.apply_adapter(model, source.adapter, merge=not cfg.load_in_4bit)
+        trained.apply_adapter(model, source.adapter, merge=not cfg.load_in_4bit)
     if cfg.chat_template:
         formats.set_chat_template(tokenizer, cfg.chat_template)
     device = next(model.parameters()).device
@@ -215,8 +201,24 @@ def load_run(cfg: Config, dist: Distributed) -> RunSetup:
     _warn_on_emulated_bf16(cfg, device)
     if cfg.tf32:
         perf.enable_tf32(device)
-    scoring = encoders.build_scoring(head, tokenizer, words, cfg.pooling) if words else None
-    return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device)
+    scoring = labels.build_scoring(head, tokenizer, words, cfg.pooling) if words else None
+    evaluator = build_evaluator(cfg, task, tokenizer, scoring, formats.model_stop_ids(model, tokenizer))
+    return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device, evaluator)
+
+
+def build_evaluator(cfg: Config, task: Task, tokenizer: Any, scoring: labels.LabelScoring | None,
+                    stop_ids: Sequence[int]) -> Evaluator:
+    """The run's evaluator, from its objective and task: retrieval for embeddings, instructions for instruction
+    data, labels for a classifier or masked-LM head, else MeZO's candidate scoring."""
+    sizes = EvalSizes(cfg.per_device_eval_batch_size, cfg.max_length, cfg.max_new_tokens)
+    if cfg.objective != "lm":
+        return Retrieval(tokenizer, cfg.pooling, sizes, Prefixes(cfg.query_instruction, cfg.doc_instruction),
+                         bool(cfg.bidirectional))
+    if task.instruction:
+        return Instructions(tokenizer, tuple(stop_ids), sizes, cfg.train_on_prompt)
+    if scoring is not None:
+        return Labels(tokenizer, scoring, sizes)
+    return Candidates(tokenizer, task, sizes, cfg.sfc, cfg.icl_sfc)
 
 
 def _compute_dtype(cfg: Config, device: torch.device) -> str:
@@ -235,11 +237,11 @@ def resolve(cfg: Config, model: torch.nn.Module, dist: Distributed, head: str = 
                   positions)
     pooling, bidirectional = cfg.pooling, cfg.bidirectional
     if pooling == "auto" and head == "classifier":
-        pooling = models.sentence_pooling(cfg.model_name) or "cls"
+        pooling = pretrained.sentence_pooling(cfg.model_name) or "cls"
     if cfg.objective != "lm":
         bidirectional = resolve_bidirectional(cfg, model, head)
         if pooling == "auto":
-            pooling = models.sentence_pooling(cfg.model_name) or ("last" if head == "lm" and not bidirectional
+            pooling = pretrained.sentence_pooling(cfg.model_name) or ("last" if head == "lm" and not bidirectional
                                                                   else "mean")
     return dataclasses.replace(cfg, max_length=max_length, device=dist.device or cfg.device, pooling=pooling,
                                bidirectional=bidirectional,
@@ -253,7 +255,7 @@ def resolve_bidirectional(cfg: Config, model: torch.nn.Module, head: str) -> boo
         return False
     if cfg.bidirectional is None and cfg.objective != "grit":
         return False
-    supported = embedding.bidirectional_supported(model)
+    supported = bidirectional_supported(model)
     if not supported and cfg.bidirectional:
         raise UserError(f"--bidirectional: {model.config.model_type} with {model.config._attn_implementation} "
                         f"attention ignores a bidirectional mask; use --attn_implementation sdpa or drop the flag")

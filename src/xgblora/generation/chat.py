@@ -13,11 +13,12 @@ from typing import TextIO
 import torch
 from transformers import PreTrainedTokenizerBase, TextStreamer
 
+from xgblora.adapters.trained import load_with_options
 from xgblora.config import ChatConfig
 from xgblora.data import formats
 from xgblora.errors import UserError
-from xgblora.generation import sampling_params
-from xgblora.sampling import Sampler, batch_generator
+from xgblora.generation.generate import sampling_params
+from xgblora.models.sampler import Sampler, batch_generator
 
 
 class _ReplyStream(TextStreamer):
@@ -38,13 +39,7 @@ class _ReplyStream(TextStreamer):
 
 def chat(cfg: ChatConfig, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr) -> int:
     """Run the conversation loop until /exit or end of input; returns the exit code."""
-    from xgblora.loading import load_for_inference
-
-    model, tokenizer = load_for_inference(cfg.model_name, cfg.adapter, dtype=cfg.dtype_name, device=cfg.device,
-                                          attn_implementation=cfg.attn_implementation,
-                                          trust_remote_code=cfg.trust_remote_code, load_in_4bit=cfg.load_in_4bit)
-    if cfg.chat_template:
-        formats.set_chat_template(tokenizer, cfg.chat_template)
+    model, tokenizer = load_with_options(cfg, cfg.model_name, cfg.adapter, cfg.chat_template)
     if tokenizer.chat_template is None:
         raise UserError(f"{cfg.model_name}: the tokenizer has no chat template; pass --chat_template FILE")
     if stdin.isatty():

@@ -30,15 +30,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xgblora import atomic
+from xgblora import atomic, checkpoint
+from xgblora.adapters.trained import load_with_options
 from xgblora.config import Config, RFTConfig
 from xgblora.data import formats
 from xgblora.data.sources import parse_columns, read_rows
 from xgblora.data.tasks import Example, PromptTask
 from xgblora.errors import UserError
-from xgblora.generation import Prompts, read_prompts, sampling_params, write_completions
-from xgblora.sampling import SamplingParams
-from xgblora.verify import Verifier, keep_correct, make_extractor
+from xgblora.evaluation.answers import Verifier, keep_correct, make_extractor
+from xgblora.export import export_run
+from xgblora.generation.generate import Prompts, read_prompts, sampling_params, write_completions
+from xgblora.models.sampler import SamplingParams
+from xgblora.report import write_rft_report
+from xgblora.train import run
 
 log = logging.getLogger("xgblora")
 
@@ -90,13 +94,7 @@ class LoadedModel:
 
 def load_model(cfg: RFTConfig, path: str, adapter: str | None = None) -> LoadedModel:
     """A model for sampling (with an adapter applied), with --chat_template applied to its tokenizer."""
-    from xgblora.loading import load_for_inference
-
-    model, tokenizer = load_for_inference(path, adapter, dtype=cfg.dtype_name, device=cfg.device,
-                                          attn_implementation=cfg.attn_implementation,
-                                          trust_remote_code=cfg.trust_remote_code, load_in_4bit=cfg.load_in_4bit)
-    if cfg.chat_template:
-        formats.set_chat_template(tokenizer, cfg.chat_template)
+    model, tokenizer = load_with_options(cfg, path, adapter, cfg.chat_template)
     return LoadedModel(path, model, tokenizer)
 
 
@@ -158,9 +156,6 @@ def training_config(cfg: RFTConfig, model_path: str, adapter: str | None, round_
 
 def train_round(cfg: RFTConfig, model_path: str, adapter: str | None, round_dir: Path, n_rows: int) -> str:
     """Fine-tune the current model on the round's kept rows and merge it; returns the merged model's folder."""
-    from xgblora.adapters.export import export_run
-    from xgblora.train import checkpoint, run
-
     merged = round_dir / "model"
     if merged.exists():
         return str(merged)
@@ -184,8 +179,6 @@ def _heldout_rows(cfg: RFTConfig, root: Path) -> None:
 
 def run_rft(cfg: RFTConfig) -> dict[str, Any]:
     """Run every round (see the module docstring); returns the per-round records (also rounds.json)."""
-    from xgblora.report import write_rft_report
-
     root = Path(cfg.output_root)
     root.mkdir(parents=True, exist_ok=True)
     _heldout_rows(cfg, root)

@@ -12,7 +12,6 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
-from xgblora import encoders
 from xgblora.data.batches import (
     Batch,
     CandidateBatch,
@@ -22,11 +21,12 @@ from xgblora.data.batches import (
     PairBatch,
     TokenBatch,
 )
-from xgblora.data.batching import TokenSeq, collate, collate_packed, training_seqs
+from xgblora.data.collation import TokenSeq, collate, collate_packed, training_seqs
 from xgblora.data.pairs import PairSeq, collate_pairs
 from xgblora.data.tasks import Example
-from xgblora.embedding import embed
-from xgblora.scoring import label_logits, packed_mean_logprobs, target_logprobs
+from xgblora.embeddings.pooling import embed
+from xgblora.evaluation import labels
+from xgblora.models.scoring import label_logits, packed_mean_logprobs, target_logprobs
 
 
 @dataclass
@@ -72,11 +72,11 @@ def sequence_training_set(seqs: Sequence[TokenSeq], pad_id: int, packed: bool = 
 
 
 def label_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
-                       scoring: encoders.LabelScoring) -> TrainingSet:
+                       scoring: labels.LabelScoring) -> TrainingSet:
     """A classifier's or masked LM's training set: each example's prompt and gold label."""
-    seqs = encoders.encode(tokenizer, examples, max_length, scoring)
+    seqs = labels.encode(tokenizer, examples, max_length, scoring)
     return TrainingSet([len(s.ids) for s in seqs],
-                       lambda idx: encoders.collate([seqs[i] for i in idx], tokenizer.pad_token_id, scoring))
+                       lambda idx: labels.collate([seqs[i] for i in idx], tokenizer.pad_token_id, scoring))
 
 
 def pair_training_set(seqs: Sequence[PairSeq], pad_id: int) -> TrainingSet:

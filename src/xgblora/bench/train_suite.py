@@ -1,51 +1,21 @@
-"""`xgblora bench` end to end: every measurement as one flat dict of figures (`run`), printed as a table (`main`)."""
+"""The train suite of `xgblora bench`: every training-step, evaluation and memory figure as one flat dict (`run`),
+printed by `bench.table.format_table`."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import importlib
 import importlib.util
-import json
-import os
-import platform
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 from xgblora.bench.baselines import eval_comparison, hf_vs_xgblora
 from xgblora.bench.flags import apply_quick
+from xgblora.bench.machine import environment
 from xgblora.bench.memory import measure_memory
-from xgblora.bench.table import format_table
 from xgblora.bench.timing import log_overhead, median, time_interleaved
 from xgblora.bench.workloads import Bench
-from xgblora.models import choose_device
-
-
-def _versions() -> dict[str, str | None]:
-    """Versions of Python and of the libraries whose speed is measured."""
-    versions: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
-                                       "transformers": transformers.__version__}
-    for pkg in ("peft", "accelerate", "trl"):
-        if importlib.util.find_spec(pkg) is not None:
-            versions[pkg] = __import__(pkg).__version__
-    return versions
-
-
-def environment(args: argparse.Namespace) -> dict[str, Any]:
-    """The machine, the library versions, the date and the common sizes of a run."""
-    device = choose_device(args.device)
-    return {
-        "batch_size": args.batch_size, "dtype": args.dtype, "repeats": args.repeats, "warmup": args.warmup,
-        "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-        else (platform.processor() or platform.machine()),
-        "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "versions": _versions(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
 
 
 def _sizes_and_environment(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
@@ -114,41 +84,3 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         res.update(measure_memory(args))
     return res
-
-
-# The other suites: module (with run(args) -> list of results and format_table) and the JSON key of the list
-_SUITES = {"sft": ("xgblora.bench.sft", "cases"), "icl": ("xgblora.bench.icl", "tasks"),
-           "compile": ("xgblora.bench.compile", "workloads")}
-
-
-def _run_suite(args: argparse.Namespace) -> tuple[Any, str]:
-    """The figures of the suite the flags name, and their printed table."""
-    if args.suite == "train":
-        res = run(args)
-        return res, format_table(res)
-    if args.suite == "gpu":
-        from xgblora.bench import gpu
-
-        args.json = args.json or "gpu-suite.json"
-        report = gpu.run(args)
-        return {"suite": "gpu", "environment": environment(args), **report}, gpu.format_table(report)
-    module_name, key = _SUITES[args.suite]
-    module = importlib.import_module(module_name)
-    results = module.run(apply_quick(args))
-    return {"suite": args.suite, "environment": environment(args), key: results}, module.format_table(results)
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run the benchmark suite, print its table, and write the JSON when --json is given."""
-    with contextlib.redirect_stdout(sys.stderr):  # HF Trainer prints its summary; keep stdout for the table
-        res, table = _run_suite(args)
-    print(table, flush=True)
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res, indent=2, default=str) + "\n", encoding="utf-8")
-        print(f"wrote {path}")
-        if args.suite != "train":  # the other suites' tables are Markdown: kept beside the JSON
-            path.with_suffix(".md").write_text(table + "\n", encoding="utf-8")
-            print(f"wrote {path.with_suffix('.md')}")
-    return 0

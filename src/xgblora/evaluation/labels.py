@@ -17,10 +17,10 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from xgblora.data.batches import LabelBatch
-from xgblora.data.batching import length_grouped_batches
+from xgblora.data.collation import length_grouped_batches
 from xgblora.data.tasks import Example
 from xgblora.errors import UserError
-from xgblora.scoring import POOLINGS, eval_mode, label_logits
+from xgblora.models.scoring import POOLINGS, eval_mode, label_logits
 
 HEADS = ("classifier", "mlm")
 CLASSIFIER_MODULES = ("classifier", "score", "pre_classifier")  # PEFT's names for SEQ_CLS heads, plus DistilBERT's

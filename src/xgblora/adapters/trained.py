@@ -14,21 +14,26 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from xgblora import models
-from xgblora.adapters.export import read_adapter, run_config
+from xgblora import checkpoint
 from xgblora.adapters.lora import attach_factors, unwrap
+from xgblora.adapters.peft import read_adapter
+from xgblora.checkpoint import run_config
+from xgblora.config import ModelOptions
+from xgblora.data import formats
 from xgblora.errors import UserError
+from xgblora.models import pretrained
 
 _ADAPTER_CONFIG = "adapter_config.json"
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """What to load: the base model (a name models.load takes) and the PEFT adapter folder to apply, if any."""
+    """What to load: the base model (a name pretrained.load takes) and the PEFT adapter folder to apply, if any."""
 
     base: str
     adapter: Path | None = None
@@ -77,8 +82,6 @@ def _adapter_base(folder: Path) -> str:
 
 def _run_source(run_dir: Path) -> ModelSource:
     """A run folder: final/ (an adapter, or full fine-tuning's whole model), else its newest intact checkpoint."""
-    from xgblora.train import checkpoint  # train/ loads its models through this module: imported when used
-
     cfg, final = run_config(run_dir), run_dir / "final"
     if (final / _ADAPTER_CONFIG).is_file():
         return ModelSource(cfg["model_name"], final)
@@ -113,10 +116,10 @@ def load_model(source: ModelSource, *, dtype: str = "float32", device: str = "cp
     """The base model with the source's adapter applied: merged (fp32 sums, cast once) unless the base is 4-bit,
     where the adapter stays attached in fp32. The tokenizer is the adapter folder's when it has one."""
     adapter_head = read_adapter(source.adapter)[1] if source.adapter is not None else {}
-    kind = models.resolve_head(head, source.base, trust_remote_code)
+    kind = pretrained.resolve_head(head, source.base, trust_remote_code)
     # a classifier head's output layer is its narrowest weight (labels < hidden size): [num_labels, hidden]
     num_labels = min((t.shape[0] for t in adapter_head.values() if t.dim() == 2), default=None)
-    model, tokenizer = models.load(source.base, dtype=dtype, attn_implementation=attn_implementation, device=device,
+    model, tokenizer = pretrained.load(source.base, dtype=dtype, attn_implementation=attn_implementation, device=device,
                                    trust_remote_code=trust_remote_code, head=kind, num_labels=num_labels,
                                    load_in_4bit=load_in_4bit)
     if source.adapter is not None:
@@ -146,3 +149,35 @@ def load_for_inference(name_or_path: str, adapter: str | None = None, *, dtype: 
     model.config.use_cache = True
     model.eval()
     return model, tokenizer
+
+
+def load_with_options(options: ModelOptions, name_or_path: str, adapter: str | None, chat_template: str | None
+                      ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """`load_for_inference` with a command's model options (dtype, device, attention, remote code, 4-bit), and its
+    --chat_template file, if any, replacing the tokenizer's."""
+    model, tokenizer = load_for_inference(name_or_path, adapter, dtype=options.dtype_name, device=options.device,
+                                          attn_implementation=options.attn_implementation,
+                                          trust_remote_code=options.trust_remote_code,
+                                          load_in_4bit=options.load_in_4bit)
+    if chat_template:
+        formats.set_chat_template(tokenizer, chat_template)
+    return model, tokenizer
+
+
+def run_head(cfg: dict[str, Any], model_name: str, trust_remote_code: bool) -> str:
+    """The model class a run's model loads as: its embedding class for an embedding objective, else its --head."""
+    if cfg.get("objective", "lm") != "lm":
+        return pretrained.embedding_head(model_name, cfg["objective"], trust_remote_code)
+    return cfg.get("head", "auto")
+
+
+def load_run_model(run_dir: Path, trust_remote_code: bool = False) -> tuple[Any, Any, dict[str, Any]]:
+    """A finished run's trained model in memory (its adapter merged into the base, or its full final/ model), its
+    tokenizer, and its config.yaml as a dict."""
+    cfg = run_config(Path(run_dir))
+    if cfg.get("trust_remote_code") and not trust_remote_code:
+        raise UserError(f"{run_dir} was trained with --trust_remote_code; pass --trust_remote_code to load it")
+    source = resolve(str(run_dir))
+    model, tokenizer = load_model(source, trust_remote_code=trust_remote_code,
+                                          head=run_head(cfg, source.base, trust_remote_code))
+    return model, tokenizer, cfg

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import collections
 import copy
-import re
-import string
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
-from xgblora.data.batching import (
+from xgblora.data.collation import (
     PrefixGroup,
     TokenSeq,
     collate_prefix_suffix,
@@ -24,8 +20,9 @@ from xgblora.data.batching import (
     shared_prefix_groups,
 )
 from xgblora.data.tasks import Example, Task
-from xgblora.sampling import Sampler, SamplingParams
-from xgblora.scoring import contiguous_head_input, eval_mode, target_logprobs, token_logprobs
+from xgblora.evaluation.answers import f1_score, normalize_answer
+from xgblora.models.sampler import greedy_continuations
+from xgblora.models.scoring import contiguous_head_input, eval_mode, target_logprobs, token_logprobs
 
 
 def caches_prefixes(model: PreTrainedModel) -> bool:
@@ -197,52 +194,9 @@ def generate_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     prompt_ids = tokenizer([prefix + ex.prompt for ex in examples], add_special_tokens=True)["input_ids"]
     newline = tokenizer.encode("\n", add_special_tokens=False)[-1:]
     stop = [t for t in [tokenizer.eos_token_id, *newline] if t is not None]
-    texts = generate(model, tokenizer, prompt_ids, stop, batch_size=batch_size, max_length=max_length,
+    texts = greedy_continuations(model, tokenizer, prompt_ids, stop, batch_size=batch_size, max_length=max_length,
                      max_new_tokens=max_new_tokens)
     return [text.strip().split("\n")[0].strip() for text in texts]
-
-
-def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[Sequence[int]],
-             stop_ids: Sequence[int], *, batch_size: int = 8, max_length: int = 2048,
-             max_new_tokens: int = 50) -> list[str]:
-    """Greedy continuations of tokenised prompts (the sampler at temperature 0), each stopped at a stop token.
-
-    Prompts longer than max_length - max_new_tokens tokens are cut from the left, so the question and the answer
-    cue at their end are kept (as MeZO does); one warning gives the count. A batch holds as much KV cache as
-    batch_size prompts of max_length tokens: more prompts when they are short.
-    """
-    budget = max(1, max_length - max_new_tokens)
-    truncated = sum(len(ids) > budget for ids in prompt_ids)
-    if truncated:
-        warnings.warn(f"{truncated} of {len(prompt_ids)} prompts were longer than max_length - max_new_tokens = "
-                      f"{budget} tokens and were truncated from the left (the question and answer cue are kept)",
-                      stacklevel=2)
-    params = SamplingParams(max_new_tokens=max_new_tokens, max_batch_tokens=batch_size * (budget + max_new_tokens))
-    sampler = Sampler(model, tokenizer.pad_token_id, stop_ids, params)
-    texts = [""] * len(prompt_ids)
-    for batch, samples in sampler.run([list(ids[-budget:]) for ids in prompt_ids]):
-        for i, [sample] in zip(batch, samples, strict=True):
-            texts[i] = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-    return texts
-
-
-def normalize_answer(text: str) -> str:
-    """SQuAD's answer normalisation: lower case, no punctuation, no articles, single spaces."""
-    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
-
-
-def f1_score(prediction: str, reference: str) -> float:
-    """Token-overlap F1 between a prediction and one reference (SQuAD's definition)."""
-    pred, ref = normalize_answer(prediction).split(), normalize_answer(reference).split()
-    if not pred or not ref:
-        return float(pred == ref)
-    common = sum((collections.Counter(pred) & collections.Counter(ref)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(pred), common / len(ref)
-    return 2 * precision * recall / (precision + recall)
 
 
 def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, examples: Sequence[Example], *,

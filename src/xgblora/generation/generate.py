@@ -21,12 +21,13 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from xgblora import atomic
+from xgblora.adapters.trained import load_with_options
 from xgblora.config import GenerateConfig
 from xgblora.data import formats
 from xgblora.data.sources import parse_columns, read_rows
 from xgblora.data.tasks import Example, PromptTask
 from xgblora.errors import UserError
-from xgblora.sampling import Sample, Sampler, SamplingParams
+from xgblora.models.sampler import Sample, Sampler, SamplingParams
 
 
 @dataclass
@@ -142,13 +143,7 @@ def write_completions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 
 def generate_file(cfg: GenerateConfig) -> dict[str, Any]:
     """`xgblora generate`: load the model, render the prompts, write the completions; returns a summary."""
-    from xgblora.loading import load_for_inference
-
-    model, tokenizer = load_for_inference(cfg.model_name, cfg.adapter, dtype=cfg.dtype_name, device=cfg.device,
-                                          attn_implementation=cfg.attn_implementation,
-                                          trust_remote_code=cfg.trust_remote_code, load_in_4bit=cfg.load_in_4bit)
-    if cfg.chat_template:
-        formats.set_chat_template(tokenizer, cfg.chat_template)
+    model, tokenizer = load_with_options(cfg, cfg.model_name, cfg.adapter, cfg.chat_template)
     prompts = read_prompts(cfg.input_file, tokenizer, columns=cfg.columns, raw=cfg.raw_prompts,
                            system=cfg.system_prompt, max_length=cfg.max_length)
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("output_file", "device")}

@@ -12,10 +12,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from xgblora.data import formats
-from xgblora.data.batching import iter_batches
+from xgblora.data.collation import iter_batches
 from xgblora.data.tasks import Example
-from xgblora.evaluate import f1_score, generate, normalize_answer
-from xgblora.scoring import eval_mode, target_logprobs
+from xgblora.evaluation.answers import f1_score, normalize_answer
+from xgblora.models.sampler import greedy_continuations
+from xgblora.models.scoring import eval_mode, target_logprobs
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -59,7 +60,7 @@ def evaluate_instructions(model: PreTrainedModel, tokenizer: PreTrainedTokenizer
         return metrics, []
     texts = [formats.prompt_text(tokenizer, ex) for ex in answerable]
     prompts = [formats.prompt_ids(tokenizer, text, bool(ex.messages)) for text, ex in zip(texts, answerable, strict=True)]
-    predictions = [text.strip() for text in generate(model, tokenizer, prompts, stop_ids, batch_size=batch_size,
+    predictions = [text.strip() for text in greedy_continuations(model, tokenizer, prompts, stop_ids, batch_size=batch_size,
                                                      max_length=max_length, max_new_tokens=max_new_tokens)]
     references = [ex.answers[0] for ex in answerable]
     metrics["em"] = _mean([normalize_answer(p) == normalize_answer(r) for p, r in zip(predictions, references, strict=True)])

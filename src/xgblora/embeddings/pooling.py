@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from xgblora.data.pairs import pad_right, tokenize
-from xgblora.scoring import eval_mode, pool
+from xgblora.models.scoring import eval_mode, pool
 
 POOLINGS = ("mean", "cls", "last")
 

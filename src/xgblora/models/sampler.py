@@ -20,14 +20,15 @@ check or rank samples without a second forward.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from xgblora.scoring import eval_mode
+from xgblora.models.scoring import eval_mode
 
 TokenCallback = Callable[[torch.Tensor, torch.Tensor], None]  # (sample rows, their new tokens) after each step
 
@@ -187,3 +188,27 @@ class _Drawn:
         flat = [Sample(tuple(self.tokens[r, :self.lengths[r]].tolist()), "stop" if self.stopped[r] else "length",
                        float(self.logprobs[r])) for r in range(self.rows)]
         return [flat[i:i + per_prompt] for i in range(0, self.rows, per_prompt)]
+
+
+def greedy_continuations(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[Sequence[int]],
+             stop_ids: Sequence[int], *, batch_size: int = 8, max_length: int = 2048,
+             max_new_tokens: int = 50) -> list[str]:
+    """Greedy continuations of tokenised prompts (the sampler at temperature 0), each stopped at a stop token.
+
+    Prompts longer than max_length - max_new_tokens tokens are cut from the left, so the question and the answer
+    cue at their end are kept (as MeZO does); one warning gives the count. A batch holds as much KV cache as
+    batch_size prompts of max_length tokens: more prompts when they are short.
+    """
+    budget = max(1, max_length - max_new_tokens)
+    truncated = sum(len(ids) > budget for ids in prompt_ids)
+    if truncated:
+        warnings.warn(f"{truncated} of {len(prompt_ids)} prompts were longer than max_length - max_new_tokens = "
+                      f"{budget} tokens and were truncated from the left (the question and answer cue are kept)",
+                      stacklevel=2)
+    params = SamplingParams(max_new_tokens=max_new_tokens, max_batch_tokens=batch_size * (budget + max_new_tokens))
+    sampler = Sampler(model, tokenizer.pad_token_id, stop_ids, params)
+    texts = [""] * len(prompt_ids)
+    for batch, samples in sampler.run([list(ids[-budget:]) for ids in prompt_ids]):
+        for i, [sample] in zip(batch, samples, strict=True):
+            texts[i] = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+    return texts

@@ -11,12 +11,21 @@ on CUDA and CPU.
 from __future__ import annotations
 
 import importlib.util
+import re
 from typing import Any
 
 import torch
 from torch import nn
 
 from xgblora.errors import UserError
+
+_IN_A_BLOCK = re.compile(r"\.\d+\.")  # ".3." in "model.layers.3.self_attn.q_proj": a numbered transformer block
+
+
+def in_transformer_block(name: str) -> bool:
+    """Whether a module (by qualified name) sits in a numbered transformer block: the linear layers PEFT's
+    `all-linear` adapts and a built-in model quantises (never the LM head, a pooler or a classifier head)."""
+    return bool(_IN_A_BLOCK.search(name))
 
 
 def require_bitsandbytes() -> Any:

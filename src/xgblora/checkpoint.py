@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -277,3 +278,19 @@ class Checkpointer:
         self.model.load_state_dict(tensors, strict=False)
         for key, component in self.model_components.items():
             component.load_state_dict(blobs[key])
+
+
+def run_config(run_dir: Path) -> dict[str, Any]:
+    """The run's config.yaml as a dict; UserError when it is missing or names no model."""
+    cfg_path = run_dir / "config.yaml"
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: no such run folder")
+    if not cfg_path.is_file():
+        raise UserError(f"{run_dir}: not a run folder (no config.yaml)")
+    try:
+        cfg = yaml.safe_load(cfg_path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"{cfg_path}: cannot read ({exc.__class__.__name__})") from None
+    if not isinstance(cfg, dict) or not cfg.get("model_name"):
+        raise UserError(f"{cfg_path}: no model_name")
+    return cfg

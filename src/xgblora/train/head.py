@@ -17,11 +17,11 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from xgblora import encoders
 from xgblora.data.batches import LabelBatch
 from xgblora.data.tasks import Example
+from xgblora.evaluation.labels import LabelScoring, logits_by_batch
+from xgblora.models.scoring import head_module
 from xgblora.optim.fo import build_optimizer
-from xgblora.scoring import head_module
 
 log = logging.getLogger("xgblora")
 T = TypeVar("T")
@@ -98,14 +98,14 @@ def cross_validated_l2(x: Tensor, y: Tensor, n_classes: int, grid: Sequence[floa
 
 
 def fit_probe(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
-              scoring: encoders.LabelScoring, *, l2: float | None = None, batch_size: int = 32,
+              scoring: LabelScoring, *, l2: float | None = None, batch_size: int = 32,
               max_length: int = 512) -> tuple[float, float]:
     """Fit the head's output layer to the examples' labels on the frozen model's features; returns the L2 strength
     used (`cross_validated_l2` when l2 is None) and the probe's training accuracy. The features are what that layer
     reads (the pooled vector, or a RoBERTa head's dense output), taken in eval mode (no dropout)."""
     layer = output_layer(model)
     with recording_inputs(layer) as inputs:
-        labels = [batch.labels for _, batch, _ in encoders.logits_by_batch(
+        labels = [batch.labels for _, batch, _ in logits_by_batch(
             model, tokenizer, examples, scoring, batch_size=batch_size, max_length=max_length)]
     x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs]).cpu()
     y = torch.cat(labels).cpu()

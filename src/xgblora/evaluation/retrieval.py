@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from xgblora.data.pairs import NO_PREFIXES, Prefixes
 from xgblora.data.tasks import Example
-from xgblora.embedding import encode_texts
+from xgblora.embeddings.pooling import encode_texts
 
 KS = (1, 5, 10)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from xgblora import quant
 from xgblora.errors import UserError
-from xgblora.scoring import contiguous_head_input
+from xgblora.models import quant
+from xgblora.models.scoring import contiguous_head_input
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -222,9 +221,6 @@ def resolve_path(name_or_path: str) -> str:
     return str(found[0].parent)
 
 
-_IN_A_BLOCK = re.compile(r"\.\d+\.")  # a numbered transformer block: what a built-in model quantises
-
-
 def load(name_or_path: str, *, dtype: str = "float32", attn_implementation: str = "auto", device: str = "cpu",
          trust_remote_code: bool = False, head: str = "lm", num_labels: int | None = None,
          load_in_4bit: bool = False, compute_dtype: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -243,7 +239,7 @@ def load(name_or_path: str, *, dtype: str = "float32", attn_implementation: str 
     if name_or_path in RANDOM_MODELS:
         model, tokenizer = random_model(name_or_path, dtype=dtype, attn_implementation=attn, head=head, **labels)
         if load_in_4bit:
-            quant.quantize_linears(model.to(target), lambda name: bool(_IN_A_BLOCK.search(name)), compute, target)
+            quant.quantize_linears(model.to(target), quant.in_transformer_block, compute, target)
     else:
         path = resolve_path(name_or_path)
         quantized = {"quantization_config": quant.bnb_config(compute), "device_map": {"": target}} \

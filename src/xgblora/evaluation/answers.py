@@ -1,4 +1,5 @@
-"""Verifiers for rejection sampling: pull the final answer out of a completion and out of the reference, compare.
+"""Answers, for every grader: SQuAD's normalisation and token F1 (MeZO's generation tasks, instruction data), and
+the verifiers of rejection sampling, which pull the final answer out of a completion and the reference and compare.
 
 An extractor is picked by name: `gsm8k` (the number after the last `####`; a completion without one has no answer,
 so only completions in the format being trained are kept), `answer_tags` (the text of the last
@@ -9,19 +10,39 @@ both read as numbers within a relative tolerance, or else as equal normalised st
 
 from __future__ import annotations
 
+import collections
 import importlib
 import re
+import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from xgblora.errors import UserError
-from xgblora.evaluate import normalize_answer
 
 Extractor = Callable[[str], "str | None"]
 
 _NUMBER = re.compile(r"^[-+]?\$?\d[\d,]*(?:\.\d+)?%?$|^[-+]?\$?\.\d+%?$")
 _FIRST_NUMBER = re.compile(r"[-+]?\$?\d[\d,]*(?:\.\d+)?")
 _TAGS = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD's answer normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def f1_score(prediction: str, reference: str) -> float:
+    """Token-overlap F1 between a prediction and one reference (SQuAD's definition)."""
+    pred, ref = normalize_answer(prediction).split(), normalize_answer(reference).split()
+    if not pred or not ref:
+        return float(pred == ref)
+    common = sum((collections.Counter(pred) & collections.Counter(ref)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
 
 
 def gsm8k_answer(text: str) -> str | None:

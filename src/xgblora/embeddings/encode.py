@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 from safetensors.torch import save
 
-from xgblora import atomic, models
-from xgblora.adapters.export import load_run_model
+from xgblora import atomic
+from xgblora.adapters.trained import load_run_model
 from xgblora.data.sources import read_rows
 from xgblora.data.tasks import Fields
-from xgblora.embedding import encode_texts
+from xgblora.embeddings.pooling import encode_texts
 from xgblora.errors import UserError
+from xgblora.models import pretrained
 
 
 @dataclass
@@ -58,17 +59,17 @@ def load_encoder(opts: EncodeOptions) -> tuple[Any, Any, dict[str, Any]]:
         settings = {"pooling": cfg.get("pooling"), "max_length": cfg.get("max_length"),
                     "bidirectional": bool(cfg.get("bidirectional")), "prefix": prefix}
     else:
-        kind = models.embedding_head(opts.model, "contrastive", opts.trust_remote_code)
-        model, tokenizer = models.load(opts.model, device="cpu", trust_remote_code=opts.trust_remote_code, head=kind)
-        path = models.resolve_path(opts.model)
-        settings = {"pooling": models.sentence_pooling(opts.model) or ("last" if kind == "lm" else "mean"),
+        kind = pretrained.embedding_head(opts.model, "contrastive", opts.trust_remote_code)
+        model, tokenizer = pretrained.load(opts.model, device="cpu", trust_remote_code=opts.trust_remote_code, head=kind)
+        path = pretrained.resolve_path(opts.model)
+        settings = {"pooling": pretrained.sentence_pooling(opts.model) or ("last" if kind == "lm" else "mean"),
                     "max_length": _st_max_length(path) or 512, "bidirectional": False, "prefix": ""}
     given = {"pooling": opts.pooling, "max_length": opts.max_length, "bidirectional": opts.bidirectional,
              "prefix": opts.prefix}
     settings.update({k: v for k, v in given.items() if v is not None})
     if settings["pooling"] not in ("mean", "cls", "last"):
         raise UserError(f"{opts.model}: no pooling to embed with ({settings['pooling']!r}); pass --pooling mean|cls|last")
-    return model.to(models.choose_device(opts.device)), tokenizer, settings
+    return model.to(pretrained.choose_device(opts.device)), tokenizer, settings
 
 
 def encode_file(opts: EncodeOptions) -> dict[str, Any]:

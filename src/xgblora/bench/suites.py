@@ -1,0 +1,53 @@
+"""`xgblora bench`: the table of suites, and the command that runs the one `--suite` names.
+
+A suite is a module with `run(args)` (its figures) and `format_table(figures)`. The train suite's figures are one
+flat dict; every other suite's JSON holds its results under one key, beside the machine they were measured on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from xgblora.bench import compile as compile_suite
+from xgblora.bench import gpu, icl, sft, train_suite
+from xgblora.bench.flags import apply_quick
+from xgblora.bench.machine import environment
+from xgblora.bench.table import format_table
+
+# suite -> (module, the JSON key of its list of results)
+LISTED_SUITES = {"sft": (sft, "cases"), "icl": (icl, "tasks"), "compile": (compile_suite, "workloads")}
+
+
+def run_suite(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """The figures of the suite the flags name, and their printed table."""
+    if args.suite == "train":
+        res = train_suite.run(args)
+        return res, format_table(res)
+    if args.suite == "gpu":
+        args.json = args.json or "gpu-suite.json"
+        report = gpu.run(args)
+        return {"suite": "gpu", "environment": environment(args), **report}, gpu.format_table(report)
+    module, key = LISTED_SUITES[args.suite]
+    results = module.run(apply_quick(args))
+    return {"suite": args.suite, "environment": environment(args), key: results}, module.format_table(results)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark suite, print its table, and write the JSON when --json is given."""
+    with contextlib.redirect_stdout(sys.stderr):  # HF Trainer prints its summary; keep stdout for the table
+        res, table = run_suite(args)
+    print(table, flush=True)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=2, default=str) + "\n", encoding="utf-8")
+        print(f"wrote {path}")
+        if args.suite != "train":  # the other suites' tables are Markdown: kept beside the JSON
+            path.with_suffix(".md").write_text(table + "\n", encoding="utf-8")
+            print(f"wrote {path.with_suffix('.md')}")
+    return 0

@@ -1,0 +1,37 @@
+"""The files that make a saved model folder a sentence-transformers model: Transformer (the folder itself) ->
+Pooling -> Normalize, with the pooling and instruction prompts the model was trained with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+_ST_POOLING = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "last": "pooling_mode_lasttoken"}
+
+
+def write_sentence_transformers(out: Path, pooling: str, dim: int, max_length: int, query_prefix: str = "",
+                                doc_prefix: str = "") -> None:
+    """Make a saved model folder a sentence-transformers model with the pooling it was trained with: Transformer
+    (the folder itself) -> Pooling -> Normalize; the instruction prefixes become its prompts "query"/"document"."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    pooling_config = {"word_embedding_dimension": dim, "pooling_mode_max_tokens": False,
+                      "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+                      **{key: mode == pooling for mode, key in _ST_POOLING.items()}}
+    prompts = {name: text for name, text in (("query", query_prefix), ("document", doc_prefix)) if text}
+    files = {"modules.json": modules, "1_Pooling/config.json": pooling_config,
+             "sentence_bert_config.json": {"max_seq_length": max_length, "do_lower_case": False},
+             "config_sentence_transformers.json": {"prompts": prompts, "default_prompt_name": None,
+                                                   "similarity_fn_name": "cosine"}}
+    (out / "1_Pooling").mkdir(parents=True, exist_ok=True)
+    (out / "2_Normalize").mkdir(exist_ok=True)
+    for name, value in files.items():
+        (out / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+
+
+def embedding_export(out: Path, cfg: dict[str, Any], dim: int) -> None:
+    """The sentence-transformers files of an embedding run's (config.yaml as a dict) saved model."""
+    write_sentence_transformers(out, cfg["pooling"], dim, int(cfg["max_length"]), cfg.get("query_instruction") or "",
+                                cfg.get("doc_instruction") or "")

@@ -1,0 +1,131 @@
+"""`xgblora export`: a finished run's final/ or any of its checkpoints as a PEFT adapter (as trained, or
+SVD-compressed to a rank) or as a merged model (an embedding run's also as a sentence-transformers model)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xgblora import atomic
+from xgblora.adapters import trained
+from xgblora.adapters.peft import ADAPTER_FILES, read_adapter, svd_factors, write_peft
+from xgblora.checkpoint import adapter_folder, find, run_config
+from xgblora.embeddings.st_format import embedding_export
+from xgblora.errors import UserError
+
+EXPORT_RECORD = "xgblora_export.json"  # what was exported from where; marks a folder an export may replace
+
+
+def _source_folder(run_dir: Path, checkpoint: str | None) -> Path:
+    """What an export reads: final/ (a PEFT adapter, or full fine-tuning's whole model), or a checkpoint's adapter."""
+    if checkpoint is not None:
+        return adapter_folder(find(run_dir / "checkpoints", checkpoint))
+    final = run_dir / "final"
+    if not ((final / "adapter_config.json").is_file() or (final / "config.json").is_file()):
+        raise UserError(f"{run_dir}: the run is not finished (no final/ adapter or model); train it to the end, or "
+                        f"export a checkpoint with --checkpoint latest|best|step-N")
+    return final
+
+
+def _check_out(out: Path, run_dir: Path) -> None:
+    """Refuse to write into the run's own final/ folder, over a file, or over a folder of someone else's files
+    (an export replaces its folder whole)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_RECORD).is_file():
+        raise UserError(f"--out {out}: the folder holds files that xgblora export did not write; choose a new or "
+                        f"empty folder (an export replaces its folder whole)")
+    if out.resolve() == (run_dir / "final").resolve() or out.resolve() == run_dir.resolve():
+        raise UserError(f"--out {out}: choose a folder other than the run's own")
+
+
+def _energy_report(energy: dict[str, float], kept: float, total: float) -> dict[str, Any]:
+    """Overall and per-module retained energy (fraction of squared singular values kept)."""
+    worst = min(energy, key=energy.get)
+    return {"retained_energy": kept / total if total > 0 else 1.0, "retained_energy_min": energy[worst],
+            "retained_energy_min_module": worst}
+
+
+def export_run(run_dir: Path, fmt: str, out: Path, rank: int | None = None, trust_remote_code: bool = False,
+               checkpoint: str | None = None) -> dict[str, Any]:
+    """Export a finished run's final/, or any of its checkpoints (`checkpoint`: step-N, latest, best; a run that
+    was interrupted too), as a PEFT adapter (optionally SVD-compressed to `rank`) or a merged model.
+
+    A merged export loads the base model; its own code runs only with trust_remote_code (the run's config.yaml
+    saying so is not enough: a run folder can come from anyone).
+    """
+    run_dir, out = Path(run_dir), Path(out)
+    if fmt not in ("peft", "merged"):
+        raise UserError(f"unknown export format {fmt!r}: choose peft or merged")
+    if rank is not None and fmt == "merged":
+        raise UserError("--rank applies to --format peft only (a merged model has no adapter rank)")
+    if rank is not None and rank < 1:
+        raise UserError(f"--rank must be at least 1, got {rank}")
+    cfg = run_config(run_dir)
+    final = _source_folder(run_dir, checkpoint)
+    _check_out(out, run_dir)
+    with atomic.replaced_folder(out) as folder:  # a folder at `out` is a whole export; a kill leaves .out.tmp
+        result = {"format": fmt, "out": str(out), "base_model": cfg["model_name"], "source": str(final),
+                  **_export_into(folder, cfg, final, run_dir, fmt, rank, trust_remote_code)}
+        (folder / EXPORT_RECORD).write_text(json.dumps({**result, "run_dir": str(run_dir)}, indent=2) + "\n",
+                                            encoding="utf-8")
+    return result
+
+
+def _export_into(out: Path, cfg: dict[str, Any], final: Path, run_dir: Path, fmt: str, rank: int | None,
+                 trust_remote_code: bool) -> dict[str, Any]:
+    """Write the export into the (temporary) folder `out`; return what it holds (modules, rank, energy)."""
+    is_adapter = (final / "adapter_config.json").is_file()
+    result: dict[str, Any] = {"modules": 0, "rank": None, "retained_energy": None}
+    if not is_adapter:  # full fine-tuning: final/ is the whole model
+        if fmt == "peft":
+            raise UserError(f"{run_dir} is a full fine-tuning run (method ft): it has no adapter to export as "
+                            f"PEFT; use --format merged")
+        shutil.copytree(final, out, dirs_exist_ok=True)  # `out` is the empty temporary folder
+        return result
+    adapter, head = read_adapter(final)
+    result["modules"] = len(adapter)
+    if fmt == "peft" and rank is None:
+        for name in ADAPTER_FILES:
+            shutil.copy2(final / name, out / name)
+        result["rank"] = max(A.shape[0] for A, _, _ in adapter.values())
+        return result
+    if fmt == "peft":
+        factors: dict[str, tuple[torch.Tensor, torch.Tensor, int, float]] = {}
+        energy: dict[str, float] = {}
+        kept_total, energy_total = 0.0, 0.0
+        for name, term in adapter.items():
+            A, B, kept, total = svd_factors([term], rank)
+            factors[name] = (A, B, rank, float(rank))
+            energy[name] = kept / total if total > 0 else 1.0
+            kept_total, energy_total = kept_total + kept, energy_total + total
+        fan_in_fan_out = bool(json.loads((final / "adapter_config.json").read_text()).get("fan_in_fan_out"))
+        write_peft(factors, out, cfg["model_name"], fan_in_fan_out, head=head)
+        return {**result, "rank": rank, **_energy_report(energy, kept_total, energy_total)}
+    if cfg.get("trust_remote_code") and not trust_remote_code:
+        raise UserError(f"{run_dir} was trained with --trust_remote_code; pass --trust_remote_code to export it "
+                        f"merged (the base model runs its own code)")
+    return {**result, **_merge_into_base(cfg, final, out, trust_remote_code)}
+
+
+def _merge_into_base(cfg: dict[str, Any], adapter: Path, out: Path, trust_remote_code: bool) -> dict[str, Any]:
+    """Load the base model in the run's dtype with the adapter merged (fp32 sums, cast once) and its trained
+    classification head, the base always in 16/32 bits (a 4-bit run's adapter merges into the unquantised base);
+    save model and tokenizer, an embedding run's as a sentence-transformers model too."""
+    dtype = "float16" if cfg.get("load_float16") else "bfloat16" if cfg.get("load_bfloat16") else "float32"
+    head = trained.run_head(cfg, cfg["model_name"], trust_remote_code)
+    model, tokenizer = trained.load_model(trained.ModelSource(cfg["model_name"], adapter), dtype=dtype,
+                                          trust_remote_code=trust_remote_code, head=head)
+    model.config.use_cache = True  # pretrained.load turns it off for training; a merged export is for inference
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    embedding = cfg.get("objective", "lm") != "lm"
+    if embedding:  # embeddings read right-padded inputs (a causal LM's positions count from the left)
+        tokenizer.padding_side = "right"
+        embedding_export(out, cfg, model.config.hidden_size)
+    tokenizer.save_pretrained(out)
+    return {"dtype": dtype, **({"sentence_transformers": True} if embedding else {})}
