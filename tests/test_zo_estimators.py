@@ -18,6 +18,7 @@ from xgblora.errors import UserError
 from xgblora.models.pretrained import load
 from xgblora.optim.zo import MeZO, ZOStepper
 from xgblora.optim.zo_estimators import FZOO, NSPSA, MeZOSVRG, SVRGStepper
+from xgblora.train.loop import ESTIMATORS, estimator_options
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +195,33 @@ def test_svrg_stepper_takes_an_anchor_every_period_steps(tiny):
     assert per_step == [2, 1, 1, 2, 1, 1, 2]
     stepper.forget([p for _, p in named])  # a merged booster: the anchor is stale
     assert estimator.anchor_due()
+
+
+def test_default_estimator_is_mezo_and_its_trajectory_is_the_formula_run(tiny64):
+    """--zo_estimator's default builds MeZO with no extra options; 5 steps through ZOStepper equal the formula
+    theta <- theta (1 - lr wd) - lr g z applied 5 times with the documented seeds (float64 full model)."""
+    cfg = Config(trainer="zo", method="lora")
+    assert (cfg.zo_estimator, cfg.zo_optimizer, ESTIMATORS[cfg.zo_estimator], estimator_options(cfg)) == \
+        ("mezo", "sgd", MeZO, {})
+    model = copy.deepcopy(tiny64)
+    named = list(model.named_parameters())
+    reference = copy.deepcopy(model)
+    names, theta = [n for n, _ in named], state(named)
+    start = theta
+    lr, eps, wd = 1e-3, 1e-3, 0.01
+    stepper = ZOStepper(MeZO(named, lr=lr, eps=eps, weight_decay=wd, seed=5), ce_loss_fn(model))
+    batches = [random_batch(tiny64.config.vocab_size, seed=k) for k in range(5)]
+    feed = iter(batches)
+    for batch, s in zip(batches, step_seeds(5, 5), strict=True):
+        reported = float(stepper.step(lambda: next(feed), lr))
+        z = reference_z(theta, s)
+        plus = loss_at(reference, names, shifted(theta, z, eps), batch)
+        minus = loss_at(reference, names, shifted(theta, z, -eps), batch)
+        assert reported == pytest.approx((plus + minus) / 2, abs=1e-6)  # reported as an fp32 tensor
+        g = (plus - minus) / (2 * eps)
+        theta = [t * (1 - lr * (0.0 if no_decay(n) else wd)) - lr * g * zi
+                 for n, t, zi in zip(names, theta, z, strict=True)]
+    assert_params(named, theta, start)
 
 
 # ----------------------------------------------------------------------------- ZO-SGD-momentum and ZO-Adam
