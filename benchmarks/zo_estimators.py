@@ -138,7 +138,7 @@ def _mean_std(values: list[float], scale: float = 1.0) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     """Markdown: per (run, budget) at its chosen rate, test and dev accuracy over the seeds run, and the dev curve."""
-    lines = ["| run | example forwards | steps | lr (dev) | seeds | test acc. (%) | dev acc. (%) | "
+    lines = ["| run | example forwards | steps | lr | seeds | test acc. (%) | dev acc. (%) | "
              "dev acc. by forwards (seed 0) |", "|---|---|---|---|---|---|---|---|"]
     for (name, _, lr), rows in _chosen(results).items():
         curve = ", ".join(f"{round(step * rows[0]['forwards_per_step'] / 1000, 1)}k: {100 * acc:.1f}"
