@@ -73,11 +73,14 @@ def test_gpu_suite_runs_its_cpu_part_and_names_what_needs_cuda(tmp_path, capsys)
     assert "needs CUDA" in capsys.readouterr().out
 
 
-def test_sft_suite_quick_compares_with_trl_on_the_same_tokens(tmp_path, shared_data):
+@pytest.mark.parametrize("data", [pytest.param("generated", marks=pytest.mark.slow), "gsm8k"])
+def test_sft_suite_quick_compares_with_trl_on_the_same_tokens(tmp_path, request, capsys, data):
     pytest.importorskip("trl")
+    source = ["--data_dir", str(request.getfixturevalue("shared_data"))] if data == "gsm8k" else []
     args = _args(tmp_path, "--suite", "sft", "--sft_models", "tiny-llama-chat", "--sft_variants", "padded", "packed",
-                 "--data_dir", str(shared_data), "--skip_memory")
+                 *source, "--skip_memory")
     assert suites.main(args) == 0
+    assert ("no --data_dir: timing on generated GSM8K-shaped conversations" in capsys.readouterr().err) == (not source)
     cases = json.loads((tmp_path / "bench.json").read_text())["cases"]
     assert [c["variant"] for c in cases] == ["padded", "packed"]
     for c in cases:

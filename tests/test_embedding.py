@@ -147,7 +147,7 @@ def test_trained_minilm_exports_a_sentence_transformers_model_with_the_same_embe
     assert cli.main(["export", str(out), "--format", "merged", "--out", str(merged)]) == 0
     texts = [f"what about {t}?" for t in TOPICS[:4]] + ["a much longer text " * 20]
     vectors = tmp_path / "v.npy"
-    assert cli.main(["encode", str(out), "--input", str(data), "--column", "query", "--output", str(vectors)]) == 0
+    assert cli.main(["encode", str(out), "--input_file", str(data), "--column", "query", "--output_file", str(vectors)]) == 0
     ours = torch.from_numpy(np.load(vectors))
     model = st.SentenceTransformer(str(merged), device="cpu")
     queries = [json.loads(line)["query"] for line in data.read_text().splitlines()]
@@ -162,7 +162,7 @@ def test_trained_minilm_exports_a_sentence_transformers_model_with_the_same_embe
     base, base_tok = pretrained.load(MINILM, head="embed")
     before = encode_texts(base, base_tok, queries, pooling="mean", max_length=32, prefix="query: ")
     assert not torch.allclose(before, ours, atol=1e-4)
-    assert cli.main(["encode", str(out), "--input", str(data), "--column", "query", "--output", str(vectors)]) == 2
+    assert cli.main(["encode", str(out), "--input_file", str(data), "--column", "query", "--output_file", str(vectors)]) == 2
 
 
 def test_full_fine_tuning_leaves_a_sentence_transformers_model_in_final(tmp_path):

@@ -65,7 +65,7 @@ CASES = [
      r"unknown task 'glue-sst5': choose one of SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, "
      r"DROP or custom"),
     ("custom-slot-missing", {"t.jsonl": jsonl({"text": "a", "label": 0}, {"txt": "b", "label": 1})}, CUSTOM_CLS,
-     r'{d}/t\.jsonl:2: field "text": missing'),
+     r'{d}/t\.jsonl:2: field "text": missing; the row has: txt, label \(--columns text=YOURS maps your column to it\)'),
     ("custom-unknown-label", {"t.jsonl": jsonl({"text": "a", "label": 2})}, CUSTOM_CLS,
      r'{d}/t\.jsonl:1: field "label": 2 is not one of 0, 1'),
     ("custom-response-type", {"t.jsonl": jsonl({"prompt": "p", "response": ["r"]})}, CUSTOM,

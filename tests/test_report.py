@@ -129,3 +129,18 @@ def test_load_run_without_results_is_a_user_error(tmp_path):
     (tmp_path / "run").mkdir()
     with pytest.raises(UserError, match="no results.json"):
         read_run_summary(tmp_path / "run")
+
+
+def test_a_run_with_one_logged_loss_is_drawn_as_a_point(tmp_path, monkeypatch):
+    """A short run logs one loss: a line through one point draws nothing, so the point gets a marker."""
+    from matplotlib.figure import Figure
+
+    from xgblora.report import plot_losses
+
+    figures = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k))[1])
+    _fake_run(tmp_path / "run", "lora", "regular", 0, steps=10)
+    plot_losses([read_run_summary(tmp_path / "run")], tmp_path / "loss.png", smoothing=0.0)
+    (line,) = [ln for ln in figures[0].axes[0].lines if len(ln.get_xdata()) == 1]
+    assert list(line.get_xdata()) == [10] and line.get_marker() == "o"

@@ -124,7 +124,7 @@ def test_rft_on_gsm8k_writes_every_round_file_and_resumes_an_interrupted_samplin
 
 
 def test_rft_refuses_questions_without_a_reference_answer(tmp_path, capsys):
-    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "1 + 1?", "completion": "#### 2"}) + "\n")
     (tmp_path / "test.jsonl").write_text(json.dumps({"question": "2 + 2?"}) + "\n")
     assert main(_rft_args(tmp_path, "rft")[:-4] + ["--columns", "prompt=question", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from xgblora.errors import UserError
+
 
 def temporary_name(path: Path) -> Path:
     """Where `path` is written before it is renamed into place."""
@@ -113,3 +115,27 @@ def replaced_folder(path: Path) -> Iterator[Path]:
             os.replace(old, path)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def output_folder(path: Path, flag: str) -> Iterator[Path]:
+    """Create an output folder (and its parents) for the block; a file in its way is a one-line UserError, and the
+    folders created here are removed again if the block fails while they are still empty."""
+    path = Path(path)
+    blocked = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise UserError(f"{flag} {path}: {blocked} is a file, not a folder; choose another path")
+    created = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot create it ({exc.strerror or exc})") from None
+    try:
+        yield path
+    except BaseException:
+        for folder in created:  # innermost first; a folder that holds anything stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise

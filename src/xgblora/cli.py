@@ -8,6 +8,7 @@ import difflib
 import json
 import sys
 import typing
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ COMMANDS = {
     "generate": "Sample completions of every prompt in a file (N per prompt, greedy or sampled); JSONL out, resumable.",
     "chat": "Talk to a model in the terminal: streamed replies, multi-turn through the chat template.",
     "rft": "Rejection-sampling fine-tuning: rounds of sample -> verify -> train -> evaluate (pass@1, pass@k).",
+    "grpo": "Online RL with verifiable rewards (GRPO, TRL's options): sample G answers per prompt, reward, update.",
     "bench": "Measure speed and memory against baselines.",
     "env": "Print the environment report (versions, device, attention backends, chosen defaults).",
     "export": "Export a run as a PEFT adapter or a merged model.",
@@ -31,12 +33,16 @@ COMMANDS = {
 
 # Per-command defaults that differ from the dataclass's. MeZO's run.py evaluates zero-shot unless given --trainer
 # and --num_train k, and copies its results to result/<tag>.json; `xgblora mezo` keeps that for its command lines.
-EVAL_DEFAULTS = {"num_train": 0}
+EVAL_DEFAULTS = {"num_train": 0, "trainer": "none"}
 MEZO_DEFAULTS = {"num_train": 0, "trainer": "none", "result_file": "auto"}
 # RFT samples 8 answers per question at temperature 0.7 (the seed workflow's oversampling, a little below it) and
 # trains LoRA adapters on the user's own data.
 RFT_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 2e-4, "num_return_sequences": 8,
                 "temperature": 0.7, "max_new_tokens": 256}
+COMMAND_DEFAULTS = {"eval": EVAL_DEFAULTS, "mezo": MEZO_DEFAULTS, "rft": RFT_DEFAULTS}
+
+# GRPO trains a LoRA adapter by default, at a learning rate for adapters (TRL's 1e-6 is for full fine-tuning).
+GRPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5}
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -49,8 +55,9 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from xgblora.train import run
 
+    if getattr(args, "trainer", "none") != "none":
+        raise UserError(f"xgblora eval does not train (--trainer {args.trainer}); use xgblora train")
     cfg = config_mod.from_namespace(config_mod.Config, args, EVAL_DEFAULTS)
-    cfg.trainer = "none"
     print(json.dumps(run(cfg), indent=2))
     return 0
 
@@ -81,6 +88,13 @@ def _rft(args: argparse.Namespace) -> int:
     done = run_rft(config_mod.from_namespace(config_mod.RFTConfig, args, RFT_DEFAULTS))
     print(json.dumps(done["rounds"], indent=2))
     print(f"report: {done['html']}  figure: {done['figure']}")
+    return 0
+
+
+def _grpo(args: argparse.Namespace) -> int:
+    from xgblora.generation.grpo import run_grpo
+
+    print(json.dumps(run_grpo(config_mod.from_namespace(config_mod.GRPOConfig, args, GRPO_DEFAULTS)), indent=2))
     return 0
 
 
@@ -136,11 +150,12 @@ def _env(args: argparse.Namespace) -> int:  # noqa: ARG001
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "mezo": _mezo, "compare": _compare, "eval": _eval, "generate": _generate, "chat": _chat, "rft": _rft,
+    "grpo": _grpo,
     "bench": _bench, "env": _env, "export": _export, "demo": _demo, "encode": _encode}
 # The options dataclass of each command that takes one (its flags, --config YAML keys and suggestions).
 OPTIONS = {"train": config_mod.Config, "eval": config_mod.Config, "mezo": config_mod.Config,
            "compare": config_mod.CompareConfig, "generate": config_mod.GenerateConfig, "chat": config_mod.ChatConfig,
-           "rft": config_mod.RFTConfig}
+           "rft": config_mod.RFTConfig, "grpo": config_mod.GRPOConfig}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -150,15 +165,26 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's help ends with its default, unless the help already says what it is or the flag is a switch."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one sub-command per entry of COMMANDS."""
     parser = _Parser(prog="xgblora", description="Fast, memory-lean fine-tuning: XGBLoRA, LoRA, full FT; "
                                                  "AdamW or MeZO.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False,
+                           formatter_class=_Help)
         if name in OPTIONS:
-            config_mod.add_arguments(p, OPTIONS[name])
+            config_mod.add_arguments(p, OPTIONS[name], COMMAND_DEFAULTS.get(name))
         elif name == "export":
             p.add_argument("run_dir", help="A run's --output_dir (holds config.yaml, and final/ once finished).")
             p.add_argument("--checkpoint", default=None, metavar="step-N|latest|best",
@@ -186,11 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_encode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="A trained run's folder (config.yaml, final/), a merged export, or any model "
                                  "--model_name takes (folder, pkg:, hub id).")
-    p.add_argument("--input", required=True, help="The texts: JSONL, CSV/TSV, parquet, arrow, a save_to_disk folder "
-                                                 "or a dataset id.")
-    p.add_argument("--output", required=True, help="Where to write the embeddings: FILE.npy or FILE.safetensors "
-                                                  "(tensor 'embeddings'); never over an existing file.")
-    p.add_argument("--column", default="text", help="The field holding the text (default: text).")
+    p.add_argument("--input_file", "--input-file", "--input", dest="input_file", required=True,
+                   help="The texts: JSONL, CSV/TSV, parquet, arrow, a save_to_disk folder or a dataset id.")
+    p.add_argument("--output_file", "--output-file", "--output", dest="output_file", required=True,
+                   help="Where to write the embeddings: FILE.npy or FILE.safetensors (tensor 'embeddings'); never "
+                        "over an existing file.")
+    p.add_argument("--column", default="text", help="The field holding the text.")
     p.add_argument("--role", choices=("query", "document"), default="query",
                    help="A run's instruction prefix to put first: its --query_instruction or --doc_instruction.")
     p.add_argument("--prefix", default=None, help="Text put before every input (wins over --role).")
@@ -200,9 +227,10 @@ def _add_encode_arguments(p: argparse.ArgumentParser) -> None:
                    help="Tokens per input (default: the run's, or the model's max_seq_length, else 512).")
     p.add_argument("--bidirectional", type=config_mod.parse_bool, default=None, metavar="BOOL",
                    help="A causal LM attends both ways (default: as the run was trained).")
-    p.add_argument("--batch_size", "--batch-size", type=int, default=32)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true")
+    p.add_argument("--batch_size", "--batch-size", type=int, default=32, help="Texts per forward.")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available).")
+    p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
+                   help="Let the model run its own code (only when you pass it).")
 
 
 def _unrecognized(command: str, unknown: list[str]) -> UserError:
@@ -215,11 +243,19 @@ def _unrecognized(command: str, unknown: list[str]) -> UserError:
     return UserError(f"unrecognized arguments: {' '.join(unknown)}{hint} (see xgblora {command} --help)")
 
 
+def plain_warnings() -> None:
+    """Warnings as one plain line each ("xgblora: warning: ..."), without the source line Python adds; the
+    FutureWarnings transformers and torch raise about their own API renames (a user cannot act on them) are off."""
+    warnings.formatwarning = lambda message, category, *rest, **kw: f"xgblora: warning: {message}\n"  # noqa: ARG005
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|transformers)(\.|$)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `xgblora` console script; returns the exit code (2 for a user error)."""
     from xgblora.logs import setup_console_logging
 
     setup_console_logging()
+    plain_warnings()
     args, unknown = build_parser().parse_known_args(argv)
     try:
         if unknown:

@@ -25,6 +25,8 @@ ZO_MAX_SCALING = 4.0
 # The paper's Eq. 7 adds lambda (|A|^2 + |B|^2) to each booster's loss; its value for our models is not in the text
 # we could read, so it is a small one that changes little (see README); DEFAULT_BOOSTERS is ours too.
 PAPER_NORM_PENALTY = 1e-3
+# MeZO's protocol draws 1000 training examples from a task's train split; a user's own data uses every row.
+MEZO_NUM_TRAIN = 1000
 DEFAULT_BOOSTERS = 5
 ZO_ESTIMATORS = ("mezo", "fzoo", "svrg", "nspsa")
 
@@ -79,7 +81,7 @@ class Config(ModelOptions):
     task_name: str = _opt("SST2", "SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, DROP, or custom.")
     data_dir: str | None = _opt(None, "Folder with <task>/{train,dev}.jsonl in GLUE/SuperGLUE field names (else HF datasets).")
     train_file: str | None = _opt(None, "Custom task: training data: JSON/JSONL, CSV/TSV, parquet, arrow, a save_to_disk folder, or a dataset id.")
-    eval_file: str | None = _opt(None, "Custom task: evaluation data, in any form --train_file takes (default: drawn from train_file).")
+    eval_file: str | None = _opt(None, "Your own data: the evaluation rows, in any form --train_file takes; with no dev split, also what --evaluation_strategy steps and --load_best_model_at_end watch. Without it: the rows --num_train N did not draw, or no evaluation when every row trains.")
     columns: str | None = _opt(None, "Custom task: map your column names to ours, OURS=THEIRS,... (e.g. prompt=question,completion=answer).")
     data_format: str = _opt("auto", "Custom instruction data: messages (chat turns), prompt_completion (also prompt/response; a conversational prompt/completion is a chat), text (language modelling); auto: from each row's fields.",
                             ("auto", "messages", "prompt_completion", "text"))
@@ -90,8 +92,9 @@ class Config(ModelOptions):
     template: str | None = _opt(None, "Custom classification task: prompt template with {field} slots, e.g. '{text} It was'.")
     label_words: str | None = _opt(None, "Custom classification task: comma-separated verbalizers, one per label, in label order.")
     label_names: str | None = _opt(None, "Custom classification task: comma-separated label values as they appear in the file (default 0,1,...).")
-    num_train: int = _opt(1000, "Training examples drawn from the train split (demonstrations when --trainer none).")
-    num_dev: int | None = _opt(None, "Dev examples drawn from the train split (disjoint from the training ones).")
+    num_train: int | None = _opt(None, "Training examples drawn from the train split (demonstrations when --trainer none). Default: every row of your own data (--train_file, --objective contrastive/grit); 1000 for MeZO's tasks (MeZO's protocol).")
+    num_dev: int | None = _opt(None, "Dev examples drawn from the train split (disjoint from the training ones); none unless given. The dev split is what --evaluation_strategy steps and --load_best_model_at_end read.")
+    eval_split_ratio: float | None = _opt(None, "Your own data: hold out this fraction of --train_file's rows as the dev split (instead of --num_dev N).")
     num_eval: int | None = _opt(None, "Evaluation examples drawn from the validation split (all when unset).")
     train_set_seed: int = _opt(0, "Seed of the train/dev sampling.")
     dev_pool: str = _opt("any", "Which train-split examples the dev set is drawn from: any, or sentences (inputs with at least 8 words and a sentence-final . ! or ?: SST-2's train split is mostly phrases, its validation split full sentences).",
@@ -100,7 +103,7 @@ class Config(ModelOptions):
     max_new_tokens: int = _opt(50, "Generation tasks: most tokens to generate.")
     sfc: bool = _opt(False, "Calibrate candidate scores with surface-form competition (SFC).")
     icl_sfc: bool = _opt(False, "SFC with the demonstrations in the calibration prompt.")
-    only_train_option: bool = _opt(True, "Train on the gold candidate's tokens only.")
+    only_train_option: bool = _opt(True, "MeZO's tasks on a causal LM: the loss is on the gold candidate's tokens only (false: on every token of prompt and candidate, as MeZO's run.py). Instruction data: see --train_on_prompt.")
     train_as_classification: bool = _opt(False, "Train with cross-entropy over the candidates.")
     # embedding models (pair data): contrastive training and GRIT
     objective: str = _opt("lm", "What the model learns: lm (the task's own loss: answer tokens, candidates or labels), contrastive (an embedding model: InfoNCE over query/positive pairs with in-batch and hard negatives; --train_file rows of query, positive and optional negative(s)), grit (a causal LM that embeds and generates: contrastive on --train_file pairs plus the language-modelling loss on --grit_train_file instruction rows).",
@@ -190,6 +193,16 @@ class Config(ModelOptions):
     no_eval: bool = _opt(False, "Skip the final evaluation.")
 
     def __post_init__(self) -> None:
+        if self.num_train is None and not self.own_data:
+            self.num_train = MEZO_NUM_TRAIN
+        if self.eval_split_ratio is not None:
+            if not self.own_data:
+                raise UserError(f"--eval_split_ratio holds out a share of your own --train_file; task "
+                                f"{self.task_name} follows MeZO's protocol: pass --num_dev N")
+            if self.num_dev is not None:
+                raise UserError("--num_dev and --eval_split_ratio both size the dev split; pass one of them")
+            if not 0.0 < self.eval_split_ratio < 1.0:
+                raise UserError(f"--eval_split_ratio must be in (0, 1), got {self.eval_split_ratio}")
         if self.xgblora:
             self.method = "xgblora"
         elif self.lora and self.method == "ft":
@@ -204,7 +217,15 @@ class Config(ModelOptions):
                         "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
                         "zo_eps", "head_learning_rate", "head_probe_l2", "temperature", "zo_queries", "zo_svrg_period",
                         "zo_svrg_anchor_batches")
-        for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema"):
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise UserError(f"--max_steps must be positive (or -1: train --num_train_epochs epochs), got {self.max_steps}")
+        if self.max_steps == -1 and self.num_train_epochs <= 0:
+            raise UserError(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
+        _check_positive(self, "save_total_limit", "max_new_tokens")
+        for name in ("warmup_steps", "weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name} must be 0 or more, got {getattr(self, name)}")
+        for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema", "warmup_ratio"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
         parse_report_to(self.report_to)
@@ -232,6 +253,11 @@ class Config(ModelOptions):
         if self.learnable_temperature and self.trainer == "zo":
             raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
                             "weights only); fix the temperature with --temperature instead")
+        if not self.only_train_option and (self.train_as_classification or self.objective != "lm"
+                                           or self.task_name.lower() == "custom"):
+            raise UserError("--only_train_option false puts the loss on every token of a MeZO task's prompt and "
+                            "gold candidate; it has no meaning with --train_as_classification, an embedding "
+                            "objective or custom data (instruction data: --train_on_prompt)")
         if not 0.0 < self.xgblora_shrinkage <= 1.0:
             raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
 
@@ -250,6 +276,12 @@ class Config(ModelOptions):
             raise UserError(f"--zo_optimizer {self.zo_optimizer} keeps its state in the weights' dtype, where "
                             f"{self.dtype_name} loses the small updates of full fine-tuning: load fp32 weights or "
                             f"use --zo_optimizer sgd")
+
+    @property
+    def own_data(self) -> bool:
+        """Whether the rows are the user's own (--task_name custom, or pairs for an embedding objective) rather than
+        one of MeZO's tasks: their defaults are every row for training and no dev split."""
+        return self.task_name.lower() == "custom" or self.objective != "lm"
 
     @property
     def rank(self) -> int:
@@ -383,6 +415,72 @@ class RFTConfig(Config, SamplingOptions):
                             "--eval_file (held-out questions to measure on)")
 
 
+@dataclass
+class GRPOConfig(Config, SamplingOptions):
+    """Options of `xgblora grpo`: the train options (method, trainer, optimiser, checkpoints) plus GRPO's, under TRL's
+    GRPOConfig names where TRL has them. --train_file holds the prompts, --eval_file the held-out ones (pass@1)."""
+
+    num_return_sequences: int = _opt(8, "Completions per prompt, G (TRL's num_generations): each prompt runs once and its KV cache is shared by them.",
+                                     aliases=("num_generations", "num_samples"))
+    max_new_tokens: int = _opt(256, "Most tokens per completion (TRL's max_completion_length; dr_grpo's normaliser).",
+                               aliases=("max_completion_length",))
+    temperature: float = _opt(1.0, "Sampling temperature (the log-probabilities of the loss are taken at it too, as TRL does).")
+    reward_funcs: list[str] = _opt(["gsm8k"], "Reward functions: gsm8k, answer_tags, regex:PATTERN (1 when the answer agrees with the row's reference, else 0), format:<one of those> (1 when an answer is found at all), or module:function (TRL's signature: f(prompts, completions, completion_ids, **columns) -> list of floats).")
+    reward_weights: list[float] | None = _opt(None, "Weight of each reward function in the total reward (default: 1 each).")
+    answer_tolerance: float = _opt(1e-6, "Correctness rewards: numbers agree within this relative tolerance.")
+    beta: float = _opt(0.0, "KL coefficient to the reference policy (TRL's default 0: no reference pass). The reference is the model with its adapter switched off; under --method ft a frozen copy.")
+    epsilon: float = _opt(0.2, "Clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high].")
+    epsilon_high: float | None = _opt(None, "Upper clipping epsilon (default: epsilon; DAPO uses 0.28).")
+    loss_type: str = _opt("dapo", "How token losses add up: grpo (each completion's mean, then the mean), dr_grpo (sum over max_completion_length per completion), dapo (the mean over the generation batch's tokens: TRL's default).",
+                          ("grpo", "dr_grpo", "dapo"))
+    scale_rewards: str = _opt("group", "Advantages are rewards minus their group's mean, divided by the std of the group, of the batch, or not at all (none; Dr. GRPO).",
+                              ("group", "batch", "none"))
+    use_bias_correction_kl: bool = _opt(True, "Multiply the KL term by the importance ratio (TRL's default; the unbiased reverse-KL gradient).")
+    mask_truncated_completions: bool = _opt(False, "Leave completions cut at max_completion_length out of the loss.")
+    num_iterations: int = _opt(1, "Optimizer passes over each generation batch (mu).")
+    generation_batch_size: int | None = _opt(None, "Completions sampled at a time (a multiple of the optimizer batch, per_device_train_batch_size x gradient_accumulation_steps, and of G; default: one optimizer batch).")
+    steps_per_generation: int | None = _opt(None, "Micro-batches per generation batch (TRL's; the other way to set generation_batch_size).")
+    log_completions: bool = _opt(False, "Log a few completions, with their rewards, to metrics.jsonl at every logging step.")
+    raw_prompts: bool = _opt(False, "Send string prompts as they are, even when the tokenizer has a chat template.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_sampling()
+        _check_positive(self, "max_new_tokens", "num_iterations", "generation_batch_size", "steps_per_generation")
+        if self.temperature == 0:
+            raise UserError("--temperature 0 samples one greedy completion G times: GRPO needs a temperature above 0")
+        if not self.train_file:
+            raise UserError("xgblora grpo needs --train_file (prompts, with reference answers for correctness rewards)")
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise UserError("give --generation_batch_size or --steps_per_generation, not both")
+        if self.generation_batch % self.optimizer_batch:
+            raise UserError(f"--generation_batch_size {self.generation_batch} must be a multiple of the optimizer "
+                            f"batch, per_device_train_batch_size x gradient_accumulation_steps = {self.optimizer_batch}")
+        if self.generation_batch % self.num_return_sequences:
+            raise UserError(f"the generation batch of {self.generation_batch} completions must be a multiple of "
+                            f"--num_generations {self.num_return_sequences}")
+        if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
+            raise UserError("--epsilon and --epsilon_high must be 0 or more")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise UserError(f"--reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} "
+                            f"--reward_funcs")
+
+    @property
+    def optimizer_batch(self) -> int:
+        """Completions per optimizer step."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def generation_batch(self) -> int:
+        """Completions sampled at a time: --generation_batch_size, else --steps_per_generation micro-batches, else
+        one optimizer batch."""
+        if self.generation_batch_size is not None:
+            return self.generation_batch_size
+        if self.steps_per_generation is not None:
+            return self.steps_per_generation * self.per_device_train_batch_size
+        return self.optimizer_batch
+
+
 def check_choices(cfg: Any) -> None:
     """One-line errors for options outside their choices, for any options dataclass."""
     for f in dataclasses.fields(cfg):
@@ -440,15 +538,19 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one flag per dataclass field, in underscore and hyphen spelling plus aliases; defaults are suppressed."""
+def add_arguments(parser: argparse.ArgumentParser, cls: type, defaults: dict[str, Any] | None = None) -> None:
+    """Add one flag per dataclass field, in underscore and hyphen spelling plus aliases; defaults are suppressed
+    (the help shows the command's own: `defaults` first, then the dataclass's)."""
     for f in dataclasses.fields(cls):
         base, optional, is_list = _field_type(cls, f)
         names = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
         for alias in f.metadata.get("aliases", ()):
             names |= {f"--{alias}", f"--{alias.replace('_', '-')}"}
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
-                                  "help": f"{f.metadata.get('help', '')} (default: {_default(f)})"}
+        default = (defaults or {}).get(f.name, _default(f))
+        text = f.metadata.get("help", "")
+        if default is not None or "default" not in text.lower():  # else the help says what unset means
+            text += f" (default: {'unset' if default is None else default})"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text}
         if base is bool:
             kwargs.update(nargs="?", const=True, type=_converter(bool, optional), metavar="BOOL")
         elif is_list:
@@ -506,7 +608,23 @@ def read_yaml(cls: type, path: str) -> dict[str, Any]:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise UserError(f"{path}: unknown key {key!r}{hint}")
         values[name] = _check_yaml_value(cls, fields[name], value, path)
-    return values
+    return {k: _beside(Path(path).parent, v) if k in INPUT_PATHS and isinstance(v, str) else v
+            for k, v in values.items()}
+
+
+# Options naming files or folders a run reads: in a YAML config they are relative to the config's own folder
+# (outputs stay relative to where the command runs).
+INPUT_PATHS = ("train_file", "eval_file", "grit_train_file", "chat_template", "data_dir", "input_file", "adapter",
+               "model_name", "sampler_model", "resume_from_checkpoint")
+
+
+def _beside(folder: Path, value: str) -> str:
+    """A relative path in a YAML config, read from the config's folder: when it exists there or is written as a
+    path (./x, ../x); anything else (a hub id, a built-in model, 'latest') is left as it is."""
+    if Path(value).is_absolute() or value.startswith(("~", "pkg:")):
+        return value
+    candidate = folder / value
+    return str(candidate) if candidate.exists() or value.startswith(("./", "../")) else value
 
 
 def from_namespace(cls: type, ns: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Config:

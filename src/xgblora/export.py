@@ -89,6 +89,8 @@ def _export_into(out: Path, cfg: dict[str, Any], final: Path, run_dir: Path, fmt
         return result
     adapter, head = read_adapter(final)
     result["modules"] = len(adapter)
+    if fmt == "peft":  # the run's tokenizer and chat template travel with the adapter
+        _copy_tokenizer(final, out)
     if fmt == "peft" and rank is None:
         for name in ADAPTER_FILES:
             shutil.copy2(final / name, out / name)
@@ -110,6 +112,13 @@ def _export_into(out: Path, cfg: dict[str, Any], final: Path, run_dir: Path, fmt
         raise UserError(f"{run_dir} was trained with --trust_remote_code; pass --trust_remote_code to export it "
                         f"merged (the base model runs its own code)")
     return {**result, **_merge_into_base(cfg, final, out, trust_remote_code)}
+
+
+def _copy_tokenizer(final: Path, out: Path) -> None:
+    """The tokenizer files beside an adapter (everything in final/ but the adapter itself and its model card)."""
+    for path in final.iterdir():
+        if path.is_file() and path.name not in (*ADAPTER_FILES, "README.md"):
+            shutil.copy2(path, out / path.name)
 
 
 def _merge_into_base(cfg: dict[str, Any], adapter: Path, out: Path, trust_remote_code: bool) -> dict[str, Any]:

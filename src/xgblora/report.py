@@ -270,7 +270,8 @@ def plot_losses(runs: Sequence[RunSummary], path: Path, smoothing: float = 0.9) 
                 continue
             steps, mean, low, high = series
             name = f"{label}, mean of {len(seeds)} seeds" if len(seeds) > 1 else f"{label}, seed {seeds[0].seed}"
-            handles.append(loss_ax.plot(steps, mean, color=color, lw=1.8, label=name)[0])
+            dots = {"marker": "o", "ms": 4} if len(steps) < 3 else {}  # a line through one point draws nothing
+            handles.append(loss_ax.plot(steps, mean, color=color, lw=1.8, label=name, **dots)[0])
             if len(seeds) > 1:
                 loss_ax.fill_between(steps, low, high, color=color, alpha=0.18, lw=0)
             merges = _merge_steps(seeds)
@@ -433,6 +434,40 @@ def write_rft_report(records: Sequence[dict[str, Any]], out_root: Path) -> dict[
             f'<img alt="accuracy and kept fraction per round" src="data:image/png;base64,{image}">\n</body>\n</html>\n')
     atomic.write_text(Path(out_root) / "report.html", page)
     return {"figure": figure, "html": Path(out_root) / "report.html"}
+
+
+GRPO_PANELS = (("reward", "reward (total)"), ("accuracy", "accuracy (training samples)"),
+               ("completion_length", "completion length (tokens)"), ("kl", "KL to the reference"),
+               ("clip_ratio", "clipped fraction of tokens"), ("entropy", "entropy (nats per token)"))
+
+
+def write_grpo_report(run_dir: Path, results: dict[str, Any]) -> dict[str, Path]:
+    """grpo.png (the logged reward, accuracy, length, KL, clipping and entropy per step) and report.html with the
+    run's results, from a GRPO run's metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if "reward" in r]
+    panels = [(key, title) for key, title in GRPO_PANELS if any(key in r for r in records)]
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(3.2 * max(len(panels), 1), 3.2), squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels, strict=False):
+        shown = [r for r in records if r.get(key) is not None]
+        ax.plot([r["step"] for r in shown], [r[key] for r in shown], color="#4c72b0")
+        ax.set(xlabel="step", title=title)
+    fig.tight_layout()
+    figure = Path(run_dir) / "grpo.png"
+    fig.savefig(figure, dpi=110)
+    plt.close(fig)
+    rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{_fmt_cell(v)}</td></tr>" for k, v in results.items())
+    image = base64.b64encode(figure.read_bytes()).decode("ascii")
+    page = ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>xgblora GRPO report</title>\n"
+            f"<style>{_CSS}</style>\n</head>\n<body>\n<h1>xgblora GRPO report</h1>\n"
+            f'<img alt="GRPO training curves" src="data:image/png;base64,{image}">\n'
+            f"<table>\n<tbody>\n{rows}\n</tbody>\n</table>\n</body>\n</html>\n")
+    atomic.write_text(Path(run_dir) / "report.html", page)
+    return {"figure": figure, "html": Path(run_dir) / "report.html"}
 
 
 def _fmt_cell(value: Any) -> str:

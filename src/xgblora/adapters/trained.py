@@ -60,6 +60,7 @@ def resolve(name_or_path: str, adapter: str | None = None) -> ModelSource:
 def _resolve_one(name_or_path: str) -> ModelSource:
     path = Path(name_or_path)
     if not path.is_dir():
+        pretrained.check_name(name_or_path)
         return ModelSource(name_or_path)
     if (path / "config.yaml").is_file():
         return _run_source(path)

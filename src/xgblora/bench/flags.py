@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-SUITES = ("train", "sft", "icl", "compile", "gpu")
+SUITES = ("train", "sft", "icl", "compile", "grpo", "gpu")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train: MeZO/AdamW steps, evaluation and HF Trainer + PEFT (the default); sft: "
                              "instruction SFT against TRL's SFTTrainer + PEFT; icl: in-context evaluation, "
                              "demonstrations cached once vs the per-pair loop; compile: --compile's warm-up and "
-                             "per-step gain; gpu: the CUDA checks and the bench at user sizes (its CPU part here).")
+                             "per-step gain; grpo: GRPO steps against TRL's GRPOTrainer + PEFT; gpu: the CUDA checks and the bench at user sizes (its CPU part here).")
     parser.add_argument("--model_name", "--model-name", default="tiny-opt",
                         help="A built-in random model (tiny-opt, opt-125m-random, ...), a hub id or a local path.")
     parser.add_argument("--batch_size", "--batch-size", type=int, default=8, help="Training batch size (rows).")
@@ -29,8 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval_task", "--eval-task", default="RTE",
                         help="Task whose templates and dev rows shape the evaluation workload (SST2, RTE, CB, ...).")
     parser.add_argument("--data_dir", "--data-dir", default=None,
-                        help="Folder with <task>/dev.jsonl for the evaluation workload; without it, synthetic prompts "
-                             "of RTE's length (premise of ~50 words) with its template and Yes/No candidates.")
+                        help="Folder with <task>/dev.jsonl for the evaluation workload (without it, synthetic prompts "
+                             "of RTE's length, premise of ~50 words, with its template and Yes/No candidates) and "
+                             "gsm8k/train.jsonl for --suite sft (without it, generated GSM8K-shaped conversations).")
     parser.add_argument("--json", default=None, metavar="FILE", help="Write every figure to this JSON file.")
     parser.add_argument("--skip_hf", "--skip-hf", action="store_true",
                         help="Skip the Hugging Face Trainer + PEFT baseline.")
@@ -50,6 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "max_position_embeddings); smaller keeps the per-pair loop affordable on a CPU.")
     parser.add_argument("--icl_tasks", "--icl-tasks", nargs="+", default=None, metavar="TASK",
                         help="--suite icl: tasks (default: RTE SST2).")
+    parser.add_argument("--grpo_models", "--grpo-models", nargs="+", default=None, metavar="MODEL",
+                        help="--suite grpo: models to compare (default: llama-100m-random).")
+    parser.add_argument("--grpo_prompts", "--grpo-prompts", type=int, default=2,
+                        help="--suite grpo: prompts per step.")
+    parser.add_argument("--num_generations", "--num-generations", type=int, default=8,
+                        help="--suite grpo: completions per prompt (G).")
+    parser.add_argument("--max_completion_length", "--max-completion-length", type=int, default=64,
+                        help="--suite grpo: most tokens per completion.")
     parser.add_argument("--gpu_budget_s", "--gpu-budget-s", type=float, default=570.0,
                         help="--suite gpu: seconds for the whole suite; a part starts only if its estimate fits.")
     parser.add_argument("--quick", action="store_true", help="Smallest sizes (for tests): batch 2, 32 tokens.")
@@ -61,4 +70,6 @@ def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
         args.batch_size, args.seq_len = min(args.batch_size, 2), min(args.seq_len, 32)
         args.repeats, args.warmup = min(args.repeats, 2), min(args.warmup, 1)
         args.eval_examples = min(args.eval_examples, 4)
+        args.grpo_prompts, args.num_generations = 1, min(args.num_generations, 2)
+        args.max_completion_length = min(args.max_completion_length, 4)
     return args

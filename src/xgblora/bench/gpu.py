@@ -1,4 +1,4 @@
-"""`xgblora bench --suite gpu`: everything a short GPU loan should check and measure, in one command, < 10 min.
+"""`xgblora bench --suite gpu`: everything to check and measure on a GPU machine, in one command, < 10 min.
 
 Parts, in order of priority (each starts only while its time estimate fits in what is left of --gpu_budget_s;
 the others are reported as skipped for time):

@@ -22,6 +22,7 @@ import dataclasses
 import gc
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -77,8 +78,26 @@ class SFTCase:
 
 # ----------------------------------------------------------------------------- data
 
+def generated_conversations(n: int) -> list[Example]:
+    """n GSM8K-shaped conversations made up here (a question of 25-75 words, a worked answer of 40-160 words ending
+    in '#### N'; seeded), for a run without --data_dir: the timing depends on lengths, not on the words."""
+    rng = random.Random(0)
+    words = ("apples", "pens", "cost", "each", "more", "than", "half", "twice", "left", "total", "dollars", "week",
+             "books", "had", "gave", "how", "many")
+    examples = []
+    for i in range(n):
+        question = " ".join(rng.choice(words) for _ in range(rng.randint(25, 75))) + "?"
+        answer = " ".join(rng.choice(words) for _ in range(rng.randint(40, 160))) + f"\n#### {rng.randint(1, 999)}"
+        examples.append(Example("", (), (), messages=(("user", question), ("assistant", answer)),
+                                source=f"generated:{i + 1}"))
+    return examples
+
+
 def gsm8k_conversations(data_dir: str, n: int) -> list[Example]:
-    """The first n rows of GSM8K's train split as user (question) / assistant (worked answer) conversations."""
+    """The first n rows of GSM8K's train split as user (question) / assistant (worked answer) conversations;
+    generated ones without a data_dir."""
+    if not data_dir:
+        return generated_conversations(n)
     path = Path(data_dir) / "gsm8k" / "train.jsonl"
     if not path.is_file():
         raise UserError(f"--suite sft reads GSM8K rows from {path}, which does not exist (pass --data_dir)")
@@ -304,6 +323,9 @@ def cases(args: argparse.Namespace) -> list[SFTCase]:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every case of the SFT comparison: timing interleaved in this process, memory in subprocesses."""
     results = []
+    if not args.data_dir:
+        print("[sft] no --data_dir: timing on generated GSM8K-shaped conversations (pass --data_dir DIR with "
+              "gsm8k/train.jsonl for the real rows)", file=sys.stderr, flush=True)
     for case in cases(args):
         res = compare_case(case)
         if not args.skip_memory:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import logging
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,14 +14,24 @@ from xgblora.data.sources import read_rows
 from xgblora.data.tasks import CustomTask, Example, Task
 from xgblora.errors import UserError
 
+log = logging.getLogger("xgblora")
 
 @dataclass
 class Splits:
-    """The examples of one run: training, dev (drawn from the train split, disjoint) and evaluation."""
+    """The examples of one run: training, dev (drawn from the train split, disjoint) and evaluation.
+
+    `eval_is_own` marks an evaluation split from the user's own --eval_file: a validation set the user chose, which
+    periodic evaluation may watch when there is no dev split (MeZO's evaluation split is a test set: never)."""
 
     train: list[Example]
     dev: list[Example]
     eval: list[Example]
+    eval_is_own: bool = False
+
+    @property
+    def monitor(self) -> list[Example]:
+        """What periodic evaluation and the best checkpoint read: the dev split, else the user's --eval_file."""
+        return self.dev or (self.eval if self.eval_is_own else [])
 
 
 def _from_file(task: Task, source: str, split: str = "train", columns: dict[str, str] | None = None) -> list[Example]:
@@ -98,13 +108,16 @@ def _check_counts(cfg: Config) -> None:
 
 
 def sample_splits(task: Task, cfg: Config) -> Splits:
-    """Train/dev/eval examples by MeZO's protocol (large_models/tasks.py sample_subset and run.py).
+    """Train/dev/eval examples: every row of the user's own data by default, else MeZO's protocol.
 
-    The train split is permuted with train_set_seed; its first num_train + num_dev examples are taken, dev
-    being the last num_dev of them (with --dev_pool sentences, the first num_dev that pass `is_sentence` after the
-    num_train). Eval is num_eval examples of the validation split permuted with seed 0
-    (all of them, in order, when num_eval is unset). A custom task without --eval_file evaluates on the
-    train-file rows not drawn for train/dev (num_eval of them, drawn with seed 0, when set).
+    Own data (a custom or pair task) without --num_train: every row trains except a dev split, drawn with
+    train_set_seed, when --num_dev or --eval_split_ratio asks for one; evaluation reads --eval_file, or nothing.
+    Otherwise MeZO's protocol (large_models/tasks.py sample_subset and run.py): the train split is permuted with
+    train_set_seed; its first num_train + num_dev examples are taken, dev being the last num_dev of them (with
+    --dev_pool sentences, the first num_dev that pass `is_sentence` after the num_train). Eval is num_eval examples
+    of the validation split permuted with seed 0 (all of them, in order, when num_eval is unset). A custom task
+    without --eval_file evaluates on the train-file rows not drawn for train/dev (num_eval of them, drawn with
+    seed 0, when set).
 
     Sampling is over examples, which is over rows for every task but MultiRC, whose SuperGLUE rows are
     paragraphs: MeZO samples MultiRC's answer-level rows (the HF layout), and the flattened examples are those
@@ -112,20 +125,24 @@ def sample_splits(task: Task, cfg: Config) -> Splits:
     flattened to one example per query.
     """
     _check_counts(cfg)
-    num_dev = cfg.num_dev or 0
+    own = isinstance(task, CustomTask)
+    if own and cfg.num_train is None:
+        return _all_rows(task, cfg)
+    holdout = own and task.eval_file is None
+    pool = load_rows(task, "train", cfg.data_dir) if cfg.num_train or cfg.num_dev or holdout or \
+        cfg.eval_split_ratio else []
+    num_dev = _dev_count(cfg, len(pool))
     wanted = cfg.num_train + num_dev
-    holdout = isinstance(task, CustomTask) and task.eval_file is None
-    pool = load_rows(task, "train", cfg.data_dir) if wanted or holdout else []
     if holdout and wanted >= len(pool):
         raise UserError(f"task 'custom': {task.train_file} has {len(pool)} examples, not enough for "
                         f"--num_train {cfg.num_train} + --num_dev {num_dev} and an evaluation set; "
-                        f"pass --eval_file or lower --num_train")
+                        f"pass --eval_file or lower --num_train (leave it out to train on every row)")
     n_train, n_dev = cfg.num_train, num_dev
     if wanted > len(pool):
         n_train = round(len(pool) * cfg.num_train / wanted)
         n_dev = len(pool) - n_train
-        warnings.warn(f"{task.name}: asked for {cfg.num_train} train + {num_dev} dev examples but the train "
-                      f"split has {len(pool)}; using {n_train} train + {n_dev} dev", stacklevel=2)
+        log.warning("%s: asked for %d train + %d dev examples but the train split has %d; using %d train + %d dev",
+                    task.name, cfg.num_train, num_dev, len(pool), n_train, n_dev)
     order = _permutation(len(pool), cfg.train_set_seed)
     if cfg.dev_pool == "sentences":  # the train draw stays MeZO's; dev comes from the sentences after it
         order = order[:n_train] + [i for i in order[n_train:] if is_sentence(pool[i].prompt)]
@@ -135,9 +152,60 @@ def sample_splits(task: Task, cfg: Config) -> Splits:
         eval_pool = [pool[i] for i in sorted(order[n_train + n_dev:])]
     else:
         eval_pool = load_rows(task, "eval", cfg.data_dir)
+    return Splits(train, dev, _draw_eval(task, cfg, eval_pool), eval_is_own=own and task.eval_file is not None)
+
+
+def _dev_count(cfg: Config, pool_size: int) -> int:
+    """--num_dev, else --eval_split_ratio of the train rows (at least one), else 0."""
+    if cfg.num_dev is not None:
+        return cfg.num_dev
+    return max(1, round(pool_size * cfg.eval_split_ratio)) if cfg.eval_split_ratio else 0
+
+
+def _all_rows(task: CustomTask, cfg: Config) -> Splits:
+    """The user's own data: every row trains, but a dev split when one is asked for; --eval_file evaluates."""
+    pool = load_rows(task, "train", cfg.data_dir)
+    n_dev = _dev_count(cfg, len(pool))
+    if n_dev >= len(pool):
+        raise UserError(f"{task.train_file} has {len(pool)} examples, too few for a dev split of {n_dev} and "
+                        f"training examples; lower --num_dev or --eval_split_ratio")
+    order = _permutation(len(pool), cfg.train_set_seed)
+    dev = [pool[i] for i in order[:n_dev]]
+    train = [pool[i] for i in sorted(order[n_dev:])]  # the file's order; training draws its own
+    eval_pool = load_rows(task, "eval", cfg.data_dir) if task.eval_file else []
+    return Splits(train, dev, _draw_eval(task, cfg, eval_pool), eval_is_own=bool(eval_pool))
+
+
+def _draw_eval(task: Task, cfg: Config, eval_pool: list[Example]) -> list[Example]:
+    """--num_eval examples of the evaluation pool, drawn with seed 0 (all of them, in order, when unset)."""
     if cfg.num_eval is None:
-        return Splits(train, dev, eval_pool)
+        return eval_pool
     if cfg.num_eval > len(eval_pool):
-        warnings.warn(f"{task.name}: asked for {cfg.num_eval} eval examples but there are {len(eval_pool)}; "
-                      f"using all {len(eval_pool)}", stacklevel=2)
-    return Splits(train, dev, [eval_pool[i] for i in _permutation(len(eval_pool), 0)[:cfg.num_eval]])
+        log.warning("%s: asked for %d eval examples but there are %d; using all %d", task.name, cfg.num_eval,
+                    len(eval_pool), len(eval_pool))
+    return [eval_pool[i] for i in _permutation(len(eval_pool), 0)[:cfg.num_eval]]
+
+
+def describe(task: Task, cfg: Config, splits: Splits) -> str:
+    """One line saying what the run trains on, what it holds out and what it evaluates on, and when."""
+    own = isinstance(task, CustomTask)
+    if own and cfg.num_train is None:
+        parts = [f"training on all {len(splits.train)} examples of {task.train_file}" if not splits.dev else
+                 f"training on {len(splits.train)} examples of {task.train_file}"]
+    elif cfg.trainer == "none":
+        parts = [f"{len(splits.train)} demonstrations" if splits.train else "zero-shot"]
+    else:
+        parts = [f"training on {len(splits.train)} examples" + (" (MeZO's protocol)" if not own else "")]
+    periodic = f"every {cfg.eval_steps} steps" if cfg.evaluation_strategy == "steps" and cfg.trainer != "none" \
+        else ""
+    dev = f"dev split: {len(splits.dev)} held out" + (f", evaluated {periodic}" if periodic else "")
+    parts.append(dev if splits.dev else "no dev split")
+    where = task.eval_file if own and task.eval_file else "the rows not drawn" if own else "the validation split"
+    if splits.eval and not cfg.no_eval:
+        watched = f"{periodic} and " if periodic and not splits.dev and splits.eval_is_own else ""
+        parts.append(f"evaluating on {len(splits.eval)} examples of {where} {watched}at the end")
+    elif cfg.no_eval:
+        parts.append("no final evaluation (--no_eval)")
+    else:
+        parts.append("no evaluation set (pass --eval_file" + (", --num_dev N or --eval_split_ratio R)" if own else ")"))
+    return f"{task.name}: " + "; ".join(parts)

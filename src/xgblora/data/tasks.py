@@ -37,8 +37,9 @@ def _label_key(value: Any) -> str:
 class Fields:
     """A row being read: typed getters that raise one-line UserErrors naming the file, line and field."""
 
-    def __init__(self, row: dict[str, Any], where: Where, prefix: str = ""):
+    def __init__(self, row: dict[str, Any], where: Where, prefix: str = "", mappable: bool = False):
         self.row, self.where, self.prefix = row, where, prefix
+        self.mappable = mappable  # the user's own data: a missing field may be their column under another name
 
     @property
     def source(self) -> str:
@@ -57,7 +58,10 @@ class Fields:
     def get(self, key: str) -> Any:
         """The raw value of a field that must be present."""
         if key not in self.row:
-            raise self.error(key, "missing")
+            if self.prefix or not self.mappable:
+                raise self.error(key, "missing")
+            raise self.error(key, f"missing; the row has: {', '.join(map(str, self.row)) or 'no fields'} "
+                                  f"(--columns {key}=YOURS maps your column to it)")
         return self.row[key]
 
     def text(self, key: str, allow_empty: bool = False) -> str:
@@ -133,10 +137,11 @@ class Task:
     instruction: bool = False  # the user's instruction data: EOS in every target, chat templates, token-mean loss
     hf_dataset: tuple[str, str | None]  # datasets.load_dataset(path, name) as MeZO calls it
     hf_splits: tuple[str, str] = ("train", "validation")
+    own_rows: bool = False  # rows of the user's own files, whose columns --columns maps
 
     def examples(self, row: dict[str, Any], where: Where) -> list[Example]:
         """Validate one row and turn it into examples (several for MultiRC paragraphs, SuperGLUE ReCoRD)."""
-        return self.build(Fields(row, where))
+        return self.build(Fields(row, where, mappable=self.own_rows))
 
     def build(self, r: Fields) -> list[Example]:
         """Template one validated row (each task overrides this)."""
@@ -318,9 +323,10 @@ class CustomTask(Task):
     """A task from the user's data: classification (template + label words) or instruction data (see `_instruction`)."""
 
     name, dir_name, hf_dataset = "custom", "custom", ("json", None)  # read from train_file / eval_file
+    own_rows = True
 
     def __init__(self, cfg: Config):
-        if not cfg.train_file:
+        if not cfg.train_file and not (cfg.trainer == "none" and cfg.eval_file):
             raise UserError("task 'custom' needs --train_file: with --template and --label_words for classification, "
                             'else instruction rows ({"messages": [...]}, {"prompt": ..., "completion": ...} or '
                             '{"text": ...})')
@@ -413,6 +419,7 @@ class PromptTask(Task):
     trailing assistant turn)."""
 
     name, dir_name, hf_dataset = "prompts", "prompts", ("json", None)
+    own_rows = True
 
     def build(self, r: Fields) -> list[Example]:
         source = r.source

@@ -21,7 +21,7 @@ from xgblora.adapters.trained import load_run_model
 from xgblora.data.sources import read_rows
 from xgblora.data.tasks import Fields
 from xgblora.embeddings.pooling import encode_texts
-from xgblora.errors import UserError
+from xgblora.errors import UserError, located
 from xgblora.models import pretrained
 
 
@@ -30,8 +30,8 @@ class EncodeOptions:
     """What `xgblora encode` was asked for (None: the run's or the model's own setting)."""
 
     model: str
-    input: str
-    output: str
+    input_file: str
+    output_file: str
     column: str = "text"
     role: str = "query"  # which instruction prefix of a run applies: query or document
     prefix: str | None = None
@@ -73,13 +73,26 @@ def load_encoder(opts: EncodeOptions) -> tuple[Any, Any, dict[str, Any]]:
 
 
 def encode_file(opts: EncodeOptions) -> dict[str, Any]:
-    """Embed the --column field of every row of --input; write --output (never over an existing file)."""
-    out = Path(opts.output)
+    """Embed the --column field of every row of --input_file; write --output_file (never over an existing file)."""
+    out = Path(opts.output_file)
     if out.suffix not in (".npy", ".safetensors"):
-        raise UserError(f"--output {out}: name a .npy or .safetensors file")
+        raise UserError(f"--output_file {out}: name a .npy or .safetensors file")
     if out.exists():
-        raise UserError(f"--output {out}: exists; choose a new file name (xgblora does not overwrite your files)")
-    texts = [Fields(row, where).text(opts.column) for where, row in read_rows(opts.input)]
+        raise UserError(f"--output_file {out}: exists; choose a new file name (xgblora does not overwrite your files)")
+    texts = [_text(row, where, opts.column) for where, row in read_rows(opts.input_file)]
+    pretrained.check_name(opts.model)
+    with atomic.output_folder(out.parent, "--output_file"):
+        return _encode(opts, texts, out)
+
+
+def _text(row: dict[str, Any], where: Any, column: str) -> str:
+    if column not in row:
+        raise located(where[0], where[1], column, f"missing; the row has: {', '.join(map(str, row)) or 'no fields'} "
+                                                  f"(--column NAME picks the field holding the text)")
+    return Fields(row, where).text(column)
+
+
+def _encode(opts: EncodeOptions, texts: list[str], out: Path) -> dict[str, Any]:
     model, tokenizer, settings = load_encoder(opts)
     vectors = encode_texts(model, tokenizer, texts, pooling=settings["pooling"], max_length=int(settings["max_length"]),
                            batch_size=opts.batch_size, bidirectional=settings["bidirectional"],
@@ -90,4 +103,4 @@ def encode_file(opts: EncodeOptions) -> dict[str, Any]:
         atomic.write_bytes(out, buffer.getvalue())
     else:
         atomic.write_bytes(out, save({"embeddings": vectors.contiguous()}))
-    return {"output": str(out), "rows": len(texts), "dim": int(vectors.shape[1]) if vectors.numel() else 0, **settings}
+    return {"output_file": str(out), "rows": len(texts), "dim": int(vectors.shape[1]) if vectors.numel() else 0, **settings}

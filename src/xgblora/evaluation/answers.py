@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import collections
 import importlib
+import os
 import re
 import string
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -78,10 +80,20 @@ def regex_extractor(pattern: str) -> Extractor:
 def user_extractor(spec: str) -> Extractor:
     """A function given as module:function, imported from the user's code (the current folder is importable)."""
     module_name, _, function_name = spec.partition(":")
+    cwd = os.getcwd()
+    added = cwd not in sys.path  # the console script's sys.path[0] is its own folder, not the user's
+    if added:
+        sys.path.insert(0, cwd)
     try:
         function = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as exc:
-        raise UserError(f"--verifier {spec}: cannot import it ({type(exc).__name__}: {exc})") from None
+        raise UserError(f"--verifier {spec}: cannot import it from {cwd} or the installed packages "
+                        f"({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # noqa: BLE001 -- the user's module failed while importing: name it, one line
+        raise UserError(f"--verifier {spec}: importing {module_name} failed ({type(exc).__name__}: {exc})") from None
+    finally:
+        if added:
+            sys.path.remove(cwd)
     if not callable(function):
         raise UserError(f"--verifier {spec}: {function_name} is not a function")
     return function

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from xgblora import atomic
-from xgblora.adapters.trained import load_with_options
+from xgblora.adapters.trained import load_with_options, resolve
 from xgblora.config import GenerateConfig
 from xgblora.data import formats
 from xgblora.data.sources import parse_columns, read_rows
@@ -42,18 +42,25 @@ class Prompts:
 def read_prompts(source: str, tokenizer: PreTrainedTokenizerBase, *, columns: str | None = None, raw: bool = False,
                  system: str | None = None, max_length: int = 4096) -> Prompts:
     """Read and render the prompts of a file; prompts longer than max_length keep their last tokens (one warning)."""
-    task, mapping = PromptTask(), parse_columns(columns)
-    theirs = {ours: their_name for their_name, ours in mapping.items()}
-    rows, examples = [], []
-    for where, row in read_rows(source, "train", mapping):
-        rows.append({theirs.get(key, key): value for key, value in row.items()})  # the user's own column names
-        examples.extend(task.examples(row, where))
+    rows, examples = read_prompt_rows(source, columns)
     rendered = [formats.generation_prompt_ids(tokenizer, ex, raw=raw, system=system) for ex in examples]
     cut = sum(len(ids) > max_length for ids in rendered)
     if cut:
         warnings.warn(f"{cut} of {len(rendered)} prompts were longer than max_length = {max_length} tokens and keep "
                       f"their last {max_length}", stacklevel=2)
     return Prompts(rows, examples, [ids[-max_length:] for ids in rendered])
+
+
+def read_prompt_rows(source: str, columns: str | None = None) -> tuple[list[dict[str, Any]], list[Example]]:
+    """Each row of a prompts file (with the user's own column names) and its example; checked before any model
+    loads, so that a bad file is a one-line error in a second."""
+    task, mapping = PromptTask(), parse_columns(columns)
+    theirs = {ours: their_name for their_name, ours in mapping.items()}
+    rows, examples = [], []
+    for where, row in read_rows(source, "train", mapping):
+        rows.append({theirs.get(key, key): value for key, value in row.items()})  # the user's own column names
+        examples.extend(task.examples(row, where))
+    return rows, examples
 
 
 def sampling_params(cfg: Any) -> SamplingParams:
@@ -143,10 +150,16 @@ def write_completions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 
 def generate_file(cfg: GenerateConfig) -> dict[str, Any]:
     """`xgblora generate`: load the model, render the prompts, write the completions; returns a summary."""
-    model, tokenizer = load_with_options(cfg, cfg.model_name, cfg.adapter, cfg.chat_template)
-    prompts = read_prompts(cfg.input_file, tokenizer, columns=cfg.columns, raw=cfg.raw_prompts,
-                           system=cfg.system_prompt, max_length=cfg.max_length)
-    settings = {k: v for k, v in asdict(cfg).items() if k not in ("output_file", "device")}
-    output = write_completions(model, tokenizer, prompts, sampling_params(cfg), Path(cfg.output_file), settings)
+    read_prompt_rows(cfg.input_file, cfg.columns)
+    output = Path(cfg.output_file)
+    if output.exists():
+        raise UserError(f"{output} exists; choose another --output_file (it is never overwritten)")
+    resolve(cfg.model_name, cfg.adapter)
+    with atomic.output_folder(output.parent, "--output_file"):
+        model, tokenizer = load_with_options(cfg, cfg.model_name, cfg.adapter, cfg.chat_template)
+        prompts = read_prompts(cfg.input_file, tokenizer, columns=cfg.columns, raw=cfg.raw_prompts,
+                               system=cfg.system_prompt, max_length=cfg.max_length)
+        settings = {k: v for k, v in asdict(cfg).items() if k not in ("output_file", "device")}
+        output = write_completions(model, tokenizer, prompts, sampling_params(cfg), output, settings)
     return {"output_file": str(output), "prompts": len(prompts.ids),
             "completions": len(prompts.ids) * cfg.num_return_sequences}

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from xgblora import atomic, checkpoint
-from xgblora.adapters.trained import load_with_options
+from xgblora.adapters.trained import load_with_options, resolve
 from xgblora.config import Config, RFTConfig
 from xgblora.data import formats
 from xgblora.data.sources import parse_columns, read_rows
@@ -167,22 +167,35 @@ def train_round(cfg: RFTConfig, model_path: str, adapter: str | None, round_dir:
     return str(merged)
 
 
-def _heldout_rows(cfg: RFTConfig, root: Path) -> None:
-    """heldout.jsonl: the held-out questions and references as SFT rows (each training run's --eval_file)."""
+def _questions(cfg: RFTConfig, source: str, split: str) -> list[Example]:
+    """The questions of a file, each with its reference answer (checked before any model loads)."""
     task = PromptTask()
-    examples = [ex for where, row in read_rows(cfg.eval_file, "eval", parse_columns(cfg.columns))
+    examples = [ex for where, row in read_rows(source, split, parse_columns(cfg.columns))
                 for ex in task.examples(row, where)]
     _check_references(examples)
-    rows = [sft_row(list(ex.messages), ex, ex.answers[0]) for ex in examples]
-    atomic.write_jsonl(root / "heldout.jsonl", rows)
+    return examples
+
+
+def _heldout_rows(examples: list[Example], root: Path) -> None:
+    """heldout.jsonl: the held-out questions and references as SFT rows (each training run's --eval_file)."""
+    atomic.write_jsonl(root / "heldout.jsonl", [sft_row(list(ex.messages), ex, ex.answers[0]) for ex in examples])
 
 
 def run_rft(cfg: RFTConfig) -> dict[str, Any]:
     """Run every round (see the module docstring); returns the per-round records (also rounds.json)."""
-    root = Path(cfg.output_root)
-    root.mkdir(parents=True, exist_ok=True)
-    _heldout_rows(cfg, root)
+    _questions(cfg, cfg.train_file, "train")  # every input is checked before a model loads or a folder is made
+    heldout = _questions(cfg, cfg.eval_file, "eval")
     verifier = Verifier(make_extractor(cfg.verifier), cfg.answer_tolerance)
+    resolve(cfg.model_name, cfg.adapter)
+    if cfg.sampler_model:
+        resolve(cfg.sampler_model)
+    with atomic.output_folder(Path(cfg.output_root), "--output_root") as root:
+        _heldout_rows(heldout, root)
+        return _rounds(cfg, root, verifier)
+
+
+def _rounds(cfg: RFTConfig, root: Path, verifier: Verifier) -> dict[str, Any]:
+    """Round 0's measurement, then each round of sample -> verify -> train -> evaluate."""
     model_path, adapter = cfg.model_name, cfg.adapter
     records = [{"round": 0, "model": model_path,
                 **evaluate_model(cfg, model_path, adapter, verifier, root / "round-0")}]

@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub
 import torch
+from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -219,6 +221,39 @@ def resolve_path(name_or_path: str) -> str:
     if not found:
         raise UserError(f"model {name_or_path!r}: no config.json inside {root}")
     return str(found[0].parent)
+
+
+def check_name(name_or_path: str) -> None:
+    """Fail in seconds, before anything loads, on a model name that cannot load: a path that does not exist, or a
+    hub id that is neither cached nor reachable (offline, transformers would retry the download for a minute)."""
+    if name_or_path in RANDOM_MODELS or name_or_path.startswith("pkg:"):
+        resolve_path(name_or_path)
+        return
+    if Path(name_or_path).expanduser().exists():
+        return  # a folder or file: load() says what is wrong inside it
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise UserError(f"cannot load model {name_or_path!r}: no such folder")
+    try:
+        cached = huggingface_hub.try_to_load_from_cache(name_or_path, "config.json")
+    except HFValidationError:
+        raise UserError(f"cannot load model {name_or_path!r}: not a built-in ({', '.join(RANDOM_MODELS)}), not a local folder, "
+                        f"and not a valid hub id") from None
+    if isinstance(cached, str):
+        return
+    where = f"not in the Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE})"
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise UserError(f"cannot load model {name_or_path!r}: not a built-in or local folder, {where}, and HF_HUB_OFFLINE is set; "
+                        f"download it once online, or pass a local folder")
+    try:
+        huggingface_hub.model_info(name_or_path, timeout=10)
+    except RepositoryNotFoundError:
+        raise UserError(f"cannot load model {name_or_path!r}: not a built-in or local folder, and no such model on the hub (or "
+                        f"it is private: log in with `hf auth login`)") from None
+    except Exception as exc:  # noqa: BLE001 -- no network, DNS, proxy, timeout...: the hub cannot be reached
+        if "connect" not in type(exc).__name__.lower() and "timeout" not in type(exc).__name__.lower():
+            return  # reachable (gated, rate-limited...): from_pretrained says what the hub answers
+        raise UserError(f"cannot load model {name_or_path!r}: not a built-in or local folder, {where}, and the hub cannot be "
+                        f"reached ({type(exc).__name__}); connect, or pass a local folder") from None
 
 
 def load(name_or_path: str, *, dtype: str = "float32", attn_implementation: str = "auto", device: str = "cpu",

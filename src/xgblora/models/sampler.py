@@ -53,12 +53,13 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Sample:
-    """One completion: its tokens (the stop token left out), why it ended, and the model's summed log-probability
-    of its tokens and of the stop token that ended it."""
+    """One completion: its tokens (the stop token left out), why it ended, the model's summed log-probability
+    of its tokens and of the stop token that ended it, and that stop token (None when it ran to max_new_tokens)."""
 
     token_ids: tuple[int, ...]
     finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens reached)
     logprob: float
+    stop_id: int | None = None
 
 
 def plan_batches(prompt_lengths: Sequence[int], params: SamplingParams) -> list[list[int]]:
@@ -173,6 +174,7 @@ class _Drawn:
         self.lengths = torch.zeros(rows, dtype=torch.long)
         self.logprobs = torch.zeros(rows, dtype=torch.float64)
         self.stopped = torch.zeros(rows, dtype=torch.bool)
+        self.stop_ids = torch.full((rows,), -1, dtype=torch.long)
 
     def record(self, step: int, sample: torch.Tensor, token: torch.Tensor, logprob: torch.Tensor,
                stops: torch.Tensor) -> None:
@@ -182,11 +184,13 @@ class _Drawn:
         self.lengths[going] += 1
         self.logprobs[sample] += logprob.double()
         self.stopped[sample[stops]] = True
+        self.stop_ids[sample[stops]] = token[stops]
 
     def samples(self, per_prompt: int) -> list[list[Sample]]:
         """The Samples, grouped per prompt."""
         flat = [Sample(tuple(self.tokens[r, :self.lengths[r]].tolist()), "stop" if self.stopped[r] else "length",
-                       float(self.logprobs[r])) for r in range(self.rows)]
+                       float(self.logprobs[r]), int(self.stop_ids[r]) if self.stopped[r] else None)
+                for r in range(self.rows)]
         return [flat[i:i + per_prompt] for i in range(0, self.rows, per_prompt)]
 
 

@@ -331,11 +331,12 @@ class Trainer:
         self.progress_line.report(step, mean, lr)
 
     def _evaluate(self) -> None:
-        """Score the dev split; keep the best step (and its checkpoint with --load_best_model_at_end).
+        """Score the dev split (else the user's --eval_file); keep the best step (and its checkpoint with
+        --load_best_model_at_end).
 
         The first metric decides: the highest accuracy or F1, the lowest loss (instruction data)."""
         state = self.state
-        dev, predictions = self.run.evaluate(self.run.model, self.run.splits.dev)
+        dev, predictions = self.run.evaluate(self.run.model, self.run.splits.monitor)
         samples = {"samples": predictions[:self.cfg.log_samples]} if self.cfg.log_samples and predictions else {}
         self.metrics.log({"step": state.step, **{f"eval_{k}": v for k, v in dev.items()}, **samples})
         name, value = next(iter(dev.items()))

@@ -4,6 +4,7 @@ InfoNCE plus the instruction loss (GRIT)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,12 +39,16 @@ class TrainingSet:
 
 
 def causal_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
-                        classification: bool, packed: bool = False, token_mean: bool = False) -> TrainingSet:
+                        classification: bool, packed: bool = False, token_mean: bool = False,
+                        whole_sequence: bool = False) -> TrainingSet:
     """A causal LM's training set: the gold continuation of each example, or all its candidates (classification).
 
     packed: each batch is its examples end to end in one row, without padding (`batching.collate_packed`).
+    whole_sequence: every token after the first carries loss, the prompt's too (MeZO's only_train_option=False).
     """
     seqs = training_seqs(tokenizer, examples, max_length, all_candidates=classification)
+    if whole_sequence:
+        seqs = [dataclasses.replace(s, n_target=len(s.ids) - 1) for s in seqs]
     if not classification:
         return sequence_training_set(seqs, tokenizer.pad_token_id, packed, token_mean)
     if packed:

@@ -15,6 +15,7 @@ from xgblora import atomic
 from xgblora.adapters.peft import to_peft
 from xgblora.config import Config
 from xgblora.embeddings.st_format import embedding_export
+from xgblora.models.pretrained import RANDOM_MODELS
 from xgblora.train.setup import Method
 
 log = logging.getLogger("xgblora")
@@ -26,7 +27,7 @@ def result_file_tag(cfg: Config) -> str:
     tag += "-sfc" if cfg.sfc else ""
     tag += "-icl_sfc" if cfg.icl_sfc else ""
     tag += f"-sampleeval{cfg.num_eval}" if cfg.num_eval is not None else ""
-    tag += f"-ntrain{cfg.num_train}" if cfg.num_train > 0 else ""
+    tag += f"-ntrain{cfg.num_train}" if cfg.num_train else ""
     tag += f"-ndev{cfg.num_dev}" if cfg.num_dev is not None else ""
     tag += f"-{cfg.tag}" if cfg.tag else ""
     return tag
@@ -118,6 +119,10 @@ def write_model_card(cfg: Config, results: dict[str, Any]) -> None:
     rows = "".join(f"| {k} | {v:.4g} |\n" for k, v in sorted(metrics.items()))
     auto = _auto_class(final, adapter)
     load = f"from {'peft' if adapter else 'transformers'} import {auto}\nmodel = {auto}.from_pretrained(\"{final}\")"
+    if adapter and (cfg.model_name in RANDOM_MODELS or cfg.model_name.startswith("pkg:")):
+        # PEFT reads the base from the hub or a folder: a built-in or packaged base loads through xgblora
+        load = (f"from xgblora.adapters.trained import load_for_inference\n"
+                f"model, tokenizer = load_for_inference(\"{final}\")  # the base {cfg.model_name} with this adapter")
     card = f"""---
 base_model: {cfg.model_name}
 library_name: {"peft" if adapter else "transformers"}

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from xgblora import distributed
+from xgblora import atomic, distributed
 from xgblora.config import Config
 from xgblora.errors import UserError
 from xgblora.logs import setup_console_logging
@@ -27,8 +27,8 @@ def run(cfg: Config, hooks: Hooks | None = None) -> dict[str, Any]:
     setup_console_logging()
     dist = distributed.setup(cfg)  # before the model loads: it picks this rank's GPU
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with run_lock(out) if dist.is_main else contextlib.nullcontext():  # the main process owns the folder
+    with atomic.output_folder(out, "--output_dir"), \
+            run_lock(out) if dist.is_main else contextlib.nullcontext():  # the main process owns the folder
         return _run(cfg, dist, out, hooks)
 
 
@@ -61,21 +61,9 @@ def _evaluate_only(setup: RunSetup) -> dict[str, Any]:
             "eval_runtime_s": round(time.perf_counter() - started, 3)}
 
 
-def _check_dev_split(setup: RunSetup) -> None:
-    """Periodic evaluation and best-checkpoint selection read the dev split, never the evaluation (test) split."""
-    cfg = setup.cfg
-    wants = "--load_best_model_at_end" if cfg.load_best_model_at_end else \
-        "--evaluation_strategy steps" if cfg.evaluation_strategy == "steps" else None
-    if wants and not setup.splits.dev:
-        raise UserError(f"{wants} needs a dev split, and choosing on the evaluation split would report a test score "
-                        f"that was used for the choice; pass --num_dev N (N examples drawn from the train split, "
-                        f"disjoint from the training ones)")
-
-
 def _train(setup: RunSetup, dist: distributed.Distributed, hooks: Hooks | None) -> dict[str, Any]:
     """Train, then evaluate on the evaluation split (every rank evaluates: FSDP needs them all)."""
     cfg = setup.cfg
-    _check_dev_split(setup)
     train_set = training_set(setup)  # before the adapters: the packing probe runs on the plain model
     method = setup_method(setup.model, cfg, build_contrastive(setup, dist))
     init_head(setup, method)
@@ -83,7 +71,7 @@ def _train(setup: RunSetup, dist: distributed.Distributed, hooks: Hooks | None) 
     results = {**summary, "method": cfg.method, "num_train": len(setup.splits.train)}
     if method.contrastive is not None:  # learnt or fixed, the temperature the embeddings were trained at
         results["temperature"] = round(1 / float(method.contrastive.scale), 6)
-    if not cfg.no_eval:
+    if not cfg.no_eval and setup.splits.eval:
         metrics, predictions = setup.evaluate(setup.model, setup.splits.eval)
         write_predictions(cfg, predictions)
         results.update(metrics)

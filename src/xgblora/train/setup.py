@@ -30,7 +30,7 @@ from xgblora.adapters.peft import read_adapter
 from xgblora.config import Config
 from xgblora.data import formats
 from xgblora.data.pairs import PairTask, Prefixes, held_apart, pair_seqs
-from xgblora.data.splits import Splits, load_rows, sample_splits
+from xgblora.data.splits import Splits, describe, load_rows, sample_splits
 from xgblora.data.tasks import CustomTask, Task, get_task
 from xgblora.distributed import Distributed
 from xgblora.embeddings.pooling import bidirectional_supported
@@ -176,11 +176,15 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
     task = PairTask(cfg) if embedding_run else get_task(cfg.task_name, cfg)
     splits = sample_splits(task, cfg)
     if embedding_run:  # a document trained on is not a held-out document
-        splits = Splits(splits.train, held_apart(splits.train, splits.dev, "dev"),
-                        held_apart(splits.train, splits.eval, "eval"))
+        splits = dataclasses.replace(splits, dev=held_apart(splits.train, splits.dev, "dev"),
+                                     eval=held_apart(splits.train, splits.eval, "eval"))
         head = pretrained.embedding_head(cfg.model_name, cfg.objective, cfg.trust_remote_code)
     else:
         head = pretrained.resolve_head(cfg.head, cfg.model_name, cfg.trust_remote_code)
+    if cfg.trainer != "none":
+        check_monitor(cfg, splits)
+    if dist.is_main:
+        log.info("%s", describe(task, cfg, splits))
     words = labels.label_words(task.name, splits.train, splits.dev, splits.eval) if head not in ("lm", "embed") \
         else ()
     if head != "lm" and (cfg.sfc or cfg.icl_sfc):
@@ -219,6 +223,18 @@ def build_evaluator(cfg: Config, task: Task, tokenizer: Any, scoring: labels.Lab
     if scoring is not None:
         return Labels(tokenizer, scoring, sizes)
     return Candidates(tokenizer, task, sizes, cfg.sfc, cfg.icl_sfc)
+
+
+def check_monitor(cfg: Config, splits: Splits) -> None:
+    """Periodic evaluation and best-checkpoint selection read the dev split, never the evaluation (test) split."""
+    wants = "--load_best_model_at_end" if cfg.load_best_model_at_end else \
+        "--evaluation_strategy steps" if cfg.evaluation_strategy == "steps" else None
+    if wants and not splits.monitor:
+        own = "--num_dev N or --eval_split_ratio R (held out of --train_file), or --eval_file with your validation " \
+              "rows" if cfg.own_data else "--num_dev N (N examples drawn from the train split, disjoint from the " \
+                                          "training ones)"
+        raise UserError(f"{wants} needs a dev split, and choosing on the evaluation split would report a test score "
+                        f"that was used for the choice; pass {own}")
 
 
 def _compute_dtype(cfg: Config, device: torch.device) -> str:
@@ -275,13 +291,16 @@ def training_set(run: RunSetup) -> TrainingSet:
     """The tokenised training examples, packed or padded, for the run's head and objective."""
     cfg = run.cfg
     if not run.splits.train:
-        raise UserError(f"--trainer {cfg.trainer} needs training examples: --num_train is {cfg.num_train}")
+        raise UserError(f"--trainer {cfg.trainer} needs training examples: --num_train is {cfg.num_train}"
+                        if cfg.num_train is not None else f"--trainer {cfg.trainer}: no training examples left")
     if cfg.train_as_classification and run.task.generation and run.head == "lm":
         raise UserError(f"--train_as_classification needs answer candidates; {run.task.name} is a generation task "
                         f"(train it on the answer tokens, the default)")
     if cfg.objective != "lm":
         return embedding_training_set(run)
     if run.scoring is not None:
+        if not cfg.only_train_option:
+            raise UserError(f"--only_train_option false: --head {run.head} scores labels, not tokens of the prompt")
         return label_training_set(run.tokenizer, run.splits.train, cfg.max_length, run.scoring)
     token_mean = cfg.loss_mean == "token" or (cfg.loss_mean == "auto" and run.task.instruction)
     if run.task.instruction:
@@ -289,7 +308,8 @@ def training_set(run: RunSetup) -> TrainingSet:
                                      run.stop_ids)
         return sequence_training_set(seqs, run.tokenizer.pad_token_id, packing_enabled(run), token_mean)
     return causal_training_set(run.tokenizer, run.splits.train, cfg.max_length, cfg.train_as_classification,
-                               packed=packing_enabled(run), token_mean=token_mean)
+                               packed=packing_enabled(run), token_mean=token_mean,
+                               whole_sequence=not cfg.only_train_option)
 
 
 def embedding_training_set(run: RunSetup) -> TrainingSet:

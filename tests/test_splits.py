@@ -1,7 +1,7 @@
 """JSONL reading, local / HF / custom sources, one-line errors for bad input, and MeZO's sampling protocol."""
 
 import json
-import warnings
+import logging
 
 import datasets
 import numpy as np
@@ -9,7 +9,7 @@ import pytest
 
 from xgblora.config import Config
 from xgblora.data.sources import read_jsonl
-from xgblora.data.splits import load_rows, sample_splits
+from xgblora.data.splits import describe, load_rows, sample_splits
 from xgblora.data.tasks import get_task
 from xgblora.errors import UserError
 
@@ -142,20 +142,20 @@ def test_multirc_is_sampled_at_answer_level(shared_data):
     assert len({ex.prompt for ex in splits.eval}) == 1000  # answers of many paragraphs, not whole paragraphs
 
 
-def test_boolq_shortfall_takes_all_and_warns_once(shared_data):
+def test_boolq_shortfall_takes_all_and_warns_once(shared_data, caplog):
     cfg = rte_cfg(shared_data, task_name="BoolQ", num_train=48, num_dev=16, num_eval=None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level(logging.WARNING, logger="xgblora"):
         splits = sample_splits(get_task("BoolQ"), cfg)
-    assert [str(w.message) for w in caught] == [
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
         "BoolQ: asked for 48 train + 16 dev examples but the train split has 32; using 24 train + 8 dev"]
     assert (len(splits.train), len(splits.dev), len(splits.eval)) == (24, 8, 3270)
     assert len(ids(splits.train) | ids(splits.dev)) == 32
 
 
-def test_eval_shortfall_warns(shared_data):
-    with pytest.warns(UserWarning, match="asked for 500 eval examples but there are 56; using all 56"):
+def test_eval_shortfall_warns(shared_data, caplog):
+    with caplog.at_level(logging.WARNING, logger="xgblora"):
         splits = sample_splits(get_task("CB"), rte_cfg(shared_data, task_name="CB", num_eval=500))
+    assert "CB: asked for 500 eval examples but there are 56; using all 56" in caplog.text
     assert len(splits.eval) == 56
 
 
@@ -211,3 +211,55 @@ def test_dev_pool_sentences_keeps_the_train_draw_and_draws_dev_from_full_sentenc
     assert not {ex.prompt for ex in splits.dev} & {ex.prompt for ex in splits.train}
     assert sum(map(is_sentence, (ex.prompt for ex in plain.dev))) < 40  # a plain draw is mostly phrases
     assert not is_sentence("a gorgeous , witty , seductive movie . It was".replace(" . ", " "))
+
+
+# ----------------------------------------------------------------------------- defaults of the user's own data
+
+def _chat_rows(n):
+    return ({"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(n))
+
+
+def test_own_data_trains_on_every_row_without_a_dev_split(tmp_path):
+    write(tmp_path / "chat.jsonl", jsonl(*_chat_rows(171)))
+    cfg = Config(task_name="custom", train_file=str(tmp_path / "chat.jsonl"))
+    assert cfg.num_train is None  # MeZO's 1000 is for MeZO's tasks only
+    task = get_task("custom", cfg)
+    splits = sample_splits(task, cfg)
+    assert (len(splits.train), splits.dev, splits.eval, splits.monitor) == (171, [], [], [])
+    assert [ex.source for ex in splits.train] == [ex.source for ex in load_rows(task, "train", None)]  # every row
+    assert describe(task, cfg, splits) == (f"custom: training on all 171 examples of {tmp_path / 'chat.jsonl'}; "
+                                           "no dev split; no evaluation set (pass --eval_file, --num_dev N or "
+                                           "--eval_split_ratio R)")
+
+
+def test_own_data_dev_split_only_when_asked(tmp_path):
+    write(tmp_path / "chat.jsonl", jsonl(*_chat_rows(171)))
+    for asked, n_dev in ({"eval_split_ratio": 0.1}, 17), ({"num_dev": 20}, 20):
+        cfg = Config(task_name="custom", train_file=str(tmp_path / "chat.jsonl"), **asked)
+        splits = sample_splits(get_task("custom", cfg), cfg)
+        assert (len(splits.train), len(splits.dev)) == (171 - n_dev, n_dev)
+        assert not {ex.source for ex in splits.train} & {ex.source for ex in splits.dev}
+        assert splits.monitor == splits.dev
+
+
+def test_own_eval_file_is_watched_when_there_is_no_dev_split(tmp_path):
+    write(tmp_path / "chat.jsonl", jsonl(*_chat_rows(30)))
+    write(tmp_path / "eval.jsonl", jsonl(*_chat_rows(4)))
+    cfg = Config(task_name="custom", train_file=str(tmp_path / "chat.jsonl"), eval_file=str(tmp_path / "eval.jsonl"),
+                 evaluation_strategy="steps", eval_steps=50)
+    task = get_task("custom", cfg)
+    splits = sample_splits(task, cfg)
+    assert (len(splits.train), splits.dev, len(splits.eval)) == (30, [], 4)
+    assert splits.monitor == splits.eval
+    assert describe(task, cfg, splits).endswith(f"no dev split; evaluating on 4 examples of {tmp_path / 'eval.jsonl'} "
+                                                f"every 50 steps and at the end")
+
+
+def test_mezo_tasks_keep_their_protocol_defaults():
+    assert Config(task_name="SST2").num_train == 1000
+    assert Config(task_name="SST2", num_dev=500).num_dev == 500
+    with pytest.raises(UserError, match="--eval_split_ratio holds out a share of your own --train_file"):
+        Config(task_name="SST2", eval_split_ratio=0.1)
+    with pytest.raises(UserError, match="--num_dev and --eval_split_ratio both"):
+        Config(task_name="custom", train_file="x.jsonl", num_dev=3, eval_split_ratio=0.1)

@@ -1,0 +1,211 @@
+"""`xgblora bench --suite grpo`: xgblora's GRPO step against TRL's `GRPOTrainer` + PEFT LoRA.
+
+Both sides train the same random Llama-shaped model (LoRA r=8, alpha 16, every linear layer of the blocks, no
+dropout, fp32 unless --dtype, AdamW lr 1e-5, clip 1.0, beta 0, loss dapo: TRL's defaults) on GSM8K questions as
+plain-text prompts, `prompts` of them a step with G = `--num_generations` completions each, up to
+`--max_completion_length` tokens at temperature 1, rewarded by the same function (`length_reward`). One step is
+everything a step costs: sampling, rewards, advantages, the loss's forward and backward, the update. One xgblora
+step runs inside each TRL `on_step_end`, so the two alternate step by step (`bench.sft`'s scheme).
+
+Peak memory: each side in its own process, what its steps add to the memory held before them (`bench.sft`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from xgblora.bench.sft import _callback, _peak_added, chat_tokenizer
+from xgblora.bench.timing import sync_device
+from xgblora.config import GRPOConfig
+from xgblora.errors import UserError
+from xgblora.generation.grpo import GRPORun
+from xgblora.models import pretrained
+
+GRPO_MODELS = ("llama-100m-random",)
+LORA = dict(r=8, alpha=16.0)
+LR = 1e-5
+MEMORY_STEPS = 2
+_WORKER_CODE = ("import json,sys; from xgblora.bench.grpo import memory_worker; "
+                "print(json.dumps(memory_worker(json.loads(sys.argv[1]))))")
+
+
+def length_reward(completions: list[str], **kwargs: Any) -> list[float]:  # noqa: ARG001
+    """The benchmark's reward: the completion's length in characters / 100 (both sides call it the same way)."""
+    return [len(c) / 100 for c in completions]
+
+
+@dataclass(frozen=True)
+class GRPOCase:
+    """One comparison: a model and the sizes of a step."""
+
+    model_name: str
+    prompts: int  # prompts per step
+    num_generations: int
+    max_completion_length: int
+    steps: int  # timed steps, after `warmup` untimed ones
+    warmup: int
+    dtype: str = "float32"
+    device: str = "cpu"
+    data_dir: str = ""
+
+    @property
+    def completions(self) -> int:
+        """Completions per step."""
+        return self.prompts * self.num_generations
+
+
+def questions(case: GRPOCase) -> Path:
+    """A JSONL file of the first GSM8K training questions, enough for every step (in a temporary folder)."""
+    source = Path(case.data_dir) / "gsm8k" / "train.jsonl"
+    if not source.is_file():
+        raise UserError(f"--suite grpo reads GSM8K questions from {source}, which does not exist (pass --data_dir)")
+    n = case.prompts * (case.warmup + case.steps)
+    lines = source.read_text(encoding="utf-8").splitlines()[:n]
+    path = Path(tempfile.mkdtemp(prefix="xgblora-grpo-bench-")) / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": json.loads(line)["question"]}) + "\n" for line in lines),
+                    encoding="utf-8")
+    return path
+
+
+def xgblora_run(case: GRPOCase, prompts: Path, output_dir: str) -> GRPORun:
+    """xgblora's GRPO run for the case, as `xgblora grpo` builds it."""
+    cfg = GRPOConfig(model_name=case.model_name, train_file=str(prompts), raw_prompts=True, method="lora",
+                     lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_target_modules="all-linear",
+                     learning_rate=LR, num_return_sequences=case.num_generations,
+                     max_new_tokens=case.max_completion_length, per_device_train_batch_size=case.completions,
+                     reward_funcs=[f"{__name__}:length_reward"], max_steps=case.warmup + case.steps,
+                     save_strategy="no", device=case.device, load_float16=False,
+                     load_bfloat16=case.dtype == "bfloat16", output_dir=output_dir, seed=0)
+    return GRPORun(cfg)
+
+
+def trl_trainer(case: GRPOCase, prompts: Path, callbacks: list[Any], output_dir: str) -> Any:
+    """TRL's GRPOTrainer with PEFT LoRA shaped like xgblora's, on the same prompts and reward."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer
+
+    model, _ = pretrained.load(case.model_name, dtype=case.dtype, device=case.device)
+    tokenizer = chat_tokenizer(case.model_name)
+    rows = [json.loads(line) for line in prompts.read_text(encoding="utf-8").splitlines()]
+    config = TRLConfig(
+        output_dir=output_dir, max_steps=case.warmup + case.steps, per_device_train_batch_size=case.completions,
+        num_generations=case.num_generations, max_completion_length=case.max_completion_length, temperature=1.0,
+        learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, report_to="none", save_strategy="no",
+        logging_steps=10**9, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        use_cpu=pretrained.choose_device(case.device).type == "cpu", bf16=case.dtype == "bfloat16")
+    peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear",
+                             task_type="CAUSAL_LM")
+    return GRPOTrainer(model=model, reward_funcs=[length_reward], args=config, train_dataset=Dataset.from_list(rows),
+                       processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
+
+
+def compare_case(case: GRPOCase) -> dict[str, Any]:
+    """TRL and xgblora steps alternating: per-step times and the speed-up."""
+    prompts = questions(case)
+    trl_times: list[float] = []
+    our_times: list[float] = []
+    mark = [0.0]
+    with tempfile.TemporaryDirectory() as ours_dir, tempfile.TemporaryDirectory() as trl_dir:
+        ours = xgblora_run(case, prompts, ours_dir)
+
+        def on_step(global_step: int) -> None:
+            sync_device(ours.device)
+            trl_s = time.perf_counter() - mark[0]
+            start = time.perf_counter()
+            ours.train_step()
+            sync_device(ours.device)
+            if global_step > case.warmup:
+                trl_times.append(trl_s)
+                our_times.append(time.perf_counter() - start)
+            mark[0] = time.perf_counter()
+
+        trainer = trl_trainer(case, prompts, [_callback(on_step)], trl_dir)
+        mark[0] = time.perf_counter()
+        trainer.train()
+    trl_s, our_s = sum(trl_times), sum(our_times)
+    return {"model_name": case.model_name, "prompts": case.prompts, "num_generations": case.num_generations,
+            "max_completion_length": case.max_completion_length, "steps_timed": len(our_times),
+            "trl_step_s": trl_times, "xgblora_step_s": our_times,
+            "xgblora_steps_per_s": len(our_times) / our_s, "trl_steps_per_s": len(trl_times) / trl_s,
+            "speedup_vs_trl": trl_s / our_s,
+            "speedup_vs_trl_median_step": statistics.median(t / o for t, o in zip(trl_times, our_times, strict=True))}
+
+
+def memory_worker(config: dict[str, Any]) -> dict[str, float]:
+    """In a fresh process: one side's first MEMORY_STEPS steps, and the memory they add (MiB)."""
+    case = dataclasses.replace(GRPOCase(**config["case"]), warmup=0, steps=MEMORY_STEPS)
+    prompts = questions(case)
+    with tempfile.TemporaryDirectory() as tmp:
+        if config["side"] == "xgblora":
+            ours = xgblora_run(case, prompts, tmp)
+            with _peak_added(ours.device) as mem:
+                for _ in range(MEMORY_STEPS):
+                    ours.train_step()
+            return mem
+        trainer = trl_trainer(case, prompts, [], tmp)
+        with _peak_added(pretrained.choose_device(case.device)) as mem:
+            trainer.train()
+        return mem
+
+
+def measure_case_memory(case: GRPOCase) -> dict[str, Any]:
+    """Each side's memory for the case, one subprocess after the other."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    out: dict[str, Any] = {}
+    for side in ("trl", "xgblora"):
+        proc = subprocess.run([sys.executable, "-c", _WORKER_CODE, json.dumps({"case": asdict(case), "side": side})],
+                              capture_output=True, text=True, env=env, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"GRPO memory worker ({side}) failed:\n{proc.stderr[-2000:]}")
+        mem = json.loads(proc.stdout.strip().splitlines()[-1])
+        out.update({f"{side}_mem_{k}_mb": v for k, v in mem.items()})
+    out["mem_added_over_trl"] = out["xgblora_mem_added_mb"] / out["trl_mem_added_mb"]
+    return out
+
+
+def cases(args: argparse.Namespace) -> list[GRPOCase]:
+    """Every model the flags ask for, at the flags' sizes."""
+    return [GRPOCase(model_name=m, prompts=args.grpo_prompts, num_generations=args.num_generations,
+                     max_completion_length=args.max_completion_length, steps=args.repeats, warmup=args.warmup,
+                     dtype=args.dtype, device=args.device, data_dir=args.data_dir or "")
+            for m in (args.grpo_models or list(GRPO_MODELS))]
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every case: timing interleaved in this process, memory in subprocesses."""
+    results = []
+    for case in cases(args):
+        res = compare_case(case)
+        if not args.skip_memory:
+            res.update(measure_case_memory(case))
+        results.append(res)
+        print(f"[grpo] {format_table([res]).splitlines()[-1]}", file=sys.stderr, flush=True)
+    return results
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    """A Markdown table: one row per model, with the targets' verdicts (2x the steps/s, no more memory)."""
+    lines = ["| model | prompts x G, tokens | xgblora steps/s | TRL steps/s | speed-up (median step) | "
+             "memory added xgblora / TRL (MiB) | >= 2x | memory <= TRL |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        mem = (f"{r['xgblora_mem_added_mb']:.0f} / {r['trl_mem_added_mb']:.0f}" if "trl_mem_added_mb" in r
+               else "skipped")
+        mem_ok = ("pass" if r["mem_added_over_trl"] <= 1.0 else "miss") if "mem_added_over_trl" in r else "n/a"
+        lines.append(f"| {r['model_name']} | {r['prompts']} x {r['num_generations']}, {r['max_completion_length']} | "
+                     f"{r['xgblora_steps_per_s']:.3f} | {r['trl_steps_per_s']:.3f} | {r['speedup_vs_trl']:.2f}x "
+                     f"({r['speedup_vs_trl_median_step']:.2f}x) | {mem} | "
+                     f"{'pass' if r['speedup_vs_trl'] >= 2.0 else 'miss'} | {mem_ok} |")
+    return "\n".join(lines)

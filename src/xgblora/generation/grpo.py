@@ -1,0 +1,456 @@
+"""`xgblora grpo`: online RL with verifiable rewards (GRPO, with TRL's GRPOTrainer's options and defaults) for
+full fine-tuning, LoRA and XGBLoRA, under AdamW or MeZO.
+
+Every generation batch: the next generation_batch / G prompts (seeded epochs, resumable) are sampled G times each
+by the shared-prefix sampler (the policy, dropout off), the reward functions score the completions, the rewards
+become group-normalised advantages, and one pass without gradients gives what the loss needs besides: the old
+log-probabilities, when the batch serves more than one optimizer step or MeZO (whose two-point estimate needs the
+ratio's value), and the reference ones when beta > 0 (the model with its adapter switched off: no second copy; a
+frozen copy under full fine-tuning). The batch is shuffled and cut into optimizer batches; each optimizer step
+takes the next (AdamW: in micro-batches, accumulated; MeZO: the whole optimizer batch, two perturbed forwards), and
+after num_iterations passes a new batch is sampled. XGBLoRA merges its boosters on its schedule meanwhile.
+
+OUTPUT_DIR/ config.yaml, metrics.jsonl (per logging step: loss, lr, rewards per function and total, accuracy,
+completion length, clip ratio, KL, entropy), checkpoints/step-N (exact resume: the generation batch in flight is
+saved with the optimizer state), final/ (as `xgblora train`), results.json (held-out pass@1 before and after),
+grpo.png and report.html (the curves of metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from xgblora import config as config_mod
+from xgblora import perf
+from xgblora.adapters import trained
+from xgblora.checkpoint import Checkpointer, prune
+from xgblora.config import GRPOConfig
+from xgblora.data import formats
+from xgblora.data.collation import TokenSeq, collate
+from xgblora.data.order import BatchStream
+from xgblora.data.sources import parse_columns
+from xgblora.distributed import LOCAL
+from xgblora.errors import UserError
+from xgblora.generation.generate import Prompts, read_prompts, sampling_params
+from xgblora.generation.grpo_objective import (
+    CompletionBatch,
+    GRPOLoss,
+    Objective,
+    adapters_off,
+    advantages,
+    completion_logprobs,
+    row_weights,
+)
+from xgblora.generation.rewards import Rewards
+from xgblora.logs import MetricsLog
+from xgblora.models import pretrained
+from xgblora.models.sampler import Sample, Sampler, SamplingParams
+from xgblora.optim.schedule import Schedule
+from xgblora.report import write_grpo_report
+from xgblora.trackers import open_trackers, parse_report_to
+from xgblora.train.lock import run_lock
+from xgblora.train.loop import LossWindow, StopRequested, build_stepper, graceful_stop
+from xgblora.train.results import save_final, write_adapter, write_results
+from xgblora.train.setup import autocast_dtype, setup_method
+
+log = logging.getLogger("xgblora")
+SAMPLES_LOGGED = 4  # completions per logging step under --log_completions
+
+
+@dataclass
+class Generation:
+    """One generation batch: its completions, shuffled, as a CompletionBatch; its statistics; a few samples."""
+
+    batch: CompletionBatch
+    metrics: dict[str, float]
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+
+class GenerationBuffer:
+    """The generation batch in flight, saved with checkpoints so that a resumed run continues it exactly."""
+
+    def __init__(self) -> None:
+        self.current: Generation | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The batch's tensors, statistics and samples (empty between generation batches)."""
+        if self.current is None:
+            return {}
+        batch = {f.name: getattr(self.current.batch, f.name) for f in dataclasses.fields(self.current.batch)}
+        return {"batch": batch, "metrics": self.current.metrics, "samples": self.current.samples}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict() returned."""
+        self.current = Generation(CompletionBatch(**state["batch"]), state["metrics"], state["samples"]) \
+            if state else None
+
+
+@dataclass
+class Plan:
+    """How completions are grouped: G per prompt, per generation batch, optimizer step and stepper call."""
+
+    group: int
+    generation: int
+    step: int
+    per_call: int  # completions per next_batch() call: a micro-batch (AdamW) or the optimizer batch (MeZO)
+    num_iterations: int
+
+    @property
+    def prompts(self) -> int:
+        """Prompts per generation batch."""
+        return self.generation // self.group
+
+    @property
+    def steps_per_generation(self) -> int:
+        """Optimizer batches per generation batch."""
+        return self.generation // self.step
+
+    @property
+    def cycle(self) -> int:
+        """Optimizer steps between two generation batches."""
+        return self.steps_per_generation * self.num_iterations
+
+
+def _prompt_value(example: Any) -> Any:
+    """The prompt as TRL hands it to reward functions: a string, or the conversation as a list of messages."""
+    if example.messages:
+        return [{"role": role, "content": content} for role, content in example.messages]
+    return example.prompt
+
+
+def _completion_value(prompt: Any, text: str) -> Any:
+    """A completion as TRL hands it over: a string, or an assistant message after a conversational prompt."""
+    return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+
+
+def load_policy(cfg: GRPOConfig) -> tuple[GRPOConfig, torch.nn.Module, Any]:
+    """The model to train and its tokenizer (a run or adapter folder names its base), and the config resolved
+    against them (the device, max_length within the model's positions)."""
+    source = trained.resolve(cfg.model_name, cfg.adapter)
+    cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
+    device = pretrained.choose_device(cfg.device)
+    model, tokenizer = pretrained.load(cfg.model_name, dtype=cfg.dtype_name,
+                                       attn_implementation=cfg.attn_implementation, device=str(device),
+                                       trust_remote_code=cfg.trust_remote_code, load_in_4bit=cfg.load_in_4bit)
+    if cfg.chat_template:
+        formats.set_chat_template(tokenizer, cfg.chat_template)
+    max_length = min(cfg.max_length, getattr(model.config, "max_position_embeddings", cfg.max_length))
+    return dataclasses.replace(cfg, max_length=max_length, device=str(device)), model, tokenizer
+
+
+class GRPORun:
+    """The state of one GRPO run (model, method, stepper, prompts, rewards, the generation batch in flight) and its
+    loop, `fit()`."""
+
+    def __init__(self, cfg: GRPOConfig):
+        transformers.set_seed(cfg.seed)
+        self.rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)  # its errors come first
+        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer = load_policy(cfg)
+        self.device = next(model.parameters()).device
+        self.out = Path(cfg.output_dir)
+        config_mod.dump(cfg, self.out / "config.yaml")
+        # full fine-tuning has no adapter to switch off: its reference is a frozen copy (only when beta needs it)
+        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) \
+            if cfg.method == "ft" and cfg.beta else None
+        self.method = setup_method(self.model, cfg)
+        self.model.eval()  # dropout off: the old, new and perturbed log-probabilities come from one function
+        self.autocast = autocast_dtype(cfg, self.device)
+        self.prompts = self._read(cfg.train_file)
+        self.heldout = self._read(cfg.eval_file) if cfg.eval_file else None
+        self.plan = Plan(cfg.num_return_sequences, cfg.generation_batch, cfg.optimizer_batch,
+                         cfg.optimizer_batch if cfg.trainer == "zo" else cfg.per_device_train_batch_size,
+                         cfg.num_iterations)
+        self.max_steps = cfg.max_steps if cfg.max_steps > 0 else self.plan.cycle * max(
+            1, round(cfg.num_train_epochs * len(self.prompts.ids) / self.plan.prompts))
+        self.loss_fn = GRPOLoss(self.model, Objective(cfg.epsilon, cfg.epsilon_high, cfg.beta,
+                                                      cfg.use_bias_correction_kl), cfg.temperature, self.autocast)
+        self.stepper = build_stepper(cfg, self.method, self.loss_fn, LOCAL, self.device)
+        boosting = self.method.boosting
+        if boosting is not None:
+            boosting.plan(cfg.booster_steps(self.max_steps), self.max_steps)
+        self.schedule = Schedule(cfg.lr_scheduler_type, cfg.learning_rate, self.max_steps,
+                                 cfg.warmup_steps or int(cfg.warmup_ratio * self.max_steps))
+        self.stream = BatchStream([len(ids) for ids in self.prompts.ids], 1, cfg.seed, group_by_length=False)
+        self.buffer = GenerationBuffer()
+        self.window = LossWindow(self.device)
+        self.step, self.generations, self.resumes, self.earlier_s = 0, 0, 0, 0.0
+        self.before: dict[str, float] = {}
+        self.checkpointer = self._checkpointer()
+        if cfg.resume_from_checkpoint:
+            path, state = self.checkpointer.restore(cfg.resume_from_checkpoint)
+            self.load_state_dict(state)
+            log.info("resumed from %s at step %d", path, self.step)
+
+    def _checkpointer(self) -> Checkpointer:
+        boosting = self.method.boosting  # merged boosters live in the base weights
+        return Checkpointer(
+            self.out / "checkpoints", model=self.model,
+            tensors=lambda: self.method.trainable_state(with_bases=boosting is not None),
+            components={"stepper": self.stepper, "generation": self.buffer},
+            model_components={"boosting": boosting} if boosting is not None else {},
+            save_only_model=self.cfg.save_only_model,
+            write_adapter=functools.partial(write_adapter, self.cfg, self.method) if self.method.modules else None)
+
+    def _read(self, source: str) -> Prompts:
+        """The prompts of a file; with a correctness reward, each needs a reference answer."""
+        prompts = read_prompts(source, self.tokenizer, columns=self.cfg.columns, raw=self.cfg.raw_prompts,
+                               max_length=self.cfg.max_length)
+        if self.rewards.accuracy_index is not None:
+            for example, row in zip(prompts.examples, prompts.rows, strict=True):
+                if not example.answers and "reference" not in row:
+                    raise UserError(f"{example.source}: no reference answer for --reward_funcs "
+                                    f"{self.rewards.names[self.rewards.accuracy_index]} (a completion, response, or "
+                                    f"final assistant turn; --columns completion=answer maps yours)")
+        return prompts
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loop state as JSON values (the generation batch in flight is the `generation` component)."""
+        return {"step": self.step, "epoch": self.stream.epoch, "cursor": self.stream.cursor,
+                "generations": self.generations, "window": self.window.state_dict(), "before": self.before,
+                "runtime_s": self.earlier_s + time.perf_counter() - self.started, "resumes": self.resumes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict() returned."""
+        self.step, self.generations, self.before = state["step"], state["generations"], state["before"]
+        self.stream.epoch, self.stream.cursor = state["epoch"], state["cursor"]
+        self.window.load_state_dict(state["window"])
+        self.earlier_s, self.resumes = state["runtime_s"], state["resumes"] + 1
+
+    # ------------------------------------------------------------------ generation
+
+    def sample(self, prompts: Prompts, indices: list[int], params: SamplingParams) -> list[list[Sample]]:
+        """params.num_samples samples of each prompt in indices (the policy, adapter on)."""
+        sampler = Sampler(self.model, self.tokenizer.pad_token_id, formats.model_stop_ids(self.model, self.tokenizer),
+                          params)
+        drawn: dict[int, list[Sample]] = {}
+        with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            for batch, samples in sampler.run([prompts.ids[i] for i in indices]):
+                drawn.update(zip(batch, samples, strict=True))
+        return [drawn[j] for j in range(len(indices))]
+
+    def score(self, prompts: Prompts, indices: list[int], texts: list[str],
+              completion_ids: list[list[int]]) -> torch.Tensor:
+        """Rewards [completions, functions] of the completions of the prompts in indices (G each, in order)."""
+        group = len(texts) // len(indices)
+        mapped = parse_columns(self.cfg.columns)
+        prompt_keys = {"prompt", "messages"} | {theirs for theirs, ours in mapped.items()
+                                                if ours in ("prompt", "messages")}
+        rows = [prompts.rows[i] for i in indices for _ in range(group)]
+        examples = [prompts.examples[i] for i in indices for _ in range(group)]
+        values = [_prompt_value(ex) for ex in examples]
+        columns: dict[str, list[Any]] = {"reference": [ex.answers[0] if ex.answers else None for ex in examples]}
+        for key in dict.fromkeys(k for row in rows for k in row if k not in prompt_keys):
+            columns[key] = [row.get(key) for row in rows]
+        completions = [_completion_value(p, t) for p, t in zip(values, texts, strict=True)]
+        return self.rewards.score(values, completions, completion_ids, columns)
+
+    def generate(self) -> Generation:
+        """Sample, score and prepare the next generation batch (see the module docstring)."""
+        cfg, plan, number = self.cfg, self.plan, self.generations
+        stream = iter(self.stream)
+        indices = [next(stream)[0] for _ in range(plan.prompts)]
+        params = dataclasses.replace(sampling_params(cfg), seed=cfg.seed * 1_000_003 + number)
+        samples = [s for per_prompt in self.sample(self.prompts, indices, params) for s in per_prompt]
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        ids = [list(s.token_ids) + ([s.stop_id] if s.stop_id is not None else []) for s in samples]
+        per_function = self.score(self.prompts, indices, texts, ids)
+        rewards = self.rewards.total(per_function)
+        advantage = advantages(rewards, plan.group, cfg.scale_rewards)
+        seqs = [TokenSeq(tuple(self.prompts.ids[i]) + tuple(c), len(c), i, 0)
+                for i, c in zip([i for i in indices for _ in range(plan.group)], ids, strict=True)]
+        tokens = collate(seqs, self.tokenizer.pad_token_id)
+        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        mask = tokens.target_mask & ~truncated[:, None] if cfg.mask_truncated_completions else tokens.target_mask
+        weights = row_weights(mask, cfg.loss_type, cfg.max_new_tokens, plan.step,
+                              float(mask.sum()) / plan.steps_per_generation)
+        batch = CompletionBatch(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
+                                position_ids=tokens.position_ids, target_mask=mask, nll_weight=weights,
+                                advantages=advantage)
+        batch = self._with_logprobs(batch)
+        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(params.seed))
+        metrics = self._generation_metrics(per_function, rewards, ids, truncated)
+        logged = [{"prompt": self.prompts.rows[indices[j // plan.group]], "completion": texts[j],
+                   "reward": float(rewards[j])} for j in range(min(SAMPLES_LOGGED, len(texts)))]
+        self.generations += 1
+        return Generation(batch.rows(order), metrics, logged if cfg.log_completions else [])
+
+    def _with_logprobs(self, batch: CompletionBatch) -> CompletionBatch:
+        """The old log-probabilities (when the batch serves more than one step, or MeZO) and the reference ones."""
+        cfg = self.cfg
+        batch = batch.to(self.device)
+        old = self._logprobs(self.model, batch) if cfg.trainer == "zo" or self.plan.cycle > 1 else None
+        ref = None
+        if cfg.beta:
+            with contextlib.nullcontext() if self.reference is not None else adapters_off(self.method.modules):
+                ref = self._logprobs(self.reference if self.reference is not None else self.model, batch)
+        return dataclasses.replace(batch, old_logps=old, ref_logps=ref)
+
+    @torch.no_grad()
+    def _logprobs(self, model: torch.nn.Module, batch: CompletionBatch) -> torch.Tensor:
+        size = self.cfg.per_device_train_batch_size
+        with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            return torch.cat([completion_logprobs(model, batch.split(i, i + size), self.cfg.temperature)[0]
+                              for i in range(0, batch.n_examples, size)])
+
+    def _generation_metrics(self, per_function: torch.Tensor, rewards: torch.Tensor, ids: list[list[int]],
+                            truncated: torch.Tensor) -> dict[str, float]:
+        grouped = rewards.view(-1, self.plan.group)
+        metrics = {"reward": float(rewards.nanmean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+                   **{f"rewards/{name}": float(per_function[:, i].nanmean())
+                      for i, name in enumerate(self.rewards.names)},
+                   "completion_length": sum(map(len, ids)) / len(ids),
+                   "completions_truncated": float(truncated.float().mean()),
+                   "frac_reward_zero_std": float((grouped.max(1).values == grouped.min(1).values).float().mean())}
+        if self.rewards.accuracy_index is not None:
+            metrics["accuracy"] = float(per_function[:, self.rewards.accuracy_index].nanmean())
+        return metrics
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self) -> dict[str, float]:
+        """pass@1 of greedy completions of the held-out prompts (the first correctness reward), and their mean
+        reward; empty without --eval_file."""
+        if self.heldout is None:
+            return {}
+        indices = list(range(len(self.heldout.ids)))
+        params = dataclasses.replace(sampling_params(self.cfg), num_samples=1, temperature=0.0)
+        samples = [s[0] for s in self.sample(self.heldout, indices, params)]
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        per_function = self.score(self.heldout, indices, texts, [list(s.token_ids) for s in samples])
+        metrics = {"eval_reward": float(self.rewards.total(per_function).nanmean())}
+        if self.rewards.accuracy_index is not None:
+            metrics["eval_pass@1"] = float(per_function[:, self.rewards.accuracy_index].nanmean())
+        return metrics
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict[str, Any]:
+        """Evaluate, train to max_steps (or a stop signal), evaluate; return the run's statistics."""
+        cfg = self.cfg
+        if self.step == 0:
+            self.before = self.evaluate()
+            if self.before:
+                log.info("held-out before training: %s", _fmt(self.before))
+        self.started = time.perf_counter()
+        resume_step = self.step or None
+        trackers = open_trackers(parse_report_to(cfg.report_to), self.out, self.out.name, dataclasses.asdict(cfg),
+                                 resume_step)
+        with graceful_stop() as stop, \
+                MetricsLog(self.out / "metrics.jsonl", trackers=trackers, resume=self.step > 0,
+                           resume_step=resume_step) as self.metrics, \
+                tqdm(total=self.max_steps, initial=self.step, desc=f"grpo {cfg.method}/{cfg.trainer}",
+                     dynamic_ncols=True, disable=None) as progress:
+            if self.step == 0 and self.before:
+                self.metrics.log({"step": 0, **self.before})
+            while self.step < self.max_steps:
+                loss, lr = self.train_step()
+                self.window.add(loss)
+                self._boost()
+                if self.step % cfg.logging_steps == 0 or self.step == self.max_steps:
+                    progress.set_postfix(self._log(lr), refresh=False)
+                progress.update(1)
+                if cfg.evaluation_strategy == "steps" and self.step % cfg.eval_steps == 0:
+                    self.metrics.log({"step": self.step, **self.evaluate()})
+                if cfg.save_strategy == "steps" and self.step % cfg.save_steps == 0 and self.step < self.max_steps:
+                    self._save()
+                if stop["stop"]:
+                    path = self._save()
+                    raise StopRequested(f"stopped at step {self.step}; checkpoint saved to {path}; resume with "
+                                        f"--resume_from_checkpoint latest")
+        runtime = self.earlier_s + time.perf_counter() - self.started
+        save_final(cfg, self.model, self.tokenizer, self.method)
+        after = self.evaluate()
+        return {"model": cfg.model_name, "method": cfg.method, "trainer": cfg.trainer, "loss_type": cfg.loss_type,
+                "steps": self.step, "generation_batches": self.generations, "seed": cfg.seed,
+                "train_runtime_s": round(runtime, 3), "steps_per_second": round(self.step / runtime, 4),
+                "resumes": self.resumes, "peak_memory_mb": round(perf.peak_memory_mb(self.device), 1),
+                "boosters": len(self.method.boosting.history) if self.method.boosting is not None else 0,
+                **{f"before_{k}": v for k, v in self.before.items()}, **after}
+
+    def train_step(self) -> tuple[torch.Tensor, float]:
+        """One optimizer step (a new generation batch first when the last one is used up): its loss and lr."""
+        position = self.step % self.plan.cycle
+        if position == 0 or self.buffer.current is None:
+            self.buffer.current = self.generate()
+        lr = self.schedule(self.step)
+        loss = self._step(self.buffer.current.batch, position % self.plan.steps_per_generation, lr)
+        self.step += 1
+        return loss, lr
+
+    def _step(self, batch: CompletionBatch, index: int, lr: float) -> torch.Tensor:
+        """One optimizer step on the index-th optimizer batch of the generation batch."""
+        rows = batch.split(index * self.plan.step, (index + 1) * self.plan.step)
+        pieces = iter([rows.split(i, i + self.plan.per_call) for i in range(0, self.plan.step, self.plan.per_call)])
+        return self.stepper.step(lambda: next(pieces), lr)
+
+    def _boost(self) -> None:
+        """XGBLoRA: merge the booster when its steps are done."""
+        if self.method.boosting is None:
+            return
+        event = self.method.boosting.after_step(self.step, None, self.stepper.forget)
+        if event is not None:
+            self.metrics.log({**event, "step": self.step})
+
+    def _log(self, lr: float) -> dict[str, str]:
+        """One metrics record: the loss window, the current generation batch's rewards, the loss's statistics;
+        returns the progress bar's summary."""
+        mean, skipped = self.window.drain()
+        if skipped and self.cfg.nan_policy == "stop":
+            raise UserError(f"GRPO loss is nan or inf at step {self.step}; stopping (try a lower --learning_rate, "
+                            f"or --nan_policy skip)")
+        current = self.buffer.current
+        record = {"step": self.step, "loss": mean, "lr": lr, **current.metrics, **self.loss_fn.statistics.drain(),
+                  "elapsed_s": round(self.earlier_s + time.perf_counter() - self.started, 3)}
+        if current.samples:
+            record["samples"] = current.samples
+        self.metrics.log(record)
+        shown = {"reward": record["reward"], **({"acc": record["accuracy"]} if "accuracy" in record else {}),
+                 "len": record["completion_length"], **({"kl": record["kl"]} if "kl" in record else {})}
+        if not tqdm_on_terminal():
+            log.info("step %d/%d  loss %s  %s", self.step, self.max_steps,
+                     "nan" if mean is None else f"{mean:.4f}", _fmt(shown))
+        return {k: f"{v:.3g}" for k, v in shown.items()}
+
+    def _save(self) -> Path:
+        self.metrics.flush()
+        path = self.checkpointer.save(f"step-{self.step}", self.state_dict())
+        prune(self.checkpointer.root, self.cfg.save_total_limit)
+        return path
+
+
+def tqdm_on_terminal() -> bool:
+    """Whether the progress bar shows (a terminal); else progress goes to the log, one line per logging step."""
+    return sys.stderr.isatty()
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    return "  ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+
+
+def run_grpo(cfg: GRPOConfig) -> dict[str, Any]:
+    """`xgblora grpo`: train, then write final/ and results.json (see the module docstring)."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with run_lock(out):
+        if (out / "results.json").exists() and not cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
+            raise UserError(f"{out} already holds a finished run; pass --overwrite_output_dir to redo it, or "
+                            f"another --output_dir")
+        results = GRPORun(cfg).fit()
+        write_results(cfg, results)
+        write_grpo_report(out, results)
+    return results

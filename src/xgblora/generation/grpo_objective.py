@@ -1,0 +1,208 @@
+"""GRPO's objective (DeepSeekMath), as TRL's `GRPOTrainer` computes it: group-normalised advantages, the clipped
+surrogate, the k3 KL to a reference, and the loss types' normalisations; the batch of scored completions and the
+forward that scores them.
+
+With rewards r (one per completion, G completions per prompt), the new, old (at sampling time) and reference
+log-probabilities of each completion token, and its mask m:
+
+- advantage A_i = r_i - mean(r of i's group), divided by (std + 1e-4) where std is the group's (scale_rewards
+  group), the whole generation batch's (batch), or not at all (none); std is Bessel-corrected. A completion that
+  every reward function left unscored (None) gets A = 0 and is left out of its group's mean and std.
+- ratio rho_it = exp(logp_it - old_it); per-token loss
+  l_it = -min(rho A_i, clip(rho, 1 - epsilon, 1 + epsilon_high) A_i) + beta kl_it, with
+  kl_it = (exp(ref_it - logp_it) - (ref_it - logp_it) - 1) rho_it (k3; times rho: TRL's use_bias_correction_kl).
+- the loss of an optimizer step's n completions: `grpo` the mean over completions of each one's token mean;
+  `dr_grpo` sum(l m) / (n * max_completion_length); `dapo` sum(l m) / (the generation batch's completion tokens
+  / optimizer steps per generation batch), the token mean over the generation batch.
+
+Each normalisation is a weight per completion (`row_weights`), so a step's loss is the mean over its completions
+of w_i sum_t l_it m_it: the steppers' micro-batches and MeZO's dual batch, which average per-row losses, compute
+it unchanged. Log-probabilities are those of the logits divided by the sampling temperature (as TRL), and only
+the completion positions reach the LM head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from xgblora.adapters.lora import LoRALinear
+from xgblora.data.batches import TokenBatch
+from xgblora.models.scoring import token_logprobs
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+STD_EPS = 1e-4  # TRL's: A = (r - mean) / (std + 1e-4)
+
+
+def nanstd(x: Tensor, dim: int | None = None) -> Tensor:
+    """Bessel-corrected standard deviation ignoring NaNs (NaN where fewer than two values), over dim or all."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    corrected = torch.where(count > 1, variance * count / (count - 1), torch.full_like(variance, float("nan")))
+    return corrected.sqrt().squeeze(dim) if dim is not None else corrected.sqrt().reshape(())
+
+
+def advantages(rewards: Tensor, group_size: int, scale_rewards: str = "group") -> Tensor:
+    """Group-normalised advantages of rewards [n] (groups of group_size adjacent completions; NaN: unscored)."""
+    grouped = rewards.view(-1, group_size)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size)
+    if scale_rewards == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    else:
+        std = nanstd(grouped, dim=1).repeat_interleave(group_size) if group_size > 1 else torch.zeros_like(rewards)
+    centred = rewards - mean
+    if scale_rewards != "none":
+        centred = centred / (std + STD_EPS)
+    return torch.nan_to_num(centred, nan=0.0)
+
+
+def row_weights(completion_mask: Tensor, loss_type: str, max_completion_length: int, rows_per_step: int,
+                tokens_per_step: float) -> Tensor:
+    """Each completion's weight w_i [n], so that an optimizer step's loss is the mean over its rows_per_step
+    completions of w_i sum_t l_it m_it (module docstring); tokens_per_step (dapo): the generation batch's completion
+    tokens over its optimizer steps."""
+    n = completion_mask.shape[0]
+    if loss_type == "grpo":
+        return 1.0 / completion_mask.sum(1).clamp(min=1).float()
+    if loss_type == "dr_grpo":
+        return torch.full((n,), 1.0 / max_completion_length)
+    if loss_type == "dapo":
+        return torch.full((n,), rows_per_step / max(tokens_per_step, 1.0))
+    raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The options of the clipped surrogate (TRL's names)."""
+
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    bias_correction_kl: bool = True
+
+    @property
+    def upper(self) -> float:
+        """The upper clipping bound's epsilon (epsilon_high, else epsilon)."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def token_losses(logps: Tensor, old_logps: Tensor, ref_logps: Tensor | None, advantage: Tensor,
+                 objective: Objective) -> tuple[Tensor, dict[str, Tensor]]:
+    """l_it of every token [n, k] and the per-token statistics (ratio clipped low/high, KL) for the logs."""
+    ratio = torch.exp(logps - old_logps)
+    a = advantage.unsqueeze(1)
+    clipped = torch.clamp(ratio, 1 - objective.epsilon, 1 + objective.upper)
+    loss = -torch.min(ratio * a, clipped * a)
+    stats = {"clip_low": ((ratio < 1 - objective.epsilon) & (a < 0)).float(),
+             "clip_high": ((ratio > 1 + objective.upper) & (a > 0)).float()}
+    if objective.beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta != 0 needs the reference log-probabilities")
+        gap = ref_logps - logps
+        kl = torch.exp(gap) - gap - 1
+        if objective.bias_correction_kl:
+            kl = kl * ratio
+        loss = loss + objective.beta * kl
+        stats["kl"] = kl.detach()
+    return loss, stats
+
+
+@dataclass(kw_only=True)
+class CompletionBatch(TokenBatch):
+    """Prompt + completion rows (left-padded; target_mask marks the completion tokens, stop token included) with
+    what the loss needs per completion: its advantage, its weight (nll_weight: the loss type's normalisation), and
+    the old and reference log-probabilities of its tokens [rows, k] (None: not computed)."""
+
+    advantages: Tensor
+    old_logps: Tensor | None = None
+    ref_logps: Tensor | None = None
+
+    def rows(self, index: Tensor) -> CompletionBatch:
+        """The batch of the given rows, in that order."""
+        return self._map(lambda t: t[index.to(t.device)])
+
+
+def completion_logprobs(model: nn.Module, batch: TokenBatch, temperature: float,
+                        with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log p(token) of the last k columns' tokens at temperature [rows, k] (zero off the mask), and, when asked,
+    the entropy of each of those positions' distributions (no gradient)."""
+    k = batch.target_mask.shape[1]
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                   logits_to_keep=k + 1).logits  # the last position predicts nothing
+    if temperature != 1.0:
+        logits = logits / temperature
+    entropy = _entropy(logits[:, :k]) if with_entropy else None
+    return token_logprobs(logits, batch.input_ids[:, -k:]) * batch.target_mask, entropy
+
+
+@torch.no_grad()
+def _entropy(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) at every position, one row at a time (no [rows, k, vocab] fp32 copy at once)."""
+    out = []
+    for row in logits:
+        logp = torch.log_softmax(row.float(), dim=-1)
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.stack(out)
+
+
+@contextlib.contextmanager
+def adapters_off(modules: Mapping[str, LoRALinear]) -> Iterator[None]:
+    """The model without its adapter branches (the reference policy of an adapter run); restored on exit."""
+    was = {name: m.active for name, m in modules.items()}
+    try:
+        for m in modules.values():
+            m.active = False
+        yield
+    finally:
+        for name, m in modules.items():
+            m.active = was[name]
+
+
+class Statistics:
+    """Token-weighted sums of what the loss saw since the last drain: clipped fractions, KL, entropy."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.tokens = 0.0
+
+    def add(self, stats: dict[str, Tensor], mask: Tensor) -> None:
+        """Add one forward's per-token statistics over the mask's tokens (a host sync)."""
+        m = mask.float()
+        values = torch.stack([(v * m).sum() for v in stats.values()] + [m.sum()]).tolist()
+        for name, value in zip(stats, values, strict=False):
+            self.sums[name] = self.sums.get(name, 0.0) + value
+        self.tokens += values[-1]
+
+    def drain(self) -> dict[str, float]:
+        """Means per token since the last drain (clip_ratio is the region's: low or high); starts over."""
+        means = {name: value / max(self.tokens, 1.0) for name, value in self.sums.items()}
+        if "clip_low" in means:
+            means["clip_ratio"] = means["clip_low"] + means["clip_high"]
+        self.sums, self.tokens = {}, 0.0
+        return means
+
+
+class GRPOLoss:
+    """loss_fn(batch) -> [rows]: each completion's w_i sum_t l_it m_it, for the steppers (AdamW and MeZO)."""
+
+    def __init__(self, model: nn.Module, objective: Objective, temperature: float,
+                 autocast: torch.dtype | None = None):
+        self.model, self.objective, self.temperature, self.autocast = model, objective, temperature, autocast
+        self.statistics = Statistics()
+
+    def __call__(self, batch: CompletionBatch) -> Tensor:
+        device = batch.input_ids.device
+        with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            logps, entropy = completion_logprobs(self.model, batch, self.temperature, with_entropy=True)
+        old = logps.detach() if batch.old_logps is None else batch.old_logps
+        losses, stats = token_losses(logps, old, batch.ref_logps, batch.advantages, self.objective)
+        mask = batch.target_mask
+        self.statistics.add({**stats, "entropy": entropy}, mask)
+        return (losses * mask).sum(1) * batch.nll_weight * batch.loss_scale
+

@@ -1,0 +1,120 @@
+"""Reward functions for online RL, with TRL's interface and names.
+
+A reward function is called as f(prompts=..., completions=..., completion_ids=..., **columns) and returns one
+float (or None: not scored) per completion, as in TRL's GRPOTrainer: prompts and completions are strings, or, for a
+conversational prompt (a list of messages), the message list and [{"role": "assistant", "content": text}]; every
+other column of the prompt rows comes as a keyword argument, one value per completion.
+
+`--reward_funcs` names them:
+- `gsm8k`, `answer_tags`, `regex:PATTERN`: correctness, 1.0 when the answer the verifier extracts agrees with the
+  row's reference answer (verify.py: numbers within --answer_tolerance, else normalised strings), else 0.0;
+- `format:SPEC`: 1.0 when the extractor SPEC (one of the above) finds an answer at all, else 0.0;
+- `module:function`: a user's function with TRL's signature, imported from the user's code.
+The first correctness reward is the run's accuracy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from xgblora.errors import UserError
+from xgblora.evaluation.answers import Verifier, make_extractor
+
+RewardFunc = Callable[..., Sequence["float | None"]]
+_BUILT_IN = re.compile(r"^(gsm8k|answer_tags|regex:.*)$", re.DOTALL)
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion as TRL hands it over: a string, or a list of messages (their contents joined)."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(str(message.get("content", "")) for message in completion)
+
+
+@dataclass
+class Correct:
+    """1.0 where the verifier's answer agrees with the reference (the `reference` column), else 0.0."""
+
+    verifier: Verifier
+
+    def __call__(self, completions: Sequence[Any], reference: Sequence[str | None], **_: Any) -> list[float]:
+        scores = []
+        for completion, ref in zip(completions, reference, strict=True):
+            if ref is None:
+                raise UserError("a correctness reward needs a reference answer in every prompt row (a completion, "
+                                "response, or final assistant turn; --columns completion=answer maps yours)")
+            scores.append(float(self.verifier.judge([completion_text(completion)], ref)[0]))
+        return scores
+
+
+@dataclass
+class Formatted:
+    """1.0 where the extractor finds an answer in the completion (it follows the format), else 0.0."""
+
+    extract: Callable[[str], str | None]
+
+    def __call__(self, completions: Sequence[Any], **_: Any) -> list[float]:
+        return [float(self.extract(completion_text(c)) is not None) for c in completions]
+
+
+def user_reward(spec: str) -> RewardFunc:
+    """A reward function given as module:function, imported from the user's code (the current folder first)."""
+    module_name, _, function_name = spec.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f"--reward_funcs {spec}: cannot import it ({type(exc).__name__}: {exc})") from None
+    if not callable(function):
+        raise UserError(f"--reward_funcs {spec}: {function_name} is not a function")
+    return function
+
+
+def make_reward(spec: str, tolerance: float) -> tuple[RewardFunc, bool]:
+    """The reward function a --reward_funcs entry names, and whether it scores correctness."""
+    if _BUILT_IN.match(spec):
+        return Correct(Verifier(make_extractor(spec), tolerance)), True
+    if spec.startswith("format:") and _BUILT_IN.match(spec[len("format:"):]):
+        return Formatted(make_extractor(spec[len("format:"):])), False
+    if re.fullmatch(r"[\w.]+:\w+", spec):
+        return user_reward(spec), False
+    raise UserError(f"--reward_funcs {spec!r}: choose gsm8k, answer_tags, regex:PATTERN, format:<one of those>, or "
+                    f"module:function")
+
+
+class Rewards:
+    """The run's reward functions and weights; `score` gives every completion's reward per function."""
+
+    def __init__(self, specs: Sequence[str], weights: Sequence[float] | None = None, tolerance: float = 1e-6):
+        if not specs:
+            raise UserError("--reward_funcs: give at least one reward function")
+        if weights is not None and len(weights) != len(specs):
+            raise UserError(f"--reward_weights has {len(weights)} values for {len(specs)} --reward_funcs")
+        made = [make_reward(spec, tolerance) for spec in specs]
+        self.names = [spec if not spec.startswith("regex:") else "regex" for spec in specs]
+        self.funcs = [func for func, _ in made]
+        self.weights = torch.tensor(list(weights) if weights is not None else [1.0] * len(specs))
+        self.accuracy_index = next((i for i, (_, correct) in enumerate(made) if correct), None)
+
+    def score(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]],
+              columns: dict[str, Sequence[Any]]) -> torch.Tensor:
+        """Rewards [n, functions]; NaN where a function returned None."""
+        out = torch.empty(len(completions), len(self.funcs))
+        for i, (name, func) in enumerate(zip(self.names, self.funcs, strict=True)):
+            values = list(func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
+            if len(values) != len(completions):
+                raise UserError(f"reward function {name} returned {len(values)} rewards for {len(completions)} "
+                                f"completions (one per completion)")
+            out[:, i] = torch.tensor([math.nan if v is None else float(v) for v in values])
+        return out
+
+    def total(self, per_function: torch.Tensor) -> torch.Tensor:
+        """The weighted sum over functions, None-rewards skipped; NaN where every function returned None."""
+        total = (per_function * self.weights).nansum(dim=1)
+        return total.masked_fill(torch.isnan(per_function).all(dim=1), math.nan)

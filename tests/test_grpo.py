@@ -1,0 +1,215 @@
+"""`xgblora grpo`: reward functions with TRL's interface, an interrupted run resumed exactly, MeZO's dual batch of
+completions, XGBLoRA's merges during RL, option errors, and GRPO raising held-out accuracy after a short SFT."""
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from xgblora.adapters.lora import attach
+from xgblora.cli import main
+from xgblora.config import Config, GRPOConfig
+from xgblora.data.collation import TokenSeq, collate
+from xgblora.errors import UserError
+from xgblora.export import export_run
+from xgblora.generation import grpo as grpo_loop
+from xgblora.generation.grpo import run_grpo
+from xgblora.generation.grpo_objective import (
+    CompletionBatch,
+    GRPOLoss,
+    Objective,
+    completion_logprobs,
+)
+from xgblora.generation.rewards import Rewards
+from xgblora.optim.zo import MeZO
+from xgblora.train import run
+
+
+def _write_pairs(path, pairs):
+    rows = [{"question": f"Which is larger, {a} or {b}?", "answer": f"#### {max(a, b)}", "level": a % 3}
+            for a, b in pairs]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture
+def data(tmp_path, monkeypatch):
+    # a random model is never right: a reward it earns half the time (an odd first token) gives advantages
+    (tmp_path / "parity_reward.py").write_text(
+        "def odd_first(completion_ids, **kwargs):\n    return [float(ids[0] % 2) for ids in completion_ids]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pairs = [(a, b) for a in range(10) for b in range(10) if a != b]
+    random.Random(0).shuffle(pairs)
+    _write_pairs(tmp_path / "q.jsonl", pairs[:12])
+    _write_pairs(tmp_path / "h.jsonl", pairs[12:16])
+    return tmp_path
+
+
+def _cfg(data, out, **options):
+    base = dict(model_name="tiny-llama", train_file=str(data / "q.jsonl"), eval_file=str(data / "h.jsonl"),
+                columns="prompt=question,completion=answer", method="lora", learning_rate=1e-2, max_new_tokens=4,
+                num_return_sequences=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                max_steps=6, logging_steps=1, save_strategy="no", device="cpu", seed=3, output_dir=str(data / out),
+                reward_funcs=["gsm8k", "parity_reward:odd_first"])
+    return GRPOConfig(**{**base, **options})
+
+
+def test_built_in_rewards_and_a_trl_style_user_function(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def short(prompts, completions, completion_ids, level, **kwargs):\n"
+        "    return [None if lv == 2 else float(len(ids) < 3) + lv for ids, lv in zip(completion_ids, level)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards = Rewards(["gsm8k", "format:answer_tags", "my_rewards:short"], [1.0, 0.5, 2.0])
+    completions = ["so #### 7", "<answer>7</answer> #### 8", "nothing"]
+    out = rewards.score(["q"] * 3, completions, [[1, 2], [1, 2, 3], [4]],
+                        {"reference": ["#### 7"] * 3, "level": [0, 1, 2]})
+    assert out[:, 0].tolist() == [1.0, 0.0, 0.0] and out[:, 1].tolist() == [0.0, 1.0, 0.0]
+    assert out[:2, 2].tolist() == [1.0, 1.0] and torch.isnan(out[2, 2])
+    assert rewards.total(out).tolist() == [3.0, 2.5, 0.0] and rewards.accuracy_index == 0
+
+
+def test_a_conversational_prompt_reaches_reward_functions_as_messages():
+    seen = {}
+
+    def record(prompts, completions, **kwargs):
+        seen.update(prompts=prompts, completions=completions)
+        return [0.0] * len(completions)
+
+    run = grpo_loop.GRPORun.__new__(grpo_loop.GRPORun)  # only score() and what it reads
+    run.cfg, run.rewards = GRPOConfig(train_file="x", columns=None), Rewards(["gsm8k"])
+    run.rewards.funcs = [record]
+    prompts = grpo_loop.Prompts(rows=[{"messages": [{"role": "user", "content": "hi"}]}],
+                                examples=[_example()], ids=[[1]])
+    run.score(prompts, [0], ["hello"], [[5]])
+    assert seen["prompts"] == [[{"role": "user", "content": "hi"}]]
+    assert seen["completions"] == [[{"role": "assistant", "content": "hello"}]]
+
+
+def _example():
+    from xgblora.data.tasks import Example
+
+    return Example("", (), (), messages=(("user", "hi"),))
+
+
+@pytest.mark.parametrize("spec", ["nope", "format:nope", "no_such_module_xyz:f"])
+def test_bad_reward_functions_are_user_errors(spec):
+    with pytest.raises(UserError, match="--reward_funcs"):
+        Rewards([spec])
+
+
+def test_an_interrupted_run_resumes_exactly(data, monkeypatch):
+    """Two optimizer steps per generation batch, two passes over it (a generation every 4 steps), beta > 0; killed
+    after the checkpoint at step 3, in the middle of a generation batch, and resumed: the same adapter and logs."""
+    options = dict(generation_batch_size=16, num_iterations=2, beta=0.1, save_strategy="steps", save_steps=3,
+                   epsilon_high=0.28, eval_file=None)
+    whole = run_grpo(_cfg(data, "whole", **options))
+    real_step, calls = grpo_loop.GRPORun._step, []
+
+    def dying(self, *args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_step(self, *args)
+
+    monkeypatch.setattr(grpo_loop.GRPORun, "_step", dying)
+    with pytest.raises(KeyboardInterrupt):
+        run_grpo(_cfg(data, "parts", **options))
+    monkeypatch.setattr(grpo_loop.GRPORun, "_step", real_step)
+    resumed = run_grpo(_cfg(data, "parts", resume_from_checkpoint="latest", **options))
+    assert resumed["resumes"] == 1 and whole["generation_batches"] == 2
+    a, b = (load_file(str(data / name / "final" / "adapter_model.safetensors")) for name in ("whole", "parts"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)  # it trained
+    logs = [[json.loads(line) for line in (data / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("whole", "parts")]
+    drop = ("elapsed_s",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in logs[0]] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in logs[1]]
+    assert {"reward", "rewards/gsm8k", "rewards/parity_reward:odd_first", "accuracy", "completion_length", "clip_ratio", "kl", "entropy"} <= set(logs[0][1])
+
+
+def test_xgblora_merges_its_boosters_during_rl(data):
+    done = run_grpo(_cfg(data, "xgb", method="xgblora", max_steps=4, xgblora_steps_per_iteration=2))
+    assert done["boosters"] == 2
+    page = (data / "xgb" / "report.html").read_text()
+    assert "GRPO report" in page and "eval_pass@1" in page and (data / "xgb" / "grpo.png").stat().st_size > 0
+
+
+def test_mezo_estimates_the_grpo_loss_from_a_dual_batch_as_from_two_passes():
+    """Under --trainer zo with adapters, L+ and L- come from one forward over the doubled batch of completions:
+    they equal the two-pass estimate (weights perturbed in place) for the same seed."""
+    from xgblora.models import pretrained
+
+    losses = []
+    for dual in (True, False):
+        torch.manual_seed(0)  # the same base and adapter both times
+        model, tokenizer = pretrained.load("tiny-llama")
+        report = attach(model, None, r=2, alpha=4)
+        for m in report.modules.values():
+            m.lora_B.data.normal_(generator=torch.Generator().manual_seed(0))
+        tokens = collate([TokenSeq((5, 6, 7, 8, 9), 2, 0, 0), TokenSeq((11, 12, 13, 14), 3, 1, 0)],
+                         tokenizer.pad_token_id)
+        with torch.no_grad():
+            old, _ = completion_logprobs(model, tokens, 1.0)
+        batch = CompletionBatch(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
+                                position_ids=tokens.position_ids, target_mask=tokens.target_mask,
+                                nll_weight=torch.tensor([0.5, 1 / 3]), advantages=torch.tensor([1.0, -1.0]),
+                                old_logps=old - 0.1 * tokens.target_mask, ref_logps=old)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        mezo = MeZO(named, lr=1e-3, eps=1e-2, dual_modules=report.modules if dual else None, seed=7)
+        with torch.no_grad():
+            losses.append(mezo.step(GRPOLoss(model, Objective(beta=0.1), 1.0), batch))
+    assert losses[0][0] != losses[0][1]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+
+
+def test_mezo_trains_the_adapter(data):
+    done = run_grpo(_cfg(data, "zo", trainer="zo", gradient_accumulation_steps=1, max_steps=2))
+    weights = load_file(str(data / "zo" / "final" / "adapter_model.safetensors"))
+    assert done["steps"] == 2 and any(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)
+
+
+def test_a_prompt_without_a_reference_is_a_one_line_error_naming_its_row(data, capsys):
+    (data / "noref.jsonl").write_text('{"prompt": "1 or 2?", "completion": "#### 2"}\n{"prompt": "3 or 4?"}\n')
+    code = main(["grpo", "--model_name", "tiny-llama", "--train_file", str(data / "noref.jsonl"),
+                 "--output_dir", str(data / "bad"), "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "noref.jsonl:2" in err and "reference" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--generation_batch_size", "12"], "multiple of the optimizer batch"),
+    (["--num_generations", "3"], "multiple of --num_generations 3"),
+    (["--temperature", "0"], "temperature"),
+    (["--reward_funcs", "gsm8k", "format:gsm8k", "--reward_weights", "1"], "--reward_weights"),
+])
+def test_bad_options_are_one_line_errors(data, capsys, flags, message):
+    code = main(["grpo", "--model_name", "tiny-llama", "--train_file", str(data / "q.jsonl"), "--columns",
+                 "prompt=question,completion=answer", "--output_dir", str(data / "bad"), "--device", "cpu", *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and message in err
+
+
+@pytest.mark.slow
+def test_grpo_raises_held_out_accuracy_after_a_short_sft(tmp_path):
+    """Which-is-larger questions in GSM8K's answer format (RFT's task): SFT on 15 of them leaves tiny-llama right on
+    some held-out questions and wrong on others; 30 GRPO steps on 60 questions (G = 8, two prompts per step, the
+    gsm8k correctness reward) then answer more of them right. Seed 1 measured 0.10 -> 0.23 on this CPU; the
+    margin asked is 0.10."""
+    pairs = [(a, b) for a in range(10) for b in range(10) if a != b]
+    random.Random(0).shuffle(pairs)
+    _write_pairs(tmp_path / "sft.jsonl", pairs[:15])
+    _write_pairs(tmp_path / "questions.jsonl", pairs[:60])
+    _write_pairs(tmp_path / "heldout.jsonl", pairs[60:])
+    common = dict(task_name="custom", eval_file=str(tmp_path / "heldout.jsonl"), method="ft", save_strategy="no",
+                  columns="prompt=question,completion=answer", max_new_tokens=6, device="cpu", seed=1)
+    run(Config(model_name="tiny-llama", train_file=str(tmp_path / "sft.jsonl"), output_dir=str(tmp_path / "sft"),
+               per_device_train_batch_size=16, learning_rate=3e-3, max_steps=60, no_eval=True, **common))
+    export_run(tmp_path / "sft", "merged", tmp_path / "sft-merged")
+    done = run_grpo(GRPOConfig(model_name=str(tmp_path / "sft-merged"), train_file=str(tmp_path / "questions.jsonl"),
+                               output_dir=str(tmp_path / "grpo"), learning_rate=1e-3, max_steps=30,
+                               per_device_train_batch_size=16, num_return_sequences=8, **common))
+    before, after = done["before_eval_pass@1"], done["eval_pass@1"]
+    assert 0 < before < 1  # right on some held-out questions, wrong on others
+    assert after >= before + 0.10

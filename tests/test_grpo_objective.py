@@ -1,0 +1,195 @@
+"""GRPO's objective against TRL's own `GRPOTrainer._compute_loss` (called on a stand-in trainer), the advantages
+against TRL's formula, the completion log-probabilities against autograd on full logits."""
+
+import collections
+import contextlib
+import types
+
+import pytest
+import torch
+
+from xgblora.data.collation import TokenSeq, collate
+from xgblora.generation.grpo_objective import (
+    CompletionBatch,
+    GRPOLoss,
+    Objective,
+    adapters_off,
+    advantages,
+    completion_logprobs,
+    row_weights,
+    token_losses,
+)
+
+trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+
+
+@pytest.fixture
+def tiny_llama():
+    from xgblora.models import pretrained
+
+    return pretrained.load("tiny-llama")
+
+
+def _trl_loss(logps, old, ref, adv, mask, loss_type, beta, epsilon, epsilon_high, *, accumulation=1,
+              steps_per_generation=1, max_completion_length=None, generation_tokens=None):
+    """TRL's loss of one micro-batch: `GRPOTrainer._compute_loss` on a stand-in holding only what it reads, with
+    the policy's per-token log-probabilities handed in (so its gradient with respect to them can be compared)."""
+    args = types.SimpleNamespace(delta=None, use_bias_correction_kl=True, steps_per_generation=steps_per_generation)
+    accelerator = types.SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x,
+                                        autocast=contextlib.nullcontext)
+    trainer = types.SimpleNamespace(
+        args=args, accelerator=accelerator, beta=beta, loss_type=loss_type, epsilon_low=epsilon,
+        epsilon_high=epsilon if epsilon_high is None else epsilon_high, importance_sampling_level="token",
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False, _entropy_bonus_enabled=False,
+        aux_loss_enabled=False, current_gradient_accumulation_steps=accumulation,
+        max_completion_length=max_completion_length or mask.shape[1], model=types.SimpleNamespace(training=True),
+        _metrics={"train": collections.defaultdict(list)})
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
+    n = mask.shape[0]
+    inputs = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(mask.shape, dtype=torch.long), "completion_mask": mask.long(),
+              "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
+              "num_items_in_batch": torch.tensor(float(mask.sum() if generation_tokens is None else generation_tokens))}
+    return trl_grpo.GRPOTrainer._compute_loss(trainer, None, inputs)
+
+
+def _fixed_batch(n=8, k=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(n, k, generator=g, dtype=torch.float64) * 3
+    old = logps + 0.3 * torch.randn(n, k, generator=g, dtype=torch.float64)  # ratios on both sides of the clip
+    ref = logps + 0.5 * torch.randn(n, k, generator=g, dtype=torch.float64)
+    lengths = torch.randint(1, k + 1, (n,), generator=g)
+    mask = (torch.arange(k) < lengths[:, None]).double()
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    return logps, old, ref, mask, adv
+
+
+def _ours(logps, old, ref, adv, mask, loss_type, objective, rows_per_step, tokens_per_step, max_len):
+    losses, _ = token_losses(logps, old, ref, adv, objective)
+    weights = row_weights(mask, loss_type, max_len, rows_per_step, tokens_per_step).double()
+    return ((losses * mask).sum(1) * weights).mean()
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("beta, epsilon_high", [(0.0, None), (0.04, 0.28)])
+def test_loss_and_gradient_equal_trls_on_one_step(loss_type, beta, epsilon_high):
+    logps, old, ref, mask, adv = _fixed_batch()
+    objective = Objective(epsilon=0.2, epsilon_high=epsilon_high, beta=beta)
+    theirs_in, ours_in = logps.clone().requires_grad_(), logps.clone().requires_grad_()
+    theirs = _trl_loss(theirs_in, old, ref, adv, mask, loss_type, beta, 0.2, epsilon_high, max_completion_length=9)
+    ours = _ours(ours_in, old, ref, adv, mask, loss_type, objective, len(mask), float(mask.sum()), 9)
+    theirs.backward()
+    ours.backward()
+    assert abs(ours.item() - theirs.item()) < 1e-6
+    assert torch.allclose(ours_in.grad, theirs_in.grad, atol=1e-6, rtol=0)
+    assert ours_in.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_a_generation_batch_split_into_steps_and_micro_batches_matches_trl(loss_type):
+    """A generation batch of 8 completions, micro-batches of 2, 2 of them accumulated per optimizer step (TRL's
+    steps_per_generation 4): each optimizer step's loss and gradient, summed over its micro-batches in TRL, equal
+    ours, a mean over the step's completions with the weights of the whole generation batch."""
+    logps, old, ref, mask, adv = _fixed_batch()
+    objective = Objective(epsilon=0.2, epsilon_high=0.28, beta=0.04)
+    weights_tokens = float(mask.sum()) / 2  # two optimizer steps per generation batch
+    for step in range(2):
+        rows = slice(4 * step, 4 * step + 4)
+        theirs_in, ours_in = logps.clone().requires_grad_(), logps.clone().requires_grad_()
+        theirs = sum(_trl_loss(theirs_in[r], old[r], ref[r], adv[r], mask[r], loss_type, 0.04, 0.2, 0.28,
+                               accumulation=2, steps_per_generation=4, generation_tokens=mask.sum())
+                     for r in (slice(rows.start, rows.start + 2), slice(rows.start + 2, rows.stop)))
+        ours = _ours(ours_in[rows], old[rows], ref[rows], adv[rows], mask[rows], loss_type, objective, 4,
+                     weights_tokens, mask.shape[1])
+        theirs.backward()
+        ours.backward()
+        assert abs(ours.item() - theirs.item()) < 1e-6
+        assert torch.allclose(ours_in.grad, theirs_in.grad, atol=1e-6, rtol=0)
+
+
+def _trl_advantages(rewards, group, scale_rewards):
+    """TRL's advantages (`_generate_and_score_completions`, sum_then_normalize), with its nanstd."""
+    mean = torch.nanmean(rewards.view(-1, group), dim=1).repeat_interleave(group)
+    if scale_rewards in ("group", "none"):
+        std = trl_grpo.nanstd(rewards.view(-1, group), dim=1).repeat_interleave(group)
+    else:
+        std = trl_grpo.nanstd(rewards).expand_as(rewards)
+    out = rewards - mean
+    return out / (std + 1e-4) if scale_rewards != "none" else out
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_advantages_equal_trls(scale_rewards):
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 2.0, -1.0, 0.0, 3.0])
+    ours = advantages(rewards, 4, scale_rewards)
+    assert torch.allclose(ours, _trl_advantages(rewards, 4, scale_rewards), atol=1e-6)
+    assert torch.all(ours[4:8] == 0)  # a group with equal rewards teaches nothing
+
+
+def test_an_unscored_completion_gets_no_advantage_and_leaves_its_group_out():
+    rewards = torch.tensor([1.0, float("nan"), 0.0, 1.0])
+    out = advantages(rewards, 4, "group")
+    assert out[1] == 0
+    assert torch.allclose(out[[0, 2, 3]], _trl_advantages(rewards, 4, "group")[[0, 2, 3]], atol=1e-6)
+
+
+def test_completion_logprobs_score_only_the_completion_positions_at_the_temperature(tiny_llama):
+    model, tokenizer = tiny_llama
+    seqs = [TokenSeq((5, 6, 7, 8, 9), 2, 0, 0), TokenSeq((11, 12, 13, 14), 3, 1, 0)]
+    batch = collate(seqs, tokenizer.pad_token_id)
+    logps, entropy = completion_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    for row, s in enumerate(seqs):
+        ids = torch.tensor([s.ids])
+        full = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double() / 0.7, dim=-1)
+        want = full[torch.arange(len(s.ids) - 1), ids[0, 1:]][-s.n_target:]
+        got = logps[row, -s.n_target:]
+        assert torch.allclose(got.double(), want, atol=1e-5)
+        want_entropy = -(full.exp() * full).sum(-1)[-s.n_target:]
+        assert torch.allclose(entropy[row, -s.n_target:].double(), want_entropy, atol=1e-4)
+    assert logps[0, 0] == 0  # row 0 scores 2 of the k = 3 columns
+
+
+def test_the_loss_gradient_through_the_model_equals_autograd_on_the_formula(tiny_llama):
+    model, tokenizer = tiny_llama
+    seqs = [TokenSeq((5, 6, 7, 8, 9), 2, 0, 0), TokenSeq((11, 12, 13, 14), 3, 1, 0)]
+    batch = collate(seqs, tokenizer.pad_token_id)
+    with torch.no_grad():
+        base, _ = completion_logprobs(model, batch, 1.0)
+    g = torch.Generator().manual_seed(1)
+    old = base + 0.2 * torch.randn(base.shape, generator=g) * batch.target_mask
+    ref = base + 0.2 * torch.randn(base.shape, generator=g) * batch.target_mask
+    adv = torch.tensor([0.7, -1.2])
+    objective = Objective(beta=0.1, epsilon_high=0.28)
+    weights = row_weights(batch.target_mask, "grpo", 4, 2, 5.0)
+    cbatch = CompletionBatch(**{f: getattr(batch, f) for f in ("input_ids", "attention_mask", "position_ids",
+                                                                "target_mask")},
+                             nll_weight=weights, advantages=adv, old_logps=old, ref_logps=ref)
+    weight = model.model.layers[0].mlp.down_proj.weight
+    GRPOLoss(model, objective, 1.0)(cbatch).mean().backward()
+    ours = weight.grad.clone()
+    weight.grad = None
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   position_ids=batch.position_ids).logits[:, -4:-1]
+    logps = torch.log_softmax(logits, -1).gather(-1, batch.input_ids[:, -3:, None]).squeeze(-1) * batch.target_mask
+    losses, _ = token_losses(logps, old, ref, adv, objective)
+    ((losses * batch.target_mask).sum(1) * weights).mean().backward()
+    assert torch.allclose(ours, weight.grad, atol=1e-6)
+    weight.grad = None
+
+
+def test_adapters_off_gives_the_base_model(tiny_llama):
+    from xgblora.adapters.lora import attach
+
+    model, _ = tiny_llama
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        report = attach(model, None, r=4, alpha=8)
+        for m in report.modules.values():
+            m.lora_B.normal_()
+        adapted = model(input_ids=ids).logits
+        with adapters_off(report.modules):
+            off = model(input_ids=ids).logits
+    assert not torch.allclose(adapted, before, atol=1e-4)
+    assert torch.allclose(off, before, atol=1e-6)
+    assert all(m.active for m in report.modules.values())
