@@ -50,3 +50,17 @@ def test_a_failed_swap_puts_the_previous_folder_back(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="Input/output error"), atomic.replaced_folder(folder) as tmp:
         (tmp / "b").write_text("2")
     assert [p.name for p in tmp_path.iterdir()] == ["final"] and [p.name for p in folder.iterdir()] == ["a"]
+
+
+def test_created_folder_appears_whole_keeps_the_first_writers_and_leaves_nothing_on_error(tmp_path):
+    target = tmp_path / "model"
+    with atomic.created_folder(target) as first:
+        (first / "weights").write_text("first")
+        assert not target.exists()  # nothing at the name until the block ends
+        with atomic.created_folder(target) as second:  # another writer finishes first
+            (second / "weights").write_text("second")
+    assert (target / "weights").read_text() == "second"  # the later rename is refused: one complete folder
+    with pytest.raises(RuntimeError), atomic.created_folder(tmp_path / "other") as tmp:
+        (tmp / "part").write_text("x")
+        raise RuntimeError("killed half-way")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temporary folder left either way

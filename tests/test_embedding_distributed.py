@@ -72,3 +72,15 @@ def test_two_ranks_train_like_one_rank_with_the_combined_batch(tmp_path, monkeyp
     assert two_losses == pytest.approx(one_losses, rel=1e-5) and one_losses[0] != one_losses[-1]
     assert_close_tensors(load_file(tmp_path / "one" / ADAPTER), load_file(tmp_path / "two" / ADAPTER),
                          rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_ranks_with_gradient_caching_train_like_one_rank_with_the_combined_batch(tmp_path, monkeypatch):
+    """Each rank embeds its 4 pairs 2 at a time; the gathered documents of both ranks are every query's negatives."""
+    run_one(monkeypatch, options(tmp_path, tmp_path / "one", per_device_train_batch_size=8))
+    two = torchrun(tmp_path, options(tmp_path, tmp_path / "two", mini_batch_size=2))
+    assert two["world_size"] == 2
+    one_losses, two_losses = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert two_losses == pytest.approx(one_losses, rel=1e-5) and one_losses[0] != one_losses[-1]
+    assert_close_tensors(load_file(tmp_path / "one" / ADAPTER), load_file(tmp_path / "two" / ADAPTER),
+                         rtol=1e-4, atol=1e-6)

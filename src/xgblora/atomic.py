@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,28 @@ def _fsync_tree(root: Path) -> None:
             with open(os.path.join(folder, name), "rb") as handle:
                 os.fsync(handle.fileno())
         fsync_dir(Path(folder))
+
+
+@contextlib.contextmanager
+def created_folder(path: Path) -> Iterator[Path]:
+    """Yield an empty temporary folder (this writer's own) to fill; when the block ends, rename it to `path` unless
+    another writer put one there first, in which case that one is kept and ours removed. Either way `path` then
+    holds a complete folder; when the block raises, nothing is left behind (a killed process leaves a hidden
+    `.NAME.*.tmp` folder, never a partial `path`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        try:
+            os.rename(tmp, path)  # refused (ENOTEMPTY / EEXIST) when another writer's folder is already there
+        except OSError:
+            if not path.is_dir():
+                raise
+        fsync_dir(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ COMMANDS = {
     "env": "Print the environment report (versions, device, attention backends, chosen defaults).",
     "export": "Export a run as a PEFT adapter or a merged model.",
     "encode": "Write the embeddings of one text field of a file (a trained embedding run, or any embedding model).",
+    "mine": "Mine hard negatives for a pair file with an embedding model; write a pair file the trainer reads.",
     "demo": "Offline demo: XGBLoRA vs LoRA under AdamW and MeZO on a built-in task, with a report.",
 }
 
@@ -135,6 +136,14 @@ def _encode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mine(args: argparse.Namespace) -> int:
+    from xgblora.embeddings.mine import MineOptions, mine_file
+
+    options = {k: v for k, v in vars(args).items() if k != "command"}
+    print(json.dumps(mine_file(MineOptions(**options)), indent=2))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from xgblora.bench.suites import main as bench_main
 
@@ -151,7 +160,8 @@ def _env(args: argparse.Namespace) -> int:  # noqa: ARG001
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "mezo": _mezo, "compare": _compare, "eval": _eval, "generate": _generate, "chat": _chat, "rft": _rft,
     "grpo": _grpo,
-    "bench": _bench, "env": _env, "export": _export, "demo": _demo, "encode": _encode}
+    "bench": _bench, "env": _env, "export": _export, "demo": _demo, "encode": _encode,
+    "mine": _mine}
 # The options dataclass of each command that takes one (its flags, --config YAML keys and suggestions).
 OPTIONS = {"train": config_mod.Config, "eval": config_mod.Config, "mezo": config_mod.Config,
            "compare": config_mod.CompareConfig, "generate": config_mod.GenerateConfig, "chat": config_mod.ChatConfig,
@@ -199,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="merged: let the base model run its own code (only when you pass it).")
         elif name == "encode":
             _add_encode_arguments(p)
+        elif name == "mine":
+            _add_mine_arguments(p)
         elif name == "bench":
             from xgblora.bench.flags import add_arguments as add_bench_arguments
 
@@ -231,6 +243,38 @@ def _add_encode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available).")
     p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
                    help="Let the model run its own code (only when you pass it).")
+
+
+def _add_mine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="The embedding model that ranks the documents: a trained run's folder, a merged "
+                                 "export, or any model --model_name takes (folder, pkg:, hub id).")
+    p.add_argument("--input_file", "--input-file", "--input", dest="input_file", required=True,
+                   help="Pair rows (query, positive), in any form --train_file takes.")
+    p.add_argument("--output_file", "--output-file", "--output", dest="output_file", required=True,
+                   help="The .jsonl to write (query, positive, negatives); never over an existing file.")
+    p.add_argument("--columns", default=None, help="Your column names, as in train: query=question,positive=passage.")
+    p.add_argument("--corpus", default=None, help="More documents to draw negatives from (a file or dataset id).")
+    p.add_argument("--corpus_column", "--corpus-column", default="text", help="The --corpus field holding the text.")
+    p.add_argument("--num_negatives", "--num-negatives", type=int, default=1, help="Negatives per row (default 1).")
+    p.add_argument("--range_min", "--range-min", type=int, default=0,
+                   help="Skip this many of the most similar documents that are not a positive (likely unlabelled "
+                        "positives).")
+    p.add_argument("--range_max", "--range-max", type=int, default=50,
+                   help="Draw negatives from the range_max most similar documents that are not a positive.")
+    p.add_argument("--absolute_margin", "--absolute-margin", type=float, default=None,
+                   help="Drop documents scoring above the positive's cosine minus this.")
+    p.add_argument("--relative_margin", "--relative-margin", type=float, default=0.05,
+                   help="Drop documents scoring above (1 - this) x the positive's cosine (default 0.05).")
+    p.add_argument("--max_score", "--max-score", type=float, default=None, help="Drop documents scoring above this.")
+    p.add_argument("--min_score", "--min-score", type=float, default=None, help="Drop documents scoring below this.")
+    p.add_argument("--sampling", choices=("top", "random"), default="top",
+                   help="top: the most similar documents left; random: a seeded draw of them.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max_length", "--max-length", type=int, default=None,
+                   help="Tokens per text (default: the run's, or the model's max_seq_length, else 512).")
+    p.add_argument("--batch_size", "--batch-size", type=int, default=64)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true")
 
 
 def _unrecognized(command: str, unknown: list[str]) -> UserError:

@@ -29,6 +29,12 @@ PAPER_NORM_PENALTY = 1e-3
 MEZO_NUM_TRAIN = 1000
 DEFAULT_BOOSTERS = 5
 ZO_ESTIMATORS = ("mezo", "fzoo", "svrg", "nspsa")
+GGUF_SUFFIX = ".gguf"
+
+
+def is_gguf(name_or_path: str) -> bool:
+    """Whether a model name names a GGUF file (a local path, or owner/repo/FILE.gguf on the hub)."""
+    return name_or_path.lower().endswith(GGUF_SUFFIX)
 
 
 def lora_scaling(alpha: float, r: int, rslora: bool = False) -> float:
@@ -47,7 +53,8 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliase
 class ModelOptions:
     """Which model to load and how: the options every command that loads a model shares."""
 
-    model_name: str = _opt("tiny-opt", "Hub id, local path, pkg:<package>, or a built-in random model (tiny-opt, tiny-llama, opt-125m-random, ...).")
+    model_name: str = _opt("tiny-opt", "Hub id, local path, a GGUF file (FILE.gguf, dequantised once and cached), pkg:<package>, or a built-in random model (tiny-opt, tiny-llama, opt-125m-random, ...).")
+    gguf_file: str | None = _opt(None, "A GGUF file inside the --model_name folder (or hub repository): the same as --model_name FOLDER/FILE.gguf.")
     load_float16: bool = _opt(False, "Load the weights in float16.")
     load_bfloat16: bool = _opt(False, "Load the weights in bfloat16.")
     attn_implementation: str = _opt("auto", "Attention backend: auto picks flash_attention_2 on CUDA when installed, else sdpa.",
@@ -56,6 +63,18 @@ class ModelOptions:
     adapter: str | None = _opt(None, "A PEFT LoRA adapter folder (trained with PEFT or xgblora) or an xgblora run folder, applied on --model_name. train: continue training it (its modules, rank and scaling; XGBLoRA merges it as the first booster); eval, generate, chat: use the model with it; rft: the first round samples with it and trains it on. --model_name may also name an adapter folder or a run folder itself.")
     load_in_4bit: bool = _opt(False, "QLoRA: the base model's linear layers in 4-bit NF4 with double quantisation (bitsandbytes), their matmuls in the autocast dtype (else the weights' dtype); the adapters stay fp32. Training: --method lora or xgblora.")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
+
+    def resolve_gguf_file(self) -> None:
+        """Fold --gguf_file into --model_name, a local GGUF path made absolute: the one name config.yaml and a
+        trained adapter record, so eval, generate and export find the same base from any directory."""
+        if self.gguf_file is not None:  # a local folder's file by its absolute path, a hub repository's as repo/FILE
+            folder = Path(self.model_name).expanduser()
+            self.model_name = str(folder / self.gguf_file) if folder.is_dir() else \
+                f"{self.model_name.rstrip('/')}/{self.gguf_file}"
+            self.gguf_file = None
+        path = Path(self.model_name).expanduser()
+        if is_gguf(self.model_name) and path.is_file():
+            self.model_name = str(path.resolve())
 
     @property
     def dtype_name(self) -> str:
@@ -112,6 +131,7 @@ class Config(ModelOptions):
     doc_instruction: str = _opt("", "Contrastive/GRIT: text put before every document (e.g. 'passage: ').")
     temperature: float = _opt(0.05, "Contrastive: softmax temperature of the cosine similarities (0.05 is sentence-transformers' scale 20).")
     learnable_temperature: bool = _opt(False, "Contrastive: learn the temperature (as CLIP does, its log-scale trained by AdamW from --temperature).")
+    mini_batch_size: int = _opt(0, "Contrastive/GRIT: gradient caching (GradCache): embed the batch this many rows at a time, without a graph, and back-propagate each mini-batch from the gradients of the whole batch's loss: every query keeps the whole batch's negatives at the memory of one mini-batch (the same loss and gradients). 0: the batch in one piece.")
     bidirectional: bool | None = _opt(None, "Contrastive/GRIT with a causal LM: the embedding pass attends both ways (GritLM); default on for grit where the model allows it (checked), off for contrastive.")
     grit_train_file: str | None = _opt(None, "GRIT: instruction data for the generative loss, in any form --train_file takes (messages, prompt/completion, text).")
     grit_contrastive_weight: float = _opt(1.0, "GRIT: weight of the contrastive loss.")
@@ -193,6 +213,7 @@ class Config(ModelOptions):
     no_eval: bool = _opt(False, "Skip the final evaluation.")
 
     def __post_init__(self) -> None:
+        self.resolve_gguf_file()
         if self.num_train is None and not self.own_data:
             self.num_train = MEZO_NUM_TRAIN
         if self.eval_split_ratio is not None:
@@ -253,6 +274,9 @@ class Config(ModelOptions):
         if self.learnable_temperature and self.trainer == "zo":
             raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
                             "weights only); fix the temperature with --temperature instead")
+        if self.mini_batch_size < 0 or (self.mini_batch_size and self.objective == "lm"):
+            raise UserError(f"--mini_batch_size (gradient caching) takes a number of rows with --objective "
+                            f"contrastive or grit, got {self.mini_batch_size} with --objective {self.objective}")
         if not self.only_train_option and (self.train_as_classification or self.objective != "lm"
                                            or self.task_name.lower() == "custom"):
             raise UserError("--only_train_option false puts the loss on every token of a MeZO task's prompt and "
@@ -370,6 +394,7 @@ class ChatConfig(SamplingOptions, ModelOptions):
     seed: int = _opt(0, "Seed of the sampling (the same seed gives the same completions, also after a resume).")
 
     def __post_init__(self) -> None:
+        self.resolve_gguf_file()
         check_choices(self)
         self.check_sampling()
         _check_positive(self, "max_new_tokens", "max_length")

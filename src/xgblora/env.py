@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import transformers
 
+from xgblora.models.gguf import cache_dir
 from xgblora.models.pretrained import choose_attention, choose_device
 from xgblora.perf import cpu_has_bf16
 
@@ -25,6 +26,7 @@ def environment() -> dict[str, Any]:
         "bf16_supported": torch.cuda.is_bf16_supported() if cuda else cpu_has_bf16(),
         "flash_attn_installed": importlib.util.find_spec("flash_attn") is not None,
         "peft_installed": importlib.util.find_spec("peft") is not None,
+        "gguf_cache": str(cache_dir()),
     }
     if cuda:
         report["sdpa_backends"] = {

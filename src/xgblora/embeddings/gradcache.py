@@ -1,0 +1,94 @@
+"""Gradient caching (GradCache, Gao et al. 2021): the embeddings of a large contrastive batch at the memory of one
+mini-batch.
+
+`cached_embed(embed_fn, ids, mask, size=m)` returns the embeddings [N, H] of all N rows as one autograd node:
+
+- forward: embeds the rows m at a time without a graph (activations of one mini-batch alive at a time);
+- backward: handed the gradient of the loss with respect to every embedding (the loss over the whole batch, so
+  every row is a negative of every query), re-embeds each mini-batch with a graph, its RNG state restored so that
+  dropout draws the same masks as in the forward, and back-propagates that mini-batch's slice of the gradient into
+  the parameters.
+
+The loss and the parameter gradients equal those of the batch embedded in one piece (without dropout; with
+dropout, those of the same mini-batches embedded with a graph). Under no_grad (MeZO's forwards, evaluation) it is a
+chunked forward. Rows are cut to their mini-batch's longest row (right padding).
+
+MeZO's dual batch (halves=2: rows [:n] at +eps z, rows [n:] at -eps z, told apart by position) is cut in aligned
+pieces, rows a..b of both halves together, so that every mini-batch is a dual batch of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+EmbedFn = Callable[[Tensor, Tensor], Tensor]  # (input_ids, attention_mask) -> embeddings [rows, H]
+
+
+def mini_batches(n_rows: int, size: int, halves: int = 1) -> list[Tensor]:
+    """Row indices of each mini-batch: `size` rows of every half, aligned across halves."""
+    per_half = n_rows // halves
+    return [torch.cat([torch.arange(h * per_half + start, h * per_half + min(start + size, per_half))
+                       for h in range(halves)]) for start in range(0, per_half, size)]
+
+
+def _rows(ids: Tensor, mask: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """The given rows, cut after the last column any of them attends to."""
+    ids, mask = ids[rows], mask[rows]
+    width = int(mask.any(0).nonzero().max()) + 1 if mask.any() else mask.shape[1]
+    return ids[:, :width], mask[:, :width]
+
+
+class _RngState:
+    """The CPU and (on CUDA) the device RNG state before a mini-batch's forward, to replay its dropout."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+class _CachedEmbeddings(torch.autograd.Function):
+    """Embeddings computed without a graph; backward recomputes each mini-batch with one and back-propagates."""
+
+    @staticmethod
+    def forward(ctx, embed_fn: EmbedFn, ids: Tensor, mask: Tensor, pieces: Sequence[Tensor],
+                _anchor: Tensor) -> Tensor:
+        device = ids.device
+        ctx.embed_fn, ctx.ids, ctx.mask, ctx.pieces = embed_fn, ids, mask, pieces
+        ctx.autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+        ctx.states = []
+        out: Tensor | None = None
+        for rows in pieces:
+            ctx.states.append(_RngState(device))
+            vectors = embed_fn(*_rows(ids, mask, rows))
+            if out is None:
+                out = vectors.new_empty((ids.shape[0], vectors.shape[1]))
+            out[rows.to(device)] = vectors
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[None, ...]:
+        device = ctx.ids.device
+        enabled, dtype = ctx.autocast
+        cuda = [device] if device.type == "cuda" else []
+        for rows, state in zip(ctx.pieces, ctx.states, strict=True):
+            with torch.random.fork_rng(devices=cuda), torch.enable_grad(), \
+                    torch.autocast(device.type, dtype=dtype, enabled=enabled):
+                state.restore()
+                vectors = ctx.embed_fn(*_rows(ctx.ids, ctx.mask, rows))
+                torch.autograd.backward(vectors, grad[rows.to(device)])
+        return None, None, None, None, None
+
+
+def cached_embed(embed_fn: EmbedFn, ids: Tensor, mask: Tensor, size: int, halves: int = 1) -> Tensor:
+    """Embeddings [N, H] of right-padded rows, `size` rows of each half at a time; gradients by recomputation."""
+    anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())  # makes autograd call backward
+    return _CachedEmbeddings.apply(embed_fn, ids, mask, mini_batches(ids.shape[0], size, halves), anchor)

