@@ -90,6 +90,14 @@ RESUME_CASES = {
                           lora_target_modules="q_proj,v_proj,fc1"),
     "lora-mezo-dual": dict(method="lora", trainer="zo", max_steps=14, learning_rate=1e-3, lr_scheduler_type="linear",
                            logging_steps=3),
+    # anchors at steps 1, 6, 11: the stop at 7 is mid-epoch, with Adam moments in flight
+    "lora-svrg-adam": dict(method="lora", trainer="zo", zo_estimator="svrg", zo_svrg_period=5,
+                           zo_svrg_anchor_batches=2, zo_optimizer="adam", max_steps=14, learning_rate=1e-3,
+                           logging_steps=3),
+    # boosters merged at 4, 8, 12 drop their momentum
+    "xgblora-fzoo-momentum": dict(method="xgblora", trainer="zo", zo_estimator="fzoo", zo_queries=3,
+                                  zo_optimizer="momentum", max_steps=14, xgblora_steps_per_iteration=4,
+                                  learning_rate=1e-3, logging_steps=3),
 }
 
 

@@ -9,21 +9,24 @@ from pathlib import Path
 from typing import Any
 
 from xgblora import report, train
-from xgblora.config import CompareConfig, Config
+from xgblora.config import ZO_ESTIMATORS, CompareConfig, Config
 from xgblora.errors import UserError
 from xgblora.logs import setup_console_logging
 
 log = logging.getLogger("xgblora")
 
 
-def parse_method(spec: str, default_trainer: str) -> tuple[str, str]:
-    """'xgblora' -> ('xgblora', default_trainer); 'lora:regular' -> ('lora', 'regular')."""
+def parse_method(spec: str, default_trainer: str) -> tuple[str, str, str | None]:
+    """'xgblora' -> ('xgblora', default_trainer, None); 'lora:regular' -> ('lora', 'regular', None);
+    'lora:fzoo' -> ('lora', 'zo', 'fzoo'): a zeroth-order estimator names the trainer zo with that estimator."""
     method, _, trainer = spec.partition(":")
     trainer = trainer or default_trainer
-    if method not in ("ft", "lora", "xgblora") or trainer not in ("regular", "zo"):
+    if method not in ("ft", "lora", "xgblora") or trainer not in ("regular", "zo", *ZO_ESTIMATORS):
         raise UserError(f"--methods: {spec!r} is not METHOD[:TRAINER] with METHOD in ft, lora, xgblora and "
-                        f"TRAINER in regular, zo")
-    return method, trainer
+                        f"TRAINER in regular, zo (the run's --zo_estimator), or an estimator: {', '.join(ZO_ESTIMATORS)}")
+    if trainer in ZO_ESTIMATORS:
+        return method, "zo", trainer
+    return method, trainer, None
 
 
 def run_configs(cfg: CompareConfig) -> list[Config]:
@@ -31,12 +34,13 @@ def run_configs(cfg: CompareConfig) -> list[Config]:
     base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
     configs = []
     for spec in cfg.methods:
-        method, trainer = parse_method(spec, cfg.trainer)
+        method, trainer, estimator = parse_method(spec, cfg.trainer)
         for seed in cfg.seeds:
-            out = Path(cfg.output_root) / f"{cfg.task_name}-{method}-{trainer}-seed{seed}"
+            out = Path(cfg.output_root) / f"{cfg.task_name}-{method}-{estimator or trainer}-seed{seed}"
             values = {**base, "method": method, "trainer": trainer, "seed": seed, "output_dir": str(out),
                       "lora": False, "xgblora": False, "overwrite_output_dir": cfg.overwrite,
-                      "result_file": None}  # each run's results.json is in its folder
+                      "result_file": None,  # each run's results.json is in its folder
+                      **({"zo_estimator": estimator} if estimator else {})}
             configs.append(Config(**values))
     return configs
 

@@ -28,6 +28,7 @@ PAPER_NORM_PENALTY = 1e-3
 # MeZO's protocol draws 1000 training examples from a task's train split; a user's own data uses every row.
 MEZO_NUM_TRAIN = 1000
 DEFAULT_BOOSTERS = 5
+ZO_ESTIMATORS = ("mezo", "fzoo", "svrg", "nspsa")
 GGUF_SUFFIX = ".gguf"
 
 
@@ -168,7 +169,12 @@ class Config(ModelOptions):
     trainer: str = _opt("regular", "regular (AdamW), zo (MeZO), or none (evaluate only: what `xgblora eval` runs).", ("none", "regular", "zo"))
     learning_rate: float = _opt(1e-5, "Peak learning rate.")
     zo_eps: float = _opt(1e-3, "MeZO perturbation size epsilon.")
-    zo_dual: bool = _opt(True, "MeZO with adapters: both perturbed losses from one forward over a doubled batch.")
+    zo_dual: bool | None = _opt(None, "ZO with adapters: both perturbed losses of a two-point estimate from one forward over a doubled batch (default: on where it applies: adapters with mezo, nspsa or svrg).")
+    zo_estimator: str = _opt("mezo", "Zeroth-order gradient estimator: mezo (two-point SPSA, 2 forwards/step), nspsa (mean of --zo_queries two-point estimates), fzoo (--zo_queries one-sided Rademacher estimates over their std, queries+1 forwards), svrg (MeZO-SVRG: large-batch anchor every --zo_svrg_period steps, 4 forwards between).", ZO_ESTIMATORS)
+    zo_queries: int | None = _opt(None, "Perturbations per step: nspsa's two-point estimates (default 4), fzoo's one-sided ones (default 8); mezo and svrg use 1.")
+    zo_optimizer: str = _opt("sgd", "What the ZO estimate drives: sgd (in place, no state), momentum (torch SGD, --adam_beta1 as momentum), adam (torch AdamW); the last two keep fp32 state as large as the trainable weights.", ("sgd", "momentum", "adam"))
+    zo_svrg_period: int = _opt(10, "svrg: steps from one anchor step to the next.")
+    zo_svrg_anchor_batches: int = _opt(8, "svrg: training batches the anchor step's large-batch estimate averages (2 forwards each).")
     zo_stochastic_rounding: bool | None = _opt(None, "MeZO full-model update in half precision with stochastic rounding (default on in bf16/fp16).")
     per_device_train_batch_size: int = _opt(8, "Training micro-batch size per device.")
     per_device_eval_batch_size: int = _opt(8, "Evaluation batch size (in (example, candidate) pairs).")
@@ -238,7 +244,7 @@ class Config(ModelOptions):
                         "lora_r", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
                         "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
                         "zo_eps", "head_learning_rate", "head_probe_l2", "contrastive_temperature",
-                        "grit_generative_batch_size")
+                        "grit_generative_batch_size", "zo_queries", "zo_svrg_period", "zo_svrg_anchor_batches")
         if self.max_steps == 0 or self.max_steps < -1:
             raise UserError(f"--max_steps must be positive (or -1: train --num_train_epochs epochs), got {self.max_steps}")
         if self.max_steps == -1 and self.num_train_epochs <= 0:
@@ -274,6 +280,8 @@ class Config(ModelOptions):
             raise UserError(f"--grit_generative_batch_size {self.grit_generative_batch_size} takes the instruction "
                             f"examples of a batch's first pairs: at most --per_device_train_batch_size "
                             f"{self.per_device_train_batch_size}")
+        if self.trainer == "zo":
+            self._check_zo_estimator()
         if self.learnable_temperature and self.trainer == "zo":
             raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
                             "weights only); fix the temperature with --contrastive_temperature instead")
@@ -287,6 +295,22 @@ class Config(ModelOptions):
                             "objective or custom data (instruction data: --train_on_prompt)")
         if not 0.0 < self.xgblora_shrinkage <= 1.0:
             raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
+
+    def _check_zo_estimator(self) -> None:
+        """Refuse the ZO flags an estimator cannot use, with the reason."""
+        if self.zo_queries is not None and self.zo_estimator in ("mezo", "svrg") and self.zo_queries != 1:
+            raise UserError(f"--zo_queries {self.zo_queries}: --zo_estimator {self.zo_estimator} takes one "
+                            f"perturbation per step; use --zo_estimator nspsa (n two-point estimates) or fzoo")
+        if self.zo_estimator == "fzoo" and self.zo_queries is not None and self.zo_queries < 2:
+            raise UserError(f"--zo_queries {self.zo_queries}: fzoo divides by the spread of its perturbed losses "
+                            f"and needs at least 2")
+        if self.zo_estimator == "fzoo" and self.zo_dual:
+            raise UserError("--zo_dual: fzoo perturbs one-sided with --zo_queries different vectors, which the "
+                            "doubled batch (+z and -z of one vector) cannot carry; drop --zo_dual")
+        if self.zo_optimizer != "sgd" and self.method == "ft" and self.dtype_name != "float32":
+            raise UserError(f"--zo_optimizer {self.zo_optimizer} keeps its state in the weights' dtype, where "
+                            f"{self.dtype_name} loses the small updates of full fine-tuning: load fp32 weights or "
+                            f"use --zo_optimizer sgd")
 
     @property
     def similarity_temperature(self) -> float:
@@ -355,7 +379,7 @@ class CompareConfig(Config):
     output_root: str = _opt("compare", "Folder holding one sub-folder per run and the report.")
     loss_figure_path: str | None = _opt(None, "Where to write the loss figure (default <output_root>/loss.png).")
     seeds: list[int] = _opt([0], "Seeds to run each method with.")
-    methods: list[str] = _opt(["xgblora", "lora"], "Methods to compare: ft, lora, xgblora, optionally as method:trainer (e.g. lora:regular).")
+    methods: list[str] = _opt(["xgblora", "lora"], "Methods to compare: ft, lora, xgblora, optionally as method:trainer (e.g. lora:regular), the trainer also a ZO estimator (lora:fzoo, lora:svrg, lora:nspsa, lora:mezo).")
     overwrite: bool = _opt(False, "Redo runs that already finished.")
 
 

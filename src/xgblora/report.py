@@ -44,6 +44,13 @@ class RunSummary:
         return f"{self.method} ({self.trainer})"
 
 
+def trainer_label(trainer: str, zo_estimator: str = "mezo", zo_optimizer: str = "sgd") -> str:
+    """The trainer as run labels say it: regular, zo (MeZO-SGD), or zo:ESTIMATOR[+OPTIMIZER] (zo:fzoo, zo:mezo+adam)."""
+    if trainer != "zo" or (zo_estimator, zo_optimizer) == ("mezo", "sgd"):
+        return trainer
+    return f"zo:{zo_estimator}" + ("" if zo_optimizer == "sgd" else f"+{zo_optimizer}")
+
+
 def _read_mapping(path: Path, loader: Any) -> dict:
     """A JSON or YAML file holding a mapping; UserError when it is unreadable or not a mapping."""
     try:
@@ -67,7 +74,8 @@ def read_run_summary(run_dir: Path) -> RunSummary:
         return config.get(config_key, results.get(results_key, default))
 
     metrics_path = run_dir / "metrics.jsonl"
-    return RunSummary(run_dir=run_dir, method=str(pick("method", "method", "?")), trainer=str(pick("trainer", "trainer", "?")),
+    return RunSummary(run_dir=run_dir, method=str(pick("method", "method", "?")), trainer=trainer_label(str(pick("trainer", "trainer", "?")), config.get("zo_estimator", "mezo"),
+                                                 config.get("zo_optimizer", "sgd")),
                       task=str(pick("task_name", "task", "?")), model=str(pick("model_name", "model", "?")),
                       seed=int(pick("seed", "seed", 0)), results=results,
                       metrics=read_metrics(metrics_path) if metrics_path.is_file() else [])

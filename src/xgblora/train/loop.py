@@ -35,6 +35,7 @@ from xgblora.logs import MetricsLog, ProgressLine
 from xgblora.optim.fo import AdamWStepper
 from xgblora.optim.schedule import Schedule
 from xgblora.optim.zo import MeZO, ZOStepper
+from xgblora.optim.zo_estimators import FZOO, NSPSA, MeZOSVRG, SVRGStepper
 from xgblora.trackers import open_trackers, parse_report_to
 from xgblora.train.head import HeadTrainer
 from xgblora.train.objective import TrainingLoss, TrainingSet
@@ -155,7 +156,8 @@ def graceful_stop() -> Iterator[dict[str, bool]]:
 
 def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Distributed,
                   device: torch.device) -> Stepper:
-    """AdamW (--trainer regular) or MeZO (--trainer zo) over the method's trainable parameters."""
+    """AdamW (--trainer regular) or a zeroth-order estimator (--trainer zo, --zo_estimator) over the method's
+    trainable parameters."""
     boosting = method.boosting
     if cfg.trainer == "regular":
         penalty = (lambda: boosting.norm_penalty(cfg.norm_penalty)) \
@@ -166,16 +168,33 @@ def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Dist
                             accumulation=cfg.gradient_accumulation_steps, micro_batch=cfg.per_device_train_batch_size,
                             nan_policy=cfg.nan_policy, penalty=penalty, dist=dist)
     zo_params = method.zo_params(cfg.head_trainer)
-    # the doubled batch carries adapter perturbations only: not a full model, a zo-trained head, or grouped rows
-    dual = cfg.zo_dual and bool(method.modules) and len(zo_params) == len(method.trainable) \
-        and not cfg.train_as_classification
+    # the doubled batch carries adapter perturbations only: not a full model, a zo-trained head, or grouped rows;
+    # and a +z/-z pair only, which FZOO's one-sided perturbations are not
+    dual = cfg.zo_dual is not False and bool(method.modules) and len(zo_params) == len(method.trainable) \
+        and not cfg.train_as_classification and cfg.zo_estimator != "fzoo"
     # the norm penalty l(|A|^2 + |B|^2) has the exact gradient 2l*theta: under MeZO it is weight decay 2l
     decay = cfg.weight_decay + (2 * cfg.norm_penalty if boosting is not None else 0.0)
-    mezo = MeZO(zo_params, cfg.learning_rate, cfg.zo_eps, decay, cfg.zo_stochastic_rounding,
-                dual_modules=method.modules if dual else None, seed=cfg.seed, reduce_losses=dist.all_mean)
+    estimator = ESTIMATORS[cfg.zo_estimator](
+        zo_params, cfg.learning_rate, cfg.zo_eps, decay, cfg.zo_stochastic_rounding,
+        dual_modules=method.modules if dual else None, seed=cfg.seed, reduce_losses=dist.all_mean,
+        optimizer=cfg.zo_optimizer, betas=(cfg.adam_beta1, cfg.adam_beta2), adam_eps=cfg.adam_epsilon,
+        **estimator_options(cfg))
     head = HeadTrainer(loss_fn.model, method.head, cfg.head_learning_rate, reduce=dist.reduce_step) \
         if cfg.head_trainer == "first-order" and method.head else None
-    return ZOStepper(mezo, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
+    stepper = SVRGStepper if cfg.zo_estimator == "svrg" else ZOStepper
+    return stepper(estimator, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
+
+
+ESTIMATORS = {"mezo": MeZO, "nspsa": NSPSA, "fzoo": FZOO, "svrg": MeZOSVRG}
+
+
+def estimator_options(cfg: Config) -> dict[str, int]:
+    """The estimator's own options: its queries per step, or SVRG's period and anchor batches."""
+    if cfg.zo_estimator in ("nspsa", "fzoo"):
+        return {"queries": cfg.zo_queries} if cfg.zo_queries is not None else {}
+    if cfg.zo_estimator == "svrg":
+        return {"period": cfg.zo_svrg_period, "anchor_batches": cfg.zo_svrg_anchor_batches}
+    return {}
 
 
 def total_steps(cfg: Config, n_examples: int, global_batch: int) -> int:

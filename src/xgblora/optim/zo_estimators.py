@@ -1,0 +1,203 @@
+"""Zeroth-order estimators beyond MeZO, each on `zo.SeededZO` (the same seeds, z, perturbation and update code).
+
+* `NSPSA`: n two-point (SPSA) estimates averaged, g = (1/n) sum_i (L(theta + eps z_i) - L(theta - eps z_i)) / (2 eps)
+  z_i; 2n forwards per step (n = 1 is MeZO).
+* `FZOO` (Dang et al., "FZOO: Fast Zeroth-Order Optimizer for Fine-Tuning LLMs towards Adam-Scale Speed",
+  github.com/DKmiyan/FZOO, trainer.py `zo_step`/`zo_update`): N one-sided Rademacher perturbations u_i and one
+  unperturbed forward, theta <- theta - lr sum_i (L(theta + eps u_i) - L(theta)) / (N sigma) u_i, sigma the
+  (population) standard deviation of the N perturbed losses: a step of normalised size; N + 1 forwards per step.
+* `MeZOSVRG` (Gautam et al., "Variance-reduced Zeroth-Order Methods for Fine-Tuning Language Models", ICML 2024,
+  github.com/amazon-science/mezo_svrg, models/llm_module.py `training_step_MeZO_SVRG`): every `period` steps an
+  anchor step takes theta_a = theta and a two-point estimate g_a z_a on a large batch (`anchor_batches` batches,
+  2 x anchor_batches forwards) and steps along it; each step between takes, on one batch and with one z shared by
+  both points, theta <- theta - lr ((g(theta) - g(theta_a)) z + g_a z_a): 4 forwards. Memory: one copy of the
+  trainable weights (theta_a); g_a z_a is kept as its seed and coefficient. The reference code's memory-efficient
+  path evaluates the "anchor" term at the current weights with a second z (its anchor list is a shallow copy);
+  this follows the paper's algorithm instead.
+
+Each `step(loss_fn, batch, lr)` returns the losses it measured: their mean is the step's training loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor, nn
+
+from xgblora.data.batches import Batch
+from xgblora.optim.zo import SeededZO, ZOStepper
+
+
+class NSPSA(SeededZO):
+    """n-SPSA: the mean of `queries` two-point estimates with independent z, one step seed each."""
+
+    def __init__(self, *args, queries: int = 4, **kwargs):
+        super().__init__(*args, **kwargs)
+        if queries < 1:
+            raise ValueError(f"n-SPSA needs at least one query, got {queries}")
+        self.queries = queries
+
+    @torch.no_grad()
+    def step(self, loss_fn: Callable[[Batch], Tensor], batch: Batch,
+             lr: float | None = None) -> tuple[float, ...]:
+        """One step on batch; returns the 2n losses (L+_1, L-_1, ...) after one host sync."""
+        lr = self.lr if lr is None else lr
+        params = self._trainable()
+        seeds = [self._next_seed() for _ in range(self.queries)]
+        losses = [loss for seed in seeds for loss in self._pair_losses(loss_fn, batch, params, seed)]
+        values = self._reduce(losses)
+        estimates = [(plus - minus) / (2 * self.eps) for plus, minus in zip(values[::2], values[1::2], strict=True)]
+        self.projected_grad = sum(estimates) / len(estimates)
+        if math.isfinite(self.projected_grad):
+            self._apply(params, [(seed, g / self.queries) for seed, g in zip(seeds, estimates, strict=True)], lr)
+        return tuple(values)
+
+
+class FZOO(SeededZO):
+    """FZOO: N one-sided Rademacher estimates against one unperturbed loss, divided by the losses' spread.
+
+    When all N perturbed losses are equal (sigma = 0) they carry no direction and the step leaves the weights
+    alone (FZOO's code would divide by zero)."""
+
+    def __init__(self, *args, queries: int = 8, **kwargs):
+        super().__init__(*args, **kwargs)
+        if queries < 2:
+            raise ValueError(f"FZOO needs at least two perturbations (it divides by their spread), got {queries}")
+        if self._dual is not None:
+            raise ValueError("FZOO perturbs one-sided with N different vectors: the dual batch does not apply")
+        self.queries = queries
+
+    @torch.no_grad()
+    def step(self, loss_fn: Callable[[Batch], Tensor], batch: Batch,
+             lr: float | None = None) -> tuple[float, ...]:
+        """One step on batch; returns (L(theta),), or (nan,) when the estimate was not finite."""
+        lr = self.lr if lr is None else lr
+        params = self._trainable()
+        seeds = [self._next_seed() for _ in range(self.queries)]
+        losses = [self._one_sided_loss(loss_fn, batch, params, seed) for seed in seeds]
+        losses.append(loss_fn(batch).mean())
+        *perturbed, base = self._reduce(losses)
+        mean = sum(perturbed) / len(perturbed)
+        sigma = math.sqrt(sum((loss - mean) ** 2 for loss in perturbed) / len(perturbed))
+        scale = self.queries * sigma
+        coefficients = [(loss - base) / scale if scale > 0 else 0.0 for loss in perturbed]
+        self.projected_grad = sum(coefficients)
+        if not math.isfinite(self.projected_grad + base):
+            return (math.nan,)
+        self._apply(params, list(zip(seeds, coefficients, strict=True)), lr, sign=True)
+        return (base,)
+
+    def _one_sided_loss(self, loss_fn: Callable[[Batch], Tensor], batch: Batch, params: list, seed: int) -> Tensor:
+        """L(theta + eps u) for the u of seed; the weights are left at theta (also on error)."""
+        self._perturb(params, seed, self.eps, sign=True)
+        try:
+            return loss_fn(batch).mean()
+        finally:
+            self._perturb(params, seed, -self.eps, sign=True)
+
+
+class MeZOSVRG(SeededZO):
+    """MeZO-SVRG: anchor steps on a large batch every `period` steps, variance-reduced steps between them."""
+
+    def __init__(self, *args, period: int = 10, anchor_batches: int = 8, **kwargs):
+        super().__init__(*args, **kwargs)
+        if period < 1 or anchor_batches < 1:
+            raise ValueError(f"MeZO-SVRG needs period >= 1 and anchor_batches >= 1, got {period}, {anchor_batches}")
+        self.period, self.anchor_batches = period, anchor_batches
+        self._anchor: list[Tensor] | None = None  # theta_a of every weight in self._params, in order
+        self._anchor_term: tuple[int, float] = (0, 0.0)  # g_a z_a as (seed, g_a)
+        self._since_anchor = 0  # steps since the anchor step
+
+    def anchor_due(self) -> bool:
+        """Whether the next step is an anchor step (every `period` steps, and after forget())."""
+        return self._anchor is None or self._since_anchor >= self.period
+
+    @torch.no_grad()
+    def anchor(self, loss_fn: Callable[[Batch], Tensor], batches: list[Batch],
+               lr: float | None = None) -> tuple[float, float]:
+        """theta_a = theta, g_a from the batches together, theta <- theta - lr (g_a z_a + decay); (L+, L-)."""
+        lr = self.lr if lr is None else lr
+        params = self._trainable()
+        seed = self._next_seed()
+        plus, minus = self._two_pass_losses(lambda bs: self._large_batch_loss(loss_fn, bs), batches, params, seed)
+        self._perturb(params, seed, self.eps)  # back to theta
+        plus_f, minus_f = self._reduce([plus, minus])
+        g = (plus_f - minus_f) / (2 * self.eps)
+        self.projected_grad = g
+        if not math.isfinite(g):
+            return plus_f, minus_f  # no anchor taken: the next step tries again
+        self._anchor = [p.detach().clone() for p, _ in self._params]
+        self._anchor_term, self._since_anchor = (seed, g), 1
+        self._apply(params, [self._anchor_term], lr)
+        return plus_f, minus_f
+
+    @torch.no_grad()
+    def step(self, loss_fn: Callable[[Batch], Tensor], batch: Batch,
+             lr: float | None = None) -> tuple[float, float]:
+        """A variance-reduced step on batch (an anchor must exist); returns (L+, L-) at theta."""
+        lr = self.lr if lr is None else lr
+        params = self._trainable()
+        seed = self._next_seed()
+        plus, minus = self._pair_losses(loss_fn, batch, params, seed)
+        self._swap_anchor()
+        try:
+            anchor_plus, anchor_minus = self._pair_losses(loss_fn, batch, params, seed)
+        finally:
+            self._swap_anchor()
+        values = self._reduce([plus, minus, anchor_plus, anchor_minus])
+        g = (values[0] - values[1]) / (2 * self.eps)
+        g_anchor = (values[2] - values[3]) / (2 * self.eps)
+        self.projected_grad = g - g_anchor
+        self._since_anchor += 1
+        if not math.isfinite(self.projected_grad):
+            return values[0], math.nan
+        self._apply(params, [(seed, g - g_anchor), self._anchor_term], lr)
+        return values[0], values[1]
+
+    def _large_batch_loss(self, loss_fn: Callable[[Batch], Tensor], batches: list[Batch]) -> Tensor:
+        """The mean per-example loss over all the batches' examples, one batch in memory at a time."""
+        total, count = 0.0, 0
+        for batch in batches:
+            losses = loss_fn(batch)
+            total, count = total + losses.sum(), count + losses.numel()
+        return total / count
+
+    def _swap_anchor(self) -> None:
+        """Exchange the weights' storage with the anchor's (no copy): theta <-> theta_a."""
+        for (p, _), anchor in zip(self._params, self._anchor, strict=True):
+            p.data, anchor.data = anchor.data, p.data
+
+    def forget(self, params: Iterable[nn.Parameter]) -> None:
+        """Re-initialised weights make the anchor stale: the next step is an anchor step."""
+        super().forget(params)
+        self._anchor = None
+
+    def state_dict(self) -> dict:
+        """SeededZO's state, the anchor weights, g_a z_a as (seed, g_a), and the steps since the anchor."""
+        return {**super().state_dict(), "anchor": self._anchor, "anchor_term": list(self._anchor_term),
+                "since_anchor": self._since_anchor}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict() returned."""
+        super().load_state_dict(state)
+        anchor = state["anchor"]
+        self._anchor = None if anchor is None else [
+            a.to(device=p.device, dtype=p.dtype) for a, (p, _) in zip(anchor, self._params, strict=True)]
+        seed, g = state["anchor_term"]
+        self._anchor_term, self._since_anchor = (int(seed), float(g)), state["since_anchor"]
+
+
+class SVRGStepper(ZOStepper):
+    """ZOStepper for MeZO-SVRG: an anchor step draws `anchor_batches` batches (no first-order head step: its
+    batches differ), the steps between take one batch each."""
+
+    mezo: MeZOSVRG
+
+    def step(self, next_batch: Callable[[], Batch], lr: float) -> Tensor:
+        """An anchor step when one is due, else a variance-reduced step; returns the mean loss."""
+        if not self.mezo.anchor_due():
+            return super().step(next_batch, lr)
+        batches = [next_batch() for _ in range(self.mezo.anchor_batches)]
+        return self._report(self.mezo.anchor(self.loss_fn, batches, lr=lr))

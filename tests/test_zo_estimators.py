@@ -1,0 +1,396 @@
+"""The estimators beyond MeZO (optim/zo_estimators.py) and the ZO optimizers, against references written here from
+each paper's update rule, with z rebuilt from the documented seed recipe (optim/zo.py's docstring)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+from test_zo import adapted, ce_loss_fn, loss_at, no_decay, random_batch, reference_z, step_seeds
+from torch import nn
+
+from xgblora.compare import parse_method
+from xgblora.config import Config
+from xgblora.errors import UserError
+from xgblora.models.pretrained import load
+from xgblora.optim.zo import MeZO, ZOStepper
+from xgblora.optim.zo_estimators import FZOO, NSPSA, MeZOSVRG, SVRGStepper
+from xgblora.train.loop import ESTIMATORS, estimator_options
+
+
+@pytest.fixture(scope="module")
+def tiny() -> nn.Module:
+    """tiny-opt in fp32 and eval mode (dropout off, as the estimators' forwards run)."""
+    model, _ = load("tiny-opt")
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny64() -> nn.Module:
+    """tiny-opt in float64 and eval mode, for full fine-tuning (LoRA branches compute in fp32 whatever the base)."""
+    model, _ = load("tiny-opt")
+    return model.double().eval()
+
+
+def lora_model(tiny: nn.Module) -> tuple[nn.Module, list[tuple[str, nn.Parameter]], dict]:
+    """fp32 tiny-opt with LoRA r=2 on q/v (B random); eps 1e-2 in the tests below keeps fp32 rounding of the
+    weights (between the estimator and the reference) far below 1e-6 in the step."""
+    model, modules = adapted(tiny, r=2)
+    return model, [(n, p) for n, p in model.named_parameters() if ".lora_" in n], modules
+
+
+def state(named: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
+    return [p.detach().clone() for _, p in named]
+
+
+def assert_params(named: list[tuple[str, nn.Parameter]], expected: list[torch.Tensor], start: list[torch.Tensor]):
+    """Every weight equals the reference to 1e-6, and the step moved them by far more than that."""
+    for (name, p), want in zip(named, expected, strict=True):
+        torch.testing.assert_close(p.detach(), want, atol=1e-6, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    moved = max(float((w - s).abs().max()) for w, s in zip(expected, start, strict=True))
+    assert moved > 1e-4
+
+
+def losses_at(model, names, values, batches) -> float:
+    """Mean per-example loss over equal-sized batches with the named weights set to values."""
+    return sum(loss_at(model, names, values, b) for b in batches) / len(batches)
+
+
+def shifted(theta, z, scale):
+    return [t + scale * zi for t, zi in zip(theta, z, strict=True)]
+
+
+# ----------------------------------------------------------------------------- one step against the papers' rules
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full-ft"])
+def test_nspsa_step_is_the_mean_of_n_two_point_estimates(tiny, tiny64, full):
+    if full:
+        model = copy.deepcopy(tiny64)
+        named = list(model.named_parameters())
+    else:
+        model, named, _ = lora_model(tiny)
+    reference = copy.deepcopy(model)
+    names, theta = [n for n, _ in named], state(named)
+    batch = random_batch(tiny.config.vocab_size, seed=1)
+    lr, eps, wd, n = 1e-2, 1e-2, 0.1, 3
+    estimator = NSPSA(named, lr=lr, eps=eps, weight_decay=wd, seed=4, queries=n)
+    losses = estimator.step(ce_loss_fn(model), batch)
+
+    update = [torch.zeros_like(t) for t in theta]
+    want_losses = []
+    for s in step_seeds(4, n):
+        z = reference_z(theta, s)
+        plus = loss_at(reference, names, shifted(theta, z, eps), batch)
+        minus = loss_at(reference, names, shifted(theta, z, -eps), batch)
+        want_losses += [plus, minus]
+        g = (plus - minus) / (2 * eps)
+        update = [u + g / n * zi for u, zi in zip(update, z, strict=True)]
+    assert losses == pytest.approx(want_losses, abs=2e-6)
+    decay = [0.0 if no_decay(name) else wd for name in names]
+    expected = [t * (1 - lr * d) - lr * u for t, u, d in zip(theta, update, decay, strict=True)]
+    assert_params(named, expected, theta)
+
+
+def test_nspsa_with_one_query_is_mezo(tiny):
+    model, named, _ = lora_model(tiny)
+    twin = copy.deepcopy(model)
+    twin_named = [(n, p) for n, p in twin.named_parameters() if ".lora_" in n]
+    nspsa = NSPSA(named, lr=1e-2, eps=1e-3, weight_decay=0.05, seed=9, queries=1)
+    mezo = MeZO(twin_named, lr=1e-2, eps=1e-3, weight_decay=0.05, seed=9)
+    for step in range(3):
+        batch = random_batch(tiny.config.vocab_size, seed=step)
+        assert nspsa.step(ce_loss_fn(model), batch) == pytest.approx(mezo.step(ce_loss_fn(twin), batch), abs=1e-5)
+    for (name, p), (_, q) in zip(named, twin_named, strict=True):  # fp32: MeZO fuses restore and update
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full-ft"])
+def test_fzoo_step_is_the_papers_normalised_one_sided_rule(tiny, tiny64, full):
+    """FZOO's zo_step/zo_update: theta -= lr sum_i (l_i - l_0) / (N std(l)) u_i, u_i Rademacher, one-sided."""
+    if full:
+        model = copy.deepcopy(tiny64)
+        named = list(model.named_parameters())
+    else:
+        model, named, _ = lora_model(tiny)
+    reference = copy.deepcopy(model)
+    names, theta = [n for n, _ in named], state(named)
+    batch = random_batch(tiny.config.vocab_size, seed=2)
+    lr, eps, n = 1e-3, 1e-2, 5
+    estimator = FZOO(named, lr=lr, eps=eps, seed=6, queries=n)
+    (reported,) = estimator.step(ce_loss_fn(model), batch)
+
+    us = [[z.sign() for z in reference_z(theta, s)] for s in step_seeds(6, n)]
+    perturbed = torch.tensor([loss_at(reference, names, shifted(theta, u, eps), batch) for u in us])
+    base = loss_at(reference, names, theta, batch)
+    sigma = float(torch.std(perturbed, unbiased=False))
+    coefficients = [(float(loss) - base) / (n * sigma) for loss in perturbed]
+    assert reported == pytest.approx(base, abs=1e-12)
+    assert all(torch.equal(ui.abs(), torch.ones_like(ui)) for u in us for ui in u)  # +-1 everywhere
+    expected = [t - lr * sum(c * u[k] for c, u in zip(coefficients, us, strict=True)) for k, t in enumerate(theta)]
+    assert_params(named, expected, theta)
+
+
+def test_fzoo_leaves_the_weights_alone_when_all_perturbed_losses_are_equal():
+    weight = nn.Parameter(torch.ones(4))
+    estimator = FZOO([("weight", weight)], lr=1.0, eps=1e-3, queries=3)
+    assert estimator.step(lambda batch: torch.ones(2), {}) == (1.0,)
+    assert torch.equal(weight.detach(), torch.ones(4))
+
+
+@pytest.mark.parametrize("dual", [False, True], ids=["two-pass", "dual-batch"])
+def test_svrg_anchor_then_variance_reduced_step(tiny, dual):
+    """Gautam et al.'s MeZO-SVRG: anchor theta_a, g_a on the large batch; then on a minibatch with one shared z,
+    theta -= lr ((g(theta) - g(theta_a)) z + g_a z_a)."""
+    model, named, modules = lora_model(tiny)
+    reference = copy.deepcopy(model)
+    names, theta0 = [n for n, _ in named], state(named)
+    vocab = tiny.config.vocab_size
+    anchor_batches = [random_batch(vocab, seed=10), random_batch(vocab, seed=11)]
+    batch = random_batch(vocab, seed=12)
+    lr, eps = 1e-2, 1e-2
+    estimator = MeZOSVRG(named, lr=lr, eps=eps, seed=8, period=3, anchor_batches=2,
+                         dual_modules=modules if dual else None)
+    assert estimator.anchor_due()
+    anchor_losses = estimator.anchor(ce_loss_fn(model), anchor_batches)
+    assert not estimator.anchor_due()
+    inner_losses = estimator.step(ce_loss_fn(model), batch)
+
+    s_anchor, s = step_seeds(8, 2)
+    z_a, z = reference_z(theta0, s_anchor), reference_z(theta0, s)
+    a_plus = losses_at(reference, names, shifted(theta0, z_a, eps), anchor_batches)
+    a_minus = losses_at(reference, names, shifted(theta0, z_a, -eps), anchor_batches)
+    assert anchor_losses == pytest.approx((a_plus, a_minus), abs=2e-6)
+    g_a = (a_plus - a_minus) / (2 * eps)
+    theta1 = shifted(theta0, z_a, -lr * g_a)
+    plus = loss_at(reference, names, shifted(theta1, z, eps), batch)
+    minus = loss_at(reference, names, shifted(theta1, z, -eps), batch)
+    g = (plus - minus) / (2 * eps)
+    g_tilde = (loss_at(reference, names, shifted(theta0, z, eps), batch)
+               - loss_at(reference, names, shifted(theta0, z, -eps), batch)) / (2 * eps)
+    assert inner_losses == pytest.approx((plus, minus), abs=2e-6)
+    assert abs(g - g_tilde) > 1e-3 and abs(g - g_tilde) < 0.5 * abs(g)  # the anchor term cancels most of g
+    expected = [t - lr * ((g - g_tilde) * zi + g_a * za) for t, zi, za in zip(theta1, z, z_a, strict=True)]
+    assert_params(named, expected, theta0)
+
+
+def test_svrg_stepper_takes_an_anchor_every_period_steps(tiny):
+    model, named, _ = lora_model(tiny)
+    estimator = MeZOSVRG(named, lr=1e-3, eps=1e-3, seed=1, period=3, anchor_batches=2)
+    drawn = []
+
+    def next_batch():
+        drawn.append(len(drawn))
+        return random_batch(tiny.config.vocab_size, seed=len(drawn))
+
+    stepper = SVRGStepper(estimator, ce_loss_fn(model))
+    per_step = []
+    for _ in range(7):
+        before = len(drawn)
+        stepper.step(next_batch, 1e-3)
+        per_step.append(len(drawn) - before)
+    assert per_step == [2, 1, 1, 2, 1, 1, 2]
+    stepper.forget([p for _, p in named])  # a merged booster: the anchor is stale
+    assert estimator.anchor_due()
+
+
+def test_default_estimator_is_mezo_and_its_trajectory_is_the_formula_run(tiny64):
+    """--zo_estimator's default builds MeZO with no extra options; 5 steps through ZOStepper equal the formula
+    theta <- theta (1 - lr wd) - lr g z applied 5 times with the documented seeds (float64 full model)."""
+    cfg = Config(trainer="zo", method="lora")
+    assert (cfg.zo_estimator, cfg.zo_optimizer, ESTIMATORS[cfg.zo_estimator], estimator_options(cfg)) == \
+        ("mezo", "sgd", MeZO, {})
+    model = copy.deepcopy(tiny64)
+    named = list(model.named_parameters())
+    reference = copy.deepcopy(model)
+    names, theta = [n for n, _ in named], state(named)
+    start = theta
+    lr, eps, wd = 1e-3, 1e-3, 0.01
+    stepper = ZOStepper(MeZO(named, lr=lr, eps=eps, weight_decay=wd, seed=5), ce_loss_fn(model))
+    batches = [random_batch(tiny64.config.vocab_size, seed=k) for k in range(5)]
+    feed = iter(batches)
+    for batch, s in zip(batches, step_seeds(5, 5), strict=True):
+        reported = float(stepper.step(lambda: next(feed), lr))
+        z = reference_z(theta, s)
+        plus = loss_at(reference, names, shifted(theta, z, eps), batch)
+        minus = loss_at(reference, names, shifted(theta, z, -eps), batch)
+        assert reported == pytest.approx((plus + minus) / 2, abs=1e-6)  # reported as an fp32 tensor
+        g = (plus - minus) / (2 * eps)
+        theta = [t * (1 - lr * (0.0 if no_decay(n) else wd)) - lr * g * zi
+                 for n, t, zi in zip(names, theta, z, strict=True)]
+    assert_params(named, theta, start)
+
+
+# ----------------------------------------------------------------------------- ZO-SGD-momentum and ZO-Adam
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_zo_momentum_and_adam_follow_torchs_update_rules_on_the_mezo_estimate(tiny64, optimizer):
+    """ZO-Bench's ZO-SGD-momentum / ZO-Adam: the optimizer fed g z as the gradient; written out here. Full
+    fine-tuning in float64: Adam divides by the moments' size, which fp32 rounding of a near-cancelling m upsets."""
+    model = copy.deepcopy(tiny64)
+    named = list(model.named_parameters())
+    reference = copy.deepcopy(model)
+    names, theta = [n for n, _ in named], state(named)
+    start = theta
+    lr, eps, wd, (b1, b2), adam_eps = 1e-2, 1e-2, 0.1, (0.8, 0.9), 1e-8
+    estimator = MeZO(named, lr=lr, eps=eps, weight_decay=wd, seed=2, optimizer=optimizer, betas=(b1, b2),
+                     adam_eps=adam_eps)
+    batches = [random_batch(tiny64.config.vocab_size, seed=k) for k in range(3)]
+    decay = [0.0 if no_decay(name) else wd for name in names]
+    m = [torch.zeros_like(t) for t in theta]
+    v = [torch.zeros_like(t) for t in theta]
+    for t_step, (batch, s) in enumerate(zip(batches, step_seeds(2, 3), strict=True), start=1):
+        estimator.step(ce_loss_fn(model), batch)
+        z = reference_z(theta, s)
+        g = (loss_at(reference, names, shifted(theta, z, eps), batch)
+             - loss_at(reference, names, shifted(theta, z, -eps), batch)) / (2 * eps)
+        grads = [g * zi for zi in z]
+        if optimizer == "momentum":  # torch SGD: buf = grad (first step) or b1 buf + grad; L2 decay in grad
+            grads = [gr + d * t for gr, d, t in zip(grads, decay, theta, strict=True)]
+            m = grads if t_step == 1 else [b1 * mi + gr for mi, gr in zip(m, grads, strict=True)]
+            theta = [t - lr * mi for t, mi in zip(theta, m, strict=True)]
+        else:  # AdamW: decoupled decay, bias-corrected moments
+            m = [b1 * mi + (1 - b1) * gr for mi, gr in zip(m, grads, strict=True)]
+            v = [b2 * vi + (1 - b2) * gr * gr for vi, gr in zip(v, grads, strict=True)]
+            theta = [t * (1 - lr * d) - lr * (mi / (1 - b1**t_step))
+                     / ((vi / (1 - b2**t_step)).sqrt() + adam_eps)
+                     for t, d, mi, vi in zip(theta, decay, m, v, strict=True)]
+    assert_params(named, theta, start)
+
+
+def test_zo_adam_refuses_half_precision_weights():
+    with pytest.raises(ValueError, match="bfloat16 weights would lose"):
+        MeZO([("w", nn.Parameter(torch.ones(3, dtype=torch.bfloat16)))], lr=1.0, eps=1e-3, optimizer="adam")
+
+
+# ----------------------------------------------------------------------------- expected direction on a quadratic
+
+
+def quadratic(d: int = 16) -> tuple[nn.Parameter, callable, torch.Tensor]:
+    """L(theta) = 1/2 theta^T A theta + b^T theta (A positive definite); returns theta, loss_fn, the true gradient."""
+    gen = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+    a = q @ torch.diag(torch.linspace(0.5, 2.0, d, dtype=torch.float64)) @ q.T
+    b = torch.randn(d, generator=gen, dtype=torch.float64)
+    theta = nn.Parameter(torch.randn(d, generator=gen, dtype=torch.float64))
+
+    def loss_fn(batch) -> torch.Tensor:
+        return (0.5 * theta @ a @ theta + b @ theta).reshape(1)
+
+    return theta, loss_fn, (a @ theta + b).detach()
+
+
+DIRECTION_RUNS = {
+    "mezo": lambda named, seed: MeZO(named, lr=1e-4, eps=1e-3, seed=seed),
+    "nspsa": lambda named, seed: NSPSA(named, lr=1e-4, eps=1e-3, seed=seed, queries=4),
+    "fzoo": lambda named, seed: FZOO(named, lr=1e-4, eps=1e-3, seed=seed, queries=8),
+    "svrg": lambda named, seed: MeZOSVRG(named, lr=1e-4, eps=1e-3, seed=seed, period=5, anchor_batches=1),
+}
+
+
+@pytest.mark.parametrize("name", list(DIRECTION_RUNS))
+def test_expected_step_points_along_the_true_gradient(name):
+    """The mean step over 1,000 seeds (each from the same theta) has cosine > 0.95 with the true gradient.
+
+    For an unbiased Gaussian two-point estimate the mean of S steps has E|mean - grad|^2 = (d + 1)|grad|^2 / S,
+    cosine ~ 1/sqrt(1 + 17/1000) = 0.99 at d = 16 (MeZO, SVRG's anchor term; n-SPSA is closer still); FZOO's step
+    is normalised by the losses' spread, so only its direction is compared. A direction independent of the
+    gradient has cosine ~ N(0, 1/16): above 0.95 with probability far below 1e-9."""
+    theta, loss_fn, grad = quadratic()
+    start = theta.detach().clone()
+    total = torch.zeros_like(start)
+    for seed in range(1000):
+        estimator = DIRECTION_RUNS[name]([("theta", theta)], seed)
+        if name == "svrg":  # anchor at start, then the variance-reduced step measured from there
+            estimator.anchor(loss_fn, [{}])
+        before = theta.detach().clone()
+        estimator.step(loss_fn, {})
+        total -= theta.detach() - before
+        with torch.no_grad():
+            theta.copy_(start)
+    cosine = float(total @ grad / (total.norm() * grad.norm()))
+    assert cosine > 0.95, cosine
+
+
+# ----------------------------------------------------------------------------- state and resume
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_svrg_state_dict_mid_epoch_resumes_exactly(tiny, optimizer):
+    """Saved after the anchor and one inner step, restored into a fresh estimator: the next steps are identical."""
+    model, named, _ = lora_model(tiny)
+    twin = copy.deepcopy(model)
+    twin_named = [(n, p) for n, p in twin.named_parameters() if ".lora_" in n]
+    vocab = tiny.config.vocab_size
+    batches = [random_batch(vocab, seed=k) for k in range(8)]
+    options = dict(lr=1e-2, eps=1e-3, period=4, anchor_batches=2, optimizer=optimizer)
+    estimator = MeZOSVRG(named, seed=3, **options)
+    estimator.anchor(ce_loss_fn(model), batches[:2])
+    estimator.step(ce_loss_fn(model), batches[2])
+    buffer = io.BytesIO()
+    torch.save(estimator.state_dict(), buffer)  # checkpoints load blobs with weights_only=True
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    with torch.no_grad():
+        for (_, p), (_, q) in zip(named, twin_named, strict=True):
+            q.copy_(p)
+    resumed = MeZOSVRG(twin_named, seed=999, **options)
+    resumed.load_state_dict(saved)
+    for k in (3, 4):
+        assert estimator.step(ce_loss_fn(model), batches[k]) == resumed.step(ce_loss_fn(twin), batches[k])
+    assert estimator.anchor_due() and resumed.anchor_due()
+    for (name, p), (_, q) in zip(named, twin_named, strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_stepper_reports_the_mean_of_the_estimators_losses():
+    class Fixed:  # an estimator that measured three losses
+        def step(self, loss_fn, batch, lr=None):
+            return (1.0, 2.0, 4.0)
+
+    assert float(ZOStepper(Fixed(), loss_fn=None).step(lambda: {}, 1e-3)) == pytest.approx(7 / 3)
+
+
+def test_losses_are_reduced_over_ranks_before_the_estimate():
+    """Seed-sharing data parallelism: each rank sends only its losses; the update uses their mean over ranks."""
+    weight = nn.Parameter(torch.zeros(5, dtype=torch.float64))
+    sent = []
+
+    def reduce(values):  # the other ranks' losses raise every mean by 0.5
+        sent.append(values.clone())
+        return values + 0.5
+
+    estimator = FZOO([("weight", weight)], lr=1.0, eps=1e-3, seed=0, queries=3, reduce_losses=reduce)
+    calls = iter([1.0, 2.0, 4.0, 0.0])
+    assert estimator.step(lambda batch: torch.tensor([next(calls)], dtype=torch.float64), {}) == (0.5,)
+    assert sent[0].tolist() == [1.0, 2.0, 4.0, 0.0]  # N + 1 numbers: all a worker sends per step
+    sigma = math.sqrt(sum((x - 7 / 3) ** 2 for x in (1.0, 2.0, 4.0)) / 3)
+    us = [reference_z([weight], s)[0].sign() for s in step_seeds(0, 3)]
+    expected = -sum(x / (3 * sigma) * u for x, u in zip((1.0, 2.0, 4.0), us, strict=True))
+    torch.testing.assert_close(weight.detach(), expected, atol=1e-12, rtol=0)
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(zo_estimator="fzoo", zo_dual=True), "fzoo perturbs one-sided"),
+    (dict(zo_estimator="fzoo", zo_queries=1), "at least 2"),
+    (dict(zo_estimator="mezo", zo_queries=4), "takes one perturbation per step"),
+    (dict(method="ft", load_bfloat16=True, zo_optimizer="adam"), "load fp32 weights"),
+])
+def test_flags_an_estimator_cannot_use_are_refused_with_the_reason(overrides, message):
+    with pytest.raises(UserError, match=message):
+        Config(**{"trainer": "zo", "method": "lora", **overrides})
+
+
+def test_compare_accepts_estimators_as_trainers():
+    assert parse_method("lora:fzoo", "regular") == ("lora", "zo", "fzoo")
+    assert parse_method("xgblora:svrg", "regular") == ("xgblora", "zo", "svrg")
+    assert parse_method("lora", "zo") == ("lora", "zo", None)
+    with pytest.raises(UserError, match="nspsa"):
+        parse_method("lora:spsa", "zo")
