@@ -1,4 +1,4 @@
-"""The `xgblora` command: train, mezo, compare, eval, generate, chat, bench, env, export, demo."""
+"""The `xgblora` command: one subcommand per workflow (COMMANDS), each importing its module when it runs."""
 
 from __future__ import annotations
 
