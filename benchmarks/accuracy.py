@@ -120,8 +120,8 @@ def hf_run(values: dict[str, Any], out: Path) -> dict[str, Any]:
 
     started = time.perf_counter()
     cfg = Config(**values)
-    task = get_task(cfg.task_name, cfg)
-    splits = sample_splits(task, cfg)
+    task = get_task(cfg.task_name, cfg.data)
+    splits = sample_splits(task, cfg.data)
     words = labels.label_words(task.name, splits.train, splits.dev, splits.eval)
     transformers.set_seed(cfg.seed)
     path = pretrained.resolve_path(cfg.model_name)

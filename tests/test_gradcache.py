@@ -115,7 +115,7 @@ def test_cached_grit_equals_grit_in_one_piece(tmp_path):
     sft = tmp_path / "sft.jsonl"
     sft.write_text("".join(json.dumps({"prompt": f"Is {t} good?", "completion": " Yes."}) + "\n" for t in TOPICS),
                    encoding="utf-8")
-    examples = load_rows(CustomTask(Config(task_name="custom", train_file=str(sft))), "train", None)
+    examples = load_rows(CustomTask(Config(task_name="custom", train_file=str(sft)).data), "train", None)
     seqs = formats.instruction_seqs(tokenizer, examples, 32, False, formats.stop_token_ids(tokenizer))
     generative = sequence_training_set(seqs, tokenizer.pad_token_id, token_mean=True)
     pairs = pair_seqs(tokenizer, [Example(f"what about {t}?", (f"{t}, they said.",), (0,)) for t in TOPICS], 32)

@@ -68,7 +68,7 @@ def losses(model, tokenizer, cfg: Config, pairs, sft) -> tuple[float, float]:
     """Contrastive and generative loss of the whole training data (both as the run computes them)."""
     examples = [Example(query(i), (positive(i),), (0,)) for i in range(len(TOPICS))]
     batch = collate_pairs(pair_seqs(tokenizer, examples, cfg.max_length), tokenizer.pad_token_id)
-    task = CustomTask(Config(task_name="custom", train_file=str(sft)))
+    task = CustomTask(Config(task_name="custom", train_file=str(sft)).data)
     seqs = formats.instruction_seqs(tokenizer, load_rows(task, "train", None), cfg.max_length, False,
                                     formats.stop_token_ids(tokenizer))
     generative = sequence_training_set(seqs, tokenizer.pad_token_id, token_mean=True).batch(range(len(seqs)))
@@ -198,7 +198,7 @@ def test_grit_generative_batch_size_takes_that_many_instruction_examples(tmp_pat
     _, tokenizer = pretrained.load("tiny-llama")
     pairs = pair_seqs(tokenizer, [Example(query(i), (positive(i),), (0,)) for i in range(6)], 32)
     _, sft = write_data(tmp_path)
-    task = CustomTask(Config(task_name="custom", train_file=str(sft)))
+    task = CustomTask(Config(task_name="custom", train_file=str(sft)).data)
     seqs = formats.instruction_seqs(tokenizer, load_rows(task, "train", None), 48, False,
                                     formats.stop_token_ids(tokenizer))
     generative = sequence_training_set(seqs, tokenizer.pad_token_id, token_mean=True)

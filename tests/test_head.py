@@ -146,7 +146,7 @@ def test_a_mezo_run_starts_from_the_probe_and_each_head_trainer_does_what_it_say
     cfg = _cfg(tmp_path, head_trainer=head_trainer, learning_rate=5e-2)
     train.run(cfg)
     fresh, tok = pretrained.load("tiny-bert", head="classifier", num_labels=2)  # the same weights as the run's
-    examples = sample_splits(get_task("custom", cfg), cfg).train
+    examples = sample_splits(get_task("custom", cfg.data), cfg.data).train
     x = _features_by_hand(fresh, tok, examples, "mean")
     y = torch.tensor([ex.gold[0] for ex in examples])
     with torch.no_grad():

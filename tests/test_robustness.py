@@ -54,7 +54,7 @@ FIELDS: dict[str, dict[str, list]] = {
 
 def task_for(name: str, path: Path) -> Task:
     if name == "custom":
-        return get_task("custom", Config(task_name="custom", train_file=str(path), **CUSTOM))
+        return get_task("custom", Config(task_name="custom", train_file=str(path), **CUSTOM).data)
     return get_task(name)
 
 

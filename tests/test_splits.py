@@ -1,5 +1,6 @@
 """JSONL reading, local / HF / custom sources, one-line errors for bad input, and MeZO's sampling protocol."""
 
+import dataclasses
 import json
 import logging
 
@@ -9,9 +10,10 @@ import pytest
 
 from xgblora.config import Config
 from xgblora.data.sources import read_jsonl
-from xgblora.data.splits import describe, load_rows, sample_splits
+from xgblora.data.splits import load_rows, sample_splits
 from xgblora.data.tasks import get_task
 from xgblora.errors import UserError
+from xgblora.train.setup import describe_splits
 
 
 def write(path, text: str | bytes) -> None:
@@ -64,7 +66,7 @@ def test_hf_rows_flow_through(monkeypatch):
     assert calls == [("super_glue", "rte", "validation")]
     assert [ex.prompt.split("\n")[0] for ex in examples] == ["P0.", "P1.", "P2."]
     assert [ex.gold for ex in examples] == [(0,), (1,), (0,)]
-    splits = sample_splits(get_task("RTE"), Config(task_name="RTE", num_train=2, num_dev=1, num_eval=2))
+    splits = sample_splits(get_task("RTE"), Config(task_name="RTE", num_train=2, num_dev=1, num_eval=2).data)
     assert (len(splits.train), len(splits.dev), len(splits.eval)) == (2, 1, 2)
     assert calls[1:] == [("super_glue", "rte", "train"), ("super_glue", "rte", "validation")]
 
@@ -112,7 +114,7 @@ def rte_cfg(data_dir, **kw) -> Config:
 
 def test_sampling_reproduces_mezo(shared_data):
     task = get_task("RTE")
-    splits = sample_splits(task, rte_cfg(shared_data, train_set_seed=3))
+    splits = sample_splits(task, rte_cfg(shared_data, train_set_seed=3).data)
     drawn = mezo_sample_subset(load_rows(task, "train", str(shared_data)), 3, 16 + 8)
     assert (splits.train, splits.dev) == (drawn[:-8], drawn[-8:])  # run.py: dev = the last num_dev
     assert splits.eval == mezo_sample_subset(load_rows(task, "eval", str(shared_data)), 0, 50)
@@ -120,24 +122,24 @@ def test_sampling_reproduces_mezo(shared_data):
 
 def test_sampling_is_deterministic_disjoint_and_seeded(shared_data):
     task = get_task("RTE")
-    a, again = sample_splits(task, rte_cfg(shared_data)), sample_splits(task, rte_cfg(shared_data))
+    a, again = sample_splits(task, rte_cfg(shared_data).data), sample_splits(task, rte_cfg(shared_data).data)
     assert (a.train, a.dev, a.eval) == (again.train, again.dev, again.eval)
     assert (len(a.train), len(a.dev), len(a.eval)) == (16, 8, 50)
     assert not ids(a.train) & ids(a.dev)
-    b = sample_splits(task, rte_cfg(shared_data, train_set_seed=1))
+    b = sample_splits(task, rte_cfg(shared_data, train_set_seed=1).data)
     assert a.train != b.train and a.dev != b.dev
     assert a.eval == b.eval  # eval is drawn with seed 0 whatever the train seed
 
 
 def test_all_of_eval_in_order_without_num_eval(shared_data):
     task = get_task("sst2")
-    splits = sample_splits(task, rte_cfg(shared_data, task_name="sst2", num_eval=None, num_dev=None))
+    splits = sample_splits(task, rte_cfg(shared_data, task_name="sst2", num_eval=None, num_dev=None).data)
     assert splits.eval == load_rows(task, "eval", str(shared_data))
     assert (len(splits.train), splits.dev) == (16, [])
 
 
 def test_multirc_is_sampled_at_answer_level(shared_data):
-    splits = sample_splits(get_task("MultiRC"), rte_cfg(shared_data, task_name="MultiRC", num_eval=1000))
+    splits = sample_splits(get_task("MultiRC"), rte_cfg(shared_data, task_name="MultiRC", num_eval=1000).data)
     assert len(splits.eval) == 1000
     assert len({ex.prompt for ex in splits.eval}) == 1000  # answers of many paragraphs, not whole paragraphs
 
@@ -145,7 +147,7 @@ def test_multirc_is_sampled_at_answer_level(shared_data):
 def test_boolq_shortfall_takes_all_and_warns_once(shared_data, caplog):
     cfg = rte_cfg(shared_data, task_name="BoolQ", num_train=48, num_dev=16, num_eval=None)
     with caplog.at_level(logging.WARNING, logger="xgblora"):
-        splits = sample_splits(get_task("BoolQ"), cfg)
+        splits = sample_splits(get_task("BoolQ"), cfg.data)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
         "BoolQ: asked for 48 train + 16 dev examples but the train split has 32; using 24 train + 8 dev"]
     assert (len(splits.train), len(splits.dev), len(splits.eval)) == (24, 8, 3270)
@@ -154,14 +156,14 @@ def test_boolq_shortfall_takes_all_and_warns_once(shared_data, caplog):
 
 def test_eval_shortfall_warns(shared_data, caplog):
     with caplog.at_level(logging.WARNING, logger="xgblora"):
-        splits = sample_splits(get_task("CB"), rte_cfg(shared_data, task_name="CB", num_eval=500))
+        splits = sample_splits(get_task("CB"), rte_cfg(shared_data, task_name="CB", num_eval=500).data)
     assert "CB: asked for 500 eval examples but there are 56; using all 56" in caplog.text
     assert len(splits.eval) == 56
 
 
 def test_zero_shot_does_not_read_the_train_split(tmp_path):
     write(tmp_path / "rte" / "dev.jsonl", jsonl(RTE_OK, RTE_OK))
-    splits = sample_splits(get_task("rte"), rte_cfg(tmp_path, num_train=0, num_dev=None, num_eval=None))
+    splits = sample_splits(get_task("rte"), rte_cfg(tmp_path, num_train=0, num_dev=None, num_eval=None).data)
     assert (splits.train, splits.dev, len(splits.eval)) == ([], [], 2)
 
 
@@ -172,7 +174,7 @@ def test_custom_classification_with_eval_file(tmp_path):
     write(tmp_path / "eval.jsonl", jsonl({"text": "e0", "label": "1"}, {"text": "e1", "label": 0}))
     cfg = Config(**CUSTOM_CLS, train_file=str(tmp_path / "train.jsonl"),
                  eval_file=str(tmp_path / "eval.jsonl"), num_train=8, num_dev=4)
-    splits = sample_splits(get_task("custom", cfg), cfg)
+    splits = sample_splits(get_task("custom", cfg.data), cfg.data)
     assert (len(splits.train), len(splits.dev)) == (8, 4)
     assert [(ex.prompt, ex.candidates, ex.gold) for ex in splits.eval] == [
         ("e0 It was", (" terrible", " great"), (1,)), ("e1 It was", (" terrible", " great"), (0,))]
@@ -181,31 +183,31 @@ def test_custom_classification_with_eval_file(tmp_path):
 def test_custom_instruction_eval_drawn_from_train_file(tmp_path):
     write(tmp_path / "train.jsonl", jsonl(*({"prompt": f"q{i}", "response": f"a{i}"} for i in range(30))))
     cfg = Config(task_name="custom", train_file=str(tmp_path / "train.jsonl"), num_train=10, num_dev=5)
-    task = get_task("custom", cfg)
-    splits = sample_splits(task, cfg)
+    task = get_task("custom", cfg.data)
+    splits = sample_splits(task, cfg.data)
     assert (len(splits.train), len(splits.dev), len(splits.eval)) == (10, 5, 15)
     prompts = [[ex.prompt for ex in part] for part in (splits.train, splits.dev, splits.eval)]
     assert sorted(sum(prompts, [])) == sorted(f"q{i}" for i in range(30))  # disjoint and complete
     assert prompts[2] == sorted(prompts[2], key=lambda p: int(p[1:]))  # eval in file order
     assert splits.eval[0].answers == (f"a{prompts[2][0][1:]}",) and splits.eval[0].candidates == ()
-    cfg.num_eval = 4
-    assert len(sample_splits(task, cfg).eval) == 4
+    cfg = dataclasses.replace(cfg, num_eval=4)
+    assert len(sample_splits(task, cfg.data).eval) == 4
 
 
 def test_custom_without_eval_rows_left(tmp_path):
     write(tmp_path / "train.jsonl", jsonl(*({"prompt": "q", "response": "a"} for _ in range(5))))
     cfg = Config(task_name="custom", train_file=str(tmp_path / "train.jsonl"), num_train=5)
     with pytest.raises(UserError, match="has 5 examples, not enough .* pass --eval_file or lower"):
-        sample_splits(get_task("custom", cfg), cfg)
+        sample_splits(get_task("custom", cfg.data), cfg.data)
 
 
 def test_dev_pool_sentences_keeps_the_train_draw_and_draws_dev_from_full_sentences(shared_data):
     from xgblora.data.splits import is_sentence
 
     common = dict(task_name="SST2", data_dir=str(shared_data), num_train=300, num_dev=100, train_set_seed=1)
-    plain = sample_splits(get_task("SST2", Config(**common)), Config(**common))
+    plain = sample_splits(get_task("SST2", Config(**common).data), Config(**common).data)
     cfg = Config(**common, dev_pool="sentences")
-    splits = sample_splits(get_task("SST2", cfg), cfg)
+    splits = sample_splits(get_task("SST2", cfg.data), cfg.data)
     assert splits.train == plain.train and len(splits.dev) == 100
     assert all(len(ex.prompt.split()) >= 8 and any(m + " " in ex.prompt for m in ".!?") for ex in splits.dev)
     assert not {ex.prompt for ex in splits.dev} & {ex.prompt for ex in splits.train}
@@ -224,11 +226,11 @@ def test_own_data_trains_on_every_row_without_a_dev_split(tmp_path):
     write(tmp_path / "chat.jsonl", jsonl(*_chat_rows(171)))
     cfg = Config(task_name="custom", train_file=str(tmp_path / "chat.jsonl"))
     assert cfg.num_train is None  # MeZO's 1000 is for MeZO's tasks only
-    task = get_task("custom", cfg)
-    splits = sample_splits(task, cfg)
+    task = get_task("custom", cfg.data)
+    splits = sample_splits(task, cfg.data)
     assert (len(splits.train), splits.dev, splits.eval, splits.monitor) == (171, [], [], [])
     assert [ex.source for ex in splits.train] == [ex.source for ex in load_rows(task, "train", None)]  # every row
-    assert describe(task, cfg, splits) == (f"custom: training on all 171 examples of {tmp_path / 'chat.jsonl'}; "
+    assert describe_splits(task, cfg, splits) == (f"custom: training on all 171 examples of {tmp_path / 'chat.jsonl'}; "
                                            "no dev split; no evaluation set (pass --eval_file, --num_dev N or "
                                            "--eval_split_ratio R)")
 
@@ -237,7 +239,7 @@ def test_own_data_dev_split_only_when_asked(tmp_path):
     write(tmp_path / "chat.jsonl", jsonl(*_chat_rows(171)))
     for asked, n_dev in ({"eval_split_ratio": 0.1}, 17), ({"num_dev": 20}, 20):
         cfg = Config(task_name="custom", train_file=str(tmp_path / "chat.jsonl"), **asked)
-        splits = sample_splits(get_task("custom", cfg), cfg)
+        splits = sample_splits(get_task("custom", cfg.data), cfg.data)
         assert (len(splits.train), len(splits.dev)) == (171 - n_dev, n_dev)
         assert not {ex.source for ex in splits.train} & {ex.source for ex in splits.dev}
         assert splits.monitor == splits.dev
@@ -248,11 +250,11 @@ def test_own_eval_file_is_watched_when_there_is_no_dev_split(tmp_path):
     write(tmp_path / "eval.jsonl", jsonl(*_chat_rows(4)))
     cfg = Config(task_name="custom", train_file=str(tmp_path / "chat.jsonl"), eval_file=str(tmp_path / "eval.jsonl"),
                  evaluation_strategy="steps", eval_steps=50)
-    task = get_task("custom", cfg)
-    splits = sample_splits(task, cfg)
+    task = get_task("custom", cfg.data)
+    splits = sample_splits(task, cfg.data)
     assert (len(splits.train), splits.dev, len(splits.eval)) == (30, [], 4)
     assert splits.monitor == splits.eval
-    assert describe(task, cfg, splits).endswith(f"no dev split; evaluating on 4 examples of {tmp_path / 'eval.jsonl'} "
+    assert describe_splits(task, cfg, splits).endswith(f"no dev split; evaluating on 4 examples of {tmp_path / 'eval.jsonl'} "
                                                 f"every 50 steps and at the end")
 
 

@@ -235,7 +235,7 @@ def test_row_errors_name_file_line_and_field(task, row, message):
 
 def custom(**kw) -> CustomTask:
     """A custom task over a placeholder train file."""
-    return get_task("custom", Config(task_name="custom", train_file="t.jsonl", **kw))
+    return get_task("custom", Config(task_name="custom", train_file="t.jsonl", **kw).data)
 
 
 def test_custom_classification_task():
@@ -280,6 +280,6 @@ def test_custom_option_errors(kw, message):
 
 def test_custom_needs_a_train_file():
     with pytest.raises(UserError, match="--train_file"):
-        get_task("custom", Config(task_name="custom"))
+        get_task("custom", Config(task_name="custom").data)
     with pytest.raises(UserError, match="--train_file"):
         get_task("custom")

@@ -320,7 +320,7 @@ def test_load_best_model_at_end_with_xgblora_exports_the_best_model(shared_data,
 def test_train_as_classification_starts_near_log_candidates(shared_data, tmp_path, trainer, task):
     cfg = make_cfg(shared_data, tmp_path / "run", task_name=task, trainer=trainer, train_as_classification=True,
                    max_steps=4, logging_steps=1, learning_rate=1e-4, no_eval=True, num_train=32)
-    candidates = {len(ex.candidates) for ex in sample_splits(get_task(task, cfg), cfg).train}
+    candidates = {len(ex.candidates) for ex in sample_splits(get_task(task, cfg.data), cfg.data).train}
     assert len(candidates) == 1
     results = train.run(cfg)
     first = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]

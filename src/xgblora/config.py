@@ -49,7 +49,32 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliase
     return field(default=default, metadata=meta)
 
 
-@dataclass
+@dataclass(frozen=True)
+class DataOptions:
+    """What data/ reads of a run's options: where the rows are, how their columns map, and how many examples each
+    split draws (MeZO's protocol for its tasks, every row of the user's own). `Config.data` builds it; the flags and
+    their help live on Config."""
+
+    task_name: str = "SST2"
+    data_dir: str | None = None
+    train_file: str | None = None
+    eval_file: str | None = None
+    columns: str | None = None
+    data_format: str = "auto"
+    template: str | None = None
+    label_words: str | None = None
+    label_names: str | None = None
+    num_train: int | None = None
+    num_dev: int | None = None
+    eval_split_ratio: float | None = None
+    num_eval: int | None = None
+    train_set_seed: int = 0
+    dev_pool: str = "any"
+    objective: str = "lm"
+    evaluation_only: bool = False  # --trainer none: an --eval_file is enough
+
+
+@dataclass(frozen=True)
 class ModelOptions:
     """Which model to load and how: the options every command that loads a model shares."""
 
@@ -69,12 +94,12 @@ class ModelOptions:
         trained adapter record, so eval, generate and export find the same base from any directory."""
         if self.gguf_file is not None:  # a local folder's file by its absolute path, a hub repository's as repo/FILE
             folder = Path(self.model_name).expanduser()
-            self.model_name = str(folder / self.gguf_file) if folder.is_dir() else \
-                f"{self.model_name.rstrip('/')}/{self.gguf_file}"
-            self.gguf_file = None
+            name = str(folder / self.gguf_file) if folder.is_dir() else f"{self.model_name.rstrip('/')}/{self.gguf_file}"
+            object.__setattr__(self, "model_name", name)  # frozen: resolved once, while the object is built
+            object.__setattr__(self, "gguf_file", None)
         path = Path(self.model_name).expanduser()
         if is_gguf(self.model_name) and path.is_file():
-            self.model_name = str(path.resolve())
+            object.__setattr__(self, "model_name", str(path.resolve()))
 
     @property
     def dtype_name(self) -> str:
@@ -82,7 +107,7 @@ class ModelOptions:
         return "float16" if self.load_float16 else "bfloat16" if self.load_bfloat16 else "float32"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config(ModelOptions):
     """Options of `xgblora train` and `xgblora eval`; names follow MeZO's run.py and the XGBLoRA fork."""
 
@@ -222,7 +247,7 @@ class Config(ModelOptions):
     def __post_init__(self) -> None:
         self.resolve_gguf_file()
         if self.num_train is None and not self.own_data:
-            self.num_train = MEZO_NUM_TRAIN
+            object.__setattr__(self, "num_train", MEZO_NUM_TRAIN)
         if self.eval_split_ratio is not None:
             if not self.own_data:
                 raise UserError(f"--eval_split_ratio holds out a share of your own --train_file; task "
@@ -232,9 +257,9 @@ class Config(ModelOptions):
             if not 0.0 < self.eval_split_ratio < 1.0:
                 raise UserError(f"--eval_split_ratio must be in (0, 1), got {self.eval_split_ratio}")
         if self.xgblora:
-            self.method = "xgblora"
+            object.__setattr__(self, "method", "xgblora")
         elif self.lora and self.method == "ft":
-            self.method = "lora"
+            object.__setattr__(self, "method", "lora")
         if self.evaluation_strategy == "steps" and self.eval_steps <= 0:
             raise UserError(f"--eval_steps must be positive with --evaluation_strategy steps, got {self.eval_steps}")
         if self.save_strategy == "steps" and self.save_steps <= 0:
@@ -245,6 +270,11 @@ class Config(ModelOptions):
                         "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
                         "zo_eps", "head_learning_rate", "head_probe_l2", "contrastive_temperature",
                         "grit_generative_batch_size", "zo_queries", "zo_svrg_period", "zo_svrg_anchor_batches")
+        for flag in ("num_train", "num_dev", "num_eval"):
+            if getattr(self, flag) is not None and getattr(self, flag) < 0:
+                raise UserError(f"--{flag} must be 0 or more, got {getattr(self, flag)}")
+        if not 0 <= self.train_set_seed < 2**32:
+            raise UserError(f"--train_set_seed must be between 0 and 2**32 - 1, got {self.train_set_seed}")
         if self.max_steps == 0 or self.max_steps < -1:
             raise UserError(f"--max_steps must be positive (or -1: train --num_train_epochs epochs), got {self.max_steps}")
         if self.max_steps == -1 and self.num_train_epochs <= 0:
@@ -325,6 +355,12 @@ class Config(ModelOptions):
         return self.include_prompt if self.include_prompt is not None else self.objective != "grit"
 
     @property
+    def data(self) -> DataOptions:
+        """The data options, as data/ receives them."""
+        names = [f.name for f in dataclasses.fields(DataOptions) if f.name != "evaluation_only"]
+        return DataOptions(**{name: getattr(self, name) for name in names}, evaluation_only=self.trainer == "none")
+
+    @property
     def own_data(self) -> bool:
         """Whether the rows are the user's own (--task_name custom, or pairs for an embedding objective) rather than
         one of MeZO's tasks: their defaults are every row for training and no dev split."""
@@ -371,7 +407,7 @@ class Config(ModelOptions):
 
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompareConfig(Config):
     """Options of `xgblora compare`: the train options plus the methods, seeds and where the report goes."""
 
@@ -383,7 +419,7 @@ class CompareConfig(Config):
     overwrite: bool = _opt(False, "Redo runs that already finished.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingOptions:
     """How completions are drawn: `xgblora generate`'s and RFT's sampler (see sampling.py)."""
 
@@ -405,7 +441,7 @@ class SamplingOptions:
                             f"the same greedy completion {self.num_return_sequences} times; set a temperature")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChatConfig(SamplingOptions, ModelOptions):
     """Options of `xgblora chat`: a model, how it samples, and the conversation's template."""
 
@@ -423,7 +459,7 @@ class ChatConfig(SamplingOptions, ModelOptions):
         _check_positive(self, "max_new_tokens", "max_length")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerateConfig(ChatConfig):
     """Options of `xgblora generate`: the chat options plus the prompts file and where the completions go."""
 
@@ -438,7 +474,7 @@ class GenerateConfig(ChatConfig):
             raise UserError("xgblora generate needs --input_file (a JSONL, CSV, parquet... file of prompts)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RFTConfig(Config, SamplingOptions):
     """Options of `xgblora rft`: the train options (the method and trainer of every round) plus sampling and
     verification. --train_file holds the questions with their reference answers, --eval_file the held-out ones."""
@@ -472,7 +508,7 @@ class RFTConfig(Config, SamplingOptions):
                             "--eval_file (held-out questions to measure on)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GRPOConfig(Config, SamplingOptions):
     """Options of `xgblora grpo`: the train options (method, trainer, optimiser, checkpoints) plus GRPO's, under TRL's
     GRPOConfig names where TRL has them. --train_file holds the prompts, --eval_file the held-out ones (pass@1)."""

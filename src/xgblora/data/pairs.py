@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from xgblora.config import Config
+from xgblora.config import DataOptions
 from xgblora.data.batches import PairBatch
 from xgblora.data.sources import parse_columns
 from xgblora.data.tasks import CustomTask, Example, Fields
@@ -35,7 +35,7 @@ class PairTask(CustomTask):
     name, dir_name = "pairs", "pairs"
     metric, generation, instruction = "recall@1", False, False
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: DataOptions):
         if not cfg.train_file and not (cfg.trainer == "none" and cfg.eval_file):
             raise UserError(f"--objective {cfg.objective} needs --train_file with query/positive rows (and optional "
                             f"negative or negatives); --columns maps your names, e.g. query=question,positive=passage")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xgblora.config import Config
+from xgblora.config import DataOptions
 from xgblora.data.sources import read_rows
 from xgblora.data.tasks import CustomTask, Example, Task
 from xgblora.errors import UserError
@@ -98,16 +98,7 @@ def is_sentence(prompt: str) -> bool:
     return len(prompt.split()) >= 8 and _SENTENCE_END.search(prompt) is not None
 
 
-def _check_counts(cfg: Config) -> None:
-    for flag in ("num_train", "num_dev", "num_eval"):
-        value = getattr(cfg, flag)
-        if value is not None and value < 0:
-            raise UserError(f"--{flag} must be 0 or more, got {value}")
-    if not 0 <= cfg.train_set_seed < 2**32:
-        raise UserError(f"--train_set_seed must be between 0 and 2**32 - 1, got {cfg.train_set_seed}")
-
-
-def sample_splits(task: Task, cfg: Config) -> Splits:
+def sample_splits(task: Task, cfg: DataOptions) -> Splits:
     """Train/dev/eval examples: every row of the user's own data by default, else MeZO's protocol.
 
     Own data (a custom or pair task) without --num_train: every row trains except a dev split, drawn with
@@ -124,7 +115,6 @@ def sample_splits(task: Task, cfg: Config) -> Splits:
     rows in the same order, so both sources give MeZO's draw. SuperGLUE-layout ReCoRD rows are likewise
     flattened to one example per query.
     """
-    _check_counts(cfg)
     own = isinstance(task, CustomTask)
     if own and cfg.num_train is None:
         return _all_rows(task, cfg)
@@ -155,14 +145,14 @@ def sample_splits(task: Task, cfg: Config) -> Splits:
     return Splits(train, dev, _draw_eval(task, cfg, eval_pool), eval_is_own=own and task.eval_file is not None)
 
 
-def _dev_count(cfg: Config, pool_size: int) -> int:
+def _dev_count(cfg: DataOptions, pool_size: int) -> int:
     """--num_dev, else --eval_split_ratio of the train rows (at least one), else 0."""
     if cfg.num_dev is not None:
         return cfg.num_dev
     return max(1, round(pool_size * cfg.eval_split_ratio)) if cfg.eval_split_ratio else 0
 
 
-def _all_rows(task: CustomTask, cfg: Config) -> Splits:
+def _all_rows(task: CustomTask, cfg: DataOptions) -> Splits:
     """The user's own data: every row trains, but a dev split when one is asked for; --eval_file evaluates."""
     pool = load_rows(task, "train", cfg.data_dir)
     n_dev = _dev_count(cfg, len(pool))
@@ -176,7 +166,7 @@ def _all_rows(task: CustomTask, cfg: Config) -> Splits:
     return Splits(train, dev, _draw_eval(task, cfg, eval_pool), eval_is_own=bool(eval_pool))
 
 
-def _draw_eval(task: Task, cfg: Config, eval_pool: list[Example]) -> list[Example]:
+def _draw_eval(task: Task, cfg: DataOptions, eval_pool: list[Example]) -> list[Example]:
     """--num_eval examples of the evaluation pool, drawn with seed 0 (all of them, in order, when unset)."""
     if cfg.num_eval is None:
         return eval_pool
@@ -184,28 +174,3 @@ def _draw_eval(task: Task, cfg: Config, eval_pool: list[Example]) -> list[Exampl
         log.warning("%s: asked for %d eval examples but there are %d; using all %d", task.name, cfg.num_eval,
                     len(eval_pool), len(eval_pool))
     return [eval_pool[i] for i in _permutation(len(eval_pool), 0)[:cfg.num_eval]]
-
-
-def describe(task: Task, cfg: Config, splits: Splits) -> str:
-    """One line saying what the run trains on, what it holds out and what it evaluates on, and when."""
-    own = isinstance(task, CustomTask)
-    if own and cfg.num_train is None:
-        parts = [f"training on all {len(splits.train)} examples of {task.train_file}" if not splits.dev else
-                 f"training on {len(splits.train)} examples of {task.train_file}"]
-    elif cfg.trainer == "none":
-        parts = [f"{len(splits.train)} demonstrations" if splits.train else "zero-shot"]
-    else:
-        parts = [f"training on {len(splits.train)} examples" + (" (MeZO's protocol)" if not own else "")]
-    periodic = f"every {cfg.eval_steps} steps" if cfg.evaluation_strategy == "steps" and cfg.trainer != "none" \
-        else ""
-    dev = f"dev split: {len(splits.dev)} held out" + (f", evaluated {periodic}" if periodic else "")
-    parts.append(dev if splits.dev else "no dev split")
-    where = task.eval_file if own and task.eval_file else "the rows not drawn" if own else "the validation split"
-    if splits.eval and not cfg.no_eval:
-        watched = f"{periodic} and " if periodic and not splits.dev and splits.eval_is_own else ""
-        parts.append(f"evaluating on {len(splits.eval)} examples of {where} {watched}at the end")
-    elif cfg.no_eval:
-        parts.append("no final evaluation (--no_eval)")
-    else:
-        parts.append("no evaluation set (pass --eval_file" + (", --num_dev N or --eval_split_ratio R)" if own else ")"))
-    return f"{task.name}: " + "; ".join(parts)

@@ -7,7 +7,7 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
-from xgblora.config import Config
+from xgblora.config import DataOptions
 from xgblora.data.sources import Where, parse_columns
 from xgblora.errors import UserError, located
 
@@ -325,8 +325,8 @@ class CustomTask(Task):
     name, dir_name, hf_dataset = "custom", "custom", ("json", None)  # read from train_file / eval_file
     own_rows = True
 
-    def __init__(self, cfg: Config):
-        if not cfg.train_file and not (cfg.trainer == "none" and cfg.eval_file):
+    def __init__(self, cfg: DataOptions):
+        if not cfg.train_file and not (cfg.evaluation_only and cfg.eval_file):
             raise UserError("task 'custom' needs --train_file: with --template and --label_words for classification, "
                             'else instruction rows ({"messages": [...]}, {"prompt": ..., "completion": ...} or '
                             '{"text": ...})')
@@ -340,7 +340,7 @@ class CustomTask(Task):
         if cfg.template:
             self._set_classification(cfg)
 
-    def _set_classification(self, cfg: Config) -> None:
+    def _set_classification(self, cfg: DataOptions) -> None:
         self.pieces = self._parse_template(cfg.template)
         last_slot = max(i for i, (_, slot) in enumerate(self.pieces) if slot is not None)
         self.sfc_prompt = "".join(literal for literal, _ in self.pieces[last_slot + 1:])  # after the input
@@ -449,7 +449,7 @@ def _key(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
-def get_task(name: str, cfg: Config | None = None) -> Task:
+def get_task(name: str, cfg: DataOptions | None = None) -> Task:
     """The task called name (MeZO's or the folder's, any case, e.g. 'SST-2'); 'custom' is built from cfg."""
     if _key(name) == "custom":
         if cfg is None:

@@ -30,7 +30,7 @@ from xgblora.adapters.peft import read_adapter
 from xgblora.config import Config
 from xgblora.data import formats
 from xgblora.data.pairs import PairTask, Prefixes, embedding_prefixes, held_apart, pair_seqs, prefix_length
-from xgblora.data.splits import Splits, describe, load_rows, sample_splits
+from xgblora.data.splits import Splits, load_rows, sample_splits
 from xgblora.data.tasks import CustomTask, Task, get_task
 from xgblora.distributed import Distributed
 from xgblora.embeddings.pooling import bidirectional_supported
@@ -173,8 +173,8 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
     source = trained.resolve(cfg.model_name, cfg.adapter)  # a run or adapter folder names its base model
     cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
     embedding_run = cfg.objective != "lm"
-    task = PairTask(cfg) if embedding_run else get_task(cfg.task_name, cfg)
-    splits = sample_splits(task, cfg)
+    task = PairTask(cfg.data) if embedding_run else get_task(cfg.task_name, cfg.data)
+    splits = sample_splits(task, cfg.data)
     if embedding_run:  # a document trained on is not a held-out document
         splits = dataclasses.replace(splits, dev=held_apart(splits.train, splits.dev, "dev"),
                                      eval=held_apart(splits.train, splits.eval, "eval"))
@@ -184,7 +184,7 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
     if cfg.trainer != "none":
         check_monitor(cfg, splits)
     if dist.is_main:
-        log.info("%s", describe(task, cfg, splits))
+        log.info("%s", describe_splits(task, cfg, splits))
     words = labels.label_words(task.name, splits.train, splits.dev, splits.eval) if head not in ("lm", "embed") \
         else ()
     if head != "lm" and (cfg.sfc or cfg.icl_sfc):
@@ -335,7 +335,7 @@ def embedding_training_set(run: RunSetup) -> TrainingSet:
     if not cfg.grit_train_file:
         raise UserError("--objective grit needs --grit_train_file: instruction rows for the generative loss "
                         "(messages, prompt/completion or text)")
-    task = CustomTask(dataclasses.replace(cfg, train_file=cfg.grit_train_file, eval_file=None, columns=None,
+    task = CustomTask(dataclasses.replace(cfg.data, train_file=cfg.grit_train_file, eval_file=None, columns=None,
                                          template=None, label_words=None))
     examples = load_rows(task, "train", None)
     seqs = formats.instruction_seqs(tokenizer, examples, cfg.max_length, cfg.train_on_prompt, run.stop_ids)
@@ -397,3 +397,28 @@ def autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
     if not use_bf16 or cfg.dtype_name != "float32":
         return None
     return torch.bfloat16
+
+
+def describe_splits(task: Task, cfg: Config, splits: Splits) -> str:
+    """One line saying what the run trains on, what it holds out and what it evaluates on, and when."""
+    own = isinstance(task, CustomTask)
+    if own and cfg.num_train is None:
+        parts = [f"training on all {len(splits.train)} examples of {task.train_file}" if not splits.dev else
+                 f"training on {len(splits.train)} examples of {task.train_file}"]
+    elif cfg.trainer == "none":
+        parts = [f"{len(splits.train)} demonstrations" if splits.train else "zero-shot"]
+    else:
+        parts = [f"training on {len(splits.train)} examples" + (" (MeZO's protocol)" if not own else "")]
+    periodic = f"every {cfg.eval_steps} steps" if cfg.evaluation_strategy == "steps" and cfg.trainer != "none" \
+        else ""
+    dev = f"dev split: {len(splits.dev)} held out" + (f", evaluated {periodic}" if periodic else "")
+    parts.append(dev if splits.dev else "no dev split")
+    where = task.eval_file if own and task.eval_file else "the rows not drawn" if own else "the validation split"
+    if splits.eval and not cfg.no_eval:
+        watched = f"{periodic} and " if periodic and not splits.dev and splits.eval_is_own else ""
+        parts.append(f"evaluating on {len(splits.eval)} examples of {where} {watched}at the end")
+    elif cfg.no_eval:
+        parts.append("no final evaluation (--no_eval)")
+    else:
+        parts.append("no evaluation set (pass --eval_file" + (", --num_dev N or --eval_split_ratio R)" if own else ")"))
+    return f"{task.name}: " + "; ".join(parts)
