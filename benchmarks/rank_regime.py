@@ -1,4 +1,4 @@
-"""Where rank limits LoRA: XGBLoRA against LoRA at equal trainable parameters and steps (issue 14, item 6).
+"""Where rank limits LoRA: XGBLoRA against LoRA at equal trainable parameters and steps.
 
 On all-MiniLM-L6-v2 / SST-2 (benchmarks/accuracy.py) rank does not limit LoRA: rank 1, rank 8 and full fine-tuning
 land within a point of each other, so XGBLoRA's growing total rank has nothing to buy there. This benchmark runs
