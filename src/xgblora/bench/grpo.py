@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,8 +23,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from xgblora.bench.sft import _callback, _peak_added, chat_tokenizer
-from xgblora.bench.timing import sync_device
+from xgblora.bench.memory import peak_added, sides_in_subprocesses
+from xgblora.bench.sft import chat_tokenizer
+from xgblora.bench.timing import step_callback, sync_device
 from xgblora.config import GRPOConfig
 from xgblora.errors import UserError
 from xgblora.generation.grpo import GRPORun
@@ -36,8 +35,6 @@ GRPO_MODELS = ("llama-100m-random",)
 LORA = dict(r=8, alpha=16.0)
 LR = 1e-5
 MEMORY_STEPS = 2
-_WORKER_CODE = ("import json,sys; from xgblora.bench.grpo import memory_worker; "
-                "print(json.dumps(memory_worker(json.loads(sys.argv[1]))))")
 
 
 def length_reward(completions: list[str], **kwargs: Any) -> list[float]:  # noqa: ARG001
@@ -132,7 +129,7 @@ def compare_case(case: GRPOCase) -> dict[str, Any]:
                 our_times.append(time.perf_counter() - start)
             mark[0] = time.perf_counter()
 
-        trainer = trl_trainer(case, prompts, [_callback(on_step)], trl_dir)
+        trainer = trl_trainer(case, prompts, [step_callback(on_step)], trl_dir)
         mark[0] = time.perf_counter()
         trainer.train()
     trl_s, our_s = sum(trl_times), sum(our_times)
@@ -151,29 +148,19 @@ def memory_worker(config: dict[str, Any]) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         if config["side"] == "xgblora":
             ours = xgblora_run(case, prompts, tmp)
-            with _peak_added(ours.device) as mem:
+            with peak_added(ours.device) as mem:
                 for _ in range(MEMORY_STEPS):
                     ours.train_step()
             return mem
         trainer = trl_trainer(case, prompts, [], tmp)
-        with _peak_added(pretrained.choose_device(case.device)) as mem:
+        with peak_added(pretrained.choose_device(case.device)) as mem:
             trainer.train()
         return mem
 
 
 def measure_case_memory(case: GRPOCase) -> dict[str, Any]:
     """Each side's memory for the case, one subprocess after the other."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    out: dict[str, Any] = {}
-    for side in ("trl", "xgblora"):
-        proc = subprocess.run([sys.executable, "-c", _WORKER_CODE, json.dumps({"case": asdict(case), "side": side})],
-                              capture_output=True, text=True, env=env, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"GRPO memory worker ({side}) failed:\n{proc.stderr[-2000:]}")
-        mem = json.loads(proc.stdout.strip().splitlines()[-1])
-        out.update({f"{side}_mem_{k}_mb": v for k, v in mem.items()})
-    out["mem_added_over_trl"] = out["xgblora_mem_added_mb"] / out["trl_mem_added_mb"]
-    return out
+    return sides_in_subprocesses("xgblora.bench.grpo", asdict(case), "GRPO")
 
 
 def cases(args: argparse.Namespace) -> list[GRPOCase]:

@@ -8,6 +8,7 @@ imports) leaves out the HF Trainer + PEFT baseline; on CUDA the figure is max_me
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -121,4 +122,42 @@ def measure_memory(args: argparse.Namespace) -> dict[str, Any]:
             out[f"{kind}_peak_mem_over_inference"] = out[f"peak_mem_{kind}_mb"] / out["peak_mem_inference_mb"]
     out["memory_kind"] = "cuda max_memory_allocated" if choose_device(args.device).type == "cuda" \
         else "peak RSS sampled while the workload runs (model set-up excluded)"
+    return out
+
+
+@contextlib.contextmanager
+def peak_added(device: torch.device) -> Iterator[dict[str, float]]:
+    """What the block adds to the memory held before it, MiB: {'before', 'peak', 'added'}."""
+    out: dict[str, float] = {}
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        out["before"] = torch.cuda.memory_allocated(device) / 2**20
+        yield out
+        sync_device(device)
+        out["peak"] = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        sampler = RssSampler()
+        out["before"] = _rss_mb()
+        sampler.start()
+        yield out
+        out["peak"] = sampler.stop()
+    out["added"] = out["peak"] - out["before"]
+
+
+def sides_in_subprocesses(module: str, case: dict[str, Any], what: str) -> dict[str, Any]:
+    """The memory each side (TRL, then xgblora) adds in a fresh process of its own: `module`'s
+    memory_worker({"case": case, "side": side}) -> {'before', 'peak', 'added'} MiB; and xgblora's over TRL's."""
+    code = (f"import json,sys; from {module} import memory_worker; "
+            f"print(json.dumps(memory_worker(json.loads(sys.argv[1]))))")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    out: dict[str, Any] = {}
+    for side in ("trl", "xgblora"):
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps({"case": case, "side": side})],
+                              capture_output=True, text=True, env=env, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{what} memory worker ({side}) failed:\n{proc.stderr[-2000:]}")
+        mem = json.loads(proc.stdout.strip().splitlines()[-1])
+        out.update({f"{side}_mem_{k}_mb": v for k, v in mem.items()})
+    out["mem_added_over_trl"] = out["xgblora_mem_added_mb"] / out["trl_mem_added_mb"]
     return out

@@ -17,18 +17,13 @@ libraries each side imports do not count.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import gc
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,8 +31,8 @@ from typing import Any
 import torch
 
 from xgblora.adapters import lora
-from xgblora.bench.memory import RssSampler, _rss_mb
-from xgblora.bench.timing import sync_device
+from xgblora.bench.memory import peak_added, sides_in_subprocesses
+from xgblora.bench.timing import step_callback, sync_device
 from xgblora.data import formats
 from xgblora.data.collation import TokenSeq
 from xgblora.data.tasks import Example
@@ -51,8 +46,6 @@ VARIANTS = ("padded", "packed", "padded+gc", "packed+gc")
 LORA = dict(r=8, alpha=16.0, targets="all-linear")
 LR = 1e-4
 MEMORY_STEPS = 2  # the optimizer state is created in the first step, the second runs with it
-_WORKER_CODE = ("import json,sys; from xgblora.bench.sft import memory_worker; "
-                "print(json.dumps(memory_worker(json.loads(sys.argv[1]))))")
 
 
 @dataclass(frozen=True)
@@ -197,18 +190,6 @@ def trl_trainer(case: SFTCase, seqs: list[TokenSeq], callbacks: list[Any], outpu
                    processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
 
 
-def _callback(on_step: Callable[[int], None]) -> Any:
-    """A TrainerCallback calling on_step(global_step) at the end of every TRL step."""
-    from transformers import TrainerCallback
-
-    class OnStep(TrainerCallback):
-        def on_step_end(self, targs, tstate, control, **kwargs):  # noqa: ARG002
-            on_step(tstate.global_step)
-            return control
-
-    return OnStep()
-
-
 # ----------------------------------------------------------------------------- timing, interleaved
 
 def compare_case(case: SFTCase) -> dict[str, Any]:
@@ -232,7 +213,7 @@ def compare_case(case: SFTCase) -> dict[str, Any]:
         mark[0] = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = trl_trainer(case, seqs, [_callback(on_step)], tmp)
+        trainer = trl_trainer(case, seqs, [step_callback(on_step)], tmp)
         mark[0] = time.perf_counter()
         trainer.train()
     timed = [step_rows(case, s) for s in range(case.warmup, case.warmup + case.steps)]
@@ -253,26 +234,6 @@ def compare_case(case: SFTCase) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- memory, one process per side
 
-@contextlib.contextmanager
-def _peak_added(device: torch.device) -> Iterator[dict[str, float]]:
-    """What the block adds to the memory held before it, MiB: {'before', 'peak', 'added'}."""
-    out: dict[str, float] = {}
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        out["before"] = torch.cuda.memory_allocated(device) / 2**20
-        yield out
-        sync_device(device)
-        out["peak"] = torch.cuda.max_memory_allocated(device) / 2**20
-    else:
-        sampler = RssSampler()
-        out["before"] = _rss_mb()
-        sampler.start()
-        yield out
-        out["peak"] = sampler.stop()
-    out["added"] = out["peak"] - out["before"]
-
-
 def memory_worker(config: dict[str, Any]) -> dict[str, float]:
     """In a fresh process: one side's first MEMORY_STEPS steps of a case, and the memory they add (MiB)."""
     case, side = SFTCase(**config["case"]), config["side"]
@@ -281,31 +242,20 @@ def memory_worker(config: dict[str, Any]) -> dict[str, float]:
     n_steps = MEMORY_STEPS
     if side == "xgblora":
         ours = XgbloraSFT(case, seqs)
-        with _peak_added(ours.device) as mem:
+        with peak_added(ours.device) as mem:
             for step in range(n_steps):
                 ours.step(step_rows(case, step))
         return mem
     with tempfile.TemporaryDirectory() as tmp:
         trainer = trl_trainer(case, seqs, [], tmp)
-        with _peak_added(pretrained.choose_device(case.device)) as mem:
+        with peak_added(pretrained.choose_device(case.device)) as mem:
             trainer.train()
     return mem
 
 
 def measure_case_memory(case: SFTCase) -> dict[str, Any]:
     """Each side's memory for the case, one subprocess after the other (so they do not share the cores)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    out: dict[str, Any] = {}
-    for side in ("trl", "xgblora"):
-        config = json.dumps({"case": asdict(case), "side": side})
-        proc = subprocess.run([sys.executable, "-c", _WORKER_CODE, config], capture_output=True, text=True, env=env,
-                              check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"SFT memory worker ({side}, {case.variant}) failed:\n{proc.stderr[-2000:]}")
-        mem = json.loads(proc.stdout.strip().splitlines()[-1])
-        out.update({f"{side}_mem_{k}_mb": v for k, v in mem.items()})
-    out["mem_added_over_trl"] = out["xgblora_mem_added_mb"] / out["trl_mem_added_mb"]
-    return out
+    return sides_in_subprocesses("xgblora.bench.sft", asdict(case), f"SFT {case.variant}")
 
 
 # ----------------------------------------------------------------------------- the suite

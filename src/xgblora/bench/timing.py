@@ -49,3 +49,15 @@ def log_overhead(step_s: float, n: int = 500) -> dict[str, float]:
             metrics.log({"step": step, "loss": float(loss), "lr": 1e-4, "elapsed_s": round(step * 0.1, 3)})
         per_log = (time.perf_counter() - start) / n
     return {"log_s_per_record": per_log, "log_overhead_fraction": per_log / step_s}
+
+
+def step_callback(on_step: Callable[[int], None]) -> Any:
+    """A TrainerCallback calling on_step(global_step) at the end of every TRL step."""
+    from transformers import TrainerCallback
+
+    class OnStep(TrainerCallback):
+        def on_step_end(self, targs, tstate, control, **kwargs):  # noqa: ARG002
+            on_step(tstate.global_step)
+            return control
+
+    return OnStep()
