@@ -42,6 +42,15 @@ def lora_model(tiny: nn.Module) -> tuple[nn.Module, list[tuple[str, nn.Parameter
     return model, [(n, p) for n, p in model.named_parameters() if ".lora_" in n], modules
 
 
+def trained_params(tiny: nn.Module, tiny64: nn.Module, full: bool) -> tuple[nn.Module, list[tuple[str, nn.Parameter]]]:
+    """A fresh model and what the estimator trains: every float64 weight (full FT), or LoRA's factors."""
+    if full:
+        model = copy.deepcopy(tiny64)
+        return model, list(model.named_parameters())
+    model, named, _ = lora_model(tiny)
+    return model, named
+
+
 def state(named: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
     return [p.detach().clone() for _, p in named]
 
@@ -68,11 +77,7 @@ def shifted(theta, z, scale):
 
 @pytest.mark.parametrize("full", [False, True], ids=["lora", "full-ft"])
 def test_nspsa_step_is_the_mean_of_n_two_point_estimates(tiny, tiny64, full):
-    if full:
-        model = copy.deepcopy(tiny64)
-        named = list(model.named_parameters())
-    else:
-        model, named, _ = lora_model(tiny)
+    model, named = trained_params(tiny, tiny64, full)
     reference = copy.deepcopy(model)
     names, theta = [n for n, _ in named], state(named)
     batch = random_batch(tiny.config.vocab_size, seed=1)
@@ -111,11 +116,7 @@ def test_nspsa_with_one_query_is_mezo(tiny):
 @pytest.mark.parametrize("full", [False, True], ids=["lora", "full-ft"])
 def test_fzoo_step_is_the_papers_normalised_one_sided_rule(tiny, tiny64, full):
     """FZOO's zo_step/zo_update: theta -= lr sum_i (l_i - l_0) / (N std(l)) u_i, u_i Rademacher, one-sided."""
-    if full:
-        model = copy.deepcopy(tiny64)
-        named = list(model.named_parameters())
-    else:
-        model, named, _ = lora_model(tiny)
+    model, named = trained_params(tiny, tiny64, full)
     reference = copy.deepcopy(model)
     names, theta = [n for n, _ in named], state(named)
     batch = random_batch(tiny.config.vocab_size, seed=2)
