@@ -50,22 +50,27 @@ def test_info_nce_equals_the_direct_formula_and_leaves_out_copies_of_the_positiv
     assert len([j for j in range(6) if keys[j] == keys[0]]) == 2  # the copy exists and was left out above
 
 
-def test_contrastive_loss_equals_sentence_transformers_multiple_negatives_ranking_loss():
-    st = pytest.importorskip("sentence_transformers")
-    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
-
+def minilm_triplets(st):
+    """MiniLM on five (query, positive, hard negative) rows: xgblora's model and batch, and sentence-transformers'
+    model and tokenised columns of the same rows."""
     path = pretrained.resolve_path(MINILM)
     model, tokenizer = pretrained.load(MINILM, head="embed")
     examples = [Example(f"what about {t}?", (f"{t}. It was fine.", f"{TOPICS[-1 - i]} again."), (0,))
                 for i, t in enumerate(TOPICS[:5])]
     batch = collate_pairs(pair_seqs(tokenizer, examples, 64), tokenizer.pad_token_id)
-    ours = per_example_loss(model.eval(), batch, Contrastive("mean", 0.05)).mean()
-
     reference = st.SentenceTransformer(path, device="cpu").eval()
     reference.max_seq_length = 64
     columns = [[ex.prompt for ex in examples], [ex.candidates[0] for ex in examples],
                [ex.candidates[1] for ex in examples]]
-    features = [reference.tokenize(texts) for texts in columns]
+    return model, batch, reference, [reference.tokenize(texts) for texts in columns]
+
+
+def test_contrastive_loss_equals_sentence_transformers_multiple_negatives_ranking_loss():
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    model, batch, reference, features = minilm_triplets(st)
+    ours = per_example_loss(model.eval(), batch, Contrastive("mean", 0.05)).mean()
     theirs = MultipleNegativesRankingLoss(reference, scale=20.0)(features, None)
     assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-4)
 
@@ -74,19 +79,9 @@ def test_symmetric_contrastive_loss_equals_sentence_transformers_symmetric_ranki
     st = pytest.importorskip("sentence_transformers")
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-    path = pretrained.resolve_path(MINILM)
-    model, tokenizer = pretrained.load(MINILM, head="embed")
-    examples = [Example(f"what about {t}?", (f"{t}. It was fine.", f"{TOPICS[-1 - i]} again."), (0,))
-                for i, t in enumerate(TOPICS[:5])]
-    batch = collate_pairs(pair_seqs(tokenizer, examples, 64), tokenizer.pad_token_id)
+    model, batch, reference, features = minilm_triplets(st)
     ours = per_example_loss(model.eval(), batch, Contrastive("mean", 0.05, symmetric=True)).mean()
     one_way = per_example_loss(model.eval(), batch, Contrastive("mean", 0.05)).mean()
-
-    reference = st.SentenceTransformer(path, device="cpu").eval()
-    reference.max_seq_length = 64
-    columns = [[ex.prompt for ex in examples], [ex.candidates[0] for ex in examples],
-               [ex.candidates[1] for ex in examples]]
-    features = [reference.tokenize(texts) for texts in columns]
     symmetric = MultipleNegativesRankingLoss(reference, scale=20.0, directions=("query_to_doc", "doc_to_query"),
                                              partition_mode="per_direction")  # MNSRL, as its deprecation says
     theirs = symmetric(features, None)
