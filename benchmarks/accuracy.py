@@ -246,11 +246,9 @@ def main(argv: list[str] | None = None) -> str:
         worker(args.worker)
         return ""
     if args.bf16 is None:
-        import torch
+        from xgblora.perf import native_bf16
 
-        from xgblora.perf import cpu_has_bf16
-
-        args.bf16 = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else cpu_has_bf16()
+        args.bf16 = native_bf16()
     if args.quick:
         args.num_train, args.num_dev, args.num_eval, args.epochs, args.seeds = 256, 128, 500, 3, args.seeds[:1]
     started = time.perf_counter()

@@ -186,11 +186,9 @@ def main(argv: list[str] | None = None) -> str:
         worker(args.worker)
         return ""
     if args.bf16 is None:
-        import torch
+        from xgblora.perf import native_bf16
 
-        from xgblora.perf import cpu_has_bf16
-
-        args.bf16 = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else cpu_has_bf16()
+        args.bf16 = native_bf16()
     started = time.perf_counter()
     chosen = {(name, budget): choose_lr(args, name, budget) for budget in args.budgets for name in args.runs}
     results = [run_one(args, name, seed, chosen[(name, budget)], budget)

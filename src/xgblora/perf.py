@@ -31,3 +31,8 @@ def cpu_has_bf16() -> bool:
     except OSError:
         return False
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def native_bf16() -> bool:
+    """Whether bf16 runs natively here: the GPU's support when there is one, else the CPU's flags."""
+    return torch.cuda.is_bf16_supported() if torch.cuda.is_available() else cpu_has_bf16()
