@@ -174,7 +174,7 @@ def test_trained_minilm_exports_a_sentence_transformers_model_with_the_same_embe
     assert results["recall@1"] > 0 and json.loads((out / "final/adapter_config.json").read_text())[
         "task_type"] == "FEATURE_EXTRACTION"
     merged = tmp_path / "merged"
-    assert cli.main(["export", str(out), "--format", "merged", "--out", str(merged)]) == 0
+    assert cli.main(["export", str(out), "--format", "merged", "--output_dir", str(merged)]) == 0
     texts = [f"what about {t}?" for t in TOPICS[:4]] + ["a much longer text " * 20]
     vectors = tmp_path / "v.npy"
     assert cli.main(["encode", str(out), "--input_file", str(data), "--column", "query", "--output_file", str(vectors)]) == 0

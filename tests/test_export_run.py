@@ -172,7 +172,7 @@ def test_user_errors_are_one_line(runs: dict, tmp_path: Path, case: str, message
 
 
 def test_cli_bad_run_dir_exits_2_with_one_line(tmp_path: Path, capsys) -> None:
-    code = cli.main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
+    code = cli.main(["export", str(tmp_path / "nope"), "--output_dir", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "xgblora export: error:" in err
     assert not (tmp_path / "out").exists()
@@ -187,11 +187,11 @@ EXPORT_KILLS = {"peft-svd": (["--format", "peft", "--rank", "1"], r"^adapter_con
 def test_export_killed_part_way_leaves_no_folder_and_a_rerun_writes_it_whole(runs: dict, tmp_path: Path,
                                                                             case: str) -> None:
     flags, pattern = EXPORT_KILLS[case]
-    out, args = tmp_path / "out", ["export", str(runs["xgb"]), "--out", str(tmp_path / "out"), *flags]
+    out, args = tmp_path / "out", ["export", str(runs["xgb"]), "--output_dir", str(tmp_path / "out"), *flags]
     assert run_dying_on_write(pattern, args, tmp_path / "stderr.txt") == KILLED
     assert not out.exists()  # a half-written export cannot pass for a finished one
     assert cli.main(args) == 0
-    assert cli.main(["export", str(runs["xgb"]), "--out", str(tmp_path / "whole"), *flags]) == 0
+    assert cli.main(["export", str(runs["xgb"]), "--output_dir", str(tmp_path / "whole"), *flags]) == 0
     names = sorted(p.name for p in out.iterdir())
     assert names == sorted(p.name for p in (tmp_path / "whole").iterdir()) and EXPORT_RECORD in names
     for name in set(names) - {EXPORT_RECORD}:

@@ -34,6 +34,7 @@ def files(tmp_path, monkeypatch):
     _jsonl(tmp_path / "chat.jsonl", chat)
     _jsonl(tmp_path / "reviews.jsonl", [{"review": "good", "label": 1}, {"review": "bad", "label": 0}])
     _jsonl(tmp_path / "no_answer.jsonl", [{"prompt": "q"}])
+    _jsonl(tmp_path / "pairs.jsonl", [{"query": f"q{i}", "positive": f"p{i}"} for i in range(4)])
     (tmp_path / "blocker").write_text("a file", encoding="utf-8")
     return tmp_path
 
@@ -70,6 +71,16 @@ CASES = {
                                    'field "prompt": missing.*the row has: review, label'),
     "generate output under a file": (["generate", "--input_file", "chat.jsonl", "--output_file", "blocker/o.jsonl"],
                                      "--output_file blocker: blocker is a file"),
+    "grit without its instruction file": (["train", "--objective", "grit", "--train_file", "pairs.jsonl"],
+                                          "--objective grit needs --grit_train_file"),
+    "grit instruction file missing": (["train", "--objective", "grit", "--train_file", "pairs.jsonl",
+                                       "--grit_train_file", "nope.jsonl"], "nope.jsonl: no such file"),
+    "grit file without grit": (["train", "--objective", "contrastive", "--train_file", "pairs.jsonl",
+                                "--grit_train_file", "chat.jsonl"], "--grit_train_file feeds GRIT's generative loss"),
+    "chat template missing": (["train", "--task_name", "custom", "--train_file", "chat.jsonl", "--chat_template",
+                               "nope.jinja"], "--chat_template nope.jinja: cannot read"),
+    "generate chat template missing": (["generate", "--input_file", "chat.jsonl", "--chat_template", "nope.jinja"],
+                                       "--chat_template nope.jinja: cannot read"),
     "encode column missing": (["encode", "tiny-bert", "--input_file", "reviews.jsonl", "--output_file", "v.npy"],
                               r'field "text": missing; the row has: review, label \(--column NAME'),
     "encode output under a file": (["encode", "tiny-bert", "--input_file", "reviews.jsonl", "--column", "review",
@@ -160,7 +171,7 @@ def test_train_eval_generate_export_and_load_in_peft(method, files, capsys):
     assert cli.main(["generate", "--model_name", "tiny-llama-chat", "--adapter", str(run / "final"), "--input_file",
                      "chat.jsonl", "--output_file", "gen.jsonl", "--max_new_tokens", "4"]) == 0
     assert len((files / "gen.jsonl").read_text().splitlines()) == 6
-    assert cli.main(["export", str(run), "--format", "peft", "--out", str(files / "peft")]) == 0
+    assert cli.main(["export", str(run), "--format", "peft", "--output_dir", str(files / "peft")]) == 0
     tokenizer = AutoTokenizer.from_pretrained(files / "peft")
     assert tokenizer.chat_template and tokenizer.chat_template == AutoTokenizer.from_pretrained(run / "final").chat_template
     base, _ = pretrained.random_model("tiny-llama-chat")
@@ -172,6 +183,46 @@ def test_train_eval_generate_export_and_load_in_peft(method, files, capsys):
         torch.testing.assert_close(peft_model(input_ids=ids).logits, ours(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
     card = (run / "final" / "README.md").read_text()
     assert "load_for_inference" in card and "AutoPeftModel" not in card  # a built-in base is not on the hub
+
+
+@pytest.mark.parametrize("method", ["ft", "lora"])
+def test_train_eval_generate_export_merged_and_load_in_transformers(method, files, capsys):
+    """The chain for a merged model, full fine-tuning's only export: train -> eval --adapter RUN/final ->
+    generate --adapter -> export --format merged -> plain transformers loads the folder (model and tokenizer) and
+    gives xgblora's logits; a PEFT export of a full run is refused with the way out."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from xgblora.adapters.trained import load_for_inference
+
+    run = files / "run"
+    assert cli.main(["train", "--model_name", "tiny-llama-chat", "--task_name", "custom", "--train_file", "chat.jsonl",
+                     "--method", method, "--learning_rate", "1e-2", "--max_steps", "4", "--output_dir", str(run),
+                     "--max_new_tokens", "4"]) == 0
+    capsys.readouterr()
+    assert cli.main(["eval", "--model_name", "tiny-llama-chat", "--adapter", str(run / "final"), "--task_name",
+                     "custom", "--eval_file", "chat.jsonl", "--max_new_tokens", "4", "--output_dir",
+                     str(files / "eval")]) == 0, capsys.readouterr().err
+    assert json.loads((files / "eval" / "results.json").read_text())["num_eval"] == 6
+    assert cli.main(["generate", "--model_name", "tiny-llama-chat", "--adapter", str(run / "final"), "--input_file",
+                     "chat.jsonl", "--output_file", "gen.jsonl", "--max_new_tokens", "4"]) == 0
+    assert len((files / "gen.jsonl").read_text().splitlines()) == 6
+    if method == "ft":
+        capsys.readouterr()
+        assert cli.main(["export", str(run), "--format", "peft", "--output_dir", str(files / "peft")]) == 2
+        assert "use --format merged" in capsys.readouterr().err
+    assert cli.main(["export", str(run), "--format", "merged", "--output_dir", str(files / "merged")]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(files / "merged")
+    assert tokenizer.chat_template == AutoTokenizer.from_pretrained(run / "final").chat_template
+    merged = AutoModelForCausalLM.from_pretrained(files / "merged").eval()
+    ours, _ = load_for_inference(str(run))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "q1"}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        trained = ours(input_ids=ids).logits
+        torch.testing.assert_close(merged(input_ids=ids).logits, trained, rtol=1e-4, atol=1e-5)
+        base, _ = pretrained.random_model("tiny-llama-chat")
+        assert not torch.allclose(base(input_ids=ids).logits, trained, atol=1e-4)  # the training is in it
 
 
 def test_warnings_are_one_plain_line_and_library_renames_are_silenced(monkeypatch):

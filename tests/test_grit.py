@@ -94,7 +94,7 @@ def test_grit_lowers_both_losses_and_its_merged_export_embeds_and_generates(tmp_
     assert [e["step"] for e in evals] == [12, 24] and "recall@1" in results
 
     merged = tmp_path / "merged"
-    assert cli.main(["export", str(out), "--format", "merged", "--out", str(merged)]) == 0
+    assert cli.main(["export", str(out), "--format", "merged", "--output_dir", str(merged)]) == 0
     base, tokenizer = pretrained.load("tiny-llama")
     trained, merged_tokenizer = pretrained.load(str(merged))
     before, after = losses(base, tokenizer, cfg, pairs, sft), losses(trained, merged_tokenizer, cfg, pairs, sft)
@@ -128,13 +128,13 @@ def test_grit_lowers_both_losses_and_its_merged_export_embeds_and_generates(tmp_
 
 
 def test_grit_needs_a_causal_lm_and_instruction_data(tmp_path):
-    pairs, _ = write_data(tmp_path)
+    pairs, chat = write_data(tmp_path)
     with pytest.raises(Exception, match="encoder"):
-        run(Config(model_name="tiny-bert", objective="grit", train_file=str(pairs), num_train=4, max_steps=1,
-                   output_dir=str(tmp_path / "a")))
+        run(Config(model_name="tiny-bert", objective="grit", train_file=str(pairs), grit_train_file=str(chat),
+                   num_train=4, max_steps=1, output_dir=str(tmp_path / "a")))
     with pytest.raises(Exception, match="--grit_train_file"):
-        run(Config(model_name="tiny-llama", objective="grit", train_file=str(pairs), num_train=4, max_steps=1,
-                   output_dir=str(tmp_path / "b")))
+        Config(model_name="tiny-llama", objective="grit", train_file=str(pairs), num_train=4, max_steps=1,
+               output_dir=str(tmp_path / "b"))
 
 
 def test_grit_pooling_leaves_the_instruction_out_as_gritlm_does():
@@ -183,15 +183,15 @@ def test_the_contrastive_loss_pools_as_encoding_does():
 def test_a_bidirectional_embedding_pass_never_runs_causally(monkeypatch):
     """auto attention is sdpa for GRIT's (and --bidirectional's) pass, as flash-attention would ignore the 4D
     mask; a model that ignores it anyway is an error, not a causal pass."""
-    assert setup.attention(Config(objective="grit"), "lm") == "sdpa"
+    assert setup.attention(Config(objective="grit", grit_train_file="sft.jsonl"), "lm") == "sdpa"
     assert setup.attention(Config(objective="contrastive", bidirectional=True), "lm") == "sdpa"
     assert setup.attention(Config(objective="contrastive"), "lm") == "auto"  # causal by choice: last-token pooling
-    assert setup.attention(Config(objective="grit", attn_implementation="eager"), "lm") == "eager"
+    assert setup.attention(Config(objective="grit", grit_train_file="sft.jsonl", attn_implementation="eager"), "lm") == "eager"
     model, _ = pretrained.load("tiny-llama")
     monkeypatch.setattr(setup, "bidirectional_supported", lambda model: False)
     with pytest.raises(UserError, match="ignores a bidirectional mask"):
-        setup.resolve_bidirectional(Config(objective="grit"), model, "lm")
-    assert setup.resolve_bidirectional(Config(objective="grit", bidirectional=False), model, "lm") is False
+        setup.resolve_bidirectional(Config(objective="grit", grit_train_file="sft.jsonl"), model, "lm")
+    assert setup.resolve_bidirectional(Config(objective="grit", grit_train_file="sft.jsonl", bidirectional=False), model, "lm") is False
 
 
 def test_grit_generative_batch_size_takes_that_many_instruction_examples(tmp_path):
@@ -208,4 +208,4 @@ def test_grit_generative_batch_size_takes_that_many_instruction_examples(tmp_pat
     assert whole.generative.n_examples == 4
     torch.testing.assert_close(batch.generative.input_ids, generative.batch([3, 4]).input_ids)
     with pytest.raises(UserError, match="--grit_generative_batch_size 9"):
-        Config(objective="grit", grit_generative_batch_size=9, per_device_train_batch_size=8)
+        Config(objective="grit", grit_train_file="sft.jsonl", grit_generative_batch_size=9, per_device_train_batch_size=8)

@@ -188,7 +188,7 @@ def test_templates_that_fail_or_are_missing_are_one_line_errors(chat_model, tmp_
     with pytest.raises(UserError, match="this tokenizer has no chat template.*--chat_template FILE"):
         formats.instruction_seqs(tokenizer, [ex], 1024)
     (tmp_path / "bad.jinja").write_text("{{ raise_exception('only user turns') }}")
-    formats.set_chat_template(tokenizer, str(tmp_path / "bad.jinja"))
+    tokenizer.chat_template = formats.read_chat_template(str(tmp_path / "bad.jinja"))
     with pytest.raises(UserError, match=r"chat\.jsonl:7: the chat template failed to render \(TemplateError: only"):
         formats.instruction_seqs(tokenizer, [ex], 1024)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% endif %}{% endfor %}"

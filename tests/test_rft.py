@@ -282,7 +282,7 @@ def test_rft_temperature_is_the_sampling_one_and_greedy_is_allowed(capsys):
     assert cfg.temperature == 0.0 and cfg.contrastive_temperature is None
     train = build_parser().parse_args(["train", "--objective", "contrastive", "--temperature", "0.1"])
     assert from_namespace(Config, train).contrastive_temperature == 0.1
-    assert Config(objective="grit").similarity_temperature == 0.02
+    assert Config(objective="grit", grit_train_file="sft.jsonl").similarity_temperature == 0.02
     assert Config(objective="contrastive").similarity_temperature == 0.05
     with pytest.raises(SystemExit):
         build_parser().parse_args(["rft", "--help"])

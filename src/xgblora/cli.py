@@ -123,7 +123,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from xgblora.export import export_run
 
-    print(json.dumps(export_run(Path(args.run_dir), args.format, Path(args.out), args.rank,
+    print(json.dumps(export_run(Path(args.run_dir), args.format, Path(args.output_dir), args.rank,
                                 trust_remote_code=args.trust_remote_code, checkpoint=args.checkpoint), indent=2))
     return 0
 
@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="peft: a PEFT LoRA adapter; merged: the full model with every delta merged.")
             p.add_argument("--rank", type=int, default=None,
                            help="peft only: compress each module's summed delta to this rank by truncated SVD.")
-            p.add_argument("--out", required=True, help="Folder to write.")
+            p.add_argument("--output_dir", "--output-dir", "--out", dest="output_dir", required=True,
+                           help="The folder to write (new, or empty).")
             p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
                            help="merged: let the base model run its own code (only when you pass it).")
         elif name == "encode":

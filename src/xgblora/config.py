@@ -315,6 +315,12 @@ class Config(ModelOptions):
         if self.learnable_temperature and self.trainer == "zo":
             raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
                             "weights only); fix the temperature with --contrastive_temperature instead")
+        if self.objective == "grit" and self.trainer != "none" and not self.grit_train_file:
+            raise UserError("--objective grit needs --grit_train_file: instruction rows for the generative loss "
+                            "(messages, prompt/completion or text)")
+        if self.grit_train_file and self.objective != "grit":
+            raise UserError(f"--grit_train_file feeds GRIT's generative loss; it has no use with --objective "
+                            f"{self.objective} (pass --objective grit)")
         if self.mini_batch_size < 0 or (self.mini_batch_size and self.objective == "lm"):
             raise UserError(f"--mini_batch_size (gradient caching) takes a number of rows with --objective "
                             f"contrastive or grit, got {self.mini_batch_size} with --objective {self.objective}")

@@ -35,12 +35,12 @@ def _check_out(out: Path, run_dir: Path) -> None:
     """Refuse to write into the run's own final/ folder, over a file, or over a folder of someone else's files
     (an export replaces its folder whole)."""
     if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out}: exists and is not a folder")
+        raise UserError(f"--output_dir {out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_RECORD).is_file():
-        raise UserError(f"--out {out}: the folder holds files that xgblora export did not write; choose a new or "
+        raise UserError(f"--output_dir {out}: the folder holds files that xgblora export did not write; choose a new or "
                         f"empty folder (an export replaces its folder whole)")
     if out.resolve() == (run_dir / "final").resolve() or out.resolve() == run_dir.resolve():
-        raise UserError(f"--out {out}: choose a folder other than the run's own")
+        raise UserError(f"--output_dir {out}: choose a folder other than the run's own")
 
 
 def _energy_report(energy: dict[str, float], kept: float, total: float) -> dict[str, Any]:

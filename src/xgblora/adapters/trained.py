@@ -51,9 +51,11 @@ def resolve(name_or_path: str, adapter: str | None = None) -> ModelSource:
     if (folder / _ADAPTER_CONFIG).is_file():  # the base given wins over the one the adapter names
         return ModelSource(source.base, folder)
     extra = _run_source(folder) if (folder / "config.yaml").is_file() else ModelSource(adapter)
+    if extra.adapter is None and (Path(extra.base) / "config.json").is_file():
+        return extra  # full fine-tuning's final/: the trained model is whole and takes the base's place
     if extra.adapter is None:
-        raise UserError(f"--adapter {adapter}: not a PEFT adapter folder (no {_ADAPTER_CONFIG}) nor an xgblora run "
-                        f"folder with an adapter")
+        raise UserError(f"--adapter {adapter}: not a PEFT adapter folder (no {_ADAPTER_CONFIG}), a full "
+                        f"fine-tuning run's model (no config.json) nor an xgblora run folder")
     return ModelSource(source.base, extra.adapter)
 
 
@@ -93,7 +95,7 @@ def _run_source(run_dir: Path) -> ModelSource:
     path = checkpoint.find(run_dir / "checkpoints", "latest")
     if cfg.get("method") == "ft":
         raise UserError(f"{run_dir}: an unfinished full fine-tuning run; export its checkpoint first: xgblora export "
-                        f"{run_dir} --checkpoint {path.name} --format merged --out DIR")
+                        f"{run_dir} --checkpoint {path.name} --format merged --output_dir DIR")
     return ModelSource(cfg["model_name"], checkpoint.adapter_folder(path))
 
 
@@ -156,12 +158,13 @@ def load_with_options(options: ModelOptions, name_or_path: str, adapter: str | N
                       ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """`load_for_inference` with a command's model options (dtype, device, attention, remote code, 4-bit), and its
     --chat_template file, if any, replacing the tokenizer's."""
+    template = formats.read_chat_template(chat_template) if chat_template else None
     model, tokenizer = load_for_inference(name_or_path, adapter, dtype=options.dtype_name, device=options.device,
                                           attn_implementation=options.attn_implementation,
                                           trust_remote_code=options.trust_remote_code,
                                           load_in_4bit=options.load_in_4bit)
-    if chat_template:
-        formats.set_chat_template(tokenizer, chat_template)
+    if template is not None:
+        tokenizer.chat_template = template
     return model, tokenizer
 
 

@@ -29,10 +29,11 @@ from xgblora.data.tasks import Example
 from xgblora.errors import UserError
 
 
-def set_chat_template(tokenizer: PreTrainedTokenizerBase, path: str) -> None:
-    """Give the tokenizer the Jinja chat template in a file (--chat_template), replacing its own."""
+def read_chat_template(path: str) -> str:
+    """The Jinja chat template in a file (--chat_template), read before any model loads; it replaces the
+    tokenizer's own."""
     try:
-        tokenizer.chat_template = Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"--chat_template {path}: cannot read ({exc.__class__.__name__}: {exc})") from None
 

@@ -142,11 +142,12 @@ def load_policy(cfg: GRPOConfig) -> tuple[GRPOConfig, torch.nn.Module, Any]:
     source = trained.resolve(cfg.model_name, cfg.adapter)
     cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
     device = pretrained.choose_device(cfg.device)
+    template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
     model, tokenizer = pretrained.load(cfg.model_name, dtype=cfg.dtype_name,
                                        attn_implementation=cfg.attn_implementation, device=str(device),
                                        trust_remote_code=cfg.trust_remote_code, load_in_4bit=cfg.load_in_4bit)
-    if cfg.chat_template:
-        formats.set_chat_template(tokenizer, cfg.chat_template)
+    if template is not None:
+        tokenizer.chat_template = template
     max_length = min(cfg.max_length, getattr(model.config, "max_position_embeddings", cfg.max_length))
     return dataclasses.replace(cfg, max_length=max_length, device=str(device)), model, tokenizer
 

@@ -31,7 +31,7 @@ from xgblora.config import Config
 from xgblora.data import formats
 from xgblora.data.pairs import PairTask, Prefixes, embedding_prefixes, held_apart, pair_seqs, prefix_length
 from xgblora.data.splits import Splits, load_rows, sample_splits
-from xgblora.data.tasks import CustomTask, Task, get_task
+from xgblora.data.tasks import CustomTask, Example, Task, get_task
 from xgblora.distributed import Distributed
 from xgblora.embeddings.pooling import bidirectional_supported
 from xgblora.errors import UserError
@@ -150,6 +150,7 @@ class RunSetup:
     scoring: labels.LabelScoring | None
     device: torch.device
     evaluate: Evaluator
+    generative: Sequence[Example] = ()  # GRIT: --grit_train_file's instruction examples
 
     @property
     def prefixes(self) -> Prefixes:
@@ -183,6 +184,8 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
         head = pretrained.resolve_head(cfg.head, cfg.model_name, cfg.trust_remote_code)
     if cfg.trainer != "none":
         check_monitor(cfg, splits)
+    generative = grit_examples(cfg) if cfg.objective == "grit" and cfg.trainer != "none" else ()
+    template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
     if dist.is_main:
         log.info("%s", describe_splits(task, cfg, splits))
     words = labels.label_words(task.name, splits.train, splits.dev, splits.eval) if head not in ("lm", "embed") \
@@ -196,8 +199,8 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
                                    compute_dtype=_compute_dtype(cfg, target))
     if source.adapter is not None and cfg.trainer == "none":  # evaluation; training starts from it in setup_method
         trained.apply_adapter(model, source.adapter, merge=not cfg.load_in_4bit)
-    if cfg.chat_template:
-        formats.set_chat_template(tokenizer, cfg.chat_template)
+    if template is not None:
+        tokenizer.chat_template = template
     device = next(model.parameters()).device
     cfg = resolve(cfg, model, dist, head)
     if dist.is_main:
@@ -207,7 +210,15 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
         perf.enable_tf32(device)
     scoring = labels.build_scoring(head, tokenizer, words, cfg.pooling) if words else None
     evaluator = build_evaluator(cfg, task, tokenizer, scoring, formats.model_stop_ids(model, tokenizer))
-    return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device, evaluator)
+    return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device, evaluator, generative)
+
+
+def grit_examples(cfg: Config) -> list[Example]:
+    """GRIT's instruction examples for the generative loss, read from --grit_train_file (any form --train_file
+    takes) before the model loads, so that a bad file stops the run first."""
+    task = CustomTask(dataclasses.replace(cfg.data, train_file=cfg.grit_train_file, eval_file=None, columns=None,
+                                         template=None, label_words=None))
+    return load_rows(task, "train", None)
 
 
 def build_evaluator(cfg: Config, task: Task, tokenizer: Any, scoring: labels.LabelScoring | None,
@@ -332,13 +343,7 @@ def embedding_training_set(run: RunSetup) -> TrainingSet:
     pairs = pair_seqs(tokenizer, run.splits.train, cfg.max_length, run.prefixes)
     if cfg.objective == "contrastive":
         return pair_training_set(pairs, tokenizer.pad_token_id)
-    if not cfg.grit_train_file:
-        raise UserError("--objective grit needs --grit_train_file: instruction rows for the generative loss "
-                        "(messages, prompt/completion or text)")
-    task = CustomTask(dataclasses.replace(cfg.data, train_file=cfg.grit_train_file, eval_file=None, columns=None,
-                                         template=None, label_words=None))
-    examples = load_rows(task, "train", None)
-    seqs = formats.instruction_seqs(tokenizer, examples, cfg.max_length, cfg.train_on_prompt, run.stop_ids)
+    seqs = formats.instruction_seqs(tokenizer, run.generative, cfg.max_length, cfg.train_on_prompt, run.stop_ids)
     generative = sequence_training_set(seqs, tokenizer.pad_token_id, token_mean=True)
     return grit_training_set(pairs, generative, tokenizer.pad_token_id, cfg.grit_generative_batch_size)
 
