@@ -10,15 +10,20 @@ import pytest
 from xgblora.bench import flags, suites
 
 
-def test_grpo_suite_quick_alternates_with_trl(tmp_path, shared_data, capsys):
+@pytest.mark.parametrize("data", ["generated", "gsm8k"])
+def test_grpo_suite_quick_alternates_with_trl(data, tmp_path, request, capsys):
+    """With --data_dir the prompts are GSM8K's questions; without, generated ones, and the suite says so."""
     pytest.importorskip("trl")
+    source = ["--data_dir", str(request.getfixturevalue("shared_data"))] if data == "gsm8k" else []
     parser = argparse.ArgumentParser()
     flags.add_arguments(parser)
     args = parser.parse_args(["--quick", "--suite", "grpo", "--grpo_models", "tiny-llama", "--device", "cpu",
-                              "--data_dir", str(shared_data), "--skip_memory", "--json", str(tmp_path / "b.json")])
+                              *source, "--skip_memory", "--json", str(tmp_path / "b.json")])
     assert suites.main(args) == 0
+    printed = capsys.readouterr()
+    assert ("no --data_dir: prompts are generated" in printed.err) == (not source)
     (case,) = json.loads((tmp_path / "b.json").read_text())["cases"]
     assert case["steps_timed"] == 2 and len(case["trl_step_s"]) == len(case["xgblora_step_s"]) == 2
     assert all(math.isfinite(case[k]) and case[k] > 0
                for k in ("xgblora_steps_per_s", "trl_steps_per_s", "speedup_vs_trl"))
-    assert "| tiny-llama | 1 x 2, 4 |" in capsys.readouterr().out
+    assert "| tiny-llama | 1 x 2, 4 |" in printed.out

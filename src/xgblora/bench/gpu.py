@@ -86,7 +86,7 @@ def cuda_parts(args: argparse.Namespace) -> list[tuple[str, str, Callable[[], An
         (f"bench:{m}", "bench", lambda m=m: train_suite.run(_user_sizes(args, m))) for m in USER_MODELS]
     parts += [("sft", "sft", lambda: sft.run(_with(args, sft_models=["llama-100m-random"], sft_variants=["padded", "packed"],
                                              batch_size=16, repeats=3, warmup=1, dtype="bfloat16", quick=False,
-                                             skip_memory=False)))]  # needs --data_dir (GSM8K)
+                                             skip_memory=False)))]
     parts += [
         ("icl", "icl", lambda: icl.run(_with(args, model_name="opt-1.3b-random", eval_examples=64, batch_size=16,
                                              repeats=2, warmup=1, dtype="bfloat16", icl_context=0, quick=False))),

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from xgblora.bench.memory import peak_added, sides_in_subprocesses
-from xgblora.bench.sft import chat_tokenizer
+from xgblora.bench.sft import chat_tokenizer, generated_conversations
 from xgblora.bench.timing import step_callback, sync_device
 from xgblora.config import GRPOConfig
 from xgblora.errors import UserError
@@ -63,15 +63,18 @@ class GRPOCase:
 
 
 def questions(case: GRPOCase) -> Path:
-    """A JSONL file of the first GSM8K training questions, enough for every step (in a temporary folder)."""
-    source = Path(case.data_dir) / "gsm8k" / "train.jsonl"
-    if not source.is_file():
-        raise UserError(f"--suite grpo reads GSM8K questions from {source}, which does not exist (pass --data_dir)")
+    """A JSONL file of the first GSM8K training questions, enough for every step (in a temporary folder); without
+    a data_dir, generated GSM8K-shaped questions (the timing depends on lengths, not on the words)."""
     n = case.prompts * (case.warmup + case.steps)
-    lines = source.read_text(encoding="utf-8").splitlines()[:n]
+    if case.data_dir:
+        source = Path(case.data_dir) / "gsm8k" / "train.jsonl"
+        if not source.is_file():
+            raise UserError(f"--suite grpo reads GSM8K questions from {source}, which does not exist (pass --data_dir)")
+        texts = [json.loads(line)["question"] for line in source.read_text(encoding="utf-8").splitlines()[:n]]
+    else:
+        texts = [example.messages[0][1] for example in generated_conversations(n)]
     path = Path(tempfile.mkdtemp(prefix="xgblora-grpo-bench-")) / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": json.loads(line)["question"]}) + "\n" for line in lines),
-                    encoding="utf-8")
+    path.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts), encoding="utf-8")
     return path
 
 
@@ -174,6 +177,9 @@ def cases(args: argparse.Namespace) -> list[GRPOCase]:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every case: timing interleaved in this process, memory in subprocesses."""
     results = []
+    if not args.data_dir:
+        print("[grpo] no --data_dir: prompts are generated GSM8K-shaped questions (pass --data_dir DIR with "
+              "gsm8k/train.jsonl for the real ones)", file=sys.stderr, flush=True)
     for case in cases(args):
         res = compare_case(case)
         if not args.skip_memory:
