@@ -33,7 +33,8 @@ def test_seed_compare_command_line_parses_verbatim():
 
 
 def test_hyphenated_spelling_and_bool_values():
-    a = config.parse(Config, ["--model-name", "tiny-llama", "--num-train", "3", "--zo-dual", "false", "--lora"])
+    a = config.parse(Config, ["--model-name", "tiny-llama", "--num-train", "3", "--trainer", "zo", "--zo-dual", "false",
+                               "--lora"])
     assert (a.model_name, a.num_train, a.zo_dual, a.method, a.rank) == ("tiny-llama", 3, False, "lora", 8)
     assert config.parse(Config, ["--zo_stochastic_rounding", "none"]).zo_stochastic_rounding is None
     with pytest.raises(SystemExit):
@@ -42,7 +43,7 @@ def test_hyphenated_spelling_and_bool_values():
 
 def test_yaml_then_command_line_wins(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("task_name: RTE\nlearning_rate: 1.0e-4\nnum-train: 7\nlora_rank: 4\n")
+    path.write_text("task_name: RTE\nlearning_rate: 1.0e-4\nnum-train: 7\nmethod: lora\nlora_rank: 4\n")
     cfg = config.parse(Config, ["--config", str(path), "--task_name", "CB"])
     assert (cfg.task_name, cfg.learning_rate, cfg.num_train, cfg.lora_r) == ("CB", 1e-4, 7, 4)
 

@@ -40,10 +40,12 @@ MEZO_DEFAULTS = {"num_train": 0, "trainer": "none", "result_file": "auto"}
 # trains LoRA adapters on the user's own data.
 RFT_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 2e-4, "num_return_sequences": 8,
                 "temperature": 0.7, "max_new_tokens": 256}
-COMMAND_DEFAULTS = {"eval": EVAL_DEFAULTS, "mezo": MEZO_DEFAULTS, "rft": RFT_DEFAULTS}
-
 # GRPO trains a LoRA adapter by default, at a learning rate for adapters (TRL's 1e-6 is for full fine-tuning).
 GRPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5}
+COMMAND_DEFAULTS = {"eval": EVAL_DEFAULTS, "mezo": MEZO_DEFAULTS, "rft": RFT_DEFAULTS, "grpo": GRPO_DEFAULTS}
+# Options of a command's dataclass that it never reads: left out of its flags (a YAML config may still name them,
+# at their default).
+HIDDEN = {"rft": config_mod.RFT_IGNORES, "grpo": config_mod.GRPO_IGNORES}
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -194,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False,
                            formatter_class=_Help)
         if name in OPTIONS:
-            config_mod.add_arguments(p, OPTIONS[name], COMMAND_DEFAULTS.get(name))
+            config_mod.add_arguments(p, OPTIONS[name], COMMAND_DEFAULTS.get(name), HIDDEN.get(name, ()))
         elif name == "export":
             p.add_argument("run_dir", help="A run's --output_dir (holds config.yaml, and final/ once finished).")
             p.add_argument("--checkpoint", default=None, metavar="step-N|latest|best",
@@ -281,7 +283,7 @@ def _add_mine_arguments(p: argparse.ArgumentParser) -> None:
 def _unrecognized(command: str, unknown: list[str]) -> UserError:
     """The error for flags the command does not have, suggesting the closest of its options."""
     cls = OPTIONS.get(command)
-    names = [f.name for f in dataclasses.fields(cls)] if cls is not None else []
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in HIDDEN.get(command, ())] if cls else []
     flag = next((a for a in unknown if a.startswith("--")), "")
     close = difflib.get_close_matches(flag[2:].split("=")[0].replace("-", "_"), names, n=1) if flag else []
     hint = f"; did you mean --{close[0]}?" if close else ""

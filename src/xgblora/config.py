@@ -349,6 +349,16 @@ class Config(ModelOptions):
                             f"use --zo_optimizer sgd")
 
     @property
+    def methods_used(self) -> set[str]:
+        """The methods the command trains (compare: one per --methods entry)."""
+        return {self.method}
+
+    @property
+    def trainers_used(self) -> set[str]:
+        """The trainers the command runs (compare: one per --methods entry)."""
+        return {self.trainer}
+
+    @property
     def similarity_temperature(self) -> float:
         """--contrastive_temperature, else 0.02 for grit (GritLM's arguments.py) and 0.05 for contrastive."""
         if self.contrastive_temperature is not None:
@@ -423,6 +433,15 @@ class CompareConfig(Config):
     seeds: list[int] = _opt([0], "Seeds to run each method with.")
     methods: list[str] = _opt(["xgblora", "lora"], "Methods to compare: ft, lora, xgblora, optionally as method:trainer (e.g. lora:regular), the trainer also a ZO estimator (lora:fzoo, lora:svrg, lora:nspsa, lora:mezo).")
     overwrite: bool = _opt(False, "Redo runs that already finished.")
+
+    @property
+    def methods_used(self) -> set[str]:
+        return {spec.partition(":")[0] for spec in self.methods}
+
+    @property
+    def trainers_used(self) -> set[str]:
+        named = {spec.partition(":")[2] or self.trainer for spec in self.methods}
+        return {"zo" if trainer in ZO_ESTIMATORS else trainer for trainer in named}
 
 
 @dataclass(frozen=True)
@@ -580,6 +599,107 @@ class GRPOConfig(Config, SamplingOptions):
         return self.optimizer_batch
 
 
+# ----------------------------------------------------------------------------- options a run would ignore
+
+ADAPTER_OPTIONS = ("lora_r", "lora_alpha", "use_rslora", "lora_dropout", "lora_target_modules")
+XGBLORA_ADAPTIVE_OPTIONS = ("xgblora_adaptive_max_steps", "xgblora_adaptive_patience", "xgblora_adaptive_threshold",
+                            "xgblora_adaptive_ema")
+XGBLORA_OPTIONS = ("xgblora_preset", "xgblora_num_boosters", "xgblora_steps_per_iteration",
+                   "xgblora_layers_per_booster", "xgblora_shrinkage", "xgblora_norm_penalty",
+                   "xgblora_restart_schedule", "xgblora_adaptive", *XGBLORA_ADAPTIVE_OPTIONS)
+ZO_OPTIONS = ("zo_eps", "zo_dual", "zo_estimator", "zo_queries", "zo_optimizer", "zo_svrg_period",
+              "zo_svrg_anchor_batches", "zo_stochastic_rounding", "head_trainer", "head_learning_rate")
+GRIT_OPTIONS = ("grit_contrastive_weight", "grit_generative_weight", "grit_generative_batch_size")
+EMBEDDING_OPTIONS = ("query_instruction", "doc_instruction", "instruction_format", "include_prompt",
+                     "contrastive_temperature", "contrastive_loss", "learnable_temperature", "bidirectional",
+                     *GRIT_OPTIONS)
+CLASSIFICATION_OPTIONS = ("template", "label_words", "label_names", "sfc", "icl_sfc", "train_as_classification")
+TRAINING_OPTIONS = ("lora", "xgblora", "method", *ADAPTER_OPTIONS, *XGBLORA_OPTIONS, *ZO_OPTIONS, "learning_rate",
+                    "lr_scheduler_type", "warmup_steps", "warmup_ratio", "max_steps", "num_train_epochs",
+                    "per_device_train_batch_size", "gradient_accumulation_steps", "weight_decay", "adam_beta1",
+                    "adam_beta2", "adam_epsilon", "max_grad_norm", "fused_adamw", "gradient_checkpointing", "compile",
+                    "group_by_length", "packing", "loss_mean", "only_train_option", "train_as_classification",
+                    "head_init", "head_probe_l2", "contrastive_loss", "learnable_temperature", "mini_batch_size",
+                    *GRIT_OPTIONS, "logging_steps", "evaluation_strategy", "eval_steps", "log_samples",
+                    "save_strategy", "save_steps", "save_total_limit", "save_only_model", "load_best_model_at_end",
+                    "resume_from_checkpoint", "report_to", "nan_policy", "no_eval", "overwrite_output_dir")
+# What `xgblora rft` and `xgblora grpo` never read: they train on instruction rows of their own (RFT's kept samples,
+# GRPO's prompts) with the language-modelling loss, so MeZO's tasks, classification heads and embeddings have no
+# place; RFT sets each round's data, evaluation and folder itself. Their parsers leave these flags out.
+SAMPLE_TRAINING_IGNORES = ("task_name", "data_dir", "num_train", "num_dev", "num_eval", "train_set_seed", "dev_pool",
+                           "data_format", "result_file", "tag", "no_eval", *CLASSIFICATION_OPTIONS,
+                           "only_train_option", "head", "pooling", "head_init", "head_probe_l2", "objective",
+                           "mini_batch_size", "grit_train_file", *EMBEDDING_OPTIONS)
+RFT_IGNORES = (*SAMPLE_TRAINING_IGNORES, "output_dir")
+GRPO_IGNORES = (*SAMPLE_TRAINING_IGNORES, "eval_split_ratio", "loss_mean", "train_on_prompt", "log_samples",
+                "per_device_eval_batch_size", "packing", "group_by_length", "load_best_model_at_end", "compile",
+                "gradient_checkpointing", "tf32", "ddp_timeout")
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """Options a run never reads while `applies(cfg)` holds: refused, once changed from their default, with
+    `reason` (why they do nothing there, and what to pass instead)."""
+
+    options: tuple[str, ...]
+    applies: typing.Callable[[Any], bool]
+    reason: str
+
+
+def _training(cfg: Any) -> bool:
+    return isinstance(cfg, Config)
+
+
+IGNORED = (
+    Ignored(TRAINING_OPTIONS, lambda c: _training(c) and c.trainers_used == {"none"},
+            "nothing trains under --trainer none (what xgblora eval and xgblora mezo run by default); drop it, or "
+            "train with xgblora train"),
+    Ignored(ZO_OPTIONS, lambda c: _training(c) and "zo" not in c.trainers_used,
+            "a zeroth-order option, unused by --trainer regular (AdamW); pass --trainer zo"),
+    Ignored(("max_grad_norm", "fused_adamw", "gradient_checkpointing"),
+            lambda c: _training(c) and c.trainers_used == {"zo"},
+            "an AdamW/back-propagation option; --trainer zo runs forward passes only"),
+    Ignored(("adam_beta1",), lambda c: _training(c) and c.trainers_used == {"zo"} and c.zo_optimizer == "sgd",
+            "--trainer zo with --zo_optimizer sgd keeps no momentum; pass --zo_optimizer momentum or adam"),
+    Ignored(("adam_beta2", "adam_epsilon"),
+            lambda c: _training(c) and c.trainers_used == {"zo"} and c.zo_optimizer != "adam",
+            "--trainer zo reads it with --zo_optimizer adam only"),
+    Ignored((*ADAPTER_OPTIONS, *XGBLORA_OPTIONS), lambda c: _training(c) and c.methods_used == {"ft"},
+            "full fine-tuning (--method ft) trains no adapter; pass --method lora or --method xgblora"),
+    Ignored(XGBLORA_OPTIONS, lambda c: _training(c) and "xgblora" not in c.methods_used,
+            "an XGBLoRA booster option, unused by plain LoRA; pass --method xgblora"),
+    Ignored(XGBLORA_ADAPTIVE_OPTIONS, lambda c: _training(c) and not c.xgblora_adaptive,
+            "the adaptive merge's option; pass --xgblora_adaptive"),
+    Ignored(EMBEDDING_OPTIONS, lambda c: _training(c) and c.objective == "lm",
+            "an embedding option, unused by --objective lm; pass --objective contrastive or grit"),
+    Ignored(GRIT_OPTIONS, lambda c: _training(c) and c.objective == "contrastive",
+            "a GRIT option, unused by --objective contrastive; pass --objective grit"),
+    Ignored(CLASSIFICATION_OPTIONS, lambda c: _training(c) and c.objective != "lm",
+            "a MeZO-task/classification option; an embedding objective trains on pairs"),
+    Ignored(("seed", "output_dir", "result_file", "overwrite_output_dir"), lambda c: isinstance(c, CompareConfig),
+            "xgblora compare sets it for each run; use --seeds, --output_root and --overwrite"),
+    Ignored(RFT_IGNORES, lambda c: isinstance(c, RFTConfig),
+            "xgblora rft trains each round on its kept samples as instruction data, under --output_root"),
+    Ignored(GRPO_IGNORES, lambda c: isinstance(c, GRPOConfig),
+            "xgblora grpo trains a language model on its own prompts and never reads it"),
+    Ignored(("num_return_sequences",), lambda c: type(c) is ChatConfig,
+            "xgblora chat streams one reply a turn; sample several with xgblora generate"),
+)
+
+
+def check_ignored(cfg: Any, defaults: dict[str, Any] | None = None) -> None:
+    """Refuse, in one line, an option changed from its default (the command's `defaults`, else the dataclass's) that
+    the run would never read."""
+    default_of = {f.name: (defaults or {}).get(f.name, _default(f)) for f in dataclasses.fields(cfg)}
+    for rule in IGNORED:
+        if not rule.applies(cfg):
+            continue
+        for name in rule.options:
+            value = getattr(cfg, name)
+            if value != default_of[name]:
+                raise UserError(f"--{name} {value!r} does nothing here: {rule.reason}")
+
+
 def check_choices(cfg: Any) -> None:
     """One-line errors for options outside their choices, for any options dataclass."""
     for f in dataclasses.fields(cfg):
@@ -644,10 +764,14 @@ def _aliases(cls: type, f: dataclasses.Field) -> tuple[str, ...]:
     return tuple(a for a in f.metadata.get("aliases", ()) if a not in names)
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, defaults: dict[str, Any] | None = None) -> None:
-    """Add one flag per dataclass field, in underscore and hyphen spelling plus aliases; defaults are suppressed
-    (the help shows the command's own: `defaults` first, then the dataclass's)."""
+def add_arguments(parser: argparse.ArgumentParser, cls: type, defaults: dict[str, Any] | None = None,
+                  hidden: tuple[str, ...] = ()) -> None:
+    """Add one flag per dataclass field but the `hidden` ones (fields the command never reads), in underscore and
+    hyphen spelling plus aliases; defaults are suppressed (the help shows the command's own: `defaults` first, then
+    the dataclass's)."""
     for f in dataclasses.fields(cls):
+        if f.name in hidden:
+            continue
         base, optional, is_list = _field_type(cls, f)
         names = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
         for alias in _aliases(cls, f):
@@ -739,7 +863,9 @@ def from_namespace(cls: type, ns: argparse.Namespace, defaults: dict[str, Any] |
     values = dict(defaults or {})
     values.update(read_yaml(cls, ns.config) if getattr(ns, "config", None) else {})
     values.update(given)
-    return cls(**values)
+    cfg = cls(**values)
+    check_ignored(cfg, defaults)
+    return cfg
 
 
 def parse(cls: type, argv: list[str]) -> Config:
