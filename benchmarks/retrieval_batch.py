@@ -208,6 +208,7 @@ def main() -> None:
         return row
 
     small = min(args.batch_sizes)
+    record("dev", "zero-shot (no training)", 0, lambda: zero_shot(files["dev"], args.max_length))
     dev = {lr: record("dev", f"xgblora batch {small} lr {lr:g}", 0,
                       lambda lr=lr: xgblora_run(args, files["train"], files["dev"], 0, f"dev-{lr:g}", lr, small))
            for lr in args.lrs}
