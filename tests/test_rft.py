@@ -273,12 +273,12 @@ def test_completions_cut_off_by_max_new_tokens_are_never_kept():
 
 
 def test_rft_temperature_is_the_sampling_one_and_greedy_is_allowed(capsys):
-    from xgblora.cli import build_parser
+    from xgblora.cli import COMMAND_DEFAULTS, build_parser
     from xgblora.config import from_namespace
 
     args = build_parser().parse_args(["rft", "--train_file", "t", "--eval_file", "e", "--temperature", "0",
                                       "--num_return_sequences", "1"])
-    cfg = from_namespace(RFTConfig, args, {"temperature": 0.7})
+    cfg = from_namespace(RFTConfig, args, COMMAND_DEFAULTS["rft"])
     assert cfg.temperature == 0.0 and cfg.contrastive_temperature is None
     train = build_parser().parse_args(["train", "--objective", "contrastive", "--temperature", "0.1"])
     assert from_namespace(Config, train).contrastive_temperature == 0.1
@@ -288,7 +288,10 @@ def test_rft_temperature_is_the_sampling_one_and_greedy_is_allowed(capsys):
         build_parser().parse_args(["rft", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "Sampling temperature; 0 is greedy. (default: 0.7)" in help_text
-    assert "--contrastive_temperature" in help_text
+    assert "--contrastive_temperature" not in help_text  # rft trains a language model: no embedding options
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    assert "--contrastive_temperature" in capsys.readouterr().out
 
 
 ARITHMETIC = [(a, b) for a in range(1, 6) for b in range(1, 6) if a != b]
