@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from rft_smollm2 import LAST_NUMBER, smollm2_folder, write_questions
+from rft_smollm2 import LAST_NUMBER, prepare, write_questions
 
 from xgblora.config import GRPOConfig
 from xgblora.generation.grpo import run_grpo
@@ -36,12 +36,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model = smollm2_folder(out)
-    table = out / "table.md"
-    if not table.exists():
-        table.write_text("| seed | trainer | lr | steps | pass@1 before | pass@1 after | train s |\n"
-                         "|---|---|---|---|---|---|---|\n", encoding="utf-8")
+    model, table = prepare(out, "| seed | trainer | lr | steps | pass@1 before | pass@1 after | train s |")
     for seed in args.seeds:
         train_file, heldout = write_questions(out, args.questions, args.heldout, seed)
         cfg = GRPOConfig(model_name=model, train_file=str(train_file), eval_file=str(heldout),

@@ -44,6 +44,16 @@ def smollm2_folder(out: Path) -> str:
     return str(folder)
 
 
+def prepare(out: Path, header: str) -> tuple[str, Path]:
+    """The output folder made, the model folder in it (see smollm2_folder), and its table.md begun with header."""
+    out.mkdir(parents=True, exist_ok=True)
+    table = out / "table.md"
+    if not table.exists():
+        columns = header.count("|") - 1
+        table.write_text(header + "\n" + "|---" * columns + "|\n", encoding="utf-8")
+    return smollm2_folder(out), table
+
+
 def write_questions(out: Path, n_train: int, n_heldout: int, seed: int) -> tuple[Path, Path]:
     """Disjoint training and held-out addition questions (answer: the sum)."""
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
@@ -77,12 +87,7 @@ def main() -> None:
     from xgblora.generation.rft import run_rft
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model = smollm2_folder(out)
-    table = out / "table.md"
-    if not table.exists():
-        table.write_text(f"| seed | round | pass@1 | pass@{args.pass_k} | samples | truncated | correct | kept |\n"
-                         "|---|---|---|---|---|---|---|---|\n", encoding="utf-8")
+    model, table = prepare(out, f"| seed | round | pass@1 | pass@{args.pass_k} | samples | truncated | correct | kept |")
     for seed in args.seeds:
         train_file, heldout = write_questions(out, args.questions, args.heldout, seed)
         for rounds in range(1, args.rounds + 1):  # one round more each time: finished rounds are reused
