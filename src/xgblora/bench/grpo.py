@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from xgblora.bench.memory import peak_added, sides_in_subprocesses
+from xgblora.bench.memory import peak_added, run_against_trl, sides_in_subprocesses
 from xgblora.bench.sft import chat_tokenizer, generated_conversations
 from xgblora.bench.timing import step_callback, sync_device
 from xgblora.config import GRPOConfig
@@ -176,17 +176,10 @@ def cases(args: argparse.Namespace) -> list[GRPOCase]:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every case: timing interleaved in this process, memory in subprocesses."""
-    results = []
     if not args.data_dir:
         print("[grpo] no --data_dir: prompts are generated GSM8K-shaped questions (pass --data_dir DIR with "
               "gsm8k/train.jsonl for the real ones)", file=sys.stderr, flush=True)
-    for case in cases(args):
-        res = compare_case(case)
-        if not args.skip_memory:
-            res.update(measure_case_memory(case))
-        results.append(res)
-        print(f"[grpo] {format_table([res]).splitlines()[-1]}", file=sys.stderr, flush=True)
-    return results
+    return run_against_trl("grpo", cases(args), compare_case, measure_case_memory, format_table, args.skip_memory)
 
 
 def format_table(results: list[dict[str, Any]]) -> str:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -161,3 +161,18 @@ def sides_in_subprocesses(module: str, case: dict[str, Any], what: str) -> dict[
         out.update({f"{side}_mem_{k}_mb": v for k, v in mem.items()})
     out["mem_added_over_trl"] = out["xgblora_mem_added_mb"] / out["trl_mem_added_mb"]
     return out
+
+
+def run_against_trl(tag: str, cases: Iterable[Any], compare_case: Callable[[Any], dict[str, Any]],
+                    case_memory: Callable[[Any], dict[str, Any]], table: Callable[[list[dict[str, Any]]], str],
+                    skip_memory: bool) -> list[dict[str, Any]]:
+    """Every case of a suite against TRL: timing interleaved in this process (compare_case), then each side's
+    memory in subprocesses (case_memory) unless skip_memory; each case's table row printed as it lands."""
+    results = []
+    for case in cases:
+        res = compare_case(case)
+        if not skip_memory:
+            res.update(case_memory(case))
+        results.append(res)
+        print(f"[{tag}] {table([res]).splitlines()[-1]}", file=sys.stderr, flush=True)  # partial results
+    return results

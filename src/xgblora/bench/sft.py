@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from xgblora.adapters import lora
-from xgblora.bench.memory import peak_added, sides_in_subprocesses
+from xgblora.bench.memory import peak_added, run_against_trl, sides_in_subprocesses
 from xgblora.bench.timing import step_callback, sync_device
 from xgblora.data import formats
 from xgblora.data.collation import TokenSeq
@@ -272,17 +272,10 @@ def cases(args: argparse.Namespace) -> list[SFTCase]:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every case of the SFT comparison: timing interleaved in this process, memory in subprocesses."""
-    results = []
     if not args.data_dir:
         print("[sft] no --data_dir: timing on generated GSM8K-shaped conversations (pass --data_dir DIR with "
               "gsm8k/train.jsonl for the real rows)", file=sys.stderr, flush=True)
-    for case in cases(args):
-        res = compare_case(case)
-        if not args.skip_memory:
-            res.update(measure_case_memory(case))
-        results.append(res)
-        print(f"[sft] {format_table([res]).splitlines()[-1]}", file=sys.stderr, flush=True)  # partial results
-    return results
+    return run_against_trl("sft", cases(args), compare_case, measure_case_memory, format_table, args.skip_memory)
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
