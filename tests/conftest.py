@@ -3,6 +3,7 @@
 import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -26,7 +27,10 @@ def shared_data() -> Path:
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """A fresh module of benchmarks/<name>.py (a script, not a package), so a test may change its RUNS freely."""
+    """A fresh module of benchmarks/<name>.py (a script, not a package), so a test may change its RUNS freely; its
+    folder on the import path, as `python benchmarks/<name>.py` has it (scripts import their siblings)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
