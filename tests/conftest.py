@@ -54,3 +54,17 @@ def xgblora_log(caplog, monkeypatch):
             yield caplog
     finally:
         logger.removeHandler(caplog.handler)
+
+
+def completion_batch(rows, pad_id: int, **fields):
+    """A GRPO CompletionBatch of (prompt id, prompt tokens, completion tokens) rows, collated as generation does;
+    fields: nll_weight, advantages (default: ones, zeros), old_logps, ref_logps."""
+    from xgblora.data.collation import TokenSeq, collate
+    from xgblora.generation.grpo_objective import CompletionBatch
+
+    tokens = collate([TokenSeq(tuple(p) + tuple(c), len(c), i, 0) for i, p, c in rows], pad_id)
+    fields = {"nll_weight": torch.ones(len(rows)), "advantages": torch.zeros(len(rows)), **fields}
+    return CompletionBatch(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
+                           position_ids=tokens.position_ids, target_mask=tokens.target_mask,
+                           prompt_id=torch.tensor([i for i, _, _ in rows]),
+                           prompt_length=torch.tensor([len(p) for _, p, _ in rows]), **fields)

@@ -1,23 +1,23 @@
 """`xgblora grpo`: reward functions with TRL's interface, an interrupted run resumed exactly, MeZO's dual batch of
 completions, XGBLoRA's merges during RL, option errors, and GRPO raising held-out accuracy after a short SFT."""
 
+import dataclasses
 import json
 import random
 
 import pytest
 import torch
+from conftest import completion_batch
 from safetensors.torch import load_file
 
 from xgblora.adapters.lora import attach
 from xgblora.cli import main
 from xgblora.config import Config, GRPOConfig
-from xgblora.data.collation import TokenSeq, collate
 from xgblora.errors import UserError
 from xgblora.export import export_run
 from xgblora.generation import grpo as grpo_loop
 from xgblora.generation.grpo import run_grpo
 from xgblora.generation.grpo_objective import (
-    CompletionBatch,
     GRPOLoss,
     Objective,
     completion_logprobs,
@@ -148,14 +148,13 @@ def test_mezo_estimates_the_grpo_loss_from_a_dual_batch_as_from_two_passes():
         report = attach(model, None, r=2, alpha=4)
         for m in report.modules.values():
             m.lora_B.data.normal_(generator=torch.Generator().manual_seed(0))
-        tokens = collate([TokenSeq((5, 6, 7, 8, 9), 2, 0, 0), TokenSeq((11, 12, 13, 14), 3, 1, 0)],
-                         tokenizer.pad_token_id)
+        # two completions of one prompt: the dual batch's halves must not share its forward
+        rows = [(0, (5, 6, 7), (8, 9)), (1, (11,), (12, 13, 14)), (0, (5, 6, 7), (15,))]
+        batch = completion_batch(rows, tokenizer.pad_token_id, nll_weight=torch.tensor([0.5, 1 / 3, 1.0]),
+                                 advantages=torch.tensor([1.0, -1.0, 0.5]))
         with torch.no_grad():
-            old, _ = completion_logprobs(model, tokens, 1.0)
-        batch = CompletionBatch(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
-                                position_ids=tokens.position_ids, target_mask=tokens.target_mask,
-                                nll_weight=torch.tensor([0.5, 1 / 3]), advantages=torch.tensor([1.0, -1.0]),
-                                old_logps=old - 0.1 * tokens.target_mask, ref_logps=old)
+            old, _ = completion_logprobs(model, batch, 1.0)
+        batch = dataclasses.replace(batch, old_logps=old - 0.1 * batch.target_mask, ref_logps=old)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         mezo = MeZO(named, lr=1e-3, eps=1e-2, dual_modules=report.modules if dual else None, seed=7)
         with torch.no_grad():

@@ -3,14 +3,15 @@ against TRL's formula, the completion log-probabilities against autograd on full
 
 import collections
 import contextlib
+import dataclasses
 import types
 
 import pytest
 import torch
+from conftest import completion_batch
 
-from xgblora.data.collation import TokenSeq, collate
+from xgblora.adapters.lora import attach
 from xgblora.generation.grpo_objective import (
-    CompletionBatch,
     GRPOLoss,
     Objective,
     adapters_off,
@@ -19,6 +20,7 @@ from xgblora.generation.grpo_objective import (
     row_weights,
     token_losses,
 )
+from xgblora.models.scoring import target_logprobs
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
@@ -133,26 +135,60 @@ def test_an_unscored_completion_gets_no_advantage_and_leaves_its_group_out():
     assert torch.allclose(out[[0, 2, 3]], _trl_advantages(rewards, 4, "group")[[0, 2, 3]], atol=1e-6)
 
 
+# two prompts, completions of 1 to 5 tokens, the rows of a prompt not adjacent (as a shuffled generation batch)
+SHARED = [(0, (5, 6, 7, 8), (9,)), (1, (11, 12), (13, 14)), (0, (5, 6, 7, 8), (15, 16, 17)),
+          (0, (5, 6, 7, 8), (22, 23, 24, 25, 26)), (1, (11, 12), (18, 19, 20, 21))]
+
+
 def test_completion_logprobs_score_only_the_completion_positions_at_the_temperature(tiny_llama):
     model, tokenizer = tiny_llama
-    seqs = [TokenSeq((5, 6, 7, 8, 9), 2, 0, 0), TokenSeq((11, 12, 13, 14), 3, 1, 0)]
-    batch = collate(seqs, tokenizer.pad_token_id)
+    batch = completion_batch(SHARED, tokenizer.pad_token_id)
     logps, entropy = completion_logprobs(model, batch, temperature=0.7, with_entropy=True)
-    for row, s in enumerate(seqs):
-        ids = torch.tensor([s.ids])
+    for row, (_, prompt, completion) in enumerate(SHARED):
+        ids = torch.tensor([prompt + completion])
         full = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double() / 0.7, dim=-1)
-        want = full[torch.arange(len(s.ids) - 1), ids[0, 1:]][-s.n_target:]
-        got = logps[row, -s.n_target:]
-        assert torch.allclose(got.double(), want, atol=1e-5)
-        want_entropy = -(full.exp() * full).sum(-1)[-s.n_target:]
-        assert torch.allclose(entropy[row, -s.n_target:].double(), want_entropy, atol=1e-4)
-    assert logps[0, 0] == 0  # row 0 scores 2 of the k = 3 columns
+        n = len(completion)
+        want = full[torch.arange(ids.shape[1] - 1), ids[0, 1:]][-n:]
+        assert torch.allclose(logps[row, -n:].double(), want, atol=1e-5)
+        want_entropy = -(full.exp() * full).sum(-1)[-n:]
+        assert torch.allclose(entropy[row, -n:].double(), want_entropy, atol=1e-4)
+        assert (logps[row, :-n] == 0).all()  # off the completion: zero
+
+
+@pytest.mark.parametrize("adapter", [False, True], ids=["full-float64", "lora-float32"])
+def test_shared_prompt_forward_gives_the_values_and_gradients_of_full_rows(tiny_llama, adapter):
+    """Each prompt runs once and its cache serves its completions: log-probabilities and the gradients of every
+    trainable weight (the base's reach the prompt's forward through the cache) equal one forward of the full rows
+    (`target_logprobs`, the SFT scorer): full fine-tuning of a float64 model, and LoRA, whose branch computes in
+    float32 (gradients to a relative error of 1e-6 and 1e-5)."""
+    model, tokenizer = tiny_llama
+    if adapter:
+        for m in attach(model, "all-linear", r=2, alpha=4).modules.values():
+            m.lora_B.data.normal_(generator=torch.Generator().manual_seed(0))
+    else:
+        model.double()
+    batch = completion_batch(SHARED, tokenizer.pad_token_id)
+    batch = dataclasses.replace(batch, target_mask=batch.target_mask & torch.tensor([[1], [1], [0], [1], [1]]).bool())
+    weight = torch.linspace(0.5, 1.5, batch.target_mask.numel(), dtype=torch.float64).view_as(batch.target_mask)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert len(params) > 0 and (adapter or model.model.embed_tokens.weight.requires_grad)
+    results = []
+    for score in (lambda: completion_logprobs(model, batch, 1.0)[0], lambda: target_logprobs(model, batch)):
+        logps = score()
+        results.append((logps.detach(), torch.autograd.grad((logps * weight.to(logps)).sum(), params)))
+    (ours, our_grads), (full, full_grads) = results
+    tolerance = 1e-5 if adapter else 1e-6  # log-probabilities are taken in float32 either way
+    assert torch.allclose(ours, full, rtol=0, atol=tolerance)
+    assert (ours[2] == 0).all()  # a masked (truncated) completion scores nothing
+    for g_ours, g_full in zip(our_grads, full_grads, strict=True):
+        assert (g_ours - g_full).norm() <= tolerance * g_full.norm()
+    assert all(g.abs().sum() > 0 for g in our_grads)
 
 
 def test_the_loss_gradient_through_the_model_equals_autograd_on_the_formula(tiny_llama):
     model, tokenizer = tiny_llama
-    seqs = [TokenSeq((5, 6, 7, 8, 9), 2, 0, 0), TokenSeq((11, 12, 13, 14), 3, 1, 0)]
-    batch = collate(seqs, tokenizer.pad_token_id)
+    rows = [(0, (5, 6, 7), (8, 9)), (1, (11,), (12, 13, 14))]
+    batch = completion_batch(rows, tokenizer.pad_token_id)
     with torch.no_grad():
         base, _ = completion_logprobs(model, batch, 1.0)
     g = torch.Generator().manual_seed(1)
@@ -161,9 +197,7 @@ def test_the_loss_gradient_through_the_model_equals_autograd_on_the_formula(tiny
     adv = torch.tensor([0.7, -1.2])
     objective = Objective(beta=0.1, epsilon_high=0.28)
     weights = row_weights(batch.target_mask, "grpo", 4, 2, 5.0)
-    cbatch = CompletionBatch(**{f: getattr(batch, f) for f in ("input_ids", "attention_mask", "position_ids",
-                                                                "target_mask")},
-                             nll_weight=weights, advantages=adv, old_logps=old, ref_logps=ref)
+    cbatch = dataclasses.replace(batch, nll_weight=weights, advantages=adv, old_logps=old, ref_logps=ref)
     weight = model.model.layers[0].mlp.down_proj.weight
     GRPOLoss(model, objective, 1.0)(cbatch).mean().backward()
     ours = weight.grad.clone()
@@ -178,8 +212,6 @@ def test_the_loss_gradient_through_the_model_equals_autograd_on_the_formula(tiny
 
 
 def test_adapters_off_gives_the_base_model(tiny_llama):
-    from xgblora.adapters.lora import attach
-
     model, _ = tiny_llama
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():

@@ -272,8 +272,9 @@ class GRPORun:
         per_function = self.score(self.prompts, indices, texts, ids)
         rewards = self.rewards.total(per_function)
         advantage = advantages(rewards, plan.group, cfg.scale_rewards)
+        row_prompts = [i for i in indices for _ in range(plan.group)]
         seqs = [TokenSeq(tuple(self.prompts.ids[i]) + tuple(c), len(c), i, 0)
-                for i, c in zip([i for i in indices for _ in range(plan.group)], ids, strict=True)]
+                for i, c in zip(row_prompts, ids, strict=True)]
         tokens = collate(seqs, self.tokenizer.pad_token_id)
         truncated = torch.tensor([s.finish_reason == "length" for s in samples])
         mask = tokens.target_mask & ~truncated[:, None] if cfg.mask_truncated_completions else tokens.target_mask
@@ -281,6 +282,8 @@ class GRPORun:
                               float(mask.sum()) / plan.steps_per_generation)
         batch = CompletionBatch(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
                                 position_ids=tokens.position_ids, target_mask=mask, nll_weight=weights,
+                                prompt_id=torch.tensor(row_prompts),
+                                prompt_length=torch.tensor([len(self.prompts.ids[i]) for i in row_prompts]),
                                 advantages=advantage)
         batch = self._with_logprobs(batch)
         order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(params.seed))

@@ -24,6 +24,7 @@ the completion positions reach the LM head.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -116,9 +117,12 @@ def token_losses(logps: Tensor, old_logps: Tensor, ref_logps: Tensor | None, adv
 @dataclass(kw_only=True)
 class CompletionBatch(TokenBatch):
     """Prompt + completion rows (left-padded; target_mask marks the completion tokens, stop token included) with
-    what the loss needs per completion: its advantage, its weight (nll_weight: the loss type's normalisation), and
-    the old and reference log-probabilities of its tokens [rows, k] (None: not computed)."""
+    what the loss needs per completion: its prompt (prompt_id, equal for rows of one prompt, and prompt_length,
+    its tokens), its advantage, its weight (nll_weight: the loss type's normalisation), and the old and reference
+    log-probabilities of its tokens [rows, k] (None: not computed)."""
 
+    prompt_id: Tensor
+    prompt_length: Tensor
     advantages: Tensor
     old_logps: Tensor | None = None
     ref_logps: Tensor | None = None
@@ -127,18 +131,62 @@ class CompletionBatch(TokenBatch):
         """The batch of the given rows, in that order."""
         return self._map(lambda t: t[index.to(t.device)])
 
+    def doubled(self) -> CompletionBatch:
+        """MeZO's dual batch; the copy's prompts get ids of their own, so its half never shares a prompt's forward
+        with the first (the halves run under opposite perturbations)."""
+        offset = int(self.prompt_id.max()) + 1
+        return dataclasses.replace(super().doubled(), prompt_id=torch.cat([self.prompt_id, self.prompt_id + offset]))
 
-def completion_logprobs(model: nn.Module, batch: TokenBatch, temperature: float,
+    def completion_lengths(self) -> Tensor:
+        """Tokens of each row's completion (the stop token included)."""
+        return self.attention_mask.sum(1) - self.prompt_length
+
+
+def completion_logprobs(model: nn.Module, batch: CompletionBatch, temperature: float,
                         with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """log p(token) of the last k columns' tokens at temperature [rows, k] (zero off the mask), and, when asked,
-    the entropy of each of those positions' distributions (no gradient)."""
-    k = batch.target_mask.shape[1]
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                   logits_to_keep=k + 1).logits  # the last position predicts nothing
+    """log p(token) of the completion tokens at temperature [rows, k] (the last k columns, as target_mask; zero off
+    the mask), and, when asked, the entropy of each of those positions' distributions (no gradient).
+
+    Each distinct prompt of the batch runs through the model once and its KV cache serves all its completions, so
+    G completions of a P-token prompt cost P + G C tokens of forward and backward, not G (P + C). Gradients reach
+    the prompt's forward through the shared cache: the values and gradients are those of the full rows."""
+    prompt_mask, cache, first_logits, row_prompt = _prompt_forward(model, batch)
+    lengths = batch.completion_lengths()
+    longest = int(lengths.max())
+    steps = torch.arange(longest, device=lengths.device)
+    columns = (batch.input_ids.shape[1] - lengths)[:, None] + steps  # right-aligned completions, read left-aligned
+    completion = batch.input_ids.gather(1, columns.clamp(max=batch.input_ids.shape[1] - 1))
+    logits = [first_logits[row_prompt].unsqueeze(1)]  # the prompt's last position predicts the first token
+    if longest > 1:
+        mask = torch.cat([prompt_mask[row_prompt], (steps[:-1] < lengths[:, None]).long()], dim=1)
+        position = prompt_mask.sum(1)[row_prompt, None] + steps[:-1]
+        logits.append(model(input_ids=completion[:, :-1], attention_mask=mask, position_ids=position, cache=cache,
+                            use_cache=True).logits)
     if temperature != 1.0:
-        logits = logits / temperature
-    entropy = _entropy(logits[:, :k]) if with_entropy else None
-    return token_logprobs(logits, batch.input_ids[:, -k:]) * batch.target_mask, entropy
+        logits = [part / temperature for part in logits]
+    logps = torch.cat([token_logprobs(part, completion[:, start:start + part.shape[1]])
+                       for part, start in zip(logits, (0, 1), strict=False)], dim=1)
+    k = batch.target_mask.shape[1]
+    window = (torch.arange(k, device=lengths.device) - (k - lengths)[:, None]).clamp(0, longest - 1)
+    entropy = torch.cat([_entropy(part) for part in logits], dim=1).gather(1, window) if with_entropy else None
+    return logps.gather(1, window) * batch.target_mask, entropy
+
+
+def _prompt_forward(model: nn.Module, batch: CompletionBatch) -> tuple[Tensor, object, Tensor, Tensor]:
+    """Run the batch's distinct prompts once (left-padded); their attention mask [prompts, width], their KV cache
+    repeated to the rows, the last prompt position's logits [prompts, vocab], and the prompt of each row."""
+    ids, row_prompt = torch.unique(batch.prompt_id, return_inverse=True)
+    owner = torch.empty(len(ids), dtype=torch.long, device=row_prompt.device).scatter_(
+        0, row_prompt, torch.arange(len(row_prompt), device=row_prompt.device))  # a row of each prompt
+    length = batch.prompt_length[owner]
+    end = batch.input_ids.shape[1] - batch.completion_lengths()[owner]
+    width = int(length.max())
+    columns = end[:, None] - width + torch.arange(width, device=end.device)
+    mask = (columns >= (end - length)[:, None]).long()
+    out = model(input_ids=batch.input_ids[owner].gather(1, columns.clamp(min=0)), attention_mask=mask,
+                position_ids=(mask.cumsum(1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
+    out.cache.batch_select_indices(row_prompt)
+    return mask, out.cache, out.logits[:, -1], row_prompt
 
 
 @torch.no_grad()
