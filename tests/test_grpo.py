@@ -129,6 +129,14 @@ def test_an_interrupted_run_resumes_exactly(data, monkeypatch):
     assert {"reward", "rewards/gsm8k", "rewards/parity_reward:odd_first", "accuracy", "completion_length", "clip_ratio", "kl", "entropy"} <= set(logs[0][1])
 
 
+def test_a_generation_batch_is_shuffled_by_whole_groups(data):
+    """The rows of a group stay adjacent, so a micro-batch holds whole groups (and a prompt's forward serves its
+    completions in the loss)."""
+    run = grpo_loop.GRPORun(_cfg(data, "groups", generation_batch_size=16, eval_file=None))
+    prompt_of_row = run.generate().batch.prompt_id.view(-1, 4)  # 4 groups of G = 4
+    assert (prompt_of_row == prompt_of_row[:, :1]).all() and len(set(prompt_of_row[:, 0].tolist())) == 4
+
+
 def test_xgblora_merges_its_boosters_during_rl(data):
     done = run_grpo(_cfg(data, "xgb", method="xgblora", max_steps=4, xgblora_steps_per_iteration=2))
     assert done["boosters"] == 2

@@ -6,7 +6,7 @@ by the shared-prefix sampler (the policy, dropout off), the reward functions sco
 become group-normalised advantages, and one pass without gradients gives what the loss needs besides: the old
 log-probabilities, when the batch serves more than one optimizer step or MeZO (whose two-point estimate needs the
 ratio's value), and the reference ones when beta > 0 (the model with its adapter switched off: no second copy; a
-frozen copy under full fine-tuning). The batch is shuffled and cut into optimizer batches; each optimizer step
+frozen copy under full fine-tuning). The batch is shuffled by groups and cut into optimizer batches; each optimizer step
 takes the next (AdamW: in micro-batches, accumulated; MeZO: the whole optimizer batch, two perturbed forwards), and
 after num_iterations passes a new batch is sampled. XGBLoRA merges its boosters on its schedule meanwhile.
 
@@ -286,7 +286,10 @@ class GRPORun:
                                 prompt_length=torch.tensor([len(self.prompts.ids[i]) for i in row_prompts]),
                                 advantages=advantage)
         batch = self._with_logprobs(batch)
-        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(params.seed))
+        # groups shuffled whole (TRL shuffles rows; the loss is the same sum): a prompt's completions then share
+        # its forward in the loss (completion_logprobs)
+        groups = torch.randperm(len(indices), generator=torch.Generator().manual_seed(params.seed))
+        order = (groups[:, None] * plan.group + torch.arange(plan.group)).flatten()
         metrics = self._generation_metrics(per_function, rewards, ids, truncated)
         logged = [{"prompt": self.prompts.rows[indices[j // plan.group]], "completion": texts[j],
                    "reward": float(rewards[j])} for j in range(min(SAMPLES_LOGGED, len(texts)))]
