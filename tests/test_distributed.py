@@ -147,8 +147,10 @@ def test_adamw_xgblora_with_layer_sampling_on_two_ranks_equals_one_rank_and_resu
     run_one(monkeypatch, options(tmp_path, tmp_path / "one", per_device_train_batch_size=8, **values))
     two = torchrun(tmp_path, options(tmp_path, tmp_path / "two", save_steps=3, **values))
     assert two["boosters"] == 3
+    # atol 1e-5 (weights up to 0.04): with one thread per process the sums' order differs enough that AdamW's
+    # normalised step moves a near-zero-gradient weight by 1.3e-6
     assert_close_tensors(load_file(tmp_path / "one" / ADAPTER), load_file(tmp_path / "two" / ADAPTER),
-                         rtol=1e-4, atol=1e-6)
+                         rtol=1e-4, atol=1e-5)
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
     # checkpoints are written once, by the main process; step 3's resumes on 2 ranks to the same end, bit for bit
     assert [p.name for p in (tmp_path / "two" / "checkpoints").iterdir()] == ["step-3"]
