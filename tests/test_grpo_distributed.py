@@ -4,18 +4,22 @@ prompts shared out), resume exactly, and refuse a generation batch that does not
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import completion_batch
 from safetensors.torch import load_file
 from test_distributed import assert_close_tensors, free_port, worker_env
 
 from xgblora.config import GRPOConfig
+from xgblora.distributed import LOCAL
 from xgblora.errors import UserError
-from xgblora.generation.grpo import Plan, run_grpo
+from xgblora.generation.grpo import GenerationBuffer, Plan, run_grpo
 from xgblora.logs import read_metrics
 
 # One rank of a test run. Its sampler is replaced by one whose completions (of random lengths and tokens) depend
@@ -143,6 +147,17 @@ def test_a_generation_batch_that_does_not_split_over_the_ranks_is_a_one_line_err
                       "--num_generations 4) do not split evenly over 2 processes; make the prompt count a multiple "
                       "of 2"] * 2
     assert "exitcode  : 2" in done.stderr and not (data / "odd" / "config.yaml").exists()
+
+
+def test_a_checkpoint_of_one_process_without_ranks_resumes_its_generation_batch():
+    buffer = GenerationBuffer(LOCAL, torch.device("cpu"))
+    batch = completion_batch([(0, [5, 6], [7, 8]), (0, [5, 6], [9])], pad_id=0)
+    state = {"batch": dataclasses.asdict(batch), "metrics": {"reward": 0.5}, "samples": []}
+    buffer.load_state_dict(state)
+    assert buffer.current.metrics == {"reward": 0.5}
+    torch.testing.assert_close(buffer.current.batch.input_ids, batch.input_ids)
+    buffer.load_state_dict({})
+    assert buffer.current is None
 
 
 def test_the_generation_batch_spans_the_processes_and_splits_into_their_optimizer_batches():

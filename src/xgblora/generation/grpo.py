@@ -108,7 +108,7 @@ class GenerationBuffer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's batch from what state_dict() returned."""
-        ranks = state["ranks"]
+        ranks = state.get("ranks", [state])  # a checkpoint without "ranks" holds one process's batch
         if len(ranks) != self.dist.world_size:
             raise UserError(f"this checkpoint holds the generation batches of {len(ranks)} processes; resume it with "
                             f"{len(ranks)} processes, not {self.dist.world_size}")
