@@ -250,11 +250,12 @@ class Checkpointer:
         self.is_main = is_main
 
     def save(self, name: str, loop_state: dict[str, Any]) -> Path:
-        """Write root/name (every rank calls it: gathering sharded weights needs them all)."""
+        """Write root/name (every rank calls it: gathering sharded weights, or a component's per-rank state, needs
+        them all)."""
         tensors = self.tensors()
+        blobs = {key: c.state_dict() for key, c in {**self.components, **self.model_components}.items()}
         if not self.is_main:
             return self.root / name
-        blobs = {key: c.state_dict() for key, c in {**self.components, **self.model_components}.items()}
         return save(self.root, name, tensors, {**loop_state, "rng": rng_state()}, blobs, self.write_adapter)
 
     def restore(self, requested: str) -> tuple[Path, dict[str, Any]]:

@@ -556,8 +556,8 @@ class GRPOConfig(Config, SamplingOptions):
     use_bias_correction_kl: bool = _opt(True, "Multiply the KL term by the importance ratio (TRL's default; the unbiased reverse-KL gradient).")
     mask_truncated_completions: bool = _opt(False, "Leave completions cut at max_completion_length out of the loss.")
     num_iterations: int = _opt(1, "Optimizer passes over each generation batch (mu).")
-    generation_batch_size: int | None = _opt(None, "Completions sampled at a time (a multiple of the optimizer batch, per_device_train_batch_size x gradient_accumulation_steps, and of G; default: one optimizer batch).")
-    steps_per_generation: int | None = _opt(None, "Micro-batches per generation batch (TRL's; the other way to set generation_batch_size).")
+    generation_batch_size: int | None = _opt(None, "Completions sampled at a time, over all processes (a multiple of the optimizer batch, per_device_train_batch_size x gradient_accumulation_steps x processes, and of G; default: one optimizer batch).")
+    steps_per_generation: int | None = _opt(None, "Micro-batches per process per generation batch (TRL's; the other way to set generation_batch_size).")
     log_completions: bool = _opt(False, "Log a few completions, with their rewards, to metrics.jsonl at every logging step.")
     raw_prompts: bool = _opt(False, "Send string prompts as they are, even when the tokenizer has a chat template.")
 
@@ -571,11 +571,11 @@ class GRPOConfig(Config, SamplingOptions):
             raise UserError("xgblora grpo needs --train_file (prompts, with reference answers for correctness rewards)")
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
             raise UserError("give --generation_batch_size or --steps_per_generation, not both")
-        if self.generation_batch % self.optimizer_batch:
-            raise UserError(f"--generation_batch_size {self.generation_batch} must be a multiple of the optimizer "
+        if self.generation_batch() % self.optimizer_batch:
+            raise UserError(f"--generation_batch_size {self.generation_batch()} must be a multiple of the optimizer "
                             f"batch, per_device_train_batch_size x gradient_accumulation_steps = {self.optimizer_batch}")
-        if self.generation_batch % self.num_return_sequences:
-            raise UserError(f"the generation batch of {self.generation_batch} completions must be a multiple of "
+        if self.generation_batch() % self.num_return_sequences:
+            raise UserError(f"the generation batch of {self.generation_batch()} completions must be a multiple of "
                             f"--num_generations {self.num_return_sequences}")
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise UserError("--epsilon and --epsilon_high must be 0 or more")
@@ -588,15 +588,14 @@ class GRPOConfig(Config, SamplingOptions):
         """Completions per optimizer step."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
-    @property
-    def generation_batch(self) -> int:
-        """Completions sampled at a time: --generation_batch_size, else --steps_per_generation micro-batches, else
-        one optimizer batch."""
+    def generation_batch(self, processes: int = 1) -> int:
+        """Completions sampled at a time over all processes: --generation_batch_size, else --steps_per_generation
+        micro-batches per process, else one optimizer batch per process."""
         if self.generation_batch_size is not None:
             return self.generation_batch_size
         if self.steps_per_generation is not None:
-            return self.steps_per_generation * self.per_device_train_batch_size
-        return self.optimizer_batch
+            return self.steps_per_generation * self.per_device_train_batch_size * processes
+        return self.optimizer_batch * processes
 
 
 # ----------------------------------------------------------------------------- options a run would ignore
@@ -633,7 +632,7 @@ SAMPLE_TRAINING_IGNORES = ("task_name", "data_dir", "num_train", "num_dev", "num
 RFT_IGNORES = (*SAMPLE_TRAINING_IGNORES, "output_dir")
 GRPO_IGNORES = (*SAMPLE_TRAINING_IGNORES, "eval_split_ratio", "loss_mean", "train_on_prompt", "log_samples",
                 "per_device_eval_batch_size", "packing", "group_by_length", "load_best_model_at_end", "compile",
-                "gradient_checkpointing", "tf32", "ddp_timeout")
+                "gradient_checkpointing", "tf32")
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,14 @@ class Distributed:
         self._collective(gather, padded.nbytes, "the embedding gather")
         return torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)]), sum(counts[:self.rank])
 
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's picklable value, in rank order (checkpoint state that differs per rank; tensors on the CPU)."""
+        if self.world_size == 1:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        self._collective(lambda: torch.distributed.all_gather_object(values, value), 0, "the state gather")
+        return values
+
     def end_step(self, stop: bool) -> bool:
         """End of a training step: whether any rank asked to stop (SIGINT/SIGTERM), agreed by all ranks."""
         if self.world_size == 1:

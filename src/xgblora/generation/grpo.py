@@ -10,6 +10,13 @@ frozen copy under full fine-tuning). The batch is shuffled by groups and cut int
 takes the next (AdamW: in micro-batches, accumulated; MeZO: the whole optimizer batch, two perturbed forwards), and
 after num_iterations passes a new batch is sampled. XGBLoRA merges its boosters on its schedule meanwhile.
 
+Under torchrun or accelerate launch the run is data-parallel: every process draws the same prompts and keeps its
+share of whole groups, samples them with its own seed, and takes per_device_train_batch_size completions per
+micro-batch; rewards are gathered (the batch std of --scale_rewards batch, the logged statistics), dapo divides by
+the whole generation batch's tokens, and the steppers average gradients (AdamW) or losses (MeZO) over processes.
+The held-out prompts are shared out too. Only the main process writes to OUTPUT_DIR; a checkpoint holds every
+process's generation batch in flight, so a resume needs the same number of processes.
+
 OUTPUT_DIR/ config.yaml, metrics.jsonl (per logging step: loss, lr, rewards per function and total, accuracy,
 completion length, clip ratio, KL, entropy), checkpoints/step-N (exact resume: the generation batch in flight is
 saved with the optimizer state), final/ (as `xgblora train`), results.json (held-out pass@1 before and after),
@@ -33,8 +40,8 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
+from xgblora import atomic, perf
 from xgblora import config as config_mod
-from xgblora import perf
 from xgblora.adapters import trained
 from xgblora.checkpoint import Checkpointer, prune
 from xgblora.config import GRPOConfig
@@ -42,7 +49,7 @@ from xgblora.data import formats
 from xgblora.data.collation import TokenSeq, collate
 from xgblora.data.order import BatchStream
 from xgblora.data.sources import parse_columns
-from xgblora.distributed import LOCAL
+from xgblora.distributed import LOCAL, Distributed, SilentLog, setup
 from xgblora.errors import UserError
 from xgblora.generation.generate import Prompts, read_prompts, sampling_params
 from xgblora.generation.grpo_objective import (
@@ -80,43 +87,79 @@ class Generation:
 
 
 class GenerationBuffer:
-    """The generation batch in flight, saved with checkpoints so that a resumed run continues it exactly."""
+    """This process's share of the generation batch in flight, saved with checkpoints (every rank's, gathered by
+    the main process) so that a resumed run continues it exactly."""
 
-    def __init__(self) -> None:
+    def __init__(self, dist: Distributed, device: torch.device) -> None:
         self.current: Generation | None = None
+        self.dist, self.device = dist, device
 
     def state_dict(self) -> dict[str, Any]:
-        """The batch's tensors, statistics and samples (empty between generation batches)."""
+        """Every rank's batch in flight, in rank order (every rank calls it)."""
+        return {"ranks": self.dist.gather_objects(self._own_state())}
+
+    def _own_state(self) -> dict[str, Any]:
+        """The batch's tensors (on the CPU), statistics and samples (empty between generation batches)."""
         if self.current is None:
             return {}
         batch = {f.name: getattr(self.current.batch, f.name) for f in dataclasses.fields(self.current.batch)}
+        batch = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         return {"batch": batch, "metrics": self.current.metrics, "samples": self.current.samples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what state_dict() returned."""
-        self.current = Generation(CompletionBatch(**state["batch"]), state["metrics"], state["samples"]) \
-            if state else None
+        """Restore this rank's batch from what state_dict() returned."""
+        ranks = state.get("ranks", [state])  # a checkpoint without "ranks" holds one process's batch
+        if len(ranks) != self.dist.world_size:
+            raise UserError(f"this checkpoint holds the generation batches of {len(ranks)} processes; resume it with "
+                            f"{len(ranks)} processes, not {self.dist.world_size}")
+        own = ranks[self.dist.rank]
+        self.current = Generation(CompletionBatch(**own["batch"]).to(self.device), own["metrics"], own["samples"]) \
+            if own else None
 
 
 @dataclass
 class Plan:
-    """How completions are grouped: G per prompt, per generation batch, optimizer step and stepper call."""
+    """How completions are grouped: G per prompt, per generation batch (all processes together), and on each
+    process per optimizer step and stepper call."""
 
     group: int
     generation: int
     step: int
     per_call: int  # completions per next_batch() call: a micro-batch (AdamW) or the optimizer batch (MeZO)
     num_iterations: int
+    processes: int = 1
+
+    @classmethod
+    def of(cls, cfg: GRPOConfig, processes: int) -> Plan:
+        """The plan of cfg over `processes` data-parallel processes; a one-line UserError when its generation batch
+        does not split into whole groups and whole optimizer batches per process."""
+        plan = cls(cfg.num_return_sequences, cfg.generation_batch(processes), cfg.optimizer_batch,
+                   cfg.optimizer_batch if cfg.trainer == "zo" else cfg.per_device_train_batch_size,
+                   cfg.num_iterations, processes)
+        if plan.prompts % processes:
+            raise UserError(f"the generation batch's {plan.prompts} prompts (--generation_batch_size "
+                            f"{plan.generation} / --num_generations {plan.group}) do not split evenly over "
+                            f"{processes} processes; make the prompt count a multiple of {processes}")
+        if plan.generation % (plan.step * processes):
+            raise UserError(f"--generation_batch_size {plan.generation} must be a multiple of the optimizer batch "
+                            f"of all processes, per_device_train_batch_size x gradient_accumulation_steps x "
+                            f"{processes} processes = {plan.step * processes}")
+        return plan
 
     @property
     def prompts(self) -> int:
-        """Prompts per generation batch."""
+        """Prompts per generation batch, all processes together."""
         return self.generation // self.group
+
+    @property
+    def local(self) -> int:
+        """Completions per generation batch on one process."""
+        return self.generation // self.processes
 
     @property
     def steps_per_generation(self) -> int:
         """Optimizer batches per generation batch."""
-        return self.generation // self.step
+        return self.local // self.step
 
     @property
     def cycle(self) -> int:
@@ -136,12 +179,12 @@ def _completion_value(prompt: Any, text: str) -> Any:
     return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
 
 
-def load_policy(cfg: GRPOConfig) -> tuple[GRPOConfig, torch.nn.Module, Any]:
+def load_policy(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[GRPOConfig, torch.nn.Module, Any]:
     """The model to train and its tokenizer (a run or adapter folder names its base), and the config resolved
-    against them (the device, max_length within the model's positions)."""
+    against them (the device: this rank's GPU under torchrun; max_length within the model's positions)."""
     source = trained.resolve(cfg.model_name, cfg.adapter)
     cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
-    device = pretrained.choose_device(cfg.device)
+    device = pretrained.choose_device(dist.device or cfg.device)
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
     model, tokenizer = pretrained.load(cfg.model_name, dtype=cfg.dtype_name,
                                        attn_implementation=cfg.attn_implementation, device=str(device),
@@ -156,13 +199,16 @@ class GRPORun:
     """The state of one GRPO run (model, method, stepper, prompts, rewards, the generation batch in flight) and its
     loop, `fit()`."""
 
-    def __init__(self, cfg: GRPOConfig):
+    def __init__(self, cfg: GRPOConfig, dist: Distributed = LOCAL):
         transformers.set_seed(cfg.seed)
+        self.dist = dist
+        self.plan = Plan.of(cfg, dist.world_size)
         self.rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)  # its errors come first
-        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer = load_policy(cfg)
+        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer = load_policy(cfg, dist)
         self.device = next(model.parameters()).device
         self.out = Path(cfg.output_dir)
-        config_mod.dump(cfg, self.out / "config.yaml")
+        if dist.is_main:
+            config_mod.dump(cfg, self.out / "config.yaml")
         # full fine-tuning has no adapter to switch off: its reference is a frozen copy (only when beta needs it)
         self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) \
             if cfg.method == "ft" and cfg.beta else None
@@ -171,21 +217,18 @@ class GRPORun:
         self.autocast = autocast_dtype(cfg, self.device)
         self.prompts = self._read(cfg.train_file)
         self.heldout = self._read(cfg.eval_file) if cfg.eval_file else None
-        self.plan = Plan(cfg.num_return_sequences, cfg.generation_batch, cfg.optimizer_batch,
-                         cfg.optimizer_batch if cfg.trainer == "zo" else cfg.per_device_train_batch_size,
-                         cfg.num_iterations)
         self.max_steps = cfg.max_steps if cfg.max_steps > 0 else self.plan.cycle * max(
             1, round(cfg.num_train_epochs * len(self.prompts.ids) / self.plan.prompts))
         self.loss_fn = GRPOLoss(self.model, Objective(cfg.epsilon, cfg.epsilon_high, cfg.beta,
                                                       cfg.use_bias_correction_kl), cfg.temperature, self.autocast)
-        self.stepper = build_stepper(cfg, self.method, self.loss_fn, LOCAL, self.device)
+        self.stepper = build_stepper(cfg, self.method, self.loss_fn, dist, self.device)
         boosting = self.method.boosting
         if boosting is not None:
             boosting.plan(cfg.booster_steps(self.max_steps), self.max_steps)
         self.schedule = Schedule(cfg.lr_scheduler_type, cfg.learning_rate, self.max_steps,
                                  cfg.warmup_steps or int(cfg.warmup_ratio * self.max_steps))
         self.stream = BatchStream([len(ids) for ids in self.prompts.ids], 1, cfg.seed, group_by_length=False)
-        self.buffer = GenerationBuffer()
+        self.buffer = GenerationBuffer(dist, self.device)
         self.window = LossWindow(self.device)
         self.step, self.generations, self.resumes, self.earlier_s = 0, 0, 0, 0.0
         self.before: dict[str, float] = {}
@@ -202,7 +245,7 @@ class GRPORun:
             tensors=lambda: self.method.trainable_state(with_bases=boosting is not None),
             components={"stepper": self.stepper, "generation": self.buffer},
             model_components={"boosting": boosting} if boosting is not None else {},
-            save_only_model=self.cfg.save_only_model,
+            save_only_model=self.cfg.save_only_model, is_main=self.dist.is_main,
             write_adapter=functools.partial(write_adapter, self.cfg, self.method) if self.method.modules else None)
 
     def _read(self, source: str) -> Prompts:
@@ -261,25 +304,28 @@ class GRPORun:
         return self.rewards.score(values, completions, completion_ids, columns)
 
     def generate(self) -> Generation:
-        """Sample, score and prepare the next generation batch (see the module docstring)."""
-        cfg, plan, number = self.cfg, self.plan, self.generations
+        """Sample, score and prepare this process's share of the next generation batch (see the module
+        docstring)."""
+        cfg, plan, dist = self.cfg, self.plan, self.dist
         stream = iter(self.stream)
-        indices = [next(stream)[0] for _ in range(plan.prompts)]
-        params = dataclasses.replace(sampling_params(cfg), seed=cfg.seed * 1_000_003 + number)
+        # every rank draws the whole batch, so the streams stay in step, and keeps its own whole groups
+        indices = [next(stream)[0] for _ in range(plan.prompts)][dist.rank::dist.world_size]
+        seed = (cfg.seed * 1_000_003 + self.generations) * dist.world_size + dist.rank  # one stream per rank
+        params = dataclasses.replace(sampling_params(cfg), seed=seed)
         samples = [s for per_prompt in self.sample(self.prompts, indices, params) for s in per_prompt]
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
         ids = [list(s.token_ids) + ([s.stop_id] if s.stop_id is not None else []) for s in samples]
-        per_function = self.score(self.prompts, indices, texts, ids)
-        rewards = self.rewards.total(per_function)
-        advantage = advantages(rewards, plan.group, cfg.scale_rewards)
+        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        rewards, advantage, metrics = self._rewards(indices, texts, ids, truncated)
         row_prompts = [i for i in indices for _ in range(plan.group)]
         seqs = [TokenSeq(tuple(self.prompts.ids[i]) + tuple(c), len(c), i, 0)
                 for i, c in zip(row_prompts, ids, strict=True)]
         tokens = collate(seqs, self.tokenizer.pad_token_id)
-        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
         mask = tokens.target_mask & ~truncated[:, None] if cfg.mask_truncated_completions else tokens.target_mask
+        # dapo divides by the generation batch's tokens on all ranks: per rank and step, their mean share
+        tokens_everywhere = float(self._gathered(mask.sum(1, keepdim=True))[0].sum())
         weights = row_weights(mask, cfg.loss_type, cfg.max_new_tokens, plan.step,
-                              float(mask.sum()) / plan.steps_per_generation)
+                              tokens_everywhere / plan.steps_per_generation / dist.world_size)
         batch = CompletionBatch(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
                                 position_ids=tokens.position_ids, target_mask=mask, nll_weight=weights,
                                 prompt_id=torch.tensor(row_prompts),
@@ -290,11 +336,29 @@ class GRPORun:
         # its forward in the loss (completion_logprobs)
         groups = torch.randperm(len(indices), generator=torch.Generator().manual_seed(params.seed))
         order = (groups[:, None] * plan.group + torch.arange(plan.group)).flatten()
-        metrics = self._generation_metrics(per_function, rewards, ids, truncated)
         logged = [{"prompt": self.prompts.rows[indices[j // plan.group]], "completion": texts[j],
                    "reward": float(rewards[j])} for j in range(min(SAMPLES_LOGGED, len(texts)))]
         self.generations += 1
         return Generation(batch.rows(order), metrics, logged if cfg.log_completions else [])
+
+    def _rewards(self, indices: list[int], texts: list[str], ids: list[list[int]],
+                 truncated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """This rank's rewards and advantages, and the statistics of the whole generation batch: all from every
+        rank's scores (a group lives on one rank, but --scale_rewards batch and the logs need every group)."""
+        lengths = torch.tensor([len(c) for c in ids], dtype=torch.float)
+        scores = torch.cat([self.score(self.prompts, indices, texts, ids), lengths[:, None],
+                            truncated[:, None].float()], 1)
+        everyone, start = self._gathered(scores)
+        per_function, rewards = everyone[:, :-2], self.rewards.total(everyone[:, :-2])
+        mine = slice(start, start + len(texts))
+        advantage = advantages(rewards, self.plan.group, self.cfg.scale_rewards)[mine]
+        metrics = self._generation_metrics(per_function, rewards, everyone[:, -2], everyone[:, -1].bool())
+        return rewards[mine], advantage, metrics
+
+    def _gathered(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Every rank's rows in rank order, on the CPU, and where this rank's start."""
+        everyone, start = self.dist.gather_rows(rows.to(self.device))
+        return everyone.cpu(), start
 
     def _with_logprobs(self, batch: CompletionBatch) -> CompletionBatch:
         """The old log-probabilities (when the batch serves more than one step, or MeZO) and the reference ones."""
@@ -314,13 +378,14 @@ class GRPORun:
             return torch.cat([completion_logprobs(model, batch.split(i, i + size), self.cfg.temperature)[0]
                               for i in range(0, batch.n_examples, size)])
 
-    def _generation_metrics(self, per_function: torch.Tensor, rewards: torch.Tensor, ids: list[list[int]],
+    def _generation_metrics(self, per_function: torch.Tensor, rewards: torch.Tensor, lengths: torch.Tensor,
                             truncated: torch.Tensor) -> dict[str, float]:
+        """The statistics of the whole generation batch (every rank's rows)."""
         grouped = rewards.view(-1, self.plan.group)
         metrics = {"reward": float(rewards.nanmean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
                    **{f"rewards/{name}": float(per_function[:, i].nanmean())
                       for i, name in enumerate(self.rewards.names)},
-                   "completion_length": sum(map(len, ids)) / len(ids),
+                   "completion_length": float(lengths.mean()),
                    "completions_truncated": float(truncated.float().mean()),
                    "frac_reward_zero_std": float((grouped.max(1).values == grouped.min(1).values).float().mean())}
         if self.rewards.accuracy_index is not None:
@@ -334,15 +399,20 @@ class GRPORun:
         reward; empty without --eval_file."""
         if self.heldout is None:
             return {}
-        indices = list(range(len(self.heldout.ids)))
-        params = dataclasses.replace(sampling_params(self.cfg), num_samples=1, temperature=0.0)
-        samples = [s[0] for s in self.sample(self.heldout, indices, params)]
-        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        per_function = self.score(self.heldout, indices, texts, [list(s.token_ids) for s in samples])
+        indices = list(range(len(self.heldout.ids)))[self.dist.rank::self.dist.world_size]  # each rank its share
+        per_function = self._gathered(self._greedy_scores(indices) if indices
+                                      else torch.empty(0, len(self.rewards.names)))[0]  # more ranks than prompts
         metrics = {"eval_reward": float(self.rewards.total(per_function).nanmean())}
         if self.rewards.accuracy_index is not None:
             metrics["eval_pass@1"] = float(per_function[:, self.rewards.accuracy_index].nanmean())
         return metrics
+
+    def _greedy_scores(self, indices: list[int]) -> torch.Tensor:
+        """Rewards [prompts, functions] of a greedy completion of each held-out prompt in indices."""
+        params = dataclasses.replace(sampling_params(self.cfg), num_samples=1, temperature=0.0)
+        samples = [s[0] for s in self.sample(self.heldout, indices, params)]
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        return self.score(self.heldout, indices, texts, [list(s.token_ids) for s in samples])
 
     # ------------------------------------------------------------------ the loop
 
@@ -354,14 +424,9 @@ class GRPORun:
             if self.before:
                 log.info("held-out before training: %s", _fmt(self.before))
         self.started = time.perf_counter()
-        resume_step = self.step or None
-        trackers = open_trackers(parse_report_to(cfg.report_to), self.out, self.out.name, dataclasses.asdict(cfg),
-                                 resume_step)
-        with graceful_stop() as stop, \
-                MetricsLog(self.out / "metrics.jsonl", trackers=trackers, resume=self.step > 0,
-                           resume_step=resume_step) as self.metrics, \
+        with graceful_stop() as stop, self._metrics_log() as self.metrics, \
                 tqdm(total=self.max_steps, initial=self.step, desc=f"grpo {cfg.method}/{cfg.trainer}",
-                     dynamic_ncols=True, disable=None) as progress:
+                     dynamic_ncols=True, disable=None if self.dist.is_main else True) as progress:
             if self.step == 0 and self.before:
                 self.metrics.log({"step": 0, **self.before})
             while self.step < self.max_steps:
@@ -375,19 +440,30 @@ class GRPORun:
                     self.metrics.log({"step": self.step, **self.evaluate()})
                 if cfg.save_strategy == "steps" and self.step % cfg.save_steps == 0 and self.step < self.max_steps:
                     self._save()
-                if stop["stop"]:
+                if self.dist.end_step(stop["stop"]):  # all ranks stop at the same step
                     path = self._save()
                     raise StopRequested(f"stopped at step {self.step}; checkpoint saved to {path}; resume with "
                                         f"--resume_from_checkpoint latest")
         runtime = self.earlier_s + time.perf_counter() - self.started
-        save_final(cfg, self.model, self.tokenizer, self.method)
+        if self.dist.is_main:
+            save_final(cfg, self.model, self.tokenizer, self.method)
         after = self.evaluate()
         return {"model": cfg.model_name, "method": cfg.method, "trainer": cfg.trainer, "loss_type": cfg.loss_type,
                 "steps": self.step, "generation_batches": self.generations, "seed": cfg.seed,
                 "train_runtime_s": round(runtime, 3), "steps_per_second": round(self.step / runtime, 4),
                 "resumes": self.resumes, "peak_memory_mb": round(perf.peak_memory_mb(self.device), 1),
                 "boosters": len(self.method.boosting.history) if self.method.boosting is not None else 0,
-                **{f"before_{k}": v for k, v in self.before.items()}, **after}
+                **{f"before_{k}": v for k, v in self.before.items()}, **after, **self.dist.summary()}
+
+    def _metrics_log(self) -> MetricsLog | SilentLog:
+        """metrics.jsonl and the trackers, on the main process; the others' records are dropped."""
+        if not self.dist.is_main:
+            return SilentLog()
+        resume_step = self.step or None
+        trackers = open_trackers(parse_report_to(self.cfg.report_to), self.out, self.out.name,
+                                 dataclasses.asdict(self.cfg), resume_step)
+        return MetricsLog(self.out / "metrics.jsonl", trackers=trackers, resume=self.step > 0,
+                          resume_step=resume_step)
 
     def train_step(self) -> tuple[torch.Tensor, float]:
         """One optimizer step (a new generation batch first when the last one is used up): its loss and lr."""
@@ -421,7 +497,7 @@ class GRPORun:
             raise UserError(f"GRPO loss is nan or inf at step {self.step}; stopping (try a lower --learning_rate, "
                             f"or --nan_policy skip)")
         current = self.buffer.current
-        record = {"step": self.step, "loss": mean, "lr": lr, **current.metrics, **self.loss_fn.statistics.drain(),
+        record = {"step": self.step, "loss": mean, "lr": lr, **current.metrics, **self._loss_statistics(),
                   "elapsed_s": round(self.earlier_s + time.perf_counter() - self.started, 3)}
         if current.samples:
             record["samples"] = current.samples
@@ -433,10 +509,17 @@ class GRPORun:
                      "nan" if mean is None else f"{mean:.4f}", _fmt(shown))
         return {k: f"{v:.3g}" for k, v in shown.items()}
 
+    def _loss_statistics(self) -> dict[str, float]:
+        """The loss's statistics since the last logging step (clip ratios, KL, entropy), means over the ranks."""
+        means = self.loss_fn.statistics.drain()
+        values = self.dist.all_mean(torch.tensor(list(means.values()), dtype=torch.float64, device=self.device))
+        return dict(zip(means, values.tolist(), strict=True))
+
     def _save(self) -> Path:
         self.metrics.flush()
         path = self.checkpointer.save(f"step-{self.step}", self.state_dict())
-        prune(self.checkpointer.root, self.cfg.save_total_limit)
+        if self.dist.is_main:
+            prune(self.checkpointer.root, self.cfg.save_total_limit)
         return path
 
 
@@ -450,14 +533,16 @@ def _fmt(metrics: dict[str, float]) -> str:
 
 
 def run_grpo(cfg: GRPOConfig) -> dict[str, Any]:
-    """`xgblora grpo`: train, then write final/ and results.json (see the module docstring)."""
+    """`xgblora grpo`: train, then write final/ and results.json (see the module docstring). Under torchrun or
+    accelerate launch every process trains on its share of each generation batch; the main one owns the folder."""
+    dist = setup(cfg)  # before the model loads: it picks this rank's GPU
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with run_lock(out):
+    with atomic.output_folder(out, "--output_dir"), run_lock(out) if dist.is_main else contextlib.nullcontext():
         if (out / "results.json").exists() and not cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
             raise UserError(f"{out} already holds a finished run; pass --overwrite_output_dir to redo it, or "
                             f"another --output_dir")
-        results = GRPORun(cfg).fit()
-        write_results(cfg, results)
-        write_grpo_report(out, results)
+        results = GRPORun(cfg, dist).fit()
+        if dist.is_main:
+            write_results(cfg, results)
+            write_grpo_report(out, results)
     return results

@@ -67,7 +67,8 @@ def row_weights(completion_mask: Tensor, loss_type: str, max_completion_length: 
                 tokens_per_step: float) -> Tensor:
     """Each completion's weight w_i [n], so that an optimizer step's loss is the mean over its rows_per_step
     completions of w_i sum_t l_it m_it (module docstring); tokens_per_step (dapo): the generation batch's completion
-    tokens over its optimizer steps."""
+    tokens over its optimizer steps (data-parallel: the whole batch's over its steps and the processes, with
+    rows_per_step a process's rows, so that the mean over processes is the one-process loss)."""
     n = completion_mask.shape[0]
     if loss_type == "grpo":
         return 1.0 / completion_mask.sum(1).clamp(min=1).float()
