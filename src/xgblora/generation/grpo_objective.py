@@ -17,8 +17,8 @@ log-probabilities of each completion token, and its mask m:
 
 Each normalisation is a weight per completion (`row_weights`), so a step's loss is the mean over its completions
 of w_i sum_t l_it m_it: the steppers' micro-batches and MeZO's dual batch, which average per-row losses, compute
-it unchanged. Log-probabilities are those of the logits divided by the sampling temperature (as TRL), and only
-the completion positions reach the LM head.
+it unchanged. Log-probabilities are those of the logits divided by the sampling temperature (as TRL), only the
+completion positions reach the LM head, and each prompt's forward serves all its completions in a batch.
 """
 
 from __future__ import annotations
@@ -165,8 +165,8 @@ def completion_logprobs(model: nn.Module, batch: CompletionBatch, temperature: f
                             use_cache=True).logits)
     if temperature != 1.0:
         logits = [part / temperature for part in logits]
-    logps = torch.cat([token_logprobs(part, completion[:, start:start + part.shape[1]])
-                       for part, start in zip(logits, (0, 1), strict=False)], dim=1)
+    targets = (completion[:, :1], completion[:, 1:])  # predicted by the prompt's logits, by the completion's
+    logps = torch.cat([token_logprobs(part, t) for part, t in zip(logits, targets, strict=False)], dim=1)
     k = batch.target_mask.shape[1]
     window = (torch.arange(k, device=lengths.device) - (k - lengths)[:, None]).clamp(0, longest - 1)
     entropy = torch.cat([_entropy(part) for part in logits], dim=1).gather(1, window) if with_entropy else None
