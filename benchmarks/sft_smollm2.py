@@ -76,11 +76,15 @@ def fine_tune(args: argparse.Namespace, files: dict[str, Path], seed: int) -> tu
         train.run(Config(model_name=MODEL, task_name="custom", train_file=str(files["train"]),
                          eval_file=str(files["GSM8K"]), max_new_tokens=args.max_new_tokens,
                          per_device_eval_batch_size=16, num_train=args.num_train, train_set_seed=seed, seed=seed,
-                         method="lora",
-                         learning_rate=args.learning_rate, max_steps=args.max_steps, per_device_train_batch_size=8,
+                         method="lora", learning_rate=args.learning_rate, max_steps=args.max_steps,
+                         per_device_train_batch_size=8,
                          max_length=512, save_strategy="no", logging_steps=10, output_dir=str(run_dir),
                          overwrite_output_dir=True))
     return run_dir / "final", json.loads((run_dir / "results.json").read_text())
+
+
+HEADER = ("| model | GSM8K `####` | GSM8K last number | addition `####` | addition last number | train |\n"
+          "|---|---|---|---|---|---|\n")
 
 
 def row(name: str, result: dict[str, dict[str, float]], extra: str) -> str:
@@ -101,13 +105,9 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     files = write_sets(Path(args.data_dir), out, args.heldout)
-    table = out / "table.md"
-    if not table.exists():
-        table.write_text("| model | GSM8K `####` | GSM8K last number | addition `####` | addition last number "
-                         "| train |\n|---|---|---|---|---|---|\n", encoding="utf-8")
-
     base = {s: evaluate(out, f"base-{s}", files[s], None, args.max_new_tokens) for s in ("GSM8K", "addition")}
     lines = [row("base", base, "")]
+    print(HEADER + lines[0], end="", flush=True)
     for seed in args.seeds:
         final, done = fine_tune(args, files, seed)
         tuned = {"GSM8K": scores(final.parent),
@@ -115,8 +115,8 @@ def main() -> None:
                                       args.max_new_tokens)}
         lines.append(row(f"LoRA SFT, seed {seed}", tuned, f"{args.max_steps} steps, train loss "
                          f"{done['train_loss']:.3f}, {done['train_runtime_s']:.0f} s"))
-        table.write_text(table.read_text().split("\n", 2)[0] + "\n|---|---|---|---|---|---|\n" + "".join(lines))
-        print("".join(lines), flush=True)
+        (out / "table.md").write_text(HEADER + "".join(lines), encoding="utf-8")
+        print(lines[-1], end="", flush=True)
 
 
 if __name__ == "__main__":
