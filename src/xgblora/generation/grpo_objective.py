@@ -151,8 +151,8 @@ def completion_logprobs(model: nn.Module, batch: CompletionBatch, temperature: f
     Each distinct prompt of the batch runs through the model once and its KV cache serves all its completions, so
     G completions of a P-token prompt cost P + G C tokens of forward and backward, not G (P + C). Gradients reach
     the prompt's forward through the shared cache: the values and gradients are those of the full rows."""
-    prompt_mask, cache, first_logits, row_prompt = _prompt_forward(model, batch)
     lengths = batch.completion_lengths()
+    prompt_mask, cache, first_logits, row_prompt = _prompt_forward(model, batch, lengths)
     longest = int(lengths.max())
     steps = torch.arange(longest, device=lengths.device)
     columns = (batch.input_ids.shape[1] - lengths)[:, None] + steps  # right-aligned completions, read left-aligned
@@ -173,14 +173,16 @@ def completion_logprobs(model: nn.Module, batch: CompletionBatch, temperature: f
     return logps.gather(1, window) * batch.target_mask, entropy
 
 
-def _prompt_forward(model: nn.Module, batch: CompletionBatch) -> tuple[Tensor, object, Tensor, Tensor]:
-    """Run the batch's distinct prompts once (left-padded); their attention mask [prompts, width], their KV cache
-    repeated to the rows, the last prompt position's logits [prompts, vocab], and the prompt of each row."""
+def _prompt_forward(model: nn.Module, batch: CompletionBatch,
+                    lengths: Tensor) -> tuple[Tensor, object, Tensor, Tensor]:
+    """Run the batch's distinct prompts once (left-padded; lengths: each row's completion tokens); their attention
+    mask [prompts, width], their KV cache repeated to the rows, the last prompt position's logits [prompts, vocab],
+    and the prompt of each row."""
     ids, row_prompt = torch.unique(batch.prompt_id, return_inverse=True)
     owner = torch.empty(len(ids), dtype=torch.long, device=row_prompt.device).scatter_(
         0, row_prompt, torch.arange(len(row_prompt), device=row_prompt.device))  # a row of each prompt
     length = batch.prompt_length[owner]
-    end = batch.input_ids.shape[1] - batch.completion_lengths()[owner]
+    end = batch.input_ids.shape[1] - lengths[owner]
     width = int(length.max())
     columns = end[:, None] - width + torch.arange(width, device=end.device)
     mask = (columns >= (end - length)[:, None]).long()
