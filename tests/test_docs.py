@@ -25,6 +25,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+import yaml
 
 from xgblora import cli
 
@@ -192,4 +193,7 @@ def test_documented_command_runs(where, command, workspace, monkeypatch, capsys)
     proc = subprocess.run(words, cwd=root, env=env, input="What is 2 plus 2?\n/exit\n", capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, f"{where}: `{shlex.join(words)}` exited {proc.returncode}: {proc.stderr[-2000:]}"
+    if "mezo.sh" in command:  # as MeZO's launcher: cross-entropy over the candidates on a classification task
+        config = yaml.safe_load(next((root / "result").glob("*/config.yaml")).read_text())
+        assert config["train_as_classification"] is (env.get("TASK", "SST2") not in {"Copa", "ReCoRD", "DROP", "SQuAD"})
 
