@@ -43,10 +43,10 @@ RUNS: dict[str, tuple[dict[str, Any], tuple[float, ...]]] = {
     "FT (AdamW)": (dict(method="ft"), (1e-3, 3e-3)),
     "LoRA r=8 (AdamW)": (dict(method="lora", lora_r=8), (3e-3, 1e-2, 3e-2)),
     "LoRA r=1 (AdamW)": (dict(method="lora", lora_r=1), (3e-3, 1e-2, 3e-2)),
-    "XGBLoRA r=1, paper preset (AdamW)": (dict(method="xgblora"), (3e-3, 1e-2, 3e-2)),
+    "XGBLoRA r=1, paper preset (AdamW)": (dict(method="xgblora", xgblora_preset="paper"), (3e-3, 1e-2, 3e-2)),
     # more boosters: the paper preset's layer sampling, then every layer (the most total rank XGBLoRA can build)
-    "XGBLoRA r=1, paper preset, 25 boosters (AdamW)": (dict(method="xgblora", xgblora_num_boosters=25),
-                                                            (3e-3, 1e-2, 3e-2)),
+    "XGBLoRA r=1, paper preset, 25 boosters (AdamW)": (dict(method="xgblora", xgblora_preset="paper",
+                                                            xgblora_num_boosters=25), (3e-3, 1e-2, 3e-2)),
     "XGBLoRA r=1, plain, 25 boosters (AdamW)": (dict(method="xgblora", xgblora_preset="plain",
                                                      xgblora_num_boosters=25), (3e-3, 1e-2, 3e-2)),
 }

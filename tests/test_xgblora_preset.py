@@ -1,5 +1,6 @@
-"""XGBLoRA's paper preset is the default: a third of the layers per booster, the norm penalty, alpha_t = 1, T
-boosters over the run, a warning when nothing would merge, and the per-booster learning-rate restart."""
+"""XGBLoRA's presets: plain (the default: 25 boosters on every layer, no penalty) and paper (5 boosters, each on a
+third of the layers, the norm penalty), alpha_t = 1, T boosters over the run, a warning when nothing would merge,
+and the per-booster learning-rate restart."""
 
 from __future__ import annotations
 
@@ -19,12 +20,21 @@ from xgblora.train.setup import setup_method
 
 def _six_layer_method(**overrides):
     model, _ = pretrained.random_model("tiny-bert", head="classifier", num_hidden_layers=6, num_labels=2)
-    cfg = Config(method="xgblora", trainer="regular", **overrides)
+    cfg = Config(**{"method": "xgblora", "trainer": "regular", **overrides})
     return model, cfg, setup_method(model, cfg)
 
 
+def test_the_default_is_the_plain_preset_with_25_boosters():
+    _, cfg, method = _six_layer_method()
+    assert (cfg.xgblora_preset, cfg.norm_penalty, cfg.booster_steps(100)) == ("plain", 0.0, 4)
+    assert method.boosting.layers_per_booster == 6
+    paper = Config(method="xgblora", xgblora_preset="paper")
+    assert (paper.norm_penalty, paper.booster_steps(100)) == (1e-3, 20)
+    assert Config(method="xgblora", xgblora_num_boosters=10).booster_steps(100) == 10  # explicit flags win
+
+
 def test_paper_preset_puts_each_booster_on_a_random_third_of_the_layers():
-    _, _, method = _six_layer_method()
+    _, _, method = _six_layer_method(xgblora_preset="paper")
     boosting = method.boosting
     active = {block_of(name) for name in boosting.active_modules()}
     assert boosting.layers_per_booster == 2 and len(active) == 2
@@ -35,12 +45,11 @@ def test_paper_preset_puts_each_booster_on_a_random_third_of_the_layers():
         boosting.after_step(step, None)
         subsets.add(tuple(boosting.subset))
     assert len(subsets) > 1
-    assert _six_layer_method(xgblora_preset="plain")[2].boosting.layers_per_booster == 6
     assert _six_layer_method(xgblora_layers_per_booster=4)[2].boosting.layers_per_booster == 4
 
 
 def test_paper_preset_adds_the_norm_penalty_and_merges_with_alpha_t_one():
-    model, cfg, method = _six_layer_method()
+    model, cfg, method = _six_layer_method(xgblora_preset="paper")
     assert (cfg.norm_penalty, cfg.xgblora_shrinkage) == (1e-3, 1.0)
     assert Config(method="xgblora", xgblora_preset="plain").norm_penalty == 0.0
     assert Config(method="lora").norm_penalty == 0.0
@@ -50,7 +59,7 @@ def test_paper_preset_adds_the_norm_penalty_and_merges_with_alpha_t_one():
     by_hand = 1e-3 * sum(m.lora_A.square().sum() + m.lora_B.square().sum()
                          for m in method.modules.values() if m.active)
     torch.testing.assert_close(stepper.penalty(), by_hand)
-    zo = build_stepper(Config(method="xgblora", trainer="zo"), method, TrainingLoss(model), LOCAL,
+    zo = build_stepper(Config(method="xgblora", xgblora_preset="paper", trainer="zo"), method, TrainingLoss(model), LOCAL,
                        torch.device("cpu"))
     assert zo.mezo.weight_decay == pytest.approx(2e-3)  # d/dtheta of l |theta|^2
 
@@ -68,7 +77,7 @@ def test_num_boosters_splits_the_run_and_the_schedule_can_restart_per_booster(sh
 def test_a_run_that_would_merge_fewer_than_two_boosters_warns(shared_data, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="xgblora"):
         train.run(make_cfg(shared_data, tmp_path / "a", method="xgblora", max_steps=6, save_strategy="no"))
-    assert "plain rank-1" not in caplog.text  # 5 boosters by default
+    assert "plain rank-1" not in caplog.text  # 25 boosters by default: a merge every step
     with caplog.at_level("WARNING", logger="xgblora"):
         train.run(make_cfg(shared_data, tmp_path / "b", method="xgblora", max_steps=6, save_strategy="no",
                            xgblora_steps_per_iteration=10))
