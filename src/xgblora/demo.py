@@ -47,8 +47,8 @@ def demo_configs(out: Path, steps: int, num_eval: int) -> list[Config]:
     Every run trains with cross-entropy over the two label words (--train_as_classification): on a random model
     the gold-token loss is dominated by lifting both label words above the other 500 tokens, a direction MeZO's
     random probes find slowly, while the classification loss measures only what the task asks. Adapters run on the
-    library's defaults (alpha 2r, XGBLoRA's plain preset), with 5 boosters a run: a booster needs tens of steps to
-    move this random model.
+    library's defaults (alpha 2r, XGBLoRA's plain preset), with 5 boosters a run (the demo's measured setting: 60
+    AdamW or 300 MeZO steps each at the default length).
     """
     train_file, eval_file = write_data(out / "data")
     common: dict[str, Any] = dict(model_name="tiny-opt", task_name="custom", train_file=str(train_file),
