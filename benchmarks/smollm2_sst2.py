@@ -66,8 +66,9 @@ def train(args: argparse.Namespace, row: str, lr: float, seed: int) -> dict:
                     "--num_train", "1000", "--num_dev", "500", "--train_set_seed", str(seed), "--seed", str(seed),
                     "--train_as_classification", "--per_device_train_batch_size", "16",
                     *(["--lr_scheduler_type", "constant"] if budget == "zo" else []),
-                    "--evaluation_strategy", "steps", "--eval_steps", str(max(1, steps // 4)), "--overwrite_output_dir",
-                    "--load_best_model_at_end", "--save_strategy", "no", "--logging_steps", "10"])
+                    "--evaluation_strategy", "steps", "--eval_steps", str(max(1, steps // 4)),
+                    "--load_best_model_at_end", "--save_strategy", "no", "--logging_steps", "10",
+                    "--overwrite_output_dir"])
 
 
 def choose_lr(args: argparse.Namespace, row: str) -> float:
@@ -106,7 +107,7 @@ def main() -> None:
     parser.add_argument("--num_eval", type=int, default=None, help="Test examples (default: all 872).")
     parser.add_argument("--rows", nargs="+", default=["zero-shot", "ICL", *TRAINED],
                         choices=["zero-shot", "ICL", *TRAINED], metavar="ROW")
-    parser.add_argument("--zo_steps", type=int, default=500, help="Steps of the zeroth-order rows (MeZO's 20,000).")
+    parser.add_argument("--zo_steps", type=int, default=400, help="Steps of the zeroth-order rows (MeZO's 20,000).")
     parser.add_argument("--fo_steps", type=int, default=100, help="Steps of the AdamW rows (MeZO's 5 epochs: 313).")
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
