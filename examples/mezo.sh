@@ -19,12 +19,11 @@ esac
 # of sentences; a dev set of 100 where the train split is under 1,000 rows.
 TASK_ARGS=(--train_as_classification)
 case "$TASK" in
-  Copa|ReCoRD|DROP|SQuAD) TASK_ARGS+=(--train_as_classification False) ;;
+  CB) DEV=${DEV:-100} ;;
+  Copa) DEV=${DEV:-100}; TASK_ARGS+=(--train_as_classification False) ;;
+  ReCoRD|DROP|SQuAD) TASK_ARGS+=(--train_as_classification False) ;;
 esac
-case "$TASK" in
-  CB|Copa) DEV=${DEV:-100} ;;
-  *) DEV=${DEV:-500} ;;
-esac
+DEV=${DEV:-500}
 MODEL_NAME=${MODEL##*/}
 TAG=mezo-$MODE-$STEPS-$BS-$LR-$EPS-$SEED
 case "$MODE" in
