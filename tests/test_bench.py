@@ -3,11 +3,12 @@
 import argparse
 import json
 import math
+import subprocess
 
 import pytest
 import torch
 
-from xgblora.bench import flags, suites, table, workloads
+from xgblora.bench import flags, gpu, suites, table, workloads
 from xgblora.bench.baselines import hf_vs_xgblora
 
 
@@ -73,6 +74,13 @@ def test_gpu_suite_runs_its_cpu_part_and_names_what_needs_cuda(tmp_path, capsys)
     assert "needs CUDA" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the CPU part; with a GPU the suite runs its CUDA part")
+def test_gpu_suite_runs_only_the_parts_named(tmp_path):
+    assert suites.main(_args(tmp_path, "--suite", "gpu", "--gpu_parts", "sft", "compile")) == 0
+    parts = json.loads((tmp_path / "bench.json").read_text())["parts"]
+    assert set(parts) == {"cpu_bench", "sft", "compile"}
+
+
 @pytest.mark.parametrize("data", [pytest.param("generated", marks=pytest.mark.slow), "gsm8k"])
 def test_sft_suite_quick_compares_with_trl_on_the_same_tokens(tmp_path, request, capsys, data):
     pytest.importorskip("trl")
@@ -99,3 +107,11 @@ def test_sft_rows_for_trl_carry_loss_exactly_where_xgblora_does():
     scored = [i for i, label in enumerate(row["labels"]) if label != -100]
     assert scored == seq.target_offsets() and all(row["labels"][i] == row["input_ids"][i] for i in scored)
     assert tok.decode([row["input_ids"][i] for i in scored]).startswith("It is 4.")
+
+
+def test_gpu_suite_reports_hung_cuda_tests_and_goes_on(monkeypatch):
+    def hang(command, timeout, **kwargs):
+        raise subprocess.TimeoutExpired(command, timeout, output=b"tests/test_cuda.py ..")
+    monkeypatch.setattr(gpu.subprocess, "run", hang)
+    part = gpu.cuda_tests(60.0)
+    assert part == {"status": "failed: timed out after 60 s", "output_tail": "tests/test_cuda.py .."}

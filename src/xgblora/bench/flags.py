@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 SUITES = ("train", "sft", "icl", "compile", "grpo", "gpu")
+GPU_PARTS = ("cuda_tests", "bench", "sft", "icl", "compile")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--suite grpo: most tokens per completion.")
     parser.add_argument("--gpu_budget_s", "--gpu-budget-s", type=float, default=570.0,
                         help="--suite gpu: seconds for the whole suite; a part starts only if its estimate fits.")
+    parser.add_argument("--gpu_parts", "--gpu-parts", nargs="+", default=list(GPU_PARTS), choices=GPU_PARTS,
+                        metavar="PART", help=f"--suite gpu: the parts to run, e.g. the ones a budget skipped "
+                                             f"(default: all of {', '.join(GPU_PARTS)}).")
     parser.add_argument("--quick", action="store_true", help="Smallest sizes (for tests): batch 2, 32 tokens.")
 
 

@@ -1,7 +1,7 @@
 """`xgblora bench --suite gpu`: everything to check and measure on a GPU machine, in one command, < 10 min.
 
 Parts, in order of priority (each starts only while its time estimate fits in what is left of --gpu_budget_s;
-the others are reported as skipped for time):
+the others are reported as skipped for time; --gpu_parts runs a chosen few):
     cuda_tests     `pytest -m cuda tests/test_cuda.py`: bf16 autocast, SDPA / flash-attention selection, varlen
                    packing (flash-attn), fused AdamW, --compile, MeZO's dual batch, a real OOM halved, 1-GPU NCCL
     bench:<model>  the train suite (MeZO/AdamW steps, evaluation, HF Trainer + PEFT, peak memory) at user sizes:
@@ -44,9 +44,13 @@ def cuda_tests(budget_s: float) -> dict[str, Any]:
         return {"status": "not run", "note": f"{TESTS} not found: run from a checkout of the repository"}
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                               str(TESTS), f"--junitxml={report}"], capture_output=True, text=True,
-                              timeout=budget_s, check=False)
+        command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", str(TESTS),
+                   f"--junitxml={report}"]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=budget_s, check=False)
+        except subprocess.TimeoutExpired as exc:  # a hung CUDA call must not cost the rest of the suite
+            output = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            return {"status": f"failed: timed out after {budget_s:.0f} s", "output_tail": output[-3000:]}
         tests = _junit_outcomes(report) if report.is_file() else {}
     outcomes = [t["outcome"] for t in tests.values()]
     return {"status": "failed" if "failed" in outcomes or proc.returncode not in (0, 5) else "ran",
@@ -100,14 +104,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.monotonic()
     left = lambda: args.gpu_budget_s - (time.monotonic() - start)  # noqa: E731
     cuda = torch.cuda.is_available() and args.device != "cpu"
-    parts: dict[str, Any] = {"cuda_tests": cuda_tests(max(60.0, left()))}
+    parts: dict[str, Any] = {"cuda_tests": cuda_tests(max(60.0, left()))} if "cuda_tests" in args.gpu_parts else {}
     if not cuda:
         parts["cpu_bench"] = train_suite.run(_with(args, model_name="tiny-opt", quick=True, skip_hf=True, skip_memory=True,
                                              device="cpu"))
-        for name, _, _ in cuda_parts(args):
-            parts[name] = {"status": "needs CUDA"}
+        for name, key, _ in cuda_parts(args):
+            if key in args.gpu_parts:
+                parts[name] = {"status": "needs CUDA"}
         return {"cuda": False, "parts": parts, "elapsed_s": time.monotonic() - start}
     for name, key, fn in cuda_parts(_with(args, device="cuda")):
+        if key not in args.gpu_parts:
+            continue
         if left() < ESTIMATE_S[key]:
             parts[name] = {"status": f"skipped: {left():.0f} s left of --gpu_budget_s, needs about {ESTIMATE_S[key]}"}
             continue
@@ -148,7 +155,7 @@ def format_table(report: dict[str, Any]) -> str:
     for name, part in report["parts"].items():
         status = "ran" if name == "cpu_bench" else part.get("status", "")
         lines.append(f"| {name} | {status} | {_summary(name, part)} |")
-    tests = report["parts"]["cuda_tests"].get("tests", {})
+    tests = report["parts"].get("cuda_tests", {}).get("tests", {})
     if tests:
         lines += ["", "| cuda test | outcome | message |", "|---|---|---|"]
         lines += [f"| {n} | {t['outcome']} | {t['message']} |" for n, t in tests.items()]
