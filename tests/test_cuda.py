@@ -150,7 +150,7 @@ def test_a_real_out_of_memory_halves_the_micro_batch_and_keeps_the_loss():
 def test_one_gpu_nccl_process_group_all_reduces():
     with tempfile.TemporaryDirectory() as tmp:
         torch.distributed.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 'rendezvous')}",
-                                             rank=0, world_size=1, device_id=CUDA)
+                                             rank=0, world_size=1, device_id=torch.device("cuda", 0))
         try:
             assert torch.distributed.get_backend() == "nccl"
             dist = Distributed(types.SimpleNamespace(num_processes=1, process_index=0, device=CUDA))
