@@ -129,6 +129,26 @@ def test_mezo_dual_batch_on_cuda_equals_two_passes():
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
 
 
+def test_full_model_mezo_in_bf16_on_cuda_draws_z_in_pieces_and_adds_little_memory():
+    """An embedding-sized bf16 weight: the whole z (dual and momentum paths) is the sweeps' pieces, and a step
+    adds a few pieces of memory, not fp32 copies of the weight."""
+    weight = torch.nn.Parameter(torch.randn(49152, 2048, device=CUDA).to(torch.bfloat16))  # 100M elements
+    mezo = MeZO([("embed.weight", weight)], lr=1e-3, eps=1e-3, seed=5)
+    gens = mezo._seeded({}, [(weight, True)], 17)
+    pieces = torch.cat([z.clone().flatten() for _, z in mezo._z_pieces(weight, gens)])
+    assert torch.equal(mezo._z(weight, mezo._seeded({}, [(weight, True)], 17)).flatten(), pieces)
+    del pieces
+    losses = iter([torch.tensor([2.0], device=CUDA), torch.tensor([1.0], device=CUDA)] * 2)
+    mezo.step(lambda batch: next(losses), {})  # the first step allocates the reused buffer
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before, theta = torch.cuda.memory_allocated(), weight.detach().clone()
+    mezo.step(lambda batch: next(losses), {})
+    added = torch.cuda.max_memory_allocated() - before - theta.numel() * 2  # the clone above is not the step's
+    assert added < 256 * 2**20, f"a step added {added / 2**20:.0f} MiB over a {weight.numel() * 2 / 2**20:.0f} MiB weight"
+    assert not torch.equal(weight, theta)
+
+
 def test_a_real_out_of_memory_halves_the_micro_batch_and_keeps_the_loss():
     model, _ = _lora_model()
     model.train()

@@ -157,6 +157,39 @@ def test_cpu_z_pieces_are_the_whole_tensor_draw(dtype, monkeypatch):
         assert torch.equal(z, want), p.shape
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_whole_z_is_its_pieces(dtype, monkeypatch):
+    """The dual and momentum paths draw z whole, the sweeps in pieces: both must be the same z on any device
+    (on a GPU the pieces are not the whole-tensor draw, so the whole z is built from them)."""
+    monkeypatch.setattr(zo, "_CHUNK", 32)
+    p = nn.Parameter(torch.zeros(10, 100, dtype=dtype))
+    mezo = MeZO([("w", p)], lr=0.0, eps=1.0)
+    whole = mezo._z(p, mezo._seeded({}, [(p, True)], 99))
+    pieces = [z.clone() for _, z in mezo._z_pieces(p, mezo._seeded({}, [(p, True)], 99))]
+    assert len(pieces) == 1000 // 32  # 30 of 32 elements, the last of 40
+    assert torch.equal(whole, torch.cat(pieces).view(p.shape))
+
+
+def test_a_half_precision_update_rounds_piece_by_piece(monkeypatch):
+    """The fp32 copies of a bf16 update never exceed a piece (not the whole embedding), and the update is the
+    hand computation's to within a bf16 rounding."""
+    monkeypatch.setattr(zo, "_CHUNK", 64)
+    rounded = []
+    real = zo.stochastic_round
+    monkeypatch.setattr(zo, "stochastic_round", lambda x, *a: rounded.append(x.numel()) or real(x, *a))
+    theta0 = torch.randn(40, 50, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    p = nn.Parameter(theta0.clone())
+    losses = iter([torch.tensor([2.0]), torch.tensor([1.0])])
+    lr, eps = 1e-2, 1e-3
+    MeZO([("w", p)], lr=lr, eps=eps, seed=3).step(lambda batch: next(losses), {})
+    assert rounded and max(rounded) < 2 * 64 and sum(rounded) == p.numel()
+    (s,) = step_seeds(3, 1)
+    z = reference_z([theta0], s)[0].float()
+    expected = theta0.float() - lr * (1.0 / (2 * eps)) * z
+    ulp = 2.0 ** torch.floor(torch.log2(expected.abs())) * 2.0**-7
+    assert bool(((p.detach().float() - expected).abs() <= ulp).all())
+
+
 @pytest.mark.parametrize("r, active_every", [(4, 1), (1, 2)], ids=["lora-r4", "xgblora-r1-half-the-layers"])
 def test_one_step_adapters_matches_hand_computation(tiny, r, active_every):
     model, _ = adapted(tiny, r, active_every)
@@ -223,6 +256,26 @@ def test_stochastic_round_is_unbiased_between_neighbours(dtype):
     assert bool(((mean - x[0].double()).abs() <= bound).all())
     nearest = x.to(dtype)
     assert not torch.equal(out, nearest)  # it does not just round to nearest
+
+
+def test_bf16_stochastic_round_rounds_up_by_the_lower_bits_and_keeps_specials():
+    """P(round away from zero) is the dropped lower 16 bits / 2^16; +-inf, NaN, zeros and bf16 values stay."""
+    specials = torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 1.5, -3.0, 2.0**-130])
+    out = stochastic_round(specials.repeat(100), torch.bfloat16, torch.Generator().manual_seed(0)).float()
+    assert torch.equal(out.view(100, -1).isnan(), specials.isnan().repeat(100, 1))
+    finite = ~specials.isnan()
+    assert torch.equal(out.view(100, -1)[:, finite], specials[finite].repeat(100, 1))
+    assert torch.equal(out.view(100, -1)[:, 4].sign(), torch.full((100,), -0.0).sign())
+    n = 40000
+    for low in (0x4000, 0xC000, 0x0001):
+        x = torch.tensor([0x3FC00000 + low, -(2**31) + 0x3FC00000 + low], dtype=torch.int32).view(torch.float32)
+        up = stochastic_round(x.repeat(n), torch.bfloat16, torch.Generator().manual_seed(low)).float().view(n, 2)
+        away = (up.abs() > x.abs()).double().mean(dim=0)
+        p = low / 2**16
+        assert bool(((away - p).abs() <= 5 * math.sqrt(p * (1 - p) / n) + 1e-4).all()), (low, away)
+    top = torch.tensor(torch.finfo(torch.bfloat16).max).float().view(torch.int32) + 0x8000  # half-way to inf
+    assert set(stochastic_round(top.view(torch.float32).repeat(1000), torch.bfloat16).float().tolist()) == {
+        float(torch.finfo(torch.bfloat16).max), math.inf}
 
 
 def test_sub_ulp_updates_survive_on_average_in_bf16():

@@ -13,13 +13,15 @@ How z is drawn (a test or another rank rebuilds it from this alone):
 * z of that step: one generator per device that holds trainable weights,
   ``gen = torch.Generator(device).manual_seed(s)``; then, in ``named_params`` order (repeats dropped,
   weights with ``requires_grad=False`` at step time skipped),
-  ``z_p = torch.normal(0.0, 1.0, p.shape, generator=gen, device=p.device, dtype=p.dtype)``:
-  fp32 for fp32 and adapter weights, the weight's own dtype for half-precision weights. On the CPU the same
-  numbers are drawn with ``normal_`` into one reused buffer, in pieces of ``_CHUNK`` elements of the flattened
-  weight (the last piece takes the remainder) once it has ``2 * _CHUNK`` or more: CPU ``normal_`` fills
-  uniforms in element order and transforms them in aligned blocks of 16, so the pieces concatenate to the
-  whole-tensor draw bit for bit (tests/test_zo.py checks it). This saves allocating (and page-faulting) a
-  fresh z as large as the largest weight three times per step.
+  ``z_p = torch.normal(0.0, 1.0, p.shape, generator=gen, device=p.device, dtype=p.dtype)`` for a weight of
+  fewer than ``2 * _CHUNK`` elements: fp32 for fp32 and adapter weights, the weight's own dtype for
+  half-precision weights. A larger weight's z is drawn with ``normal_`` in pieces of ``_CHUNK`` elements of the
+  flattened weight (the last piece takes the remainder), one after the other from the same generator. On the
+  CPU the pieces concatenate to the whole-tensor draw bit for bit (CPU ``normal_`` fills uniforms in element
+  order and transforms them in aligned blocks of 16; tests/test_zo.py checks it); on a GPU they are another
+  draw of the same law, and the pieces are the definition. Pieces let a sweep reuse one buffer instead of
+  allocating a z as large as the largest weight (the embedding) three times per step, and they bound the fp32
+  copies of a half-precision update to a piece.
 * stochastic rounding draws from a second generator per device seeded with ``s + 1`` (``s`` of the step's first
   seed); z never depends on it.
 * Rademacher estimators (FZOO) use ``u = sign(z)`` of the same draw: +-1 with probability 1/2 each.
@@ -56,6 +58,8 @@ Terms = list[tuple[int, float]]  # an estimate sum_i c_i z(s_i) as its (seed s_i
 
 def stochastic_round(x: Tensor, dtype: torch.dtype, generator: torch.Generator | None = None) -> Tensor:
     """Round fp32 x to dtype: to one of its two neighbours, at random by proximity, so E[result] = x."""
+    if dtype == torch.bfloat16 and x.dtype == torch.float32:
+        return _stochastic_round_bf16(x, generator)
     near = x.to(dtype)
     back = near.to(x.dtype)
     diff = x - back
@@ -63,6 +67,27 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, generator: torch.Generator |
     chance = diff.div_(other.to(x.dtype) - back)  # in [0, 1/2]; NaN (never taken) for inf and NaN inputs
     draw = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
     return torch.where(draw < chance, other, near)
+
+
+def _pieces(t: Tensor) -> list[Tensor]:
+    """Views covering contiguous t as z is drawn: t itself below 2 * _CHUNK elements, else flat pieces of _CHUNK
+    elements, the last taking the remainder."""
+    n = t.numel()
+    if n < 2 * _CHUNK:
+        return [t]
+    starts = list(range(0, n - _CHUNK + 1, _CHUNK))
+    flat = t.view(-1)
+    return [flat[start:end] for start, end in zip(starts, [*starts[1:], n], strict=True)]
+
+
+def _stochastic_round_bf16(x: Tensor, generator: torch.Generator | None) -> Tensor:
+    """bf16 is the upper half of fp32's bits: adding a uniform 16-bit integer to the bits carries into the upper
+    half with probability (lower half) / 2^16, the distance to the lower neighbour in ulps; truncating then leaves
+    the neighbour. The same law as the general path in four passes over x instead of about twelve; +-inf and
+    quiet NaNs stay as they are, and the largest finite values may round to inf, as nextafter does."""
+    noise = torch.randint(0, 2**16, x.shape, generator=generator, device=x.device, dtype=torch.int32)
+    bits = noise.add_(x.view(torch.int32)).bitwise_and_(-(2**16))
+    return bits.view(torch.float32).to(torch.bfloat16)
 
 
 class SeededZO:
@@ -106,7 +131,7 @@ class SeededZO:
         self._reduce_losses = reduce_losses  # data parallel: this rank's losses -> means over all ranks
         self._z_gens: Generators = {}
         self._round_gens: Generators = {}
-        self._buffers: dict[torch.dtype, Tensor] = {}  # CPU z buffers, reused by every sweep
+        self._buffers: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # z buffers, reused by every sweep
         self._optimizer = self._build_optimizer(optimizer, weight_decay, betas, adam_eps)
         self.projected_grad = 0.0
         self.last_seed: int | None = None
@@ -246,7 +271,7 @@ class SeededZO:
         theta = p.to(torch.float32) if half else p
         if wd:
             theta.mul_(1 - lr * wd)
-        theta.add_(z.to(theta.dtype), alpha=-lr * g)
+        theta.add_(z, alpha=-lr * g)  # a half z into fp32 theta: no fp32 copy of z
         if half:
             p.copy_(theta if self.stochastic_rounding is False else
                     stochastic_round(theta, p.dtype, round_gens[p.device]))
@@ -254,27 +279,23 @@ class SeededZO:
     @staticmethod
     def _z(p: nn.Parameter, gens: Generators, sign: bool = False) -> Tensor:
         """p's z (sign: sign(z)) as a new tensor (the dual path holds the adapters' z for the whole step)."""
-        z = torch.normal(0.0, 1.0, p.shape, generator=gens[p.device], device=p.device, dtype=p.dtype)
+        z = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        for piece in _pieces(z):
+            piece.normal_(generator=gens[p.device])
         return z.sign_() if sign else z
 
     def _z_pieces(self, p: nn.Parameter, gens: Generators, sign: bool = False) -> Iterator[tuple[Tensor, Tensor]]:
-        """(view of p, its z) pieces covering p; on the CPU z lives in a reused buffer, valid until the next piece."""
-        if p.device.type != "cpu" or not p.is_contiguous():
+        """(view of p, its z) pieces covering p; z lives in a reused buffer, valid until the next piece."""
+        if not p.is_contiguous():
             yield p, self._z(p, gens, sign)
             return
-        n, gen = p.numel(), gens[p.device]
-        buffer = self._buffers.get(p.dtype)
-        if buffer is None or buffer.numel() < min(n, 2 * _CHUNK):
-            buffer = self._buffers[p.dtype] = torch.empty(min(n, 2 * _CHUNK), dtype=p.dtype)
-        if n < 2 * _CHUNK:
-            z = buffer[:n].view(p.shape).normal_(generator=gen)
-            yield p, z.sign_() if sign else z
-            return
-        flat = p.view(-1)
-        starts = range(0, n - _CHUNK + 1, _CHUNK)
-        for start, end in zip(starts, [*starts[1:], n], strict=True):
-            z = buffer[:end - start].normal_(generator=gen)
-            yield flat[start:end], z.sign_() if sign else z
+        key, size = (p.device, p.dtype), min(p.numel(), 2 * _CHUNK)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < size:
+            buffer = self._buffers[key] = torch.empty(size, dtype=p.dtype, device=p.device)
+        for piece in _pieces(p):
+            z = buffer[:piece.numel()].view(piece.shape).normal_(generator=gens[p.device])
+            yield piece, z.sign_() if sign else z
 
     @staticmethod
     def _seeded(cache: Generators, params: Trainable, seed: int) -> Generators:
