@@ -4,11 +4,12 @@ import argparse
 import json
 import math
 import subprocess
+import types
 
 import pytest
 import torch
 
-from xgblora.bench import flags, gpu, suites, table, workloads
+from xgblora.bench import flags, gpu, sft, suites, table, timing, workloads
 from xgblora.bench.baselines import hf_vs_xgblora
 
 
@@ -81,9 +82,36 @@ def test_gpu_suite_runs_only_the_parts_named(tmp_path):
     assert set(parts) == {"cpu_bench", "sft", "compile"}
 
 
+def test_alternating_steps_take_turns_meeting_a_batch_first_and_time_each_side_apart():
+    clock, order = [0.0], []
+    monkey_time = types.SimpleNamespace(perf_counter=lambda: clock[0])
+
+    def ours(index):
+        order.append(("ours", index))
+        clock[0] += 1.0
+
+    steps = timing.AlternatingSteps(ours, torch.device("cpu"), warmup=1)
+    real_time, timing.time = timing.time, monkey_time
+    try:
+        steps.start()
+        for index in range(4):  # as the HF Trainer calls back: begin at global_step = index, end at index + 1
+            steps.on_step_begin(index)
+            order.append(("trainer", index))
+            clock[0] += 10.0
+            steps.on_step_end(index)
+    finally:
+        timing.time = real_time
+    assert order == [("trainer", 0), ("ours", 0), ("ours", 1), ("trainer", 1),
+                     ("trainer", 2), ("ours", 2), ("ours", 3), ("trainer", 3)]
+    assert steps.trainer_s == [10.0, 10.0, 10.0] and steps.ours_s == [1.0, 1.0, 1.0]
+
+
 @pytest.mark.parametrize("data", [pytest.param("generated", marks=pytest.mark.slow), "gsm8k"])
-def test_sft_suite_quick_compares_with_trl_on_the_same_tokens(tmp_path, request, capsys, data):
+def test_sft_suite_quick_compares_with_trl_on_the_same_tokens(tmp_path, request, capsys, monkeypatch, data):
     pytest.importorskip("trl")
+    stepped = []
+    real_rows = sft.step_rows
+    monkeypatch.setattr(sft, "step_rows", lambda case, index: stepped.append(index) or real_rows(case, index))
     source = ["--data_dir", str(request.getfixturevalue("shared_data"))] if data == "gsm8k" else []
     args = _args(tmp_path, "--suite", "sft", "--sft_models", "tiny-llama-chat", "--sft_variants", "padded", "packed",
                  *source, "--skip_memory")
@@ -91,6 +119,9 @@ def test_sft_suite_quick_compares_with_trl_on_the_same_tokens(tmp_path, request,
     assert ("no --data_dir: timing on generated GSM8K-shaped conversations" in capsys.readouterr().err) == (not source)
     cases = json.loads((tmp_path / "bench.json").read_text())["cases"]
     assert [c["variant"] for c in cases] == ["padded", "packed"]
+    # per variant: xgblora stepped once on each TRL step's rows, in TRL's order (HF's step callbacks count as
+    # assumed), then the timed steps' tokens were counted
+    assert stepped == [0, 1, 2, 1, 2] * 2
     for c in cases:
         assert c["steps_timed"] == 2 and _positive(c["speedup_vs_trl"]) and 0 < c["target_share"] < 1
         assert _positive(c["trl_target_tokens_per_s"]) and c["xgblora_tokens_per_s"] > c["xgblora_target_tokens_per_s"]

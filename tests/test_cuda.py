@@ -1,5 +1,6 @@
 """The CUDA paths, each against its CPU/eager/unfused counterpart: bf16 autocast, attention selection (SDPA,
-flash-attention), varlen packing, fused AdamW, --compile, MeZO's dual batch, out-of-memory halving on a real OOM,
+flash-attention), varlen packing, fused AdamW, --compile, MeZO's dual batch, full-model MeZO in bf16 (z in pieces,
+little memory added), out-of-memory halving on a real OOM,
 and a 1-GPU NCCL process group. Marked `cuda`; without a GPU every test skips with the reason.
 `xgblora bench --suite gpu` runs them (`python -m pytest -m cuda tests/test_cuda.py`)."""
 

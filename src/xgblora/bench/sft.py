@@ -5,8 +5,8 @@ dropout, the bench's dtype, AdamW lr 1e-4, clip 1.0) on the same batches: GSM8K 
 conversation through TinyLlama-Chat's template, tokenised once by `formats.instruction_seqs` (the assistant turn
 and its end-of-turn token carry loss), taken in file order, `batch_size` rows a step, loss the mean over the
 batch's target tokens. TRL gets the rows as `input_ids` + `labels` (-100 off the targets), so both see the same
-tokens. One xgblora step runs inside each TRL `on_step_end`, on the rows TRL just trained on, so the two alternate
-step by step as `baselines.hf_vs_xgblora` does. Variants: padded or packed (TRL's `padding_free`, xgblora's
+tokens. One xgblora step runs beside each TRL step, on the rows of that step, before or after it in turn
+(`timing.AlternatingSteps`: on a GPU, whichever side meets a new padded shape first pays for its kernel choice). Variants: padded or packed (TRL's `padding_free`, xgblora's
 `collate_packed`), with or without gradient checkpointing (non-reentrant on both sides).
 
 Peak memory: each side in its own process, what its steps add to the memory held before them (the peak RSS sampled
@@ -23,7 +23,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ import torch
 
 from xgblora.adapters import lora
 from xgblora.bench.memory import peak_added, run_against_trl, sides_in_subprocesses
-from xgblora.bench.timing import step_callback, sync_device
+from xgblora.bench.timing import AlternatingSteps
 from xgblora.data import formats
 from xgblora.data.collation import TokenSeq
 from xgblora.data.tasks import Example
@@ -196,26 +195,12 @@ def compare_case(case: SFTCase) -> dict[str, Any]:
     """TRL and xgblora steps alternating on the same batches: per-step times, tokens/s, the speed-up."""
     seqs = sft_seqs(case)
     ours = XgbloraSFT(case, seqs)
-    device = ours.device
-    trl_times: list[float] = []
-    our_times: list[float] = []
-    mark = [0.0]
-
-    def on_step(global_step: int) -> None:
-        sync_device(device)
-        trl_s = time.perf_counter() - mark[0]
-        start = time.perf_counter()
-        ours.step(step_rows(case, global_step - 1))
-        sync_device(device)
-        if global_step > case.warmup:
-            trl_times.append(trl_s)
-            our_times.append(time.perf_counter() - start)
-        mark[0] = time.perf_counter()
-
+    steps = AlternatingSteps(lambda index: ours.step(step_rows(case, index)), ours.device, case.warmup)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = trl_trainer(case, seqs, [step_callback(on_step)], tmp)
-        mark[0] = time.perf_counter()
+        trainer = trl_trainer(case, seqs, [steps.callback()], tmp)
+        steps.start()
         trainer.train()
+    trl_times, our_times = steps.trainer_s, steps.ours_s
     timed = [step_rows(case, s) for s in range(case.warmup, case.warmup + case.steps)]
     tokens = [batch_tokens(seqs, rows) for rows in timed]
     all_tokens, target_tokens = sum(t[0] for t in tokens), sum(t[1] for t in tokens)

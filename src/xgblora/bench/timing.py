@@ -35,6 +35,61 @@ def time_interleaved(workloads: dict[str, Callable[[], Any]], repeats: int, warm
     return times
 
 
+class AlternatingSteps:
+    """A Trainer's steps timed against ours on the same batches, one step each in turn, with the side that meets a
+    batch first alternating: on a GPU the first call with a new shape pays for choosing its kernels, and padded
+    batches change shape every step, so a fixed order would charge that to one side. The Trainer's step is the
+    time from one step's end to the next's, less our step when it ran in between. `ours(index)` runs our step on
+    the rows of the Trainer's step `index` (0-based); pass `callback()` to the Trainer and call `start()` just
+    before `train()`."""
+
+    def __init__(self, ours: Callable[[int], Any], device: torch.device, warmup: int) -> None:
+        self.ours, self.device, self.warmup = ours, device, warmup
+        self.trainer_s: list[float] = []
+        self.ours_s: list[float] = []
+        self._mark, self._ours_first_s = 0.0, 0.0
+
+    def start(self) -> None:
+        self._mark = time.perf_counter()
+
+    def _run_ours(self, index: int) -> float:
+        sync_device(self.device)
+        start = time.perf_counter()
+        self.ours(index)
+        sync_device(self.device)
+        return time.perf_counter() - start
+
+    def on_step_begin(self, index: int) -> None:
+        if index % 2:
+            self._ours_first_s = self._run_ours(index)
+
+    def on_step_end(self, index: int) -> None:
+        sync_device(self.device)
+        trainer_s = time.perf_counter() - self._mark - (self._ours_first_s if index % 2 else 0.0)
+        ours_s = self._ours_first_s if index % 2 else self._run_ours(index)
+        if index >= self.warmup:
+            self.trainer_s.append(trainer_s)
+            self.ours_s.append(ours_s)
+        self._mark = time.perf_counter()
+
+    def callback(self) -> Any:
+        """The TrainerCallback: global_step counts the finished steps, so it is the index of a step at its begin."""
+        from transformers import TrainerCallback
+
+        steps = self
+
+        class Alternate(TrainerCallback):
+            def on_step_begin(self, targs, tstate, control, **kwargs):  # noqa: ARG002
+                steps.on_step_begin(tstate.global_step)
+                return control
+
+            def on_step_end(self, targs, tstate, control, **kwargs):  # noqa: ARG002
+                steps.on_step_end(tstate.global_step - 1)
+                return control
+
+        return Alternate()
+
+
 def median(xs: list[float]) -> float:
     """The median of the timings, NaN when there are none."""
     return statistics.median(xs) if xs else float("nan")
