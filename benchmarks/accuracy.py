@@ -23,13 +23,14 @@ import argparse
 import json
 import math
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from common import mean_std, slug
 
 from xgblora.config import parse_bool
 
@@ -171,8 +172,7 @@ def worker(spec: str) -> None:
 
 def run_one(args: argparse.Namespace, name: str, task: str, seed: int, lr: float) -> dict[str, Any]:
     """One (run, task, seed, learning rate), reused from --out when finished with the same settings and protocol."""
-    slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
-    path = Path(args.out) / task / f"{slug}-lr{lr:g}-seed{seed}.json"
+    path = Path(args.out) / task / f"{slug(name)}-lr{lr:g}-seed{seed}.json"
     config = run_config(args, name, task, seed, lr)
     if path.is_file():
         saved = json.loads(path.read_text())
@@ -202,11 +202,6 @@ def choose_lr(args: argparse.Namespace, name: str, task: str, chosen: dict[str, 
     return max(grid, key=lambda lr: (dev[lr], -grid.index(lr)))  # a tie goes to the first (smallest)
 
 
-def _mean_std(values: list[float], scale: float = 1.0) -> str:
-    mean = statistics.fmean(values) * scale
-    return f"{mean:.1f} ± {statistics.stdev(values) * scale:.1f}" if len(values) > 1 else f"{mean:.1f}"
-
-
 def table(results: list[dict[str, Any]], task: str) -> str:
     """Markdown table of one task: accuracy mean ± std over seeds, the positive class's share of the test
     predictions (its lowest and highest seed: a collapse shows as 0 or 100), training loss, lr, size, time."""
@@ -218,10 +213,10 @@ def table(results: list[dict[str, Any]], task: str) -> str:
             continue
         shares = [100 * r["predicted_shares"][-1] for r in rows]
         losses = [r["train_loss"] for r in rows if r["train_loss"] is not None]
-        lines.append(f"| {name} | {rows[0]['lr']:g} | {_mean_std([r['accuracy'] for r in rows], 100)} | "
-                     f"{_mean_std([r['dev_accuracy'] for r in rows], 100)} | {min(shares):.0f}-{max(shares):.0f} | "
-                     f"{_mean_std(losses) if losses else '-'} | {rows[0]['trainable_params']:,} | "
-                     f"{rows[0]['config']['max_steps']} | {_mean_std([r['train_s'] for r in rows])} | "
+        lines.append(f"| {name} | {rows[0]['lr']:g} | {mean_std([r['accuracy'] for r in rows], 100)} | "
+                     f"{mean_std([r['dev_accuracy'] for r in rows], 100)} | {min(shares):.0f}-{max(shares):.0f} | "
+                     f"{mean_std(losses) if losses else '-'} | {rows[0]['trainable_params']:,} | "
+                     f"{rows[0]['config']['max_steps']} | {mean_std([r['train_s'] for r in rows])} | "
                      f"{max(r['peak_rss_mb'] for r in rows):.0f} |")
     return "\n".join(lines)
 

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from common import mean_std, slug
 from rft_smollm2 import write_questions
 
 # Bump when this protocol or an xgblora default it runs on changes: a finished run of another version in --out is
@@ -85,8 +85,7 @@ def run_one(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[s
     from xgblora import train
     from xgblora.config import Config
 
-    slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
-    path = Path(args.out) / f"{slug}-lr{lr:g}-seed{seed}.json"
+    path = Path(args.out) / f"{slug(name)}-lr{lr:g}-seed{seed}.json"
     config = run_config(args, name, seed, lr)
     if path.is_file():
         saved = json.loads(path.read_text())
@@ -111,11 +110,6 @@ def choose_lr(args: argparse.Namespace, name: str) -> float:
     return min(grid, key=lambda lr: dev[lr])
 
 
-def _mean_std(values: list[float], digits: int = 3) -> str:
-    mean = f"{statistics.fmean(values):.{digits}f}"
-    return f"{mean} ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else mean
-
-
 def table(results: list[dict[str, Any]]) -> str:
     """Markdown: per row, the chosen lr, dev and test loss (mean ± std over seeds), the test exact match (%) where
     the test answers are generated, parameters, steps."""
@@ -125,9 +119,9 @@ def table(results: list[dict[str, Any]]) -> str:
         rows = [r for r in results if r["run"] == name]
         if rows:
             em = [100 * r["test_em"] for r in rows if r.get("test_em") is not None]
-            lines.append(f"| {name} | {rows[0]['lr']:g} | {_mean_std([r['test_loss'] for r in rows])} | "
-                         f"{_mean_std(em, 1) if em else '-'} | "
-                         f"{_mean_std([r['dev_loss'] for r in rows])} | {_mean_std([r['train_loss'] for r in rows])} | "
+            lines.append(f"| {name} | {rows[0]['lr']:g} | {mean_std([r['test_loss'] for r in rows], digits=3)} | "
+                         f"{mean_std(em) if em else '-'} | "
+                         f"{mean_std([r['dev_loss'] for r in rows], digits=3)} | {mean_std([r['train_loss'] for r in rows], digits=3)} | "
                          f"{rows[0]['trainable_params']:,} | {rows[0]['config']['max_steps']} |")
     return "\n".join(lines)
 

