@@ -1,18 +1,23 @@
-"""benchmarks/smollm2_sst2.py's harness: every command it runs is one xgblora accepts, under MeZO's protocol; the
-rate is chosen on dev at the first seed (a tie to the smaller); finished runs are reused; the table lands."""
+"""benchmarks/smollm2_mezo.py's harness: every command it runs is one xgblora accepts, under MeZO's protocol for
+the task; the rate is chosen on dev at the first seed (a tie to the smaller); finished runs are reused; the table
+lands."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 from conftest import load_benchmark
 
 from xgblora import cli, config
 
 
-def test_commands_parse_and_the_rate_is_chosen_on_dev(tmp_path, monkeypatch):
-    bench = load_benchmark("smollm2_sst2")
+@pytest.mark.parametrize("task, num_train, num_dev, classification", [("SST2", 1000, 500, True),
+                                                                      ("Copa", 300, 100, False)])
+def test_commands_parse_and_the_rate_is_chosen_on_dev(tmp_path, monkeypatch, task, num_train, num_dev,
+                                                      classification):
+    bench = load_benchmark("smollm2_mezo")
     configs: list[config.Config] = []
 
     def fake_run(cmd, check):  # parse as `xgblora` would, then write what a finished run writes
@@ -27,19 +32,22 @@ def test_commands_parse_and_the_rate_is_chosen_on_dev(tmp_path, monkeypatch):
         (Path(cfg.output_dir) / "results.json").write_text(json.dumps(result))
 
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
-    argv = ["smollm2_sst2.py", "--data_dir", "data", "--out", str(tmp_path), "--seeds", "0", "1",
+    argv = ["smollm2_mezo.py", "--data_dir", "data", "--task", task, "--out", str(tmp_path), "--seeds", "0", "1",
             "--zo_steps", "40", "--fo_steps", "8", "--rows", "zero-shot", "MeZO-LoRA r=8", "FT (AdamW)"]
     monkeypatch.setattr(bench.sys, "argv", argv)
     bench.main()
     zero_shot, *trained = configs
     assert zero_shot.trainer == "none" and zero_shot.num_train == 0
+    assert {c.task_name for c in configs} == {task}
     mezo = [c for c in trained if c.trainer == "zo"]
     assert [(c.learning_rate, c.seed) for c in mezo] == [(1e-4, 0), (1e-3, 0), (1e-3, 1)]  # best dev, then seed 1
     ft = [c for c in trained if c.method == "ft"]
     assert [(c.learning_rate, c.seed) for c in ft] == [(1e-5, 0), (3e-5, 0), (1e-5, 1)]  # the tie to the smaller
     for c in trained:  # MeZO's data protocol and settings
-        assert (c.num_train, c.num_dev, c.train_set_seed, c.per_device_train_batch_size) == (1000, 500, c.seed, 16)
-        assert c.train_as_classification and c.load_best_model_at_end and c.evaluation_strategy == "steps"
+        assert (c.num_train, c.num_dev, c.train_set_seed, c.per_device_train_batch_size) == (num_train, num_dev,
+                                                                                             c.seed, 16)
+        assert c.train_as_classification == classification  # as MeZO's mezo.sh sets the loss per task
+        assert c.load_best_model_at_end and c.evaluation_strategy == "steps"
         assert c.max_steps == (40 if c.trainer == "zo" else 8) and c.eval_steps == c.max_steps // 4
         assert c.lr_scheduler_type == "constant"  # MeZO's for the ZO rows; xgblora's default for AdamW
     table = (tmp_path / "table.md").read_text()

