@@ -6,8 +6,9 @@ conversation through TinyLlama-Chat's template, tokenised once by `formats.instr
 and its end-of-turn token carry loss), taken in file order, `batch_size` rows a step, loss the mean over the
 batch's target tokens. TRL gets the rows as `input_ids` + `labels` (-100 off the targets), so both see the same
 tokens. One xgblora step runs beside each TRL step, on the rows of that step, before or after it in turn
-(`timing.AlternatingSteps`: on a GPU, whichever side meets a new padded shape first pays for its kernel choice). Variants: padded or packed (TRL's `padding_free`, xgblora's
-`collate_packed`), with or without gradient checkpointing (non-reentrant on both sides).
+(`timing.AlternatingSteps`: on a GPU, whichever side meets a new padded shape first pays for its kernel choice).
+Variants: padded or packed (TRL's `padding_free`, xgblora's `collate_packed`), with or without gradient
+checkpointing (non-reentrant on both sides).
 
 Peak memory: each side in its own process, what its steps add to the memory held before them (the peak RSS sampled
 during the steps minus the RSS before the first; CUDA: max_memory_allocated over memory_allocated before), so the
