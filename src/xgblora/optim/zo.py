@@ -69,6 +69,16 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, generator: torch.Generator |
     return torch.where(draw < chance, other, near)
 
 
+def _stochastic_round_bf16(x: Tensor, generator: torch.Generator | None) -> Tensor:
+    """bf16 is the upper half of fp32's bits: adding a uniform 16-bit integer to the bits carries into the upper
+    half with probability (lower half) / 2^16, the distance to the lower neighbour in ulps; truncating then leaves
+    the neighbour. The same law as the general path in four passes over x instead of about twelve; +-inf and
+    quiet NaNs stay as they are, and the largest finite values may round to inf, as nextafter does."""
+    noise = torch.randint(0, 2**16, x.shape, generator=generator, device=x.device, dtype=torch.int32)
+    bits = noise.add_(x.view(torch.int32)).bitwise_and_(-(2**16))
+    return bits.view(torch.float32).to(torch.bfloat16)
+
+
 def _pieces(t: Tensor) -> list[Tensor]:
     """Views covering contiguous t as z is drawn: t itself below 2 * _CHUNK elements, else flat pieces of _CHUNK
     elements, the last taking the remainder."""
@@ -78,16 +88,6 @@ def _pieces(t: Tensor) -> list[Tensor]:
     starts = list(range(0, n - _CHUNK + 1, _CHUNK))
     flat = t.view(-1)
     return [flat[start:end] for start, end in zip(starts, [*starts[1:], n], strict=True)]
-
-
-def _stochastic_round_bf16(x: Tensor, generator: torch.Generator | None) -> Tensor:
-    """bf16 is the upper half of fp32's bits: adding a uniform 16-bit integer to the bits carries into the upper
-    half with probability (lower half) / 2^16, the distance to the lower neighbour in ulps; truncating then leaves
-    the neighbour. The same law as the general path in four passes over x instead of about twelve; +-inf and
-    quiet NaNs stay as they are, and the largest finite values may round to inf, as nextafter does."""
-    noise = torch.randint(0, 2**16, x.shape, generator=generator, device=x.device, dtype=torch.int32)
-    bits = noise.add_(x.view(torch.int32)).bitwise_and_(-(2**16))
-    return bits.view(torch.float32).to(torch.bfloat16)
 
 
 class SeededZO:
