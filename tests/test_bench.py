@@ -82,7 +82,8 @@ def test_gpu_suite_runs_only_the_parts_named(tmp_path):
     assert set(parts) == {"cpu_bench", "sft", "compile"}
 
 
-def test_alternating_steps_take_turns_meeting_a_batch_first_and_time_each_side_apart():
+@pytest.mark.parametrize("alternate", [True, False])
+def test_interleaved_steps_order_the_sides_and_time_each_apart(alternate):
     clock, order = [0.0], []
     monkey_time = types.SimpleNamespace(perf_counter=lambda: clock[0])
 
@@ -90,7 +91,7 @@ def test_alternating_steps_take_turns_meeting_a_batch_first_and_time_each_side_a
         order.append(("ours", index))
         clock[0] += 1.0
 
-    steps = timing.AlternatingSteps(ours, torch.device("cpu"), warmup=1)
+    steps = timing.InterleavedSteps(ours, torch.device("cpu"), warmup=1, alternate=alternate)
     real_time, timing.time = timing.time, monkey_time
     try:
         steps.start()
@@ -101,8 +102,11 @@ def test_alternating_steps_take_turns_meeting_a_batch_first_and_time_each_side_a
             steps.on_step_end(index)
     finally:
         timing.time = real_time
-    assert order == [("trainer", 0), ("ours", 0), ("ours", 1), ("trainer", 1),
-                     ("trainer", 2), ("ours", 2), ("ours", 3), ("trainer", 3)]
+    if alternate:  # odd steps: ours meets the batch first
+        assert order == [("trainer", 0), ("ours", 0), ("ours", 1), ("trainer", 1),
+                         ("trainer", 2), ("ours", 2), ("ours", 3), ("trainer", 3)]
+    else:
+        assert order == [(side, i) for i in range(4) for side in ("trainer", "ours")]
     assert steps.trainer_s == [10.0, 10.0, 10.0] and steps.ours_s == [1.0, 1.0, 1.0]
 
 

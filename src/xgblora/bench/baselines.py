@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from typing import Any
 
 import torch
 
-from xgblora.bench.timing import median, sync_device, time_interleaved
+from xgblora.bench.timing import InterleavedSteps, median, time_interleaved
 from xgblora.bench.workloads import Bench, eval_examples
 from xgblora.data.collation import TokenSeq
 from xgblora.data.tasks import Example
@@ -19,7 +18,7 @@ from xgblora.models import pretrained
 
 try:  # optional: `xgblora bench` skips this baseline without peft (see suite.run)
     from peft import LoraConfig, get_peft_model
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 except ImportError as exc:
     HF_IMPORT_ERROR: ImportError | None = exc
 else:
@@ -67,31 +66,15 @@ def hf_vs_xgblora(bench: Bench, steps: int, warmup: int) -> dict[str, Any]:
     args = bench.args
     hf_model = _peft_lora_model(args)
     rows = _trainer_rows(bench.pool)
-    hf_times: list[float] = []
-    our_times: list[float] = []
-    state = {"mark": 0.0, "n": 0}
-
-    class Interleave(TrainerCallback):
-        def on_step_end(self, targs, tstate, control, **kwargs):  # noqa: ARG002
-            sync_device(bench.device)
-            now = time.perf_counter()
-            state["n"] += 1
-            if state["n"] > warmup:
-                hf_times.append(now - state["mark"])
-            start = time.perf_counter()
-            bench.adamw_step(bench.next_batch())
-            sync_device(bench.device)
-            if state["n"] > warmup:
-                our_times.append(time.perf_counter() - start)
-            state["mark"] = time.perf_counter()
-            return control
-
+    timer = InterleavedSteps(lambda index: bench.adamw_step(bench.next_batch()), bench.device, warmup,
+                             alternate=False)
     with tempfile.TemporaryDirectory() as tmp:
         targs = _training_arguments(tmp, bench, warmup + steps)
-        trainer = Trainer(model=hf_model, args=targs, train_dataset=rows, callbacks=[Interleave()])
-        state["mark"] = time.perf_counter()
+        trainer = Trainer(model=hf_model, args=targs, train_dataset=rows, callbacks=[timer.callback()])
+        timer.start()
         trainer.train()
         optim = str(trainer.args.optim)
+    hf_times, our_times = timer.trainer_s, timer.ours_s
     tokens = args.batch_size * args.seq_len
     hf_s, our_s = median(hf_times), median(our_times)
     return {"hf_peft_step_s": hf_s, "fo_lora_step_interleaved_s": our_s, "hf_peft_optim": optim,

@@ -5,7 +5,7 @@ dropout, fp32 unless --dtype, AdamW lr 1e-5, clip 1.0, beta 0, loss dapo: TRL's 
 plain-text prompts, `prompts` of them a step with G = `--num_generations` completions each, up to
 `--max_completion_length` tokens at temperature 1, rewarded by the same function (`length_reward`). One step is
 everything a step costs: sampling, rewards, advantages, the loss's forward and backward, the update. One xgblora
-step runs inside each TRL `on_step_end`, so the two alternate step by step (`bench.sft`'s scheme).
+step runs inside each TRL `on_step_end`, so the two alternate step by step (`timing.InterleavedSteps`).
 
 Peak memory: each side in its own process, what its steps add to the memory held before them (`bench.sft`).
 """
@@ -18,14 +18,13 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from xgblora.bench.memory import peak_added, run_against_trl, sides_in_subprocesses
 from xgblora.bench.sft import chat_tokenizer, generated_conversations
-from xgblora.bench.timing import step_callback, sync_device
+from xgblora.bench.timing import InterleavedSteps
 from xgblora.config import GRPOConfig
 from xgblora.errors import UserError
 from xgblora.generation.grpo import GRPORun
@@ -115,26 +114,13 @@ def trl_trainer(case: GRPOCase, prompts: Path, callbacks: list[Any], output_dir:
 def compare_case(case: GRPOCase) -> dict[str, Any]:
     """TRL and xgblora steps alternating: per-step times and the speed-up."""
     prompts = questions(case)
-    trl_times: list[float] = []
-    our_times: list[float] = []
-    mark = [0.0]
     with tempfile.TemporaryDirectory() as ours_dir, tempfile.TemporaryDirectory() as trl_dir:
         ours = xgblora_run(case, prompts, ours_dir)
-
-        def on_step(global_step: int) -> None:
-            sync_device(ours.device)
-            trl_s = time.perf_counter() - mark[0]
-            start = time.perf_counter()
-            ours.train_step()
-            sync_device(ours.device)
-            if global_step > case.warmup:
-                trl_times.append(trl_s)
-                our_times.append(time.perf_counter() - start)
-            mark[0] = time.perf_counter()
-
-        trainer = trl_trainer(case, prompts, [step_callback(on_step)], trl_dir)
-        mark[0] = time.perf_counter()
+        timer = InterleavedSteps(lambda index: ours.train_step(), ours.device, case.warmup, alternate=False)
+        trainer = trl_trainer(case, prompts, [timer.callback()], trl_dir)
+        timer.start()
         trainer.train()
+    trl_times, our_times = timer.trainer_s, timer.ours_s
     trl_s, our_s = sum(trl_times), sum(our_times)
     return {"model_name": case.model_name, "prompts": case.prompts, "num_generations": case.num_generations,
             "max_completion_length": case.max_completion_length, "steps_timed": len(our_times),

@@ -6,7 +6,7 @@ conversation through TinyLlama-Chat's template, tokenised once by `formats.instr
 and its end-of-turn token carry loss), taken in file order, `batch_size` rows a step, loss the mean over the
 batch's target tokens. TRL gets the rows as `input_ids` + `labels` (-100 off the targets), so both see the same
 tokens. One xgblora step runs beside each TRL step, on the rows of that step, before or after it in turn
-(`timing.AlternatingSteps`: on a GPU, whichever side meets a new padded shape first pays for its kernel choice).
+(`timing.InterleavedSteps`: on a GPU, whichever side meets a new padded shape first pays for its kernel choice).
 Variants: padded or packed (TRL's `padding_free`, xgblora's `collate_packed`), with or without gradient
 checkpointing (non-reentrant on both sides).
 
@@ -32,7 +32,7 @@ import torch
 
 from xgblora.adapters import lora
 from xgblora.bench.memory import peak_added, run_against_trl, sides_in_subprocesses
-from xgblora.bench.timing import AlternatingSteps
+from xgblora.bench.timing import InterleavedSteps
 from xgblora.data import formats
 from xgblora.data.collation import TokenSeq
 from xgblora.data.tasks import Example
@@ -196,12 +196,12 @@ def compare_case(case: SFTCase) -> dict[str, Any]:
     """TRL and xgblora steps alternating on the same batches: per-step times, tokens/s, the speed-up."""
     seqs = sft_seqs(case)
     ours = XgbloraSFT(case, seqs)
-    steps = AlternatingSteps(lambda index: ours.step(step_rows(case, index)), ours.device, case.warmup)
+    timer = InterleavedSteps(lambda index: ours.step(step_rows(case, index)), ours.device, case.warmup)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = trl_trainer(case, seqs, [steps.callback()], tmp)
-        steps.start()
+        trainer = trl_trainer(case, seqs, [timer.callback()], tmp)
+        timer.start()
         trainer.train()
-    trl_times, our_times = steps.trainer_s, steps.ours_s
+    trl_times, our_times = timer.trainer_s, timer.ours_s
     timed = [step_rows(case, s) for s in range(case.warmup, case.warmup + case.steps)]
     tokens = [batch_tokens(seqs, rows) for rows in timed]
     all_tokens, target_tokens = sum(t[0] for t in tokens), sum(t[1] for t in tokens)

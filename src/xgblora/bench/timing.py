@@ -35,16 +35,16 @@ def time_interleaved(workloads: dict[str, Callable[[], Any]], repeats: int, warm
     return times
 
 
-class AlternatingSteps:
-    """A Trainer's steps timed against ours on the same batches, one step each in turn, with the side that meets a
-    batch first alternating: on a GPU the first call with a new shape pays for choosing its kernels, and padded
-    batches change shape every step, so a fixed order would charge that to one side. The Trainer's step is the
-    time from one step's end to the next's, less our step when it ran in between. `ours(index)` runs our step on
-    the rows of the Trainer's step `index` (0-based); pass `callback()` to the Trainer and call `start()` just
-    before `train()`."""
+class InterleavedSteps:
+    """A Trainer's steps timed against ours on the same batches, one step each in turn. With `alternate`, the side
+    that meets a batch first alternates: on a GPU the first call with a new shape pays for choosing its kernels, and
+    padded batches change shape every step, so a fixed order would charge that to one side; without it, ours always
+    runs after the Trainer's. The Trainer's step is the time from one step's end to the next's (its data loading
+    included), less our step when it ran in between. `ours(index)` runs our step on the rows of the Trainer's step
+    `index` (0-based); pass `callback()` to the Trainer and call `start()` just before `train()`."""
 
-    def __init__(self, ours: Callable[[int], Any], device: torch.device, warmup: int) -> None:
-        self.ours, self.device, self.warmup = ours, device, warmup
+    def __init__(self, ours: Callable[[int], Any], device: torch.device, warmup: int, alternate: bool = True) -> None:
+        self.ours, self.device, self.warmup, self.alternate = ours, device, warmup, alternate
         self.trainer_s: list[float] = []
         self.ours_s: list[float] = []
         self._mark, self._ours_first_s = 0.0, 0.0
@@ -59,14 +59,18 @@ class AlternatingSteps:
         sync_device(self.device)
         return time.perf_counter() - start
 
+    def _ours_first(self, index: int) -> bool:
+        return self.alternate and index % 2 == 1
+
     def on_step_begin(self, index: int) -> None:
-        if index % 2:
+        if self._ours_first(index):
             self._ours_first_s = self._run_ours(index)
 
     def on_step_end(self, index: int) -> None:
         sync_device(self.device)
-        trainer_s = time.perf_counter() - self._mark - (self._ours_first_s if index % 2 else 0.0)
-        ours_s = self._ours_first_s if index % 2 else self._run_ours(index)
+        first = self._ours_first(index)
+        trainer_s = time.perf_counter() - self._mark - (self._ours_first_s if first else 0.0)
+        ours_s = self._ours_first_s if first else self._run_ours(index)
         if index >= self.warmup:
             self.trainer_s.append(trainer_s)
             self.ours_s.append(ours_s)
@@ -78,7 +82,7 @@ class AlternatingSteps:
 
         steps = self
 
-        class Alternate(TrainerCallback):
+        class Interleave(TrainerCallback):
             def on_step_begin(self, targs, tstate, control, **kwargs):  # noqa: ARG002
                 steps.on_step_begin(tstate.global_step)
                 return control
@@ -87,7 +91,7 @@ class AlternatingSteps:
                 steps.on_step_end(tstate.global_step - 1)
                 return control
 
-        return Alternate()
+        return Interleave()
 
 
 def median(xs: list[float]) -> float:
@@ -104,15 +108,3 @@ def log_overhead(step_s: float, n: int = 500) -> dict[str, float]:
             metrics.log({"step": step, "loss": float(loss), "lr": 1e-4, "elapsed_s": round(step * 0.1, 3)})
         per_log = (time.perf_counter() - start) / n
     return {"log_s_per_record": per_log, "log_overhead_fraction": per_log / step_s}
-
-
-def step_callback(on_step: Callable[[int], None]) -> Any:
-    """A TrainerCallback calling on_step(global_step) at the end of every TRL step."""
-    from transformers import TrainerCallback
-
-    class OnStep(TrainerCallback):
-        def on_step_end(self, targs, tstate, control, **kwargs):  # noqa: ARG002
-            on_step(tstate.global_step)
-            return control
-
-    return OnStep()
