@@ -67,10 +67,15 @@ def evaluate(args: argparse.Namespace, demos: int, seed: int) -> dict:
                    ["eval", "--num_train", str(demos), "--train_set_seed", str(seed)])
 
 
+def budget_steps(args: argparse.Namespace, row: str) -> int:
+    """The steps of a trained row: the zeroth-order budget or the AdamW one."""
+    return args.zo_steps if TRAINED[row][2] == "zo" else args.fo_steps
+
+
 def train(args: argparse.Namespace, row: str, lr: float, seed: int) -> dict:
     """One trained run: MeZO's data protocol and settings, the row's flags, the row's budget of steps."""
     flags, _, budget = TRAINED[row]
-    steps = args.zo_steps if budget == "zo" else args.fo_steps
+    steps = budget_steps(args, row)
     _, num_train, num_dev, loss_flags = TASKS[args.task]
     return xgblora(args, Path(args.out) / f"{slug(row)}-steps{steps}-lr{lr:g}-seed{seed}",
                    ["train", *flags, "--learning_rate", str(lr), "--max_steps", str(steps),
@@ -97,7 +102,7 @@ def table(results: dict[str, list[dict]], rates: dict[str, float], args: argpars
     for name, rows in results.items():
         trained = name in TRAINED
         dev = mean_std([r["dev_accuracy"] for r in rows], 100) if trained else "-"
-        steps = (args.zo_steps if TRAINED[name][2] == "zo" else args.fo_steps) if trained else "-"
+        steps = budget_steps(args, name) if trained else "-"
         time_s = f"{statistics.mean(r['train_runtime_s'] for r in rows):.0f}" if trained else "-"
         memory = f"{max(r['peak_memory_mb'] for r in rows):.0f}" if trained else "-"
         lines.append(f"| {name} | {mean_std([r['accuracy'] for r in rows], 100)} | {dev} | {len(rows)} | "
