@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import mean_std, slug
+from common import best_rate, mean_std, slug
 
 from xgblora.config import parse_bool
 
@@ -198,8 +198,7 @@ def choose_lr(args: argparse.Namespace, name: str, task: str, chosen: dict[str, 
         return chosen.get(HF_LR_FROM) or choose_lr(args, HF_LR_FROM, task, chosen)
     if len(grid) == 1:
         return grid[0]
-    dev = {lr: run_one(args, name, task, args.seeds[0], lr)["dev_accuracy"] for lr in grid}
-    return max(grid, key=lambda lr: (dev[lr], -grid.index(lr)))  # a tie goes to the first (smallest)
+    return best_rate({lr: run_one(args, name, task, args.seeds[0], lr)["dev_accuracy"] for lr in grid})
 
 
 def table(results: list[dict[str, Any]], task: str) -> str:

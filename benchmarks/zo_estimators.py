@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import mean_std, slug
+from common import best_rate, mean_std, slug
 
 from xgblora.config import parse_bool
 
@@ -125,10 +125,9 @@ def run_one(args: argparse.Namespace, name: str, seed: int, lr: float, budget: i
 
 
 def choose_lr(args: argparse.Namespace, name: str, budget: int) -> float:
-    """The grid's rate with the best dev accuracy at the first seed (a tie goes to the smaller)."""
+    """The grid's rate with the best dev accuracy at the first seed (a tie goes to the a-priori rate, listed first)."""
     grid = RUNS[name][1][:1] if args.first_lr_only else RUNS[name][1]
-    dev = {lr: run_one(args, name, args.seeds[0], lr, budget)["dev_accuracy"] for lr in grid}
-    return max(grid, key=lambda lr: (dev[lr], -grid.index(lr)))
+    return best_rate({lr: run_one(args, name, args.seeds[0], lr, budget)["dev_accuracy"] for lr in grid})
 
 
 def table(results: list[dict[str, Any]]) -> str:
