@@ -226,3 +226,21 @@ def test_a_learnt_temperature_trains_and_resumes_exactly(tmp_path):
     assert part["temperature"] == whole["temperature"]
     a, b = (load_file(tmp_path / name / "final/adapter_model.safetensors") for name in ("whole", "part"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_evaluating_an_embedding_model_needs_only_pairs_to_score_and_agrees_with_sentence_transformers(tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    data = pairs_file(tmp_path / "pairs.jsonl", negatives=False)
+    code = cli.main(["eval", "--model_name", MINILM, "--objective", "contrastive", "--eval_file", str(data),
+                     "--max_length", "32", "--device", "cpu", "--output_dir", str(tmp_path / "out")])
+    assert code == 0
+    got = json.loads((tmp_path / "out" / "results.json").read_text())
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    model = SentenceTransformer(pretrained.resolve_path(MINILM), device="cpu")
+    model.max_seq_length = 32
+    queries = model.encode([r["query"] for r in rows], convert_to_tensor=True, normalize_embeddings=True)
+    corpus = model.encode([r["positive"] for r in rows], convert_to_tensor=True, normalize_embeddings=True)
+    expected = retrieval.metrics(retrieval.ranks(queries, corpus, torch.arange(len(rows))))
+    assert got["num_eval"] == len(rows)
+    assert got["recall@1"] == pytest.approx(expected["recall@1"]) and got["mrr"] == pytest.approx(expected["mrr"])

@@ -36,7 +36,7 @@ class PairTask(CustomTask):
     metric, generation, instruction = "recall@1", False, False
 
     def __init__(self, cfg: DataOptions):
-        if not cfg.train_file and not (cfg.trainer == "none" and cfg.eval_file):
+        if not cfg.train_file and not (cfg.evaluation_only and cfg.eval_file):
             raise UserError(f"--objective {cfg.objective} needs --train_file with query/positive rows (and optional "
                             f"negative or negatives); --columns maps your names, e.g. query=question,positive=passage")
         self.train_file, self.eval_file = cfg.train_file, cfg.eval_file
