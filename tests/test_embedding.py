@@ -244,3 +244,6 @@ def test_evaluating_an_embedding_model_needs_only_pairs_to_score_and_agrees_with
     expected = retrieval.metrics(retrieval.ranks(queries, corpus, torch.arange(len(rows))))
     assert got["num_eval"] == len(rows)
     assert got["recall@1"] == pytest.approx(expected["recall@1"]) and got["mrr"] == pytest.approx(expected["mrr"])
+    again = run(Config(model_name=MINILM, objective="contrastive", trainer="none", eval_file=str(data), max_length=32,
+                       device="cpu", output_dir=str(tmp_path / "again")))  # no --num_train 0: every row of nothing
+    assert (again["recall@1"], again["mrr"]) == (got["recall@1"], got["mrr"])

@@ -153,10 +153,11 @@ def _dev_count(cfg: DataOptions, pool_size: int) -> int:
 
 
 def _all_rows(task: CustomTask, cfg: DataOptions) -> Splits:
-    """The user's own data: every row trains, but a dev split when one is asked for; --eval_file evaluates."""
-    pool = load_rows(task, "train", cfg.data_dir)
+    """The user's own data: every row trains, but a dev split when one is asked for; --eval_file evaluates (alone,
+    when only evaluating)."""
+    pool = load_rows(task, "train", cfg.data_dir) if task.train_file else []
     n_dev = _dev_count(cfg, len(pool))
-    if n_dev >= len(pool):
+    if n_dev and n_dev >= len(pool):
         raise UserError(f"{task.train_file} has {len(pool)} examples, too few for a dev split of {n_dev} and "
                         f"training examples; lower --num_dev or --eval_split_ratio")
     order = _permutation(len(pool), cfg.train_set_seed)
