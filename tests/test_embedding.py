@@ -247,3 +247,29 @@ def test_evaluating_an_embedding_model_needs_only_pairs_to_score_and_agrees_with
     again = run(Config(model_name=MINILM, objective="contrastive", trainer="none", eval_file=str(data), max_length=32,
                        device="cpu", output_dir=str(tmp_path / "again")))  # no --num_train 0: every row of nothing
     assert (again["recall@1"], again["mrr"]) == (got["recall@1"], got["mrr"])
+
+
+def test_evaluating_an_embedding_run_folder_embeds_as_the_run_did_unless_told_otherwise(tmp_path):
+    import yaml
+
+    data, held = pairs_file(tmp_path / "pairs.jsonl", negatives=False), tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"query": f"which one is {t}?", "positive": f"{t}, surely."}) + "\n"
+                            for t in TOPICS[:6]), encoding="utf-8")
+    trained = ["--objective", "contrastive", "--query_instruction", "query: ", "--pooling", "cls", "--max_length", "24"]
+    assert cli.main(["train", "--model_name", MINILM, *trained, "--train_file", str(data), "--method", "lora",
+                     "--max_steps", "2", "--per_device_train_batch_size", "4", "--save_strategy", "no",
+                     "--device", "cpu", "--output_dir", str(tmp_path / "run")]) == 0
+
+    def evaluate(name: str, *flags: str) -> tuple[dict, dict]:
+        assert cli.main(["eval", "--model_name", str(tmp_path / "run"), "--eval_file", str(held), "--device", "cpu",
+                         *flags, "--output_dir", str(tmp_path / name)]) == 0
+        return (json.loads((tmp_path / name / "results.json").read_text()),
+                yaml.safe_load((tmp_path / name / "config.yaml").read_text()))
+
+    inherited, cfg = evaluate("inherited")
+    explicit, _ = evaluate("explicit", *trained)
+    assert (cfg["objective"], cfg["query_instruction"], cfg["pooling"], cfg["max_length"]) == (
+        "contrastive", "query: ", "cls", 24)
+    assert {k: inherited[k] for k in ("recall@1", "mrr")} == {k: explicit[k] for k in ("recall@1", "mrr")}
+    _, overridden = evaluate("mean", "--pooling", "mean")
+    assert overridden["pooling"] == "mean" and overridden["query_instruction"] == "query: "  # the command line wins

@@ -56,11 +56,15 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from xgblora.adapters.trained import run_embedding_options
     from xgblora.train import run
 
     if getattr(args, "trainer", "none") != "none":
         raise UserError(f"xgblora eval does not train (--trainer {args.trainer}); use xgblora train")
     cfg = config_mod.from_namespace(config_mod.Config, args, EVAL_DEFAULTS)
+    embedding = run_embedding_options(cfg.model_name)  # a trained embedding run embeds as it did in training
+    if embedding:
+        cfg = config_mod.from_namespace(config_mod.Config, args, {**EVAL_DEFAULTS, **embedding})
     print(json.dumps(run(cfg), indent=2))
     return 0
 

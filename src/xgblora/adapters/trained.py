@@ -29,6 +29,9 @@ from xgblora.errors import UserError
 from xgblora.models import pretrained
 
 _ADAPTER_CONFIG = "adapter_config.json"
+# how an embedding run's model embeds: an evaluation of the run folder embeds the same way unless told otherwise
+_EMBEDDING_OPTIONS = ("objective", "pooling", "bidirectional", "instruction_format", "query_instruction",
+                      "doc_instruction", "include_prompt", "max_length")
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,18 @@ def _adapter_base(folder: Path) -> str:
         raise UserError(f"{folder / _ADAPTER_CONFIG}: names no base_model_name_or_path; give the base model as "
                         f"--model_name and this folder as --adapter")
     return base
+
+
+def run_embedding_options(name: str) -> dict[str, Any]:
+    """The embedding options (objective, pooling, attention direction, instructions, max_length) of an embedding
+    run's folder; {} for a language-model run or anything that is not a run folder."""
+    run_dir = Path(name)
+    if not (run_dir / "config.yaml").is_file():
+        return {}
+    cfg = run_config(run_dir)
+    if cfg.get("objective", "lm") == "lm":
+        return {}
+    return {key: cfg[key] for key in _EMBEDDING_OPTIONS if key in cfg}
 
 
 def _run_source(run_dir: Path) -> ModelSource:
