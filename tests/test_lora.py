@@ -72,6 +72,45 @@ def test_fp32_adapters_on_bf16_base():
     assert not torch.equal(before, layer.lora_A.detach())
 
 
+def test_bf16_training_forward_keeps_no_fp32_copy_of_the_input_and_grads_match_fp32():
+    layer = _layer(in_f=64, out_f=48, dtype=torch.bfloat16)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    input_sized = [t for t in saved if t.numel() == x.numel()]
+    assert input_sized and all(t.dtype == torch.bfloat16 for t in input_sized)  # x itself, not an fp32 copy
+    A = layer.lora_A.detach().clone().requires_grad_(True)
+    B = layer.lora_B.detach().clone().requires_grad_(True)
+    ref = layer.base(x).float() + 2.0 * x.float() @ A.T @ B.T
+    g = torch.randn_like(ref)
+    out.float().backward(g)
+    ref.backward(g)
+    assert layer.lora_A.grad.dtype == layer.lora_B.grad.dtype == torch.float32
+    for got, want in ((layer.lora_A.grad, A.grad), (layer.lora_B.grad, B.grad)):
+        assert (got - want).norm() < 2e-2 * want.norm()  # bf16 rounding of the branch only
+
+
+def test_without_a_graph_a_bf16_base_sums_the_branch_in_fp32_and_rounds_once():
+    layer = _layer(in_f=64, out_f=48, dtype=torch.bfloat16)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    with torch.no_grad():  # MeZO's forwards and evaluation: an eps-sized change of A or B is not rounded away
+        out = layer(x)
+        exact = (layer.base(x).float() + (x.float() @ layer.lora_A.T * 2.0) @ layer.lora_B.T).to(torch.bfloat16)
+        layer.lora_A.add_(1e-3 * torch.randn_like(layer.lora_A))
+        moved = layer(x)
+    torch.testing.assert_close(out, exact, rtol=0, atol=0)
+    assert not torch.equal(out, moved)
+
+
 def test_inactive_is_the_base_alone():
     layer = _layer()
     x = torch.randn(2, 16)

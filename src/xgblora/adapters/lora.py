@@ -1,4 +1,5 @@
-"""LoRA layers: a frozen base Linear plus an fp32 low-rank branch (A, B); attach, merge, reset, dual-batch MeZO mode."""
+"""LoRA layers: a frozen base Linear plus a low-rank branch of fp32 factors (A, B); attach, merge, reset, dual-batch MeZO
+mode."""
 
 from __future__ import annotations
 
@@ -101,31 +102,39 @@ class LoRALinear(nn.Module):
         return f"r={self.r}, alpha={self.alpha:g}, active={self.active}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """base(x) + scaling * B A dropout(x), the branch and the sum in fp32, cast to the base output's dtype."""
+        """base(x) + scaling * B A dropout(x), cast to the base output's dtype.
+
+        Without a graph (MeZO's forwards, evaluation) the branch and the sum run in fp32, so that eps-sized
+        perturbations of the fp32 factors reach the output unrounded. While autograd records (first-order
+        training), the branch runs in the base output's dtype: autograd then keeps the input the base layer keeps
+        anyway, not an fp32 copy of it per adapted layer (the factors and their gradients stay fp32).
+        """
         out = self.base(x)
         if not self.active and self.merged_A is None:
             return out
+        dtype = out.dtype if torch.is_grad_enabled() else torch.float32
         no_autocast = (torch.autocast(x.device.type, enabled=False) if torch.is_autocast_enabled(x.device.type)
                        else contextlib.nullcontext())
         with no_autocast:
-            total = out.to(torch.float32)
+            total = out.to(dtype)
             if self.merged_A is not None:
-                total = total + F.linear(F.linear(x.to(torch.float32), self.merged_A), self.merged_B)
+                total = total + F.linear(F.linear(x.to(dtype), self.merged_A.to(dtype)), self.merged_B.to(dtype))
             if self.active:
-                total = total + self._branch(self.dropout(x).to(torch.float32))
+                total = total + self._branch(self.dropout(x).to(dtype))
             return total.to(out.dtype)
 
     def _branch(self, h: torch.Tensor) -> torch.Tensor:
+        """scaling * B A h in h's dtype (the dual-perturbation pair when set)."""
         if self._dual_A is not None:
             return self._dual_delta(h)
-        return F.linear(F.linear(h, self.lora_A) * self.scaling, self.lora_B)
+        return F.linear(F.linear(h, self.lora_A.to(h.dtype)) * self.scaling, self.lora_B.to(h.dtype))
 
     def _dual_delta(self, h: torch.Tensor) -> torch.Tensor:
         if h.shape[0] % 2:
             raise ValueError(f"dual-perturbation mode needs a batch of 2B rows, got {h.shape[0]}")
         flat = h.reshape(2, -1, self.in_features)  # [:B] rows -> index 0 (plus), [B:] rows -> index 1 (minus)
-        mid = torch.bmm(flat, self._dual_A.transpose(1, 2)) * self.scaling
-        return torch.bmm(mid, self._dual_B.transpose(1, 2)).reshape(*h.shape[:-1], self.out_features)
+        mid = torch.bmm(flat, self._dual_A.to(h.dtype).transpose(1, 2)) * self.scaling
+        return torch.bmm(mid, self._dual_B.to(h.dtype).transpose(1, 2)).reshape(*h.shape[:-1], self.out_features)
 
     def delta_weight(self) -> torch.Tensor:
         """The branch as a dense fp32 (out, in) matrix: scaling * B @ A."""

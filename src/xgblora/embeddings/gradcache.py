@@ -10,7 +10,8 @@ mini-batch.
   the parameters.
 
 The loss and the parameter gradients equal those of the batch embedded in one piece (without dropout; with
-dropout, those of the same mini-batches embedded with a graph). Under no_grad (MeZO's forwards, evaluation) it is a
+dropout, those of the same mini-batches embedded with a graph; with LoRA on a half-precision base, up to the
+rounding of the adapter branch, which runs in fp32 without a graph and in the base's dtype with one). Under no_grad (MeZO's forwards, evaluation) it is a
 chunked forward. Rows are cut to their mini-batch's longest row (right padding).
 
 MeZO's dual batch (halves=2: rows [:n] at +eps z, rows [n:] at -eps z, told apart by position) is cut in aligned
