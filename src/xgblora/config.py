@@ -248,6 +248,13 @@ class Config(ModelOptions):
     no_eval: bool = _opt(False, "Skip the final evaluation.")
 
     def __post_init__(self) -> None:
+        self._resolve_shortcuts()
+        self._check_values()
+        self._check_combinations()
+
+    def _resolve_shortcuts(self) -> None:
+        """Fill what depends on other options: the GGUF file into the model name, MeZO's --num_train for its tasks,
+        the method --lora / --xgblora name; check the dev split's sizing."""
         self.resolve_gguf_file()
         if self.num_train is None and not self.own_data:
             object.__setattr__(self, "num_train", MEZO_NUM_TRAIN)
@@ -263,6 +270,9 @@ class Config(ModelOptions):
             object.__setattr__(self, "method", "xgblora")
         elif self.lora and self.method == "ft":
             object.__setattr__(self, "method", "lora")
+
+    def _check_values(self) -> None:
+        """One-line errors for options outside their range or choices, each on its own."""
         if self.evaluation_strategy == "steps" and self.eval_steps <= 0:
             raise UserError(f"--eval_steps must be positive with --evaluation_strategy steps, got {self.eval_steps}")
         if self.save_strategy == "steps" and self.save_steps <= 0:
@@ -290,6 +300,9 @@ class Config(ModelOptions):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
         parse_report_to(self.report_to)
+
+    def _check_combinations(self) -> None:
+        """One-line errors (and a warning) for options that do not go together."""
         if self.load_in_4bit and self.method == "ft" and self.trainer != "none":
             raise UserError("--load_in_4bit trains adapters on a frozen 4-bit base; full fine-tuning cannot update "
                             "4-bit weights: use --method lora or --method xgblora")
@@ -315,6 +328,13 @@ class Config(ModelOptions):
                             f"{self.per_device_train_batch_size}")
         if self.trainer == "zo":
             self._check_zo_estimator()
+        self._check_objective()
+        if not 0.0 < self.xgblora_shrinkage <= 1.0:
+            raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
+
+    def _check_objective(self) -> None:
+        """The options tied to the objective: what an embedding run or GRIT needs or cannot use, and which tokens
+        the loss covers."""
         if self.learnable_temperature and self.trainer == "zo":
             raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
                             "weights only); fix the temperature with --contrastive_temperature instead")
@@ -332,8 +352,6 @@ class Config(ModelOptions):
             raise UserError("--only_train_option false puts the loss on every token of a MeZO task's prompt and "
                             "gold candidate; it has no meaning with --train_as_classification, an embedding "
                             "objective or custom data (instruction data: --train_on_prompt)")
-        if not 0.0 < self.xgblora_shrinkage <= 1.0:
-            raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
 
     def _check_zo_estimator(self) -> None:
         """Refuse the ZO flags an estimator cannot use, with the reason."""
