@@ -248,8 +248,6 @@ def plot_losses(runs: Sequence[RunSummary], path: Path, smoothing: float = 0.9) 
     booster merges marked) and, when evaluated, a dev-metric panel; returns the path written."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.transforms import blended_transform_factory
 
     groups = _groups(runs)
     labels = list(dict.fromkeys(run.label for run in runs))
@@ -260,50 +258,61 @@ def plot_losses(runs: Sequence[RunSummary], path: Path, smoothing: float = 0.9) 
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(groups), columns, squeeze=False)
     for (task, model), row_axes in zip(groups, axes, strict=True):
-        by_label = groups[(task, model)]
         where = f"{task} · {model}: " if len(groups) > 1 else ""
-        loss_ax = row_axes[0]
-        handles = []
-        for label, seeds in by_label.items():
-            color, series = colors[label], _series(seeds, "loss", smoothing)
-            if series is None:
-                continue
-            steps, mean, low, high = series
-            name = f"{label}, mean of {len(seeds)} seeds" if len(seeds) > 1 else f"{label}, seed {seeds[0].seed}"
-            dots = {"marker": "o", "ms": 4} if len(steps) < 3 else {}  # a line through one point draws nothing
-            handles.append(loss_ax.plot(steps, mean, color=color, lw=1.8, label=name, **dots)[0])
-            if len(seeds) > 1:
-                loss_ax.fill_between(steps, low, high, color=color, alpha=0.18, lw=0)
-            merges = _merge_steps(seeds)
-            if merges:  # few merges: dotted lines and ticks at the bottom; many: the ticks alone
-                ticks = blended_transform_factory(loss_ax.transData, loss_ax.transAxes)
-                few = len(merges) <= MANY_MERGES
-                if few:
-                    loss_ax.vlines(merges, 0, 1, transform=ticks, colors=color, lw=0.8, alpha=0.5,
-                                   linestyles=(0, (2, 3)), zorder=0)
-                marker = {"marker": "^", "ms": 5} if few else {"marker": "|", "ms": 7, "alpha": 0.6}
-                loss_ax.plot(merges, [0.0] * len(merges), transform=ticks, ls="none", color=color, clip_on=False,
-                             **marker)
-                handles.append(Line2D([], [], color=color, ls=(0, (2, 3)) if few else "none", lw=0.8, **marker,
-                                      label=f"{label}: booster merges ({len(merges)})"))
-        if handles:
-            banded = any(len(seeds) > 1 for seeds in by_label.values())
-            loss_ax.legend(handles=handles, fontsize=8, title_fontsize=8, loc="upper right", framealpha=0.85,
-                           title="bands: min–max over seeds" if banded else None)
-        else:
-            loss_ax.text(0.5, 0.5, "no training loss logged", ha="center", va="center", transform=loss_ax.transAxes)
-        loss_ax.set_xlabel("step")
-        loss_ax.set_ylabel(f"training loss (EMA {smoothing:g})" if smoothing else "training loss")
-        loss_ax.set_title(f"{where}training loss", fontsize=11)
-        loss_ax.grid(alpha=0.3)
+        _plot_training_loss(row_axes[0], groups[(task, model)], colors, smoothing, where)
         if columns == 2:
-            _plot_dev(row_axes[1], by_label, eval_keys[(task, model)], colors, where)
+            _plot_dev(row_axes[1], groups[(task, model)], eval_keys[(task, model)], colors, where)
     if len(groups) == 1:
         fig.suptitle(" · ".join(next(iter(groups))) + ": " + " vs ".join(labels), fontsize=12, fontweight="bold")
     path, png = Path(path), io.BytesIO()
     fig.savefig(png, format="png", dpi=120)
     atomic.write_bytes(path, png.getvalue())
     return path
+
+
+def _plot_training_loss(ax: Any, by_label: dict[str, list[RunSummary]], colors: dict[str, str], smoothing: float,
+                        where: str) -> None:
+    """One panel: each label's smoothed training loss (mean over seeds, min–max band) and its booster merges."""
+    handles = []
+    for label, seeds in by_label.items():
+        color, series = colors[label], _series(seeds, "loss", smoothing)
+        if series is None:
+            continue
+        steps, mean, low, high = series
+        name = f"{label}, mean of {len(seeds)} seeds" if len(seeds) > 1 else f"{label}, seed {seeds[0].seed}"
+        dots = {"marker": "o", "ms": 4} if len(steps) < 3 else {}  # a line through one point draws nothing
+        handles.append(ax.plot(steps, mean, color=color, lw=1.8, label=name, **dots)[0])
+        if len(seeds) > 1:
+            ax.fill_between(steps, low, high, color=color, alpha=0.18, lw=0)
+        merges = _merge_steps(seeds)
+        if merges:
+            handles.append(_mark_merges(ax, merges, color, label))
+    if handles:
+        banded = any(len(seeds) > 1 for seeds in by_label.values())
+        ax.legend(handles=handles, fontsize=8, title_fontsize=8, loc="upper right", framealpha=0.85,
+                  title="bands: min–max over seeds" if banded else None)
+    else:
+        ax.text(0.5, 0.5, "no training loss logged", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss (EMA {smoothing:g})" if smoothing else "training loss")
+    ax.set_title(f"{where}training loss", fontsize=11)
+    ax.grid(alpha=0.3)
+
+
+def _mark_merges(ax: Any, merges: list[int], color: str, label: str) -> Any:
+    """Booster merges on a loss panel (few: dotted lines and ticks at the bottom; many: the ticks alone); returns
+    their legend handle."""
+    from matplotlib.lines import Line2D
+    from matplotlib.transforms import blended_transform_factory
+
+    ticks = blended_transform_factory(ax.transData, ax.transAxes)
+    few = len(merges) <= MANY_MERGES
+    if few:
+        ax.vlines(merges, 0, 1, transform=ticks, colors=color, lw=0.8, alpha=0.5, linestyles=(0, (2, 3)), zorder=0)
+    marker = {"marker": "^", "ms": 5} if few else {"marker": "|", "ms": 7, "alpha": 0.6}
+    ax.plot(merges, [0.0] * len(merges), transform=ticks, ls="none", color=color, clip_on=False, **marker)
+    return Line2D([], [], color=color, ls=(0, (2, 3)) if few else "none", lw=0.8, **marker,
+                  label=f"{label}: booster merges ({len(merges)})")
 
 
 def _plot_dev(ax: Any, by_label: dict[str, list[RunSummary]], keys: list[str], colors: dict[str, str],
