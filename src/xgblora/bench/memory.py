@@ -145,29 +145,31 @@ def peak_added(device: torch.device) -> Iterator[dict[str, float]]:
     out["added"] = out["peak"] - out["before"]
 
 
-def sides_in_subprocesses(module: str, case: dict[str, Any], what: str) -> dict[str, Any]:
-    """The memory each side (TRL, then xgblora) adds in a fresh process of its own: `module`'s
-    memory_worker({"case": case, "side": side}) -> {'before', 'peak', 'added'} MiB; and xgblora's over TRL's."""
+def sides_in_subprocesses(module: str, case: dict[str, Any], what: str, baseline: str = "trl") -> dict[str, Any]:
+    """The memory each side (the baseline library, then xgblora) adds in a fresh process of its own: `module`'s
+    memory_worker({"case": case, "side": side}) -> {'before', 'peak', 'added'} MiB; and xgblora's over the
+    baseline's (keys `{side}_mem_*_mb`, `mem_added_over_{baseline}`)."""
     code = (f"import json,sys; from {module} import memory_worker; "
             f"print(json.dumps(memory_worker(json.loads(sys.argv[1]))))")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     out: dict[str, Any] = {}
-    for side in ("trl", "xgblora"):
+    for side in (baseline, "xgblora"):
         proc = subprocess.run([sys.executable, "-c", code, json.dumps({"case": case, "side": side})],
                               capture_output=True, text=True, env=env, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{what} memory worker ({side}) failed:\n{proc.stderr[-2000:]}")
         mem = json.loads(proc.stdout.strip().splitlines()[-1])
         out.update({f"{side}_mem_{k}_mb": v for k, v in mem.items()})
-    out["mem_added_over_trl"] = out["xgblora_mem_added_mb"] / out["trl_mem_added_mb"]
+    out[f"mem_added_over_{baseline}"] = out["xgblora_mem_added_mb"] / out[f"{baseline}_mem_added_mb"]
     return out
 
 
-def run_against_trl(tag: str, cases: Iterable[Any], compare_case: Callable[[Any], dict[str, Any]],
-                    case_memory: Callable[[Any], dict[str, Any]], table: Callable[[list[dict[str, Any]]], str],
-                    skip_memory: bool) -> list[dict[str, Any]]:
-    """Every case of a suite against TRL: timing interleaved in this process (compare_case), then each side's
-    memory in subprocesses (case_memory) unless skip_memory; each case's table row printed as it lands."""
+def run_against_baseline(tag: str, cases: Iterable[Any], compare_case: Callable[[Any], dict[str, Any]],
+                         case_memory: Callable[[Any], dict[str, Any]], table: Callable[[list[dict[str, Any]]], str],
+                         skip_memory: bool) -> list[dict[str, Any]]:
+    """Every case of a suite against the library users would otherwise pick (TRL, sentence-transformers): timing
+    interleaved in this process (compare_case), then each side's memory in subprocesses (case_memory) unless
+    skip_memory; each case's table row printed as it lands."""
     results = []
     for case in cases:
         res = compare_case(case)

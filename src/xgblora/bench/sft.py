@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from xgblora.adapters import lora
-from xgblora.bench.memory import peak_added, run_against_trl, sides_in_subprocesses
+from xgblora.bench.memory import peak_added, run_against_baseline, sides_in_subprocesses
 from xgblora.bench.timing import InterleavedSteps
 from xgblora.data import formats
 from xgblora.data.collation import TokenSeq
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not args.data_dir:
         print("[sft] no --data_dir: timing on generated GSM8K-shaped conversations (pass --data_dir DIR with "
               "gsm8k/train.jsonl for the real rows)", file=sys.stderr, flush=True)
-    return run_against_trl("sft", cases(args), compare_case, measure_case_memory, format_table, args.skip_memory)
+    return run_against_baseline("sft", cases(args), compare_case, measure_case_memory, format_table, args.skip_memory)
 
 
 def format_table(results: list[dict[str, Any]]) -> str:

