@@ -273,3 +273,26 @@ def test_evaluating_an_embedding_run_folder_embeds_as_the_run_did_unless_told_ot
     assert {k: inherited[k] for k in ("recall@1", "mrr")} == {k: explicit[k] for k in ("recall@1", "mrr")}
     _, overridden = evaluate("mean", "--pooling", "mean")
     assert overridden["pooling"] == "mean" and overridden["query_instruction"] == "query: "  # the command line wins
+
+
+def test_contrastive_batches_are_drawn_at_random_where_length_grouping_would_gather_a_passage(tmp_path, monkeypatch):
+    import statistics
+
+    import xgblora.train.loop as loop
+    from xgblora.data.order import epoch_batches
+
+    grouped: list[bool] = []
+    real = loop.BatchStream
+    monkeypatch.setattr(loop, "BatchStream", lambda *args: grouped.append(args[3]) or real(*args))
+    run(Config(model_name="tiny-bert", objective="contrastive", train_file=str(pairs_file(tmp_path / "pairs.jsonl")),
+               method="lora", max_steps=1, per_device_train_batch_size=4, save_strategy="no", device="cpu",
+               output_dir=str(tmp_path / "run")))
+    assert grouped == [False] and Config(model_name="tiny-opt").groups_by_length  # language modelling groups
+    # why: in MultiRC-like data a passage's questions share its length; grouping batches them together, and a copy
+    # of a query's positive is no negative for it (30 passages of 8 questions, batches of 16)
+    lengths = [100 + passage for passage in range(30) for _ in range(8)]
+
+    def distinct_positives(group: bool) -> float:
+        return statistics.mean(len({lengths[i] for i in b}) for b in epoch_batches(lengths, 16, 0, 0, group))
+
+    assert distinct_positives(False) > 10 and distinct_positives(True) < 4

@@ -223,7 +223,7 @@ class Config(ModelOptions):
     compile: bool = _opt(False, "torch.compile the model.")
     fused_adamw: bool = _opt(True, "AdamW's fused kernel where all weights sit on one CUDA or CPU device (false: torch's default).")
     tf32: bool = _opt(True, "TF32 matmuls on Ampere or newer GPUs (false: full fp32 matmuls).")
-    group_by_length: bool = _opt(True, "Batch examples of similar length together (less padding).")
+    group_by_length: bool | None = _opt(None, "Batch examples of similar length together (less padding). Default: on for --objective lm; off for contrastive and grit, whose in-batch negatives it would thin out (a passage's questions share its length, so they would share a batch, and a copy of a query's positive is no negative).")
     packing: bool | None = _opt(None, "Padding-free batches: a batch's sequences end to end in one row (causal LMs, loss on the gold continuation; the model must keep packed sequences apart, which is checked). Default: on with flash attention (varlen kernels), off with sdpa/eager, where it pays only for large models (see BENCHMARKS.md).")
     # loop, logging, checkpoints
     output_dir: str = _opt("output", "Where the run writes config.yaml, metrics.jsonl, results.json and checkpoints.")
@@ -368,6 +368,12 @@ class Config(ModelOptions):
             raise UserError(f"--zo_optimizer {self.zo_optimizer} keeps its state in the weights' dtype, where "
                             f"{self.dtype_name} loses the small updates of full fine-tuning: load fp32 weights or "
                             f"use --zo_optimizer sgd")
+
+    @property
+    def groups_by_length(self) -> bool:
+        """Whether training batches group examples of similar length: --group_by_length, else only for --objective
+        lm."""
+        return self.objective == "lm" if self.group_by_length is None else self.group_by_length
 
     @property
     def methods_used(self) -> set[str]:

@@ -213,7 +213,7 @@ class Trainer:
         self.run, self.method, self.dist, self.hooks = run, method, dist, hooks or Hooks()
         train_set = dist.shard(train_set)  # batch(global batch) collates this rank's shard of it
         global_batch = cfg.per_device_train_batch_size * dist.world_size
-        stream = BatchStream(train_set.lengths, global_batch, cfg.seed, cfg.group_by_length)
+        stream = BatchStream(train_set.lengths, global_batch, cfg.seed, cfg.groups_by_length)
         self.max_steps = total_steps(cfg, len(train_set.lengths), global_batch)
         boosting = method.boosting
         if boosting is not None:
