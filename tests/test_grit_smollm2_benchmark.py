@@ -71,3 +71,7 @@ def test_rate_chosen_on_dev_by_grit_and_every_model_embeds_as_grit(tmp_path, mon
     configs.clear()
     bench.main()  # every run finished: nothing runs again
     assert configs == []
+    monkeypatch.setattr("sys.argv", [*argv[:6], "2", *argv[8:]])  # --seeds 2 alone: the rate is still seed 0's
+    bench.main()
+    assert [(c.objective, c.learning_rate, c.seed) for c in configs if c.trainer != "none"] == [
+        ("grit", 1e-3, 2), ("contrastive", 1e-3, 2)]
