@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from xgblora.adapters import lora
-from xgblora.bench.memory import peak_added, run_against_baseline, sides_in_subprocesses
+from xgblora.bench.memory import memory_cell, peak_added, run_against_baseline, sides_in_subprocesses
 from xgblora.bench.timing import InterleavedSteps
 from xgblora.data.pairs import pair_seqs
 from xgblora.data.tasks import Example, MultiRC
@@ -234,8 +234,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
     lines = ["| model | variant | max length | xgblora pairs/s | sentence-transformers pairs/s | speed-up (median "
              "step) | memory added xgblora / sentence-transformers (MiB) |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        mem = (f"{r['xgblora_mem_added_mb']:.0f} / {r['st_mem_added_mb']:.0f}" if "st_mem_added_mb" in r
-               else "skipped")
+        mem = memory_cell(r, "st")
         lines.append(f"| {r['model_name']} | {r['variant']} | {r['max_length']} | {r['xgblora_pairs_per_s']:.2f} | "
                      f"{r['st_pairs_per_s']:.2f} | {r['speedup_vs_st']:.2f}x ({r['speedup_vs_st_median_step']:.2f}x) | "
                      f"{mem} |")

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from xgblora.bench.memory import peak_added, run_against_baseline, sides_in_subprocesses
+from xgblora.bench.memory import memory_cell, peak_added, run_against_baseline, sides_in_subprocesses
 from xgblora.bench.sft import chat_tokenizer, generated_conversations
 from xgblora.bench.timing import InterleavedSteps
 from xgblora.config import GRPOConfig
@@ -173,8 +173,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
     lines = ["| model | prompts x G, tokens | xgblora steps/s | TRL steps/s | speed-up (median step) | "
              "memory added xgblora / TRL (MiB) | >= 2x | memory <= TRL |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        mem = (f"{r['xgblora_mem_added_mb']:.0f} / {r['trl_mem_added_mb']:.0f}" if "trl_mem_added_mb" in r
-               else "skipped")
+        mem = memory_cell(r)
         mem_ok = ("pass" if r["mem_added_over_trl"] <= 1.0 else "miss") if "mem_added_over_trl" in r else "n/a"
         lines.append(f"| {r['model_name']} | {r['prompts']} x {r['num_generations']}, {r['max_completion_length']} | "
                      f"{r['xgblora_steps_per_s']:.3f} | {r['trl_steps_per_s']:.3f} | {r['speedup_vs_trl']:.2f}x "

@@ -164,6 +164,12 @@ def sides_in_subprocesses(module: str, case: dict[str, Any], what: str, baseline
     return out
 
 
+def memory_cell(result: dict[str, Any], baseline: str = "trl") -> str:
+    """A table cell 'xgblora / baseline' of the MiB each side's steps added, or 'skipped' when not measured."""
+    key = f"{baseline}_mem_added_mb"
+    return f"{result['xgblora_mem_added_mb']:.0f} / {result[key]:.0f}" if key in result else "skipped"
+
+
 def run_against_baseline(tag: str, cases: Iterable[Any], compare_case: Callable[[Any], dict[str, Any]],
                          case_memory: Callable[[Any], dict[str, Any]], table: Callable[[list[dict[str, Any]]], str],
                          skip_memory: bool) -> list[dict[str, Any]]:

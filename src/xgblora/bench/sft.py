@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from xgblora.adapters import lora
-from xgblora.bench.memory import peak_added, run_against_baseline, sides_in_subprocesses
+from xgblora.bench.memory import memory_cell, peak_added, run_against_baseline, sides_in_subprocesses
 from xgblora.bench.timing import InterleavedSteps
 from xgblora.data import formats
 from xgblora.data.collation import TokenSeq
@@ -270,8 +270,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
              "speed-up (median step) | memory added xgblora / TRL (MiB) | >= 1.5x | memory <= TRL |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        mem = (f"{r['xgblora_mem_added_mb']:.0f} / {r['trl_mem_added_mb']:.0f}" if "trl_mem_added_mb" in r
-               else "skipped")
+        mem = memory_cell(r)
         mem_ok = ("pass" if r["mem_added_over_trl"] <= 1.0 else "miss") if "mem_added_over_trl" in r else "n/a"
         lines.append(
             f"| {r['model_name']} | {r['variant']} | {r['mean_tokens_per_row']:.0f} ({r['target_share']:.0%}) | "
