@@ -52,7 +52,7 @@ def write_splits(data_dir: Path, out: Path, test_queries: int) -> dict[str, Path
 def paragraph(text: str) -> str:
     from xgblora.data.tasks import MultiRC
 
-    return MultiRC._BREAK.sub(" ", MultiRC._SENT_MARK.sub("", text))
+    return MultiRC.paragraph_text(text)
 
 
 def xgblora_run(args: argparse.Namespace, files: dict[str, Path], seed: int, name: str, **overrides: Any) -> dict:

@@ -42,9 +42,11 @@ def write_splits(data_dir: Path, out: Path, test_queries: int) -> dict[str, Path
 
     def pairs(source: str) -> list[tuple[str, list[dict]]]:
         rows = [json.loads(line) for line in (data_dir / "multirc" / source).read_text(encoding="utf-8").splitlines()]
-        clean = lambda text: MultiRC._BREAK.sub(" ", MultiRC._SENT_MARK.sub("", text))  # noqa: E731
-        return [(clean(r["passage"]["text"]), [{"query": q["question"], "positive": clean(r["passage"]["text"])}
-                                                for q in r["passage"]["questions"]]) for r in rows]
+        out = []
+        for r in rows:
+            text = MultiRC.paragraph_text(r["passage"]["text"])
+            out.append((text, [{"query": q["question"], "positive": text} for q in r["passage"]["questions"]]))
+        return out
 
     train = pairs("train.jsonl")
     dev_paragraphs = set(random.Random(0).sample(range(len(train)), len(train) // 10))

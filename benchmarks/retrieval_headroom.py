@@ -31,8 +31,7 @@ def task_rows(data_dir: Path, n: int) -> dict[str, list[dict[str, str]]]:
     """query/positive rows of each task, a seeded sample of n."""
     from xgblora.data.tasks import MultiRC
 
-    clean = lambda text: MultiRC._BREAK.sub(" ", MultiRC._SENT_MARK.sub("", text))  # noqa: E731
-    multirc = [{"query": q["question"], "positive": clean(r["passage"]["text"])}
+    multirc = [{"query": q["question"], "positive": MultiRC.paragraph_text(r["passage"]["text"])}
                for r in read(data_dir / "multirc" / "dev.jsonl") for q in r["passage"]["questions"]]
     tasks = {
         "MultiRC question -> paragraph": multirc,

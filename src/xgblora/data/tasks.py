@@ -243,8 +243,13 @@ class MultiRC(Task):
     name, dir_name, hf_dataset = "MultiRC", "multirc", ("super_glue", "multirc")
     _SENT_MARK, _BREAK = re.compile(r"<b>Sent \d+: </b>"), re.compile(r"<br\s*/?>")  # older releases' markup
 
+    @classmethod
+    def paragraph_text(cls, paragraph: str) -> str:
+        """A paragraph without the sentence marks and line breaks of older releases' markup."""
+        return cls._BREAK.sub(" ", cls._SENT_MARK.sub("", paragraph))
+
     def _example(self, paragraph: str, question: str, answer: str, gold: int) -> Example:
-        paragraph = self._BREAK.sub(" ", self._SENT_MARK.sub("", paragraph))
+        paragraph = self.paragraph_text(paragraph)
         prompt = (f'{paragraph}\nQuestion: {question}\nI found this answer "{answer}". Is that correct? '
                   "Yes or No?\n")
         return Example(prompt, ("No", "Yes"), (gold,), sfc_prompt="Yes or No?\n")
