@@ -4,8 +4,9 @@ paragraph, xgblora against sentence-transformers' trainer at equal settings.
 Rows, for each seed in this order (interleaved, so load from other processes hits all of them alike): batch 16;
 batch B by gradient caching (`--mini_batch_size 16`; sentence-transformers' CachedMultipleNegativesRankingLoss with
 mini_batch_size 16); batch B plus one mined hard negative per pair; each as xgblora then sentence-transformers.
-Same steps, LoRA r=8 alpha 16 on query/value, constant learning rate, no warm-up, no weight decay, clipping 1.0,
-AdamW, scale 20, max length on both sides. Wall time is training only.
+Same steps, LoRA r=8 alpha 16 on query/value (or --lora_target_modules; or every weight, --method ft), constant
+learning rate, no warm-up, no weight decay, clipping 1.0, AdamW, scale 20, max length on both sides. Wall time is
+training only.
 
 Data: training pairs from MultiRC's train split, less the questions of a seeded 10% of its paragraphs (the dev
 split, which chooses the learning rate: batch 16, each of --lrs, seed 0, dev recall@1); test: a seeded sample of
@@ -86,7 +87,8 @@ def xgblora_run(args: argparse.Namespace, train: Path, evaluate: Path, seed: int
                  mini_batch_size=args.mini_batch if batch > args.mini_batch else 0, max_length=args.max_length,
                  per_device_eval_batch_size=64, seed=seed, train_set_seed=seed, output_dir=str(out),
                  overwrite_output_dir=True, save_strategy="no", logging_steps=args.steps, device="cpu",
-                 method="lora", lora_r=8, trainer="regular", learning_rate=lr)
+                 method=args.method, lora_r=8, lora_target_modules=args.lora_target_modules, trainer="regular",
+                 learning_rate=lr)
     results = run(cfg)
     return {"recall@1": results["recall@1"], "mrr": results["mrr"], "train_s": results.get("train_runtime_s", 0.0)}
 
@@ -106,9 +108,15 @@ def st_evaluate(model: Any, evaluate: Path, max_length: int) -> dict[str, float]
     return {"recall@1": found["recall@1"], "mrr": found["mrr"]}
 
 
+def st_targets(spec: str | None) -> str | list[str]:
+    """PEFT's target_modules for xgblora's --lora_target_modules (all-linear adds BERT's pooler on PEFT's side,
+    which mean pooling never reads)."""
+    return spec if spec == "all-linear" else (spec or "query,value").split(",")
+
+
 def st_run(args: argparse.Namespace, train: Path, evaluate: Path, seed: int, lr: float, batch: int) -> dict:
-    """SentenceTransformerTrainer with a PEFT LoRA adapter: MultipleNegativesRankingLoss at batch 16, its cached
-    twin (GradCache) above; one column per hard negative."""
+    """SentenceTransformerTrainer, every weight trained (--method ft) or a PEFT LoRA adapter:
+    MultipleNegativesRankingLoss at batch 16, its cached twin (GradCache) above; one column per hard negative."""
     from datasets import Dataset
     from peft import LoraConfig, TaskType, inject_adapter_in_model
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
@@ -126,11 +134,13 @@ def st_run(args: argparse.Namespace, train: Path, evaluate: Path, seed: int, lr:
     torch.manual_seed(seed)
     model = SentenceTransformer(pretrained.resolve_path(MODEL), device="cpu")
     model.max_seq_length = args.max_length
-    # PEFT's own injection (model.add_adapter asks transformers for a newer PEFT than this machine has)
-    inject_adapter_in_model(LoraConfig(task_type=TaskType.FEATURE_EXTRACTION, r=8, lora_alpha=16, lora_dropout=0.0,
-                                       target_modules=["query", "value"]), model[0].auto_model)
-    for name, param in model.named_parameters():
-        param.requires_grad = "lora_" in name
+    if args.method == "lora":
+        # PEFT's own injection (model.add_adapter asks transformers for a newer PEFT than this machine has)
+        inject_adapter_in_model(LoraConfig(task_type=TaskType.FEATURE_EXTRACTION, r=8, lora_alpha=16,
+                                           lora_dropout=0.0, target_modules=st_targets(args.lora_target_modules)),
+                                model[0].auto_model)
+        for name, param in model.named_parameters():
+            param.requires_grad = "lora_" in name
     rows = [json.loads(line) for line in train.read_text(encoding="utf-8").splitlines()]
     columns = {"anchor": [r["query"] for r in rows], "positive": [r["positive"] for r in rows]}
     if "negatives" in rows[0]:
@@ -185,6 +195,9 @@ def main() -> None:
     parser.add_argument("--max_length", type=int, default=64)
     parser.add_argument("--test_queries", type=int, default=300)
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3], help="chosen on dev (batch 16, seed 0)")
+    parser.add_argument("--method", choices=("lora", "ft"), default="lora", help="LoRA r=8 alpha 16, or every weight")
+    parser.add_argument("--lora_target_modules", default=None, help="xgblora's flag (default query,value)")
+    parser.add_argument("--dev_only", action="store_true", help="stop after the dev grid (to compare set-ups on dev)")
     parser.add_argument("--no_st", action="store_true", help="xgblora rows only")
     parser.add_argument("--only", nargs="+", default=None,
                         help="run only the test rows whose name holds one of these strings (a second process's share)")
@@ -217,6 +230,9 @@ def main() -> None:
            for lr in args.lrs}
     lr = best_rate({rate: row["recall@1"] for rate, row in dev.items()})
     print(json.dumps({"chosen_lr": lr}), flush=True)
+    if args.dev_only:
+        print(summarise(done))
+        return
     hard = mined(files, out, args.max_length)
     record("test", ZERO_SHOT, 0, lambda: zero_shot(files["test"], args.max_length))
     for seed in args.seeds:
