@@ -14,7 +14,7 @@ from xgblora.data import formats
 from xgblora.data.pairs import collate_pairs, pair_seqs
 from xgblora.data.splits import load_rows
 from xgblora.data.tasks import CustomTask, Example
-from xgblora.embeddings.gradcache import mini_batches
+from xgblora.embeddings.gradcache import cached_embed, mini_batches
 from xgblora.embeddings.pooling import embed
 from xgblora.errors import UserError
 from xgblora.models import pretrained
@@ -69,6 +69,29 @@ def test_mini_batches_cover_every_row_once_and_align_the_halves_of_a_dual_batch(
     assert [p.tolist() for p in mini_batches(10, 2, halves=2)] == [[0, 1, 5, 6], [2, 3, 7, 8], [4, 9]]
 
 
+def test_mini_batches_group_rows_of_like_length_longest_first_in_both_halves():
+    lengths = torch.tensor([3, 9, 1, 9, 5, 2, 3, 9, 1, 9, 5, 2])  # a dual batch: the same 6 rows twice
+    assert [p.tolist() for p in mini_batches(6, 2, lengths=lengths[:6])] == [[1, 3], [4, 0], [5, 2]]
+    assert [p.tolist() for p in mini_batches(12, 2, halves=2, lengths=lengths)] == [[1, 3, 7, 9], [4, 0, 10, 6],
+                                                                                    [5, 2, 11, 8]]
+
+
+def test_cached_embedding_runs_fewer_padding_tokens_than_mini_batches_cut_in_order():
+    """Four short and four long rows interleaved: in order every mini-batch of 2 is as wide as the longest row."""
+    lengths = torch.tensor([2, 8, 2, 8, 2, 8, 2, 8])
+    mask = (torch.arange(8)[None, :] < lengths[:, None]).long()
+    ids = torch.arange(8)[None, :].expand(8, 8) * mask
+    widths = []
+
+    def embed_fn(rows_ids, rows_mask):
+        widths.append(rows_ids.shape[1])
+        return rows_ids.float().sum(1, keepdim=True)
+
+    out = cached_embed(embed_fn, ids, mask, size=2)
+    assert sorted(widths) == [2, 2, 8, 8]  # in order: [8, 8, 8, 8]
+    torch.testing.assert_close(out, ids.float().sum(1, keepdim=True))  # each row back in its place
+
+
 @pytest.mark.parametrize("mini_batch", [1, 3, 4])
 def test_cached_contrastive_loss_and_gradients_equal_the_batch_in_one_piece(mini_batch):
     model, tokenizer = pretrained.load("tiny-bert", head="embed")
@@ -90,11 +113,12 @@ def test_with_dropout_each_recomputed_mini_batch_draws_the_masks_of_its_forward(
     objective = Contrastive("mean", 0.05, mini_batch=3)
 
     def chunked(ids, mask):
-        pieces = []
-        for rows in mini_batches(ids.shape[0], 3):
+        pieces, order = [], []
+        for rows in mini_batches(ids.shape[0], 3, lengths=mask.sum(1)):
             width = int(mask[rows].sum(1).max())  # each mini-batch cut to its longest row
             pieces.append(embed(model, ids[rows, :width], mask[rows, :width], "mean"))
-        return torch.cat(pieces)
+            order.append(rows)
+        return torch.cat(pieces)[torch.cat(order).argsort()]  # each row back in its place
 
     torch.manual_seed(5)
     q, d = chunked(batch.query_ids, batch.query_mask), chunked(batch.doc_ids, batch.doc_mask)

@@ -6,8 +6,10 @@ query and value projections, no dropout, AdamW at a constant rate, clipping 1.0,
 document pairs shuffled once with seed 0, then taken in order, `batch` pairs a step, each text cut to
 `max_length` tokens. Above `mini_batch` pairs both embed by gradient caching (sentence-transformers'
 CachedMultipleNegativesRankingLoss, xgblora's --mini_batch_size). One xgblora step runs beside each trainer step
-on that step's rows, before or after it in turn (`timing.InterleavedSteps`). The pairs are MultiRC questions ->
-their paragraphs (--data_dir holding multirc/train.jsonl), else generated pairs of MultiRC's lengths.
+on that step's rows, before or after it in turn (`timing.InterleavedSteps`). The pairs (`--embed_pairs`) are
+MultiRC questions -> their paragraphs (long texts, most cut to `max_length`) or GSM8K questions -> their worked
+answers (lengths that vary row to row, as in most question-answer data), read from --data_dir, else generated
+pairs of the same lengths.
 
 Peak memory: each side in its own process, what its steps add to the memory held before them (the peak RSS sampled
 during the steps on the CPU; max_memory_allocated on CUDA).
@@ -55,6 +57,7 @@ class EmbedCase:
     warmup: int
     device: str = "cpu"
     data_dir: str = ""
+    pairs: str = "multirc"  # a key of PAIR_SETS
 
     @property
     def cached(self) -> bool:
@@ -67,34 +70,47 @@ class EmbedCase:
 
 # ----------------------------------------------------------------------------- data
 
-def generated_pairs(n: int) -> list[tuple[str, str]]:
-    """n pairs made up here with MultiRC's lengths (a question of 8-16 words, a paragraph of 150-300; seeded): the
-    timing depends on lengths, not on the words."""
+def generated_pairs(n: int, query_words: tuple[int, int], doc_words: tuple[int, int]) -> list[tuple[str, str]]:
+    """n pairs made up here with the given word counts (seeded): the timing depends on lengths, not on the words."""
     rng = random.Random(0)
     words = ("the", "river", "town", "king", "said", "after", "years", "when", "ship", "found", "gold", "north",
              "letter", "mother", "war", "school", "why", "did")
-    return [(" ".join(rng.choice(words) for _ in range(rng.randint(8, 16))) + "?",
-             " ".join(rng.choice(words) for _ in range(rng.randint(150, 300))) + ".") for _ in range(n)]
+    return [(" ".join(rng.choice(words) for _ in range(rng.randint(*query_words))) + "?",
+             " ".join(rng.choice(words) for _ in range(rng.randint(*doc_words))) + ".") for _ in range(n)]
+
+
+def read_jsonl(data_dir: str, relative: str) -> list[dict[str, Any]]:
+    """The rows of a JSON Lines file of --data_dir."""
+    path = Path(data_dir) / relative
+    if not path.is_file():
+        raise UserError(f"--suite embed reads its pairs from {path}, which does not exist (pass --data_dir)")
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
 
 
 def multirc_pairs(data_dir: str) -> list[tuple[str, str]]:
     """Every (question, paragraph) of MultiRC's train split, markup removed as the MultiRC task removes it."""
-    path = Path(data_dir) / "multirc" / "train.jsonl"
-    if not path.is_file():
-        raise UserError(f"--suite embed reads MultiRC pairs from {path}, which does not exist (pass --data_dir)")
     pairs = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            passage = json.loads(line)["passage"]
-            text = MultiRC.paragraph_text(passage["text"])
-            pairs.extend((q["question"], text) for q in passage["questions"])
+    for row in read_jsonl(data_dir, "multirc/train.jsonl"):
+        text = MultiRC.paragraph_text(row["passage"]["text"])
+        pairs.extend((q["question"], text) for q in row["passage"]["questions"])
     return pairs
+
+
+def gsm8k_pairs(data_dir: str) -> list[tuple[str, str]]:
+    """Every (question, worked answer) of GSM8K's train split."""
+    return [(row["question"], row["answer"]) for row in read_jsonl(data_dir, "gsm8k/train.jsonl")]
+
+
+# name -> (reader, word counts of generated stand-ins: query, document)
+PAIR_SETS = {"multirc": (multirc_pairs, (8, 16), (150, 300)), "gsm8k": (gsm8k_pairs, (20, 80), (20, 160))}
 
 
 def case_pairs(case: EmbedCase) -> list[tuple[str, str]]:
     """The pairs of the case's warm-up and timed steps, in the order both sides train on them."""
     n = case.batch * (case.warmup + case.steps)
-    pairs = multirc_pairs(case.data_dir) if case.data_dir else generated_pairs(n)
+    read, query_words, doc_words = PAIR_SETS[case.pairs]
+    pairs = read(case.data_dir) if case.data_dir else generated_pairs(n, query_words, doc_words)
     random.Random(0).shuffle(pairs)
     if len(pairs) < n:
         raise UserError(f"--suite embed: {n} pairs needed for the steps asked, {len(pairs)} available")
@@ -179,7 +195,7 @@ def compare_case(case: EmbedCase) -> dict[str, Any]:
         trainer.train()
     st_times, our_times = timer.trainer_s, timer.ours_s
     return {
-        "model_name": case.model_name, "variant": case.variant, "max_length": case.max_length,
+        "model_name": case.model_name, "pairs": case.pairs, "variant": case.variant, "max_length": case.max_length,
         "steps_timed": len(our_times), "st_step_s": st_times, "xgblora_step_s": our_times,
         "speedup_vs_st": sum(st_times) / sum(our_times),
         "speedup_vs_st_median_step": statistics.median(s / o for s, o in zip(st_times, our_times, strict=True)),
@@ -215,11 +231,11 @@ def measure_case_memory(case: EmbedCase) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the suite
 
 def cases(args: argparse.Namespace) -> list[EmbedCase]:
-    """One case per batch size the flags ask for."""
+    """One case per pair set and batch size the flags ask for."""
     return [EmbedCase(model_name=args.embed_model, batch=batch, mini_batch=args.mini_batch_size,
                       max_length=args.embed_max_length, steps=args.repeats, warmup=args.warmup, device=args.device,
-                      data_dir=args.data_dir or "")
-            for batch in args.embed_batches]
+                      data_dir=args.data_dir or "", pairs=pairs)
+            for pairs in args.embed_pairs for batch in args.embed_batches]
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -230,11 +246,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def format_table(results: list[dict[str, Any]]) -> str:
     """A Markdown table: one row per case."""
-    lines = ["| model | variant | max length | xgblora pairs/s | sentence-transformers pairs/s | speed-up (median "
-             "step) | memory added xgblora / sentence-transformers (MiB) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | pairs | variant | max length | xgblora pairs/s | sentence-transformers pairs/s | speed-up (median "
+             "step) | memory added xgblora / sentence-transformers (MiB) |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         mem = memory_cell(r, "st")
-        lines.append(f"| {r['model_name']} | {r['variant']} | {r['max_length']} | {r['xgblora_pairs_per_s']:.2f} | "
-                     f"{r['st_pairs_per_s']:.2f} | {r['speedup_vs_st']:.2f}x ({r['speedup_vs_st_median_step']:.2f}x) | "
-                     f"{mem} |")
+        lines.append(f"| {r['model_name']} | {r['pairs']} | {r['variant']} | {r['max_length']} | "
+                     f"{r['xgblora_pairs_per_s']:.2f} | {r['st_pairs_per_s']:.2f} | {r['speedup_vs_st']:.2f}x "
+                     f"({r['speedup_vs_st_median_step']:.2f}x) | {mem} |")
     return "\n".join(lines)

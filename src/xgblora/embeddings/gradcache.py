@@ -12,10 +12,12 @@ mini-batch.
 The loss and the parameter gradients equal those of the batch embedded in one piece (without dropout; with
 dropout, those of the same mini-batches embedded with a graph; with LoRA on a half-precision base, up to the
 rounding of the adapter branch, which runs in fp32 without a graph and in the base's dtype with one). Under no_grad (MeZO's forwards, evaluation) it is a
-chunked forward. Rows are cut to their mini-batch's longest row (right padding).
+chunked forward. Rows of like length share a mini-batch, each cut to its longest row (right padding):
+sentence-transformers' cached loss cuts the padded batch in order, so on rows of mixed length it runs many padding
+tokens more.
 
 MeZO's dual batch (halves=2: rows [:n] at +eps z, rows [n:] at -eps z, told apart by position) is cut in aligned
-pieces, rows a..b of both halves together, so that every mini-batch is a dual batch of its own.
+pieces, the same rows of both halves together, so that every mini-batch is a dual batch of its own.
 """
 
 from __future__ import annotations
@@ -28,11 +30,15 @@ from torch import Tensor
 EmbedFn = Callable[[Tensor, Tensor], Tensor]  # (input_ids, attention_mask) -> embeddings [rows, H]
 
 
-def mini_batches(n_rows: int, size: int, halves: int = 1) -> list[Tensor]:
-    """Row indices of each mini-batch: `size` rows of every half, aligned across halves."""
+def mini_batches(n_rows: int, size: int, halves: int = 1, lengths: Tensor | None = None) -> list[Tensor]:
+    """Row indices of each mini-batch: `size` rows of every half, aligned across halves. Given the rows' `lengths`,
+    longest first (by the first half's lengths; the halves hold the same rows), so that rows of like length share a
+    mini-batch and each is cut to little padding; the loss does not depend on how the rows are grouped."""
     per_half = n_rows // halves
-    return [torch.cat([torch.arange(h * per_half + start, h * per_half + min(start + size, per_half))
-                       for h in range(halves)]) for start in range(0, per_half, size)]
+    order = (torch.argsort(lengths[:per_half].cpu(), descending=True, stable=True) if lengths is not None
+             else torch.arange(per_half))
+    return [torch.cat([h * per_half + order[start:start + size] for h in range(halves)])
+            for start in range(0, per_half, size)]
 
 
 def _rows(ids: Tensor, mask: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -92,4 +98,5 @@ class _CachedEmbeddings(torch.autograd.Function):
 def cached_embed(embed_fn: EmbedFn, ids: Tensor, mask: Tensor, size: int, halves: int = 1) -> Tensor:
     """Embeddings [N, H] of right-padded rows, `size` rows of each half at a time; gradients by recomputation."""
     anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())  # makes autograd call backward
-    return _CachedEmbeddings.apply(embed_fn, ids, mask, mini_batches(ids.shape[0], size, halves), anchor)
+    pieces = mini_batches(ids.shape[0], size, halves, lengths=mask.sum(1))
+    return _CachedEmbeddings.apply(embed_fn, ids, mask, pieces, anchor)
