@@ -11,10 +11,10 @@ mini-batch.
 
 The loss and the parameter gradients equal those of the batch embedded in one piece (without dropout; with
 dropout, those of the same mini-batches embedded with a graph; with LoRA on a half-precision base, up to the
-rounding of the adapter branch, which runs in fp32 without a graph and in the base's dtype with one). Under no_grad (MeZO's forwards, evaluation) it is a
-chunked forward. Rows of like length share a mini-batch, each cut to its longest row (right padding):
-sentence-transformers' cached loss cuts the padded batch in order, so on rows of mixed length it runs many padding
-tokens more.
+rounding of the adapter branch, which runs in fp32 without a graph and in the base's dtype with one). Under
+no_grad (MeZO's forwards, evaluation) it is a chunked forward. Rows of like length share a mini-batch, each cut
+to its longest row (right padding): sentence-transformers' cached loss cuts the batch in order, so on rows of
+mixed length it runs many padding tokens more.
 
 MeZO's dual batch (halves=2: rows [:n] at +eps z, rows [n:] at -eps z, told apart by position) is cut in aligned
 pieces, the same rows of both halves together, so that every mini-batch is a dual batch of its own.
