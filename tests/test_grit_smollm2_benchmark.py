@@ -1,4 +1,4 @@
-"""benchmarks/grit_smollm2.py's harness: the rate is GRIT's best dev recall@1 at the first seed and contrastive only
+"""benchmarks/grit_smollm2.py's harness: the rate is GRIT's best dev recall@1 at seed 0 and contrastive only
 takes it; every model is measured with GRIT's embedding; dev, train and test pairs do not overlap; finished runs are
 reused."""
 

@@ -1,6 +1,6 @@
 """benchmarks/smollm2_mezo.py's harness: every command it runs is one xgblora accepts, under MeZO's protocol for
-the task; the rate is chosen on dev at the first seed (a tie to the smaller); finished runs are reused; the table
-lands."""
+the task; the rate is chosen on dev at seed 0, whichever seeds a process runs (a tie to the smaller); finished runs
+are reused; the table lands."""
 
 from __future__ import annotations
 
@@ -57,3 +57,8 @@ def test_commands_parse_and_the_rate_is_chosen_on_dev(tmp_path, monkeypatch, tas
     configs.clear()
     bench.main()  # every run finished: nothing runs again
     assert configs == []
+
+    monkeypatch.setattr(bench.sys, "argv", [*argv[:argv.index("--seeds") + 1], "2", *argv[argv.index("--zo_steps"):]])
+    bench.main()  # another process's seed: the rates chosen at seed 0 (reused), no grid at seed 2
+    assert [(c.trainer, c.learning_rate, c.seed) for c in configs if c.trainer != "none"] == [("zo", 1e-3, 2),
+                                                                                            ("regular", 1e-5, 2)]
