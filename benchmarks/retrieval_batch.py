@@ -233,7 +233,7 @@ def main() -> None:
     if args.dev_only:
         print(summarise(done))
         return
-    hard = mined(files, out, args.max_length)
+    hard = mined(files, out, args.max_length) if max(args.batch_sizes) > small else files["train"]
     record("test", ZERO_SHOT, 0, lambda: zero_shot(files["test"], args.max_length))
     for seed in args.seeds:
         for batch in args.batch_sizes:
