@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import statistics
 import tempfile
@@ -33,6 +32,7 @@ from xgblora.adapters import lora
 from xgblora.bench.memory import memory_cell, peak_added, run_against_baseline, sides_in_subprocesses
 from xgblora.bench.timing import InterleavedSteps
 from xgblora.data.pairs import pair_seqs
+from xgblora.data.sources import read_jsonl
 from xgblora.data.tasks import Example, MultiRC
 from xgblora.errors import UserError
 from xgblora.models import pretrained
@@ -79,19 +79,18 @@ def generated_pairs(n: int, query_words: tuple[int, int], doc_words: tuple[int, 
              " ".join(rng.choice(words) for _ in range(rng.randint(*doc_words))) + ".") for _ in range(n)]
 
 
-def read_jsonl(data_dir: str, relative: str) -> list[dict[str, Any]]:
+def data_rows(data_dir: str, relative: str) -> list[dict[str, Any]]:
     """The rows of a JSON Lines file of --data_dir."""
     path = Path(data_dir) / relative
     if not path.is_file():
         raise UserError(f"--suite embed reads its pairs from {path}, which does not exist (pass --data_dir)")
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+    return [row for _, row in read_jsonl(path)]
 
 
 def multirc_pairs(data_dir: str) -> list[tuple[str, str]]:
     """Every (question, paragraph) of MultiRC's train split, markup removed as the MultiRC task removes it."""
     pairs = []
-    for row in read_jsonl(data_dir, "multirc/train.jsonl"):
+    for row in data_rows(data_dir, "multirc/train.jsonl"):
         text = MultiRC.paragraph_text(row["passage"]["text"])
         pairs.extend((q["question"], text) for q in row["passage"]["questions"])
     return pairs
@@ -99,7 +98,7 @@ def multirc_pairs(data_dir: str) -> list[tuple[str, str]]:
 
 def gsm8k_pairs(data_dir: str) -> list[tuple[str, str]]:
     """Every (question, worked answer) of GSM8K's train split."""
-    return [(row["question"], row["answer"]) for row in read_jsonl(data_dir, "gsm8k/train.jsonl")]
+    return [(row["question"], row["answer"]) for row in data_rows(data_dir, "gsm8k/train.jsonl")]
 
 
 # name -> (reader, word counts of generated stand-ins: query, document)
