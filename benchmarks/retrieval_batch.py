@@ -68,13 +68,15 @@ TASKS = {"multirc": multirc_groups, "rte": rte_groups}
 
 def write_splits(data_dir: Path, out: Path, test_queries: int, task: str) -> dict[str, Path]:
     """train/dev/test JSONL of query/positive rows: dev is the rows of a seeded 10% of the training documents,
-    test a seeded sample of the validation split's rows."""
+    test a seeded sample of the validation split's rows whose document is not trained on (RTE repeats some premises
+    across its splits; xgblora's evaluation would drop them, sentence-transformers' would not)."""
     train = TASKS[task](data_dir, "train.jsonl")
     dev_documents = set(random.Random(0).sample(range(len(train)), len(train) // 10))
-    test = [p for _, ps in TASKS[task](data_dir, "dev.jsonl") for p in ps]
     split = {"train": [p for i, (_, ps) in enumerate(train) if i not in dev_documents for p in ps],
-             "dev": [p for i, (_, ps) in enumerate(train) if i in dev_documents for p in ps],
-             "test": random.Random(0).sample(test, min(test_queries, len(test)))}
+             "dev": [p for i, (_, ps) in enumerate(train) if i in dev_documents for p in ps]}
+    trained_on = {p["positive"] for p in split["train"]}
+    test = [p for document, ps in TASKS[task](data_dir, "dev.jsonl") if document not in trained_on for p in ps]
+    split["test"] = random.Random(0).sample(test, min(test_queries, len(test)))
     files = {}
     for name, rows in split.items():
         files[name] = out / f"{task}-{name}.jsonl"

@@ -1,5 +1,6 @@
 """benchmarks/retrieval_batch.py's splits: every row's document is its own (a MultiRC question's paragraph, an RTE
-hypothesis's premise), the dev split holds out whole training documents, and test comes from the validation split."""
+hypothesis's premise), the dev split holds out whole training documents, and test comes from the validation split,
+less the documents trained on (RTE repeats premises across its splits)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def test_splits_hold_out_whole_documents(task, tmp_path, shared_data):
     documents = {name: {r["positive"] for r in split} for name, split in rows.items()}
 
     assert documents["train"].isdisjoint(documents["dev"])
+    assert documents["train"].isdisjoint(documents["test"])
     assert len(rows["test"]) == 50
     assert len(rows["dev"]) >= len(rows["train"]) // 20  # about a tenth of the documents, with their queries
     if task == "rte":
