@@ -132,30 +132,37 @@ def test_with_dropout_each_recomputed_mini_batch_draws_the_masks_of_its_forward(
     assert loss_and_grads(model, batch, objective, params)[0] != pytest.approx(expected[0], rel=1e-6)
 
 
-def test_cached_grit_equals_grit_in_one_piece(tmp_path):
-    """GRIT's embedding half cached (a tiny Llama embedding bidirectionally) beside its generative half."""
-    model, tokenizer = pretrained.load("tiny-llama")
-    model.eval()
+def grit_batch(tokenizer, tmp_path):
+    """8 pairs of different lengths beside 8 instruction rows."""
     sft = tmp_path / "sft.jsonl"
     sft.write_text("".join(json.dumps({"prompt": f"Is {t} good?", "completion": " Yes."}) + "\n" for t in TOPICS),
                    encoding="utf-8")
     examples = load_rows(CustomTask(Config(task_name="custom", train_file=str(sft)).data), "train", None)
     seqs = formats.instruction_seqs(tokenizer, examples, 32, False, formats.stop_token_ids(tokenizer))
     generative = sequence_training_set(seqs, tokenizer.pad_token_id, token_mean=True)
-    pairs = pair_seqs(tokenizer, [Example(f"what about {t}?", (f"{t}, they said.",), (0,)) for t in TOPICS], 32)
-    batch = grit_training_set(pairs, generative, tokenizer.pad_token_id).batch(range(8))
+    pairs = pair_seqs(tokenizer, [Example(f"what about {t}{' now' * (i % 3)}?", (f"{t}, they said{' so' * i}.",),
+                                          (0,)) for i, t in enumerate(TOPICS)], 32)
+    return grit_training_set(pairs, generative, tokenizer.pad_token_id).batch(range(8))
+
+
+def grit_loss_and_grads(model, batch, objective: Contrastive) -> tuple[float, list[torch.Tensor]]:
     params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    loss = objective.grit(model, batch).mean()
+    loss.backward()
+    return float(loss.detach()), grads(params)
 
-    def grit(objective):
-        for p in params:
-            p.grad = None
-        loss = objective.grit(model, batch).mean()
-        loss.backward()
-        return float(loss.detach()), grads(params)
 
+def test_cached_grit_equals_grit_in_one_piece(tmp_path):
+    """GRIT's embedding half cached (a tiny Llama embedding bidirectionally) beside its generative half."""
+    model, tokenizer = pretrained.load("tiny-llama")
+    model.eval()
+    batch = grit_batch(tokenizer, tmp_path)
     weights = (1.0, 0.5)
-    assert_same(grit(Contrastive("last", 0.05, bidirectional=True, weights=weights)),
-                grit(Contrastive("last", 0.05, bidirectional=True, weights=weights, mini_batch=3)))
+    assert_same(grit_loss_and_grads(model, batch, Contrastive("last", 0.05, bidirectional=True, weights=weights)),
+                grit_loss_and_grads(model, batch, Contrastive("last", 0.05, bidirectional=True, weights=weights,
+                                                              mini_batch=3)))
 
 
 def test_mezo_dual_batch_in_mini_batches_gives_the_losses_of_the_whole_batch():

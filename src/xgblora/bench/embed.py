@@ -5,11 +5,12 @@ query and value projections, no dropout, AdamW at a constant rate, clipping 1.0,
 (sentence-transformers' MultipleNegativesRankingLoss; xgblora's temperature 0.05), on the same batches: query ->
 document pairs shuffled once with seed 0, then taken in order, `batch` pairs a step, each text cut to
 `max_length` tokens. Above `mini_batch` pairs both embed by gradient caching (sentence-transformers'
-CachedMultipleNegativesRankingLoss, xgblora's --mini_batch_size). One xgblora step runs beside each trainer step
-on that step's rows, before or after it in turn (`timing.InterleavedSteps`). The pairs (`--embed_pairs`) are
-MultiRC questions -> their paragraphs (long texts, most cut to `max_length`) or GSM8K questions -> their worked
-answers (lengths that vary row to row, as in most question-answer data), read from --data_dir, else generated
-pairs of the same lengths.
+CachedMultipleNegativesRankingLoss, xgblora's --mini_batch_size); below it, xgblora embeds as its training does by
+default on the device (in length-sorted pieces on the CPU, `--embed_pieces`). One xgblora step runs beside each
+trainer step on that step's rows, before or after it in turn (`timing.InterleavedSteps`). The pairs
+(`--embed_pairs`) are MultiRC questions -> their paragraphs (long texts, most cut to `max_length`), GSM8K questions
+-> their worked answers or RTE hypotheses -> their premises (lengths that vary row to row, as in most
+question-answer data), read from --data_dir, else generated pairs of the same lengths.
 
 Peak memory: each side in its own process, what its steps add to the memory held before them (the peak RSS sampled
 during the steps on the CPU; max_memory_allocated on CUDA).
@@ -34,6 +35,7 @@ from xgblora.bench.timing import InterleavedSteps
 from xgblora.data.pairs import pair_seqs
 from xgblora.data.sources import read_jsonl
 from xgblora.data.tasks import Example, MultiRC
+from xgblora.embeddings.pieces import split_cost
 from xgblora.errors import UserError
 from xgblora.models import pretrained
 from xgblora.optim.fo import AdamWStepper
@@ -101,8 +103,14 @@ def gsm8k_pairs(data_dir: str) -> list[tuple[str, str]]:
     return [(row["question"], row["answer"]) for row in data_rows(data_dir, "gsm8k/train.jsonl")]
 
 
+def rte_pairs(data_dir: str) -> list[tuple[str, str]]:
+    """Every (hypothesis, premise) of RTE's train split, whatever its label: a hypothesis is about its premise."""
+    return [(row["hypothesis"], row["premise"]) for row in data_rows(data_dir, "rte/train.jsonl")]
+
+
 # name -> (reader, word counts of generated stand-ins: query, document)
-PAIR_SETS = {"multirc": (multirc_pairs, (8, 16), (150, 300)), "gsm8k": (gsm8k_pairs, (20, 80), (20, 160))}
+PAIR_SETS = {"multirc": (multirc_pairs, (8, 16), (150, 300)), "gsm8k": (gsm8k_pairs, (20, 80), (20, 160)),
+             "rte": (rte_pairs, (5, 20), (10, 90))}
 
 
 def case_pairs(case: EmbedCase) -> list[tuple[str, str]]:
@@ -134,7 +142,8 @@ class XgbloraContrastive:
         lora.attach(self.model, LORA["targets"], r=LORA["r"], alpha=LORA["alpha"])
         examples = [Example(query, (doc,), (0,)) for query, doc in pairs]
         self.train_set = pair_training_set(pair_seqs(tokenizer, examples, case.max_length), tokenizer.pad_token_id)
-        contrastive = Contrastive("mean", 1 / SCALE, mini_batch=case.mini_batch if case.cached else 0)
+        contrastive = Contrastive("mean", 1 / SCALE, mini_batch=case.mini_batch if case.cached else 0,
+                                  split_cost=split_cost(None, self.device))
         self.loss = TrainingLoss(self.model, contrastive=contrastive)
         self.stepper = AdamWStepper(lora.adapter_params(self.model), self.loss, max_grad_norm=1.0,
                                     micro_batch=case.batch)

@@ -66,9 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--suite embed: a sentence-transformers model both sides train.")
     parser.add_argument("--embed_batches", "--embed-batches", type=int, nargs="+", default=[16, 64], metavar="N",
                         help="--suite embed: pairs per step, one case each (cached above --mini_batch_size).")
-    parser.add_argument("--embed_pairs", "--embed-pairs", nargs="+", default=["multirc"], choices=("multirc", "gsm8k"),
+    parser.add_argument("--embed_pairs", "--embed-pairs", nargs="+", default=["multirc"],
+                        choices=("multirc", "gsm8k", "rte"),
                         help="--suite embed: pair sets, one case each: MultiRC question -> paragraph (long texts), "
-                             "GSM8K question -> worked answer (lengths that vary).")
+                             "GSM8K question -> worked answer, RTE hypothesis -> premise (lengths that vary).")
     parser.add_argument("--mini_batch_size", "--mini-batch-size", type=int, default=16,
                         help="--suite embed: gradient caching's mini-batch, on both sides, for batches above it.")
     parser.add_argument("--embed_max_length", "--embed-max-length", type=int, default=256,

@@ -22,30 +22,20 @@ pieces, the same rows of both halves together, so that every mini-batch is a dua
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-EmbedFn = Callable[[Tensor, Tensor], Tensor]  # (input_ids, attention_mask) -> embeddings [rows, H]
+from xgblora.embeddings.pieces import EmbedFn, aligned, longest_first, trim
 
 
 def mini_batches(n_rows: int, size: int, halves: int = 1, lengths: Tensor | None = None) -> list[Tensor]:
     """Row indices of each mini-batch: `size` rows of every half, aligned across halves. Given the rows' `lengths`,
-    longest first (by the first half's lengths; the halves hold the same rows), so that rows of like length share a
-    mini-batch and each is cut to little padding; the loss does not depend on how the rows are grouped."""
-    per_half = n_rows // halves
-    order = (torch.argsort(lengths[:per_half].cpu(), descending=True, stable=True) if lengths is not None
-             else torch.arange(per_half))
-    return [torch.cat([h * per_half + order[start:start + size] for h in range(halves)])
-            for start in range(0, per_half, size)]
-
-
-def _rows(ids: Tensor, mask: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
-    """The given rows, cut after the last column any of them attends to."""
-    ids, mask = ids[rows], mask[rows]
-    width = int(mask.any(0).nonzero().max()) + 1 if mask.any() else mask.shape[1]
-    return ids[:, :width], mask[:, :width]
+    longest first, so that rows of like length share a mini-batch and each is cut to little padding; the loss does
+    not depend on how the rows are grouped."""
+    order = longest_first(lengths, halves) if lengths is not None else torch.arange(n_rows // halves)
+    return aligned(order, [(start, start + size) for start in range(0, len(order), size)], halves)
 
 
 class _RngState:
@@ -75,7 +65,7 @@ class _CachedEmbeddings(torch.autograd.Function):
         out: Tensor | None = None
         for rows in pieces:
             ctx.states.append(_RngState(device))
-            vectors = embed_fn(*_rows(ids, mask, rows))
+            vectors = embed_fn(*trim(ids, mask, rows))
             if out is None:
                 out = vectors.new_empty((ids.shape[0], vectors.shape[1]))
             out[rows.to(device)] = vectors
@@ -90,7 +80,7 @@ class _CachedEmbeddings(torch.autograd.Function):
             with torch.random.fork_rng(devices=cuda), torch.enable_grad(), \
                     torch.autocast(device.type, dtype=dtype, enabled=enabled):
                 state.restore()
-                vectors = ctx.embed_fn(*_rows(ctx.ids, ctx.mask, rows))
+                vectors = ctx.embed_fn(*trim(ctx.ids, ctx.mask, rows))
                 torch.autograd.backward(vectors, grad[rows.to(device)])
         return None, None, None, None, None
 

@@ -26,6 +26,7 @@ from xgblora.data.collation import TokenSeq, collate, collate_packed, training_s
 from xgblora.data.pairs import PairSeq, collate_pairs
 from xgblora.data.tasks import Example
 from xgblora.embeddings.gradcache import cached_embed
+from xgblora.embeddings.pieces import embed_in_pieces, length_pieces
 from xgblora.embeddings.pooling import embed
 from xgblora.evaluation import labels
 from xgblora.models.scoring import label_logits, packed_mean_logprobs, target_logprobs
@@ -207,15 +208,17 @@ def info_nce(queries: Tensor, docs: Tensor, positive: Tensor, doc_key: Tensor, s
 class Contrastive(nn.Module):
     """The embedding objective: pooling, attention direction, temperature (fixed, or learnt as a log-scale), the
     cross-process gather of documents, GRIT's weights, the instruction tokens left out of the pooling (`skips`: of
-    queries and documents; GritLM's), the symmetric loss, and gradient caching (`mini_batch` > 0: queries and
-    documents embedded that many rows at a time, `gradcache`). Owns its one parameter, the learnable log-scale."""
+    queries and documents; GritLM's), the symmetric loss, gradient caching (`mini_batch` > 0: queries and
+    documents embedded that many rows at a time, `gradcache`), and otherwise length-sorted pieces (`split_cost`, in
+    tokens, a forward's fixed cost: `pieces`; None: the batch in one piece). Owns its one parameter, the learnable
+    log-scale."""
 
     def __init__(self, pooling: str, temperature: float, learnable: bool = False, bidirectional: bool = False,
                  gather: Gather | None = None, weights: tuple[float, float] = (1.0, 1.0), mini_batch: int = 0,
-                 skips: tuple[int, int] = (0, 0), symmetric: bool = False):
+                 skips: tuple[int, int] = (0, 0), symmetric: bool = False, split_cost: float | None = None):
         super().__init__()
         self.pooling, self.bidirectional, self.gather, self.weights = pooling, bidirectional, gather, weights
-        self.mini_batch, self.skips, self.symmetric = mini_batch, skips, symmetric
+        self.mini_batch, self.skips, self.symmetric, self.split_cost = mini_batch, skips, symmetric, split_cost
         log_scale = torch.tensor(math.log(1 / temperature))
         self.log_scale = nn.Parameter(log_scale) if learnable else None
         self.fixed_scale = 1 / temperature
@@ -233,14 +236,16 @@ class Contrastive(nn.Module):
                           for qh, dh in zip(q.chunk(batch.halves), d.chunk(batch.halves), strict=True)])
 
     def embed(self, model: nn.Module, ids: Tensor, mask: Tensor, halves: int, skip: int = 0) -> Tensor:
-        """Unit embeddings of the rows (their first `skip` tokens not pooled): in one piece, or `mini_batch` rows of
-        each half at a time (gradient caching)."""
+        """Unit embeddings of the rows (their first `skip` tokens not pooled): `mini_batch` rows of each half at a
+        time (gradient caching), else in length-sorted pieces (with `split_cost`), else in one piece."""
         def embed_rows(rows_ids: Tensor, rows_mask: Tensor) -> Tensor:
             return embed(model, rows_ids, rows_mask, self.pooling, self.bidirectional, skip)
 
-        if not self.mini_batch or ids.shape[0] <= self.mini_batch * halves:
+        if self.mini_batch and ids.shape[0] > self.mini_batch * halves:
+            return cached_embed(embed_rows, ids, mask, self.mini_batch, halves)
+        if self.split_cost is None:
             return embed_rows(ids, mask)
-        return cached_embed(embed_rows, ids, mask, self.mini_batch, halves)
+        return embed_in_pieces(embed_rows, ids, mask, length_pieces(mask.sum(1), self.split_cost, halves))
 
     def grit(self, model: nn.Module, batch: GritBatch) -> Tensor:
         """w_c x each query's InfoNCE + w_g x its half's mean generative loss (so the mean is GRIT's loss)."""

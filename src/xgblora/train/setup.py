@@ -33,6 +33,7 @@ from xgblora.data.pairs import PairTask, Prefixes, embedding_prefixes, held_apar
 from xgblora.data.splits import Splits, load_rows, sample_splits
 from xgblora.data.tasks import CustomTask, Example, Task, get_task
 from xgblora.distributed import Distributed
+from xgblora.embeddings.pieces import split_cost
 from xgblora.embeddings.pooling import bidirectional_supported
 from xgblora.errors import UserError
 from xgblora.evaluation import labels
@@ -359,7 +360,9 @@ def build_contrastive(run: RunSetup, dist: Distributed) -> Contrastive | None:
                        gather=dist.gather_rows if dist.world_size > 1 else None,
                        weights=(cfg.grit_contrastive_weight, cfg.grit_generative_weight),
                        mini_batch=cfg.mini_batch_size, skips=skips,
-                       symmetric=cfg.contrastive_loss == "symmetric").to(run.device)
+                       symmetric=cfg.contrastive_loss == "symmetric", split_cost=split_cost(cfg.embed_pieces, run.device)
+                       ).to(run.device)
+
 
 
 def packing_enabled(run: RunSetup) -> bool:
