@@ -4,20 +4,24 @@ the batch in one piece (autograd of the one-piece loss is the reference), for co
 embedding half and MeZO's dual batch."""
 
 import itertools
-import json
 
 import pytest
 import torch
-from test_gradcache import TOPICS, assert_same, grit_batch, grit_loss_and_grads, loss_and_grads, pair_batch
+from test_gradcache import (
+    assert_same,
+    dual_batch_losses,
+    grit_batch,
+    grit_loss_and_grads,
+    loss_and_grads,
+    pair_batch,
+    run_losses,
+)
 
-from xgblora.adapters.lora import attach, is_adapter_param
 from xgblora.config import Config
 from xgblora.embeddings import pieces as pieces_module
 from xgblora.embeddings.pieces import embed_in_pieces, length_pieces, split_cost
 from xgblora.models import pretrained
-from xgblora.optim.zo import MeZO
-from xgblora.train import run
-from xgblora.train.objective import Contrastive, per_example_loss
+from xgblora.train.objective import Contrastive
 
 
 def least_cost(widths: list[int], cost: float) -> float:
@@ -90,22 +94,7 @@ def test_grit_in_pieces_equals_grit_in_one_piece(tmp_path):
 
 def test_mezo_dual_batch_in_pieces_gives_the_losses_of_the_whole_batch():
     """Under MeZO the pieces are forwards without a graph, each a dual batch: L+ and L- equal the one piece's."""
-    model, tokenizer = pretrained.load("tiny-bert", head="embed")
-    batch = pair_batch(tokenizer, n=8)
-    report = attach(model, None, r=4, alpha=8)
-    with torch.no_grad():
-        for m in report.modules.values():
-            m.lora_B.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
-    params = [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
-    start = {n: p.detach().clone() for n, p in params}
-    found = []
-    for cost in (None, 0.0):
-        with torch.no_grad():
-            for n, p in params:
-                p.copy_(start[n])
-        mezo = MeZO(params, 1e-2, 1e-2, dual_modules=report.modules, seed=7)
-        objective = Contrastive("mean", 0.05, split_cost=cost)
-        found.append(mezo.step(lambda b, objective=objective: per_example_loss(model.eval(), b, objective), batch))
+    found = dual_batch_losses([Contrastive("mean", 0.05), Contrastive("mean", 0.05, split_cost=0.0)])
     assert found[1] == pytest.approx(found[0], rel=1e-5) and found[0][0] != found[0][1]
 
 
@@ -119,21 +108,7 @@ def test_pieces_are_on_by_default_on_the_cpu_only_and_can_be_turned_off():
 
 def test_a_run_in_pieces_trains_like_the_run_in_one_piece(tmp_path, monkeypatch):
     monkeypatch.setattr(pieces_module, "SPLIT_COST_TOKENS", 0.0)  # every length its own piece: the tiny rows are cut
-    kind, shape = pretrained.RANDOM_MODELS["tiny-bert"]
-    monkeypatch.setitem(pretrained.RANDOM_MODELS, "tiny-bert",
-                        (kind, {**shape, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}))
-    data = tmp_path / "pairs.jsonl"
-    data.write_text("".join(json.dumps({"query": f"what about {t}{' now' * (i % 4)}?",
-                                        "positive": f"{t}, they said{' so' * i}."}) + "\n"
-                            for i, t in enumerate(TOPICS)), encoding="utf-8")
-    losses = []
-    for pieces in (False, True):
-        out = tmp_path / f"pieces-{pieces}"
-        run(Config(model_name="tiny-bert", objective="contrastive", train_file=str(data), num_train=10,
-                   method="lora", learning_rate=1e-2, max_steps=4, logging_steps=1, per_device_train_batch_size=8,
-                   max_length=24, output_dir=str(out), device="cpu", no_eval=True, save_strategy="no",
-                   embed_pieces=pieces))
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        losses.append([r["loss"] for r in rows if "loss" in r])
-    assert len(losses[0]) == 4 and losses[1] == pytest.approx(losses[0], rel=1e-5)
-    assert losses[0][0] != losses[0][-1]
+    one_piece = run_losses(tmp_path, monkeypatch, "one-piece", embed_pieces=False)
+    in_pieces = run_losses(tmp_path, monkeypatch, "pieces", embed_pieces=True)
+    assert len(one_piece) == 4 and in_pieces == pytest.approx(one_piece, rel=1e-5)
+    assert one_piece[0] != one_piece[-1]

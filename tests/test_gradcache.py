@@ -165,8 +165,8 @@ def test_cached_grit_equals_grit_in_one_piece(tmp_path):
                                                               mini_batch=3)))
 
 
-def test_mezo_dual_batch_in_mini_batches_gives_the_losses_of_the_whole_batch():
-    """Under MeZO the cached path is two chunked forwards: L+ and L- equal the one-piece dual batch's."""
+def dual_batch_losses(objectives: list[Contrastive]) -> list[tuple[float, float]]:
+    """MeZO's L+ and L- of one step on the same LoRA start and seed, for each objective."""
     _, tokenizer = pretrained.load("tiny-bert", head="embed")
     batch = pair_batch(tokenizer, n=8)
     model, _ = pretrained.load("tiny-bert", head="embed")
@@ -177,34 +177,43 @@ def test_mezo_dual_batch_in_mini_batches_gives_the_losses_of_the_whole_batch():
     params = [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
     start = {n: p.detach().clone() for n, p in params}
     found = []
-    for mini_batch in (0, 3):
+    for objective in objectives:
         with torch.no_grad():
             for n, p in params:
                 p.copy_(start[n])
         mezo = MeZO(params, 1e-2, 1e-2, dual_modules=report.modules, seed=7)
-        objective = Contrastive("mean", 0.05, mini_batch=mini_batch)
         found.append(mezo.step(lambda b, objective=objective: per_example_loss(model.eval(), b, objective), batch))
+    return found
+
+
+def test_mezo_dual_batch_in_mini_batches_gives_the_losses_of_the_whole_batch():
+    """Under MeZO the cached path is two chunked forwards: L+ and L- equal the one-piece dual batch's."""
+    found = dual_batch_losses([Contrastive("mean", 0.05), Contrastive("mean", 0.05, mini_batch=3)])
     assert found[1] == pytest.approx(found[0], rel=1e-5) and found[0][0] != found[0][1]
 
 
-def test_a_run_with_mini_batches_trains_like_the_run_in_one_piece(tmp_path, monkeypatch):
+def run_losses(tmp_path, monkeypatch, tag: str, **options) -> list[float]:
+    """The logged losses of 4 LoRA steps of a dropout-free tiny BERT on pairs of different lengths."""
     kind, shape = pretrained.RANDOM_MODELS["tiny-bert"]
     monkeypatch.setitem(pretrained.RANDOM_MODELS, "tiny-bert",
                         (kind, {**shape, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}))
     data = tmp_path / "pairs.jsonl"
-    data.write_text("".join(json.dumps({"query": f"what about {t}?", "positive": f"{t}, they said."}) + "\n"
-                            for t in TOPICS), encoding="utf-8")
-    losses = []
-    for mini_batch in (0, 2):
-        out = tmp_path / f"mb{mini_batch}"
-        run(Config(model_name="tiny-bert", objective="contrastive", train_file=str(data), num_train=10,
-                   method="lora", learning_rate=1e-2, max_steps=4, logging_steps=1, per_device_train_batch_size=8,
-                   max_length=24, output_dir=str(out), device="cpu", no_eval=True, save_strategy="no",
-                   mini_batch_size=mini_batch))
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        losses.append([r["loss"] for r in rows if "loss" in r])
-    assert len(losses[0]) == 4 and losses[1] == pytest.approx(losses[0], rel=1e-5)
-    assert losses[0][0] != losses[0][-1]
+    data.write_text("".join(json.dumps({"query": f"what about {t}{' now' * (i % 4)}?",
+                                        "positive": f"{t}, they said{' so' * i}."}) + "\n"
+                            for i, t in enumerate(TOPICS)), encoding="utf-8")
+    out = tmp_path / tag
+    run(Config(model_name="tiny-bert", objective="contrastive", train_file=str(data), num_train=10, method="lora",
+               learning_rate=1e-2, max_steps=4, logging_steps=1, per_device_train_batch_size=8, max_length=24,
+               output_dir=str(out), device="cpu", no_eval=True, save_strategy="no", **options))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_a_run_with_mini_batches_trains_like_the_run_in_one_piece(tmp_path, monkeypatch):
+    plain = run_losses(tmp_path, monkeypatch, "plain", mini_batch_size=0, embed_pieces=False)
+    cached = run_losses(tmp_path, monkeypatch, "cached", mini_batch_size=2)
+    assert len(plain) == 4 and cached == pytest.approx(plain, rel=1e-5)
+    assert plain[0] != plain[-1]
 
 
 def test_mini_batch_size_is_refused_where_it_cannot_apply():
