@@ -166,7 +166,7 @@ class Config(ModelOptions):
                                  ("infonce", "symmetric"))
     learnable_temperature: bool = _opt(False, "Contrastive: learn the temperature (as CLIP does, its log-scale trained by AdamW from --contrastive_temperature).")
     mini_batch_size: int = _opt(0, "Contrastive/GRIT: gradient caching (GradCache): embed the batch this many rows at a time, without a graph, and back-propagate each mini-batch from the gradients of the whole batch's loss: every query keeps the whole batch's negatives at the memory of one mini-batch (the same loss and gradients). 0: the batch in one piece.")
-    embed_pieces: bool | None = _opt(None, "Contrastive/GRIT without gradient caching: embed a batch's queries and documents in length-sorted pieces, each padded only to its own longest row, where that saves more than a forward costs (the same embeddings, loss and gradients; fewer padding tokens). Default: on for the CPU, off on CUDA, where smaller pieces under-fill the GPU.")
+    embed_pieces: bool | None = _opt(None, "Contrastive/GRIT without gradient caching: embed a batch's queries and documents in length-sorted pieces, each padded only to its own longest row, where that saves more than a forward costs (the same embeddings, loss and gradients; fewer padding tokens). Default: on for the CPU, off on CUDA, where smaller pieces may under-fill the GPU.")
     bidirectional: bool | None = _opt(None, "Contrastive/GRIT with a causal LM: the embedding pass attends both ways (GritLM); default on for grit (the model must allow it: checked, and --attn_implementation auto picks sdpa), off for contrastive.")
     grit_train_file: str | None = _opt(None, "GRIT: instruction data for the generative loss, in any form --train_file takes (messages, prompt/completion, text).")
     grit_contrastive_weight: float = _opt(1.0, "GRIT: weight of the contrastive loss.")
@@ -649,8 +649,9 @@ TRAINING_OPTIONS = ("lora", "xgblora", "method", *ADAPTER_OPTIONS, *XGBLORA_OPTI
                     "group_by_length", "packing", "loss_mean", "only_train_option", "train_as_classification",
                     "head_init", "head_probe_l2", "contrastive_loss", "learnable_temperature", "mini_batch_size",
                     "embed_pieces", *GRIT_OPTIONS, "logging_steps", "evaluation_strategy", "eval_steps",
-                    "log_samples", "save_strategy", "save_steps", "save_total_limit", "save_only_model", "load_best_model_at_end",
-                    "resume_from_checkpoint", "report_to", "nan_policy", "no_eval", "overwrite_output_dir")
+                    "log_samples", "save_strategy", "save_steps", "save_total_limit", "save_only_model",
+                    "load_best_model_at_end", "resume_from_checkpoint", "report_to", "nan_policy", "no_eval",
+                    "overwrite_output_dir")
 # What `xgblora rft` and `xgblora grpo` never read: they train on instruction rows of their own (RFT's kept samples,
 # GRPO's prompts) with the language-modelling loss, so MeZO's tasks, classification heads and embeddings have no
 # place; RFT sets each round's data, evaluation and folder itself. Their parsers leave these flags out.

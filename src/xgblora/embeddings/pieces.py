@@ -1,11 +1,11 @@
 """A batch of right-padded rows embedded in length-sorted pieces, each cut to its own longest row.
 
 A contrastive batch is padded to its longest text, so a batch of mixed lengths runs many padding tokens: at 16
-RTE premises or GSM8K answers, 1.6-1.8x the tokens its pieces need. `length_pieces` cuts the rows, sorted by
+RTE premises or GSM8K answers, 1.7-2x the tokens its pieces need. `length_pieces` cuts the rows, sorted by
 length, where the padding saved outweighs the fixed cost of one more forward (`split_cost`, in tokens);
 `embed_in_pieces` embeds each piece with its graph and puts the rows back in order. The embeddings, and so the
-loss and its gradients, are those of the batch in one piece (every row attends to its own tokens only); memory is
-at most that of one piece, since fewer tokens keep fewer activations.
+loss and its gradients, are those of the batch in one piece (every row attends to its own tokens only; with
+dropout, other masks of the same law); the activations kept are fewer, since fewer tokens run.
 
 MeZO's dual batch (halves=2: rows [:n] at +eps z, rows [n:] at -eps z, told apart by position) is cut in aligned
 pieces, the same rows of both halves together, so that every piece is a dual batch of its own.
@@ -20,8 +20,8 @@ from torch import Tensor
 
 EmbedFn = Callable[[Tensor, Tensor], Tensor]  # (input_ids, attention_mask) -> embeddings [rows, H]
 
-# A forward's fixed cost in padded tokens, measured on the CPU (all-MiniLM-L6-v2 with frozen weights: 12 ms a
-# forward and backward, 0.44 ms a token; BENCHMARKS.md, "Plain batches in pieces").
+# A forward's fixed cost in padded tokens, measured on the CPU (all-MiniLM-L6-v2 with frozen weights: 12-13 ms a
+# forward and backward of one short row, 0.44 ms a token; BENCHMARKS.md, "Plain batches in pieces").
 SPLIT_COST_TOKENS = 32.0
 
 
@@ -55,7 +55,7 @@ def length_pieces(lengths: Tensor, split_cost: float, halves: int = 1) -> list[T
 
     A piece costs its rows x its longest row in tokens, plus `split_cost` for the forward it adds; the cuts are
     the least-cost partition of the sorted rows into consecutive runs (dynamic programming, O(rows^2) in
-    Python: microseconds beside a forward at the batch sizes that run with a graph)."""
+    Python: under a millisecond at 64 rows, beside forwards of a second or more)."""
     order = longest_first(lengths, halves)
     widths = lengths[:len(order)].cpu()[order].tolist()
     n = len(widths)
