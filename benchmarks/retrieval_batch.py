@@ -227,6 +227,7 @@ def main() -> None:
     parser.add_argument("--lora_target_modules", default=None, help="xgblora's flag (default query,value)")
     parser.add_argument("--dev_only", action="store_true", help="stop after the dev grid (to compare set-ups on dev)")
     parser.add_argument("--no_st", action="store_true", help="xgblora rows only")
+    parser.add_argument("--no_mined", action="store_true", help="no rows with a mined negative")
     parser.add_argument("--only", nargs="+", default=None,
                         help="run only the test rows whose name holds one of these strings (a second process's share)")
     parser.add_argument("--threads", type=int, default=1)
@@ -261,11 +262,12 @@ def main() -> None:
     if args.dev_only:
         print(summarise(done))
         return
-    hard = mined(files, out, args.max_length) if max(args.batch_sizes) > small else files["train"]
+    mining = max(args.batch_sizes) > small and not args.no_mined
+    hard = mined(files, out, args.max_length) if mining else files["train"]
     record("test", ZERO_SHOT, 0, lambda: zero_shot(files["test"], args.max_length))
     for seed in args.seeds:
         for batch in args.batch_sizes:
-            for negatives in ([False, True] if batch > small else [False]):
+            for negatives in ([False, True] if batch > small and mining else [False]):
                 train = hard if negatives else files["train"]
                 what = f"batch {batch}" + (f" (cached, mini-batch {args.mini_batch})" if batch > args.mini_batch
                                            else "") + (" + 1 mined negative" if negatives else "")
