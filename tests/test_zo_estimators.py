@@ -55,10 +55,11 @@ def state(named: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
     return [p.detach().clone() for _, p in named]
 
 
-def assert_params(named: list[tuple[str, nn.Parameter]], expected: list[torch.Tensor], start: list[torch.Tensor]):
-    """Every weight equals the reference to 1e-6, and the step moved them by far more than that."""
+def assert_params(named: list[tuple[str, nn.Parameter]], expected: list[torch.Tensor], start: list[torch.Tensor],
+                  atol: float = 1e-6):
+    """Every weight equals the reference to atol, and the step moved them by far more than that."""
     for (name, p), want in zip(named, expected, strict=True):
-        torch.testing.assert_close(p.detach(), want, atol=1e-6, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(p.detach(), want, atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
     moved = max(float((w - s).abs().max()) for w, s in zip(expected, start, strict=True))
     assert moved > 1e-4
 
@@ -175,7 +176,10 @@ def test_svrg_anchor_then_variance_reduced_step(tiny, dual):
     assert inner_losses == pytest.approx((plus, minus), abs=2e-6)
     assert abs(g - g_tilde) > 1e-3 and abs(g - g_tilde) < 0.5 * abs(g)  # the anchor term cancels most of g
     expected = [t - lr * ((g - g_tilde) * zi + g_a * za) for t, zi, za in zip(theta1, z, z_a, strict=True)]
-    assert_params(named, expected, theta0)
+    # three projected gradients, each a difference of fp32 losses over 2 eps: a loss's rounding (~1e-7) moves a
+    # weight by lr / (2 eps) x 1e-7 x |z| per loss, about 1e-6 in all here (seen: 1.06e-6 on one CPU, under
+    # 1e-6 on another); 5e-6 is still a thousandth of the step (5.6e-3)
+    assert_params(named, expected, theta0, atol=5e-6)
 
 
 def test_svrg_stepper_takes_an_anchor_every_period_steps(tiny):
