@@ -20,7 +20,7 @@ from torch import Tensor
 
 EmbedFn = Callable[[Tensor, Tensor], Tensor]  # (input_ids, attention_mask) -> embeddings [rows, H]
 
-# A forward's fixed cost in padded tokens, measured on the CPU (all-MiniLM-L6-v2 with frozen weights: 12-13 ms a
+# A forward's fixed cost in padded tokens, measured on a 2-core Intel Xeon (all-MiniLM-L6-v2 with frozen weights: 12-13 ms a
 # forward and backward of one short row, 0.44 ms a token; BENCHMARKS.md, "Plain batches in pieces").
 SPLIT_COST_TOKENS = 32.0
 
