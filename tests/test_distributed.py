@@ -106,7 +106,7 @@ def losses(out: Path) -> list[float]:
 def assert_close_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol) -> None:
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], **tol, msg=key)
+        torch.testing.assert_close(a[key], b[key], **tol, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def test_shards_cover_the_global_batch_once_and_weigh_each_example_equally():
@@ -147,10 +147,11 @@ def test_adamw_xgblora_with_layer_sampling_on_two_ranks_equals_one_rank_and_resu
     run_one(monkeypatch, options(tmp_path, tmp_path / "one", per_device_train_batch_size=8, **values))
     two = torchrun(tmp_path, options(tmp_path, tmp_path / "two", save_steps=3, **values))
     assert two["boosters"] == 3
-    # atol 1e-5 (weights up to 0.04): with one thread per process the sums' order differs enough that AdamW's
-    # normalised step moves a near-zero-gradient weight by 1.3e-6
+    # atol 1e-4 (weights up to 0.04, lr 1e-2): AdamW's normalised step moves a weight whose gradient is near zero
+    # by up to lr whatever the gradient's size, so the sums' other order moved one such weight of 192 by 1.3e-6
+    # on an AMD EPYC and 2e-5 on an Intel Xeon; a wrong share of the gradient would move weights by ~lr
     assert_close_tensors(load_file(tmp_path / "one" / ADAPTER), load_file(tmp_path / "two" / ADAPTER),
-                         rtol=1e-4, atol=1e-5)
+                         rtol=1e-4, atol=1e-4)
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
     # checkpoints are written once, by the main process; step 3's resumes on 2 ranks to the same end, bit for bit
     assert [p.name for p in (tmp_path / "two" / "checkpoints").iterdir()] == ["step-3"]
