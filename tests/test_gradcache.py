@@ -167,9 +167,8 @@ def test_cached_grit_equals_grit_in_one_piece(tmp_path):
 
 def dual_batch_losses(objectives: list[Contrastive]) -> list[tuple[float, float]]:
     """MeZO's L+ and L- of one step on the same LoRA start and seed, for each objective."""
-    _, tokenizer = pretrained.load("tiny-bert", head="embed")
+    model, tokenizer = pretrained.load("tiny-bert", head="embed")
     batch = pair_batch(tokenizer, n=8)
-    model, _ = pretrained.load("tiny-bert", head="embed")
     report = attach(model, None, r=4, alpha=8)
     with torch.no_grad():
         for m in report.modules.values():
