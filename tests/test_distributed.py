@@ -4,19 +4,16 @@ MeZO sends only its losses, resume works across ranks, and a rank that dies or s
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
+from helpers import ADAPTER, assert_close_tensors, flags, free_port, losses, worker_env
 from safetensors.torch import load_file
 
 from xgblora import distributed, train
 from xgblora.config import Config
-from xgblora.logs import read_metrics
 from xgblora.models import pretrained
 
 # One rank of a test run: tiny-opt without dropout (so 1 x 2b and 2 x b see the same function); gradient buckets of
@@ -70,21 +67,6 @@ def run_one(monkeypatch: pytest.MonkeyPatch, values: dict) -> dict:
     return train.run(Config(**values))
 
 
-def flags(values: dict) -> list[str]:
-    return [a for k, v in values.items() for a in (f"--{k}", str(v))]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
-
-
 def torchrun(tmp_path: Path, values: dict, nproc: int = 2, **env: str) -> dict:
     """Train with `torchrun --nproc_per_node nproc` on the CPU (gloo); return the main process's results.json."""
     script = tmp_path / "worker.py"
@@ -94,19 +76,6 @@ def torchrun(tmp_path: Path, values: dict, nproc: int = 2, **env: str) -> dict:
     done = subprocess.run(cmd, env=worker_env(**env), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((Path(values["output_dir"]) / "results.json").read_text(encoding="utf-8"))
-
-
-ADAPTER = "final/adapter_model.safetensors"
-
-
-def losses(out: Path) -> list[float]:
-    return [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
-
-
-def assert_close_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], **tol, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def test_shards_cover_the_global_batch_once_and_weigh_each_example_equally():

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from test_gradcache import (
+from helpers import (
     assert_same,
     dual_batch_losses,
     grit_batch,

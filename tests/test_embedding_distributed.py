@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ADAPTER, assert_close_tensors, flags, free_port, losses, worker_env
 from safetensors.torch import load_file
-from test_distributed import ADAPTER, assert_close_tensors, flags, free_port, losses, worker_env
 
 from xgblora import train
 from xgblora.config import Config

@@ -3,65 +3,29 @@ loss of the batch in one piece, and so do the parameter gradients (autograd of t
 for contrastive training, GRIT's embedding half and MeZO's dual batch; with dropout, the recomputed mini-batches
 draw the masks of the forward."""
 
-import json
 
 import pytest
 import torch
+from helpers import (
+    assert_same,
+    dual_batch_losses,
+    grads,
+    grit_batch,
+    grit_loss_and_grads,
+    loss_and_grads,
+    pair_batch,
+    run_losses,
+)
 
-from xgblora.adapters.lora import attach, is_adapter_param
 from xgblora.config import Config
-from xgblora.data import formats
-from xgblora.data.pairs import collate_pairs, pair_seqs
-from xgblora.data.splits import load_rows
-from xgblora.data.tasks import CustomTask, Example
 from xgblora.embeddings.gradcache import cached_embed, mini_batches
 from xgblora.embeddings.pooling import embed
 from xgblora.errors import UserError
 from xgblora.models import pretrained
-from xgblora.optim.zo import MeZO
-from xgblora.train import run
 from xgblora.train.objective import (
     Contrastive,
-    grit_training_set,
     info_nce,
-    per_example_loss,
-    sequence_training_set,
 )
-
-TOPICS = ["the movie was a love story", "a film about the war", "the best story of the year", "a boring time",
-          "funny and good", "the terrible acting", "a great new film", "what a fun movie", "the dull plot",
-          "a story of love and time", "the worst film"]
-
-
-def pair_batch(tokenizer, n: int = 10, negatives: int = 1):
-    """n pairs of queries, positives and hard negatives of different lengths (so mini-batches cut padding)."""
-    examples = [Example(f"what about {t}{' really' * (i % 4)}?",
-                        (f"{t}. It was {'great' if i % 2 else 'bad'}.",
-                         *(f"{TOPICS[(i + 3 + k) % len(TOPICS)]}, they said{' so' * k}." for k in range(negatives))),
-                        (0,)) for i, t in enumerate(TOPICS[:n])]
-    return collate_pairs(pair_seqs(tokenizer, examples, 32), tokenizer.pad_token_id)
-
-
-def loss_and_grads(model, batch, objective: Contrastive, params) -> tuple[float, list[torch.Tensor]]:
-    for p in params:
-        p.grad = None
-    loss = per_example_loss(model, batch, objective).mean()
-    loss.backward()
-    return float(loss.detach()), grads(params)
-
-
-def grads(params) -> list[torch.Tensor]:
-    """Each parameter's gradient (zeros where none reached it: the unused pooler)."""
-    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
-
-
-def assert_same(plain, cached):
-    assert cached[0] == pytest.approx(plain[0], rel=1e-6)
-    # to 1e-5 of the largest gradient: float rounding differs between the two orders of summation (and some
-    # gradients are zero up to rounding: a key bias cannot change a softmax)
-    scale = max(float(g.abs().max()) for g in plain[1])
-    for g_plain, g_cached in zip(plain[1], cached[1], strict=True):
-        torch.testing.assert_close(g_cached, g_plain, rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_mini_batches_cover_every_row_once_and_align_the_halves_of_a_dual_batch():
@@ -132,28 +96,6 @@ def test_with_dropout_each_recomputed_mini_batch_draws_the_masks_of_its_forward(
     assert loss_and_grads(model, batch, objective, params)[0] != pytest.approx(expected[0], rel=1e-6)
 
 
-def grit_batch(tokenizer, tmp_path):
-    """8 pairs of different lengths beside 8 instruction rows."""
-    sft = tmp_path / "sft.jsonl"
-    sft.write_text("".join(json.dumps({"prompt": f"Is {t} good?", "completion": " Yes."}) + "\n" for t in TOPICS),
-                   encoding="utf-8")
-    examples = load_rows(CustomTask(Config(task_name="custom", train_file=str(sft)).data), "train", None)
-    seqs = formats.instruction_seqs(tokenizer, examples, 32, False, formats.stop_token_ids(tokenizer))
-    generative = sequence_training_set(seqs, tokenizer.pad_token_id, token_mean=True)
-    pairs = pair_seqs(tokenizer, [Example(f"what about {t}{' now' * (i % 3)}?", (f"{t}, they said{' so' * i}.",),
-                                          (0,)) for i, t in enumerate(TOPICS)], 32)
-    return grit_training_set(pairs, generative, tokenizer.pad_token_id).batch(range(8))
-
-
-def grit_loss_and_grads(model, batch, objective: Contrastive) -> tuple[float, list[torch.Tensor]]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    loss = objective.grit(model, batch).mean()
-    loss.backward()
-    return float(loss.detach()), grads(params)
-
-
 def test_cached_grit_equals_grit_in_one_piece(tmp_path):
     """GRIT's embedding half cached (a tiny Llama embedding bidirectionally) beside its generative half."""
     model, tokenizer = pretrained.load("tiny-llama")
@@ -165,47 +107,10 @@ def test_cached_grit_equals_grit_in_one_piece(tmp_path):
                                                               mini_batch=3)))
 
 
-def dual_batch_losses(objectives: list[Contrastive]) -> list[tuple[float, float]]:
-    """MeZO's L+ and L- of one step on the same LoRA start and seed, for each objective."""
-    model, tokenizer = pretrained.load("tiny-bert", head="embed")
-    batch = pair_batch(tokenizer, n=8)
-    report = attach(model, None, r=4, alpha=8)
-    with torch.no_grad():
-        for m in report.modules.values():
-            m.lora_B.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
-    params = [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
-    start = {n: p.detach().clone() for n, p in params}
-    found = []
-    for objective in objectives:
-        with torch.no_grad():
-            for n, p in params:
-                p.copy_(start[n])
-        mezo = MeZO(params, 1e-2, 1e-2, dual_modules=report.modules, seed=7)
-        found.append(mezo.step(lambda b, objective=objective: per_example_loss(model.eval(), b, objective), batch))
-    return found
-
-
 def test_mezo_dual_batch_in_mini_batches_gives_the_losses_of_the_whole_batch():
     """Under MeZO the cached path is two chunked forwards: L+ and L- equal the one-piece dual batch's."""
     found = dual_batch_losses([Contrastive("mean", 0.05), Contrastive("mean", 0.05, mini_batch=3)])
     assert found[1] == pytest.approx(found[0], rel=1e-5) and found[0][0] != found[0][1]
-
-
-def run_losses(tmp_path, monkeypatch, tag: str, **options) -> list[float]:
-    """The logged losses of 4 LoRA steps of a dropout-free tiny BERT on pairs of different lengths."""
-    kind, shape = pretrained.RANDOM_MODELS["tiny-bert"]
-    monkeypatch.setitem(pretrained.RANDOM_MODELS, "tiny-bert",
-                        (kind, {**shape, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}))
-    data = tmp_path / "pairs.jsonl"
-    data.write_text("".join(json.dumps({"query": f"what about {t}{' now' * (i % 4)}?",
-                                        "positive": f"{t}, they said{' so' * i}."}) + "\n"
-                            for i, t in enumerate(TOPICS)), encoding="utf-8")
-    out = tmp_path / tag
-    run(Config(model_name="tiny-bert", objective="contrastive", train_file=str(data), num_train=10, method="lora",
-               learning_rate=1e-2, max_steps=4, logging_steps=1, per_device_train_batch_size=8, max_length=24,
-               output_dir=str(out), device="cpu", no_eval=True, save_strategy="no", **options))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
 
 
 def test_a_run_with_mini_batches_trains_like_the_run_in_one_piece(tmp_path, monkeypatch):

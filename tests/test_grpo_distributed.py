@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import completion_batch
+from helpers import assert_close_tensors, free_port, worker_env
 from safetensors.torch import load_file
-from test_distributed import assert_close_tensors, free_port, worker_env
 
 from xgblora.config import GRPOConfig
 from xgblora.distributed import LOCAL

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train import make_cfg
+from helpers import make_cfg
 
 from xgblora import train
 from xgblora.errors import UserError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_train import adapter, make_cfg
+from helpers import adapter, make_cfg
 
 from xgblora import train
 from xgblora.config import Config

@@ -22,10 +22,10 @@ import torch
 
 # faults and test_train are helpers in tests/ (not a package, so they are imported by module name)
 from faults import KILLED, ForkServer, run_dying_on_write
+from helpers import adapter, assert_same_tensors, interrupt_at, make_cfg, records
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
-from test_train import adapter, assert_same_tensors, interrupt_at, make_cfg, records
 
 from xgblora import checkpoint, cli, train
 from xgblora.config import Config

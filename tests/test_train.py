@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from helpers import adapter, assert_same_tensors, interrupt_at, make_cfg, records
 
 from xgblora import checkpoint, cli, perf, train
 from xgblora import config as config_mod
@@ -26,49 +26,6 @@ from xgblora.errors import UserError
 from xgblora.logs import read_metrics
 from xgblora.train import loop, objective
 from xgblora.train import results as results_mod
-
-
-def make_cfg(shared_data: Path, out: Path, **overrides) -> Config:
-    """A small, fast SST-2 run on tiny-opt; overrides win."""
-    values = dict(model_name="tiny-opt", task_name="SST2", data_dir=str(shared_data), num_train=64, num_eval=16,
-                  trainer="regular", method="lora", learning_rate=3e-3, max_steps=12, logging_steps=2,
-                  per_device_train_batch_size=8, per_device_eval_batch_size=16, max_length=64,
-                  output_dir=str(out), result_file=str(out / "mezo_result.json"), device="cpu", seed=3)
-    values.update(overrides)
-    return Config(**values)
-
-
-def records(out: Path) -> list[dict]:
-    """metrics.jsonl without the wall-clock field."""
-    return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in read_metrics(out / "metrics.jsonl")]
-
-
-def adapter(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(out / "final" / "adapter_model.safetensors"))
-
-
-def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-
-
-def interrupt_at(at_step: int, how: str = "sigint") -> train.Hooks:
-    """Loop hooks that interrupt a run right after optimizer step `at_step`.
-
-    "sigint" sends a real SIGINT to this process (the loop's own handler turns it into a checkpoint and a stop);
-    "crash" raises, as a kill would stop the run without any checkpoint beyond the periodic ones.
-    """
-    def interrupt(state: train.LoopState) -> None:
-        if state.step != at_step:
-            return
-        if how == "sigint":
-            os.kill(os.getpid(), signal.SIGINT)
-        else:
-            raise RuntimeError("simulated crash")
-
-    return train.Hooks(on_step_end=[interrupt])
-
 
 # ----------------------------------------------------------------------------- learning
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_train import make_cfg, records
+from helpers import make_cfg, records
 
 from xgblora import train
 from xgblora.adapters.boosting import block_of

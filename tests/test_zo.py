@@ -8,62 +8,14 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import adapted, ce_loss_fn, loss_at, no_decay, random_batch, reference_z, step_seeds
 from torch import nn
 
-from xgblora.adapters.lora import LoRALinear, attach
-from xgblora.data.batches import TokenBatch
 from xgblora.models.pretrained import load
 from xgblora.optim import zo
 from xgblora.optim.zo import MeZO, stochastic_round
 
 # ----------------------------------------------------------------------------- references from the docs
-
-
-def step_seeds(seed: int, n: int) -> list[int]:
-    """The documented step-seed sequence of MeZO(seed=seed)."""
-    rng = torch.Generator().manual_seed(seed)
-    return [int(torch.randint(2**62, (1,), generator=rng)) for _ in range(n)]
-
-
-def reference_z(params: list[torch.Tensor], step_seed: int) -> list[torch.Tensor]:
-    """The documented z: a CPU generator seeded with the step seed; torch.normal in param order and dtype."""
-    gen = torch.Generator().manual_seed(step_seed)
-    return [torch.normal(0.0, 1.0, p.shape, generator=gen, dtype=p.dtype) for p in params]
-
-
-def no_decay(name: str) -> bool:
-    """OPT's biases and layer norms (the names this test file meets) take no weight decay."""
-    return name.endswith(".bias") or "layer_norm" in name
-
-
-def ce_loss_fn(model: nn.Module):
-    """Per-example mean token cross-entropy of a causal LM: the loss_fn contract of MeZO.step."""
-
-    def loss_fn(batch: TokenBatch) -> torch.Tensor:
-        ids = batch.input_ids
-        logits = model(input_ids=ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-        return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(dim=1)
-
-    return loss_fn
-
-
-def random_batch(vocab: int, seed: int, rows: int = 4, length: int = 12) -> TokenBatch:
-    """Random token ids (no padding), every token after the first scored."""
-    ids = torch.randint(3, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
-    return TokenBatch(input_ids=ids, attention_mask=torch.ones_like(ids),
-                      position_ids=torch.arange(length).expand(rows, length),
-                      target_mask=torch.ones(rows, length - 1, dtype=torch.bool))
-
-
-def loss_at(model: nn.Module, names: list[str], values: list[torch.Tensor],
-            batch: TokenBatch) -> float:
-    """Mean loss of `model` with the named parameters set to `values` (the model is changed)."""
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in zip(names, values, strict=True):
-            params[name].copy_(value)
-        return float(ce_loss_fn(model)(batch).mean())
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -74,21 +26,6 @@ def tiny() -> nn.Module:
     """tiny-opt in fp32 and eval mode (dropout off, as MeZO's forwards run)."""
     model, _ = load("tiny-opt")
     return model.eval()
-
-
-def adapted(tiny: nn.Module, r: int, active_every: int = 1) -> tuple[nn.Module, dict[str, LoRALinear]]:
-    """tiny-opt with LoRA on q/v, B random (both factors matter); every active_every-th module trains."""
-    model = copy.deepcopy(tiny)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(r)
-        modules = attach(model, r=r).modules
-        for i, m in enumerate(modules.values()):
-            with torch.no_grad():
-                m.lora_B.normal_(0.0, 0.05)
-            m.active = i % active_every == 0
-            m.lora_A.requires_grad_(m.active)
-            m.lora_B.requires_grad_(m.active)
-    return model, modules
 
 
 # ----------------------------------------------------------------------------- one step by hand

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from test_zo import adapted, ce_loss_fn, loss_at, no_decay, random_batch, reference_z, step_seeds
+from helpers import adapted, ce_loss_fn, loss_at, no_decay, random_batch, reference_z, step_seeds
 from torch import nn
 
 from xgblora.compare import parse_method

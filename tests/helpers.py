@@ -1,0 +1,272 @@
+"""Helpers shared by several test modules (test modules do not import each other)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from xgblora import train
+from xgblora.adapters.lora import LoRALinear, attach, is_adapter_param
+from xgblora.config import Config
+from xgblora.data import formats
+from xgblora.data.batches import TokenBatch
+from xgblora.data.pairs import collate_pairs, pair_seqs
+from xgblora.data.splits import load_rows
+from xgblora.data.tasks import CustomTask, Example
+from xgblora.logs import read_metrics
+from xgblora.models import pretrained
+from xgblora.optim.zo import MeZO
+from xgblora.train import run
+from xgblora.train.objective import (
+    Contrastive,
+    grit_training_set,
+    per_example_loss,
+    sequence_training_set,
+)
+
+# runs of tiny-opt on SST-2: a config, its metrics and adapter, interrupts
+
+
+def make_cfg(shared_data: Path, out: Path, **overrides) -> Config:
+    """A small, fast SST-2 run on tiny-opt; overrides win."""
+    values = dict(model_name="tiny-opt", task_name="SST2", data_dir=str(shared_data), num_train=64, num_eval=16,
+                  trainer="regular", method="lora", learning_rate=3e-3, max_steps=12, logging_steps=2,
+                  per_device_train_batch_size=8, per_device_eval_batch_size=16, max_length=64,
+                  output_dir=str(out), result_file=str(out / "mezo_result.json"), device="cpu", seed=3)
+    values.update(overrides)
+    return Config(**values)
+
+
+def records(out: Path) -> list[dict]:
+    """metrics.jsonl without the wall-clock field."""
+    return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in read_metrics(out / "metrics.jsonl")]
+
+
+def adapter(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "final" / "adapter_model.safetensors"))
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def interrupt_at(at_step: int, how: str = "sigint") -> train.Hooks:
+    """Loop hooks that interrupt a run right after optimizer step `at_step`.
+
+    "sigint" sends a real SIGINT to this process (the loop's own handler turns it into a checkpoint and a stop);
+    "crash" raises, as a kill would stop the run without any checkpoint beyond the periodic ones.
+    """
+    def interrupt(state: train.LoopState) -> None:
+        if state.step != at_step:
+            return
+        if how == "sigint":
+            os.kill(os.getpid(), signal.SIGINT)
+        else:
+            raise RuntimeError("simulated crash")
+
+    return train.Hooks(on_step_end=[interrupt])
+
+
+# processes started by a test: ports, environment, flags, their outputs
+
+
+def flags(values: dict) -> list[str]:
+    return [a for k, v in values.items() for a in (f"--{k}", str(v))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+ADAPTER = "final/adapter_model.safetensors"
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+def assert_close_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], **tol, msg=lambda m, key=key: f"{key}: {m}")
+
+
+# zeroth-order references: MeZO's documented seeds and z, a loss, adapted tiny-opt
+
+
+def step_seeds(seed: int, n: int) -> list[int]:
+    """The documented step-seed sequence of MeZO(seed=seed)."""
+    rng = torch.Generator().manual_seed(seed)
+    return [int(torch.randint(2**62, (1,), generator=rng)) for _ in range(n)]
+
+
+def reference_z(params: list[torch.Tensor], step_seed: int) -> list[torch.Tensor]:
+    """The documented z: a CPU generator seeded with the step seed; torch.normal in param order and dtype."""
+    gen = torch.Generator().manual_seed(step_seed)
+    return [torch.normal(0.0, 1.0, p.shape, generator=gen, dtype=p.dtype) for p in params]
+
+
+def no_decay(name: str) -> bool:
+    """OPT's biases and layer norms (the names this test file meets) take no weight decay."""
+    return name.endswith(".bias") or "layer_norm" in name
+
+
+def ce_loss_fn(model: nn.Module):
+    """Per-example mean token cross-entropy of a causal LM: the loss_fn contract of MeZO.step."""
+
+    def loss_fn(batch: TokenBatch) -> torch.Tensor:
+        ids = batch.input_ids
+        logits = model(input_ids=ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+        return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(dim=1)
+
+    return loss_fn
+
+
+def random_batch(vocab: int, seed: int, rows: int = 4, length: int = 12) -> TokenBatch:
+    """Random token ids (no padding), every token after the first scored."""
+    ids = torch.randint(3, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
+    return TokenBatch(input_ids=ids, attention_mask=torch.ones_like(ids),
+                      position_ids=torch.arange(length).expand(rows, length),
+                      target_mask=torch.ones(rows, length - 1, dtype=torch.bool))
+
+
+def loss_at(model: nn.Module, names: list[str], values: list[torch.Tensor],
+            batch: TokenBatch) -> float:
+    """Mean loss of `model` with the named parameters set to `values` (the model is changed)."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in zip(names, values, strict=True):
+            params[name].copy_(value)
+        return float(ce_loss_fn(model)(batch).mean())
+
+
+def adapted(tiny: nn.Module, r: int, active_every: int = 1) -> tuple[nn.Module, dict[str, LoRALinear]]:
+    """tiny-opt with LoRA on q/v, B random (both factors matter); every active_every-th module trains."""
+    model = copy.deepcopy(tiny)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(r)
+        modules = attach(model, r=r).modules
+        for i, m in enumerate(modules.values()):
+            with torch.no_grad():
+                m.lora_B.normal_(0.0, 0.05)
+            m.active = i % active_every == 0
+            m.lora_A.requires_grad_(m.active)
+            m.lora_B.requires_grad_(m.active)
+    return model, modules
+
+
+# contrastive batches: pairs and GRIT rows of mixed length, losses and gradients
+
+
+TOPICS = ["the movie was a love story", "a film about the war", "the best story of the year", "a boring time",
+          "funny and good", "the terrible acting", "a great new film", "what a fun movie", "the dull plot",
+          "a story of love and time", "the worst film"]
+
+
+def pair_batch(tokenizer, n: int = 10, negatives: int = 1):
+    """n pairs of queries, positives and hard negatives of different lengths (so mini-batches cut padding)."""
+    examples = [Example(f"what about {t}{' really' * (i % 4)}?",
+                        (f"{t}. It was {'great' if i % 2 else 'bad'}.",
+                         *(f"{TOPICS[(i + 3 + k) % len(TOPICS)]}, they said{' so' * k}." for k in range(negatives))),
+                        (0,)) for i, t in enumerate(TOPICS[:n])]
+    return collate_pairs(pair_seqs(tokenizer, examples, 32), tokenizer.pad_token_id)
+
+
+def loss_and_grads(model, batch, objective: Contrastive, params) -> tuple[float, list[torch.Tensor]]:
+    for p in params:
+        p.grad = None
+    loss = per_example_loss(model, batch, objective).mean()
+    loss.backward()
+    return float(loss.detach()), grads(params)
+
+
+def grads(params) -> list[torch.Tensor]:
+    """Each parameter's gradient (zeros where none reached it: the unused pooler)."""
+    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+
+
+def assert_same(plain, cached):
+    assert cached[0] == pytest.approx(plain[0], rel=1e-6)
+    # to 1e-5 of the largest gradient: float rounding differs between the two orders of summation (and some
+    # gradients are zero up to rounding: a key bias cannot change a softmax)
+    scale = max(float(g.abs().max()) for g in plain[1])
+    for g_plain, g_cached in zip(plain[1], cached[1], strict=True):
+        torch.testing.assert_close(g_cached, g_plain, rtol=1e-5, atol=1e-5 * scale)
+
+
+def grit_batch(tokenizer, tmp_path):
+    """8 pairs of different lengths beside 8 instruction rows."""
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": f"Is {t} good?", "completion": " Yes."}) + "\n" for t in TOPICS),
+                   encoding="utf-8")
+    examples = load_rows(CustomTask(Config(task_name="custom", train_file=str(sft)).data), "train", None)
+    seqs = formats.instruction_seqs(tokenizer, examples, 32, False, formats.stop_token_ids(tokenizer))
+    generative = sequence_training_set(seqs, tokenizer.pad_token_id, token_mean=True)
+    pairs = pair_seqs(tokenizer, [Example(f"what about {t}{' now' * (i % 3)}?", (f"{t}, they said{' so' * i}.",),
+                                          (0,)) for i, t in enumerate(TOPICS)], 32)
+    return grit_training_set(pairs, generative, tokenizer.pad_token_id).batch(range(8))
+
+
+def grit_loss_and_grads(model, batch, objective: Contrastive) -> tuple[float, list[torch.Tensor]]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    loss = objective.grit(model, batch).mean()
+    loss.backward()
+    return float(loss.detach()), grads(params)
+
+
+def dual_batch_losses(objectives: list[Contrastive]) -> list[tuple[float, float]]:
+    """MeZO's L+ and L- of one step on the same LoRA start and seed, for each objective."""
+    model, tokenizer = pretrained.load("tiny-bert", head="embed")
+    batch = pair_batch(tokenizer, n=8)
+    report = attach(model, None, r=4, alpha=8)
+    with torch.no_grad():
+        for m in report.modules.values():
+            m.lora_B.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
+    params = [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
+    start = {n: p.detach().clone() for n, p in params}
+    found = []
+    for objective in objectives:
+        with torch.no_grad():
+            for n, p in params:
+                p.copy_(start[n])
+        mezo = MeZO(params, 1e-2, 1e-2, dual_modules=report.modules, seed=7)
+        found.append(mezo.step(lambda b, objective=objective: per_example_loss(model.eval(), b, objective), batch))
+    return found
+
+
+def run_losses(tmp_path, monkeypatch, tag: str, **options) -> list[float]:
+    """The logged losses of 4 LoRA steps of a dropout-free tiny BERT on pairs of different lengths."""
+    kind, shape = pretrained.RANDOM_MODELS["tiny-bert"]
+    monkeypatch.setitem(pretrained.RANDOM_MODELS, "tiny-bert",
+                        (kind, {**shape, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}))
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"query": f"what about {t}{' now' * (i % 4)}?",
+                                        "positive": f"{t}, they said{' so' * i}."}) + "\n"
+                            for i, t in enumerate(TOPICS)), encoding="utf-8")
+    out = tmp_path / tag
+    run(Config(model_name="tiny-bert", objective="contrastive", train_file=str(data), num_train=10, method="lora",
+               learning_rate=1e-2, max_steps=4, logging_steps=1, per_device_train_batch_size=8, max_length=24,
+               output_dir=str(out), device="cpu", no_eval=True, save_strategy="no", **options))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
