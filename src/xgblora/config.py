@@ -578,8 +578,10 @@ class GRPOConfig(Config, SamplingOptions):
     beta: float = _opt(0.0, "KL coefficient to the reference policy (TRL's default 0: no reference pass). The reference is the model with its adapter switched off; under --method ft a frozen copy.")
     epsilon: float = _opt(0.2, "Clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high].")
     epsilon_high: float | None = _opt(None, "Upper clipping epsilon (default: epsilon; DAPO uses 0.28).")
-    loss_type: str = _opt("dapo", "How token losses add up: grpo (each completion's mean, then the mean), dr_grpo (sum over max_completion_length per completion), dapo (the mean over the generation batch's tokens: TRL's default).",
-                          ("grpo", "dr_grpo", "dapo"))
+    loss_type: str = _opt("dapo", "How token losses add up: grpo (each completion's mean, then the mean), bnpo (each micro-batch's token mean), dr_grpo (sum over max_completion_length per completion), dapo (the mean over the generation batch's tokens: TRL's default), cispo (dapo's mean of the ratio-clipped policy gradient, MiniMax-M1; clips at --epsilon_high, about 5).",
+                          ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"))
+    importance_sampling_level: str = _opt("token", "Importance ratios per token, or one per completion from its tokens' mean log-ratio (sequence: GSPO).",
+                                          ("token", "sequence"))
     scale_rewards: str = _opt("group", "Advantages are rewards minus their group's mean, divided by the std of the group, of the batch, or not at all (none; Dr. GRPO).",
                               ("group", "batch", "none"))
     use_bias_correction_kl: bool = _opt(True, "Multiply the KL term by the importance ratio (TRL's default; the unbiased reverse-KL gradient).")

@@ -219,8 +219,9 @@ class GRPORun:
         self.heldout = self._read(cfg.eval_file) if cfg.eval_file else None
         self.max_steps = cfg.max_steps if cfg.max_steps > 0 else self.plan.cycle * max(
             1, round(cfg.num_train_epochs * len(self.prompts.ids) / self.plan.prompts))
-        self.loss_fn = GRPOLoss(self.model, Objective(cfg.epsilon, cfg.epsilon_high, cfg.beta,
-                                                      cfg.use_bias_correction_kl), cfg.temperature, self.autocast)
+        objective = Objective(cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.use_bias_correction_kl, cfg.loss_type,
+                              cfg.importance_sampling_level)
+        self.loss_fn = GRPOLoss(self.model, objective, cfg.temperature, self.autocast)
         self.stepper = build_stepper(cfg, self.method, self.loss_fn, dist, self.device)
         boosting = self.method.boosting
         if boosting is not None:
@@ -322,12 +323,8 @@ class GRPORun:
                 for i, c in zip(row_prompts, ids, strict=True)]
         tokens = collate(seqs, self.tokenizer.pad_token_id)
         mask = tokens.target_mask & ~truncated[:, None] if cfg.mask_truncated_completions else tokens.target_mask
-        # dapo divides by the generation batch's tokens on all ranks: per rank and step, their mean share
-        tokens_everywhere = float(self._gathered(mask.sum(1, keepdim=True))[0].sum())
-        weights = row_weights(mask, cfg.loss_type, cfg.max_new_tokens, plan.step,
-                              tokens_everywhere / plan.steps_per_generation / dist.world_size)
         batch = CompletionBatch(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
-                                position_ids=tokens.position_ids, target_mask=mask, nll_weight=weights,
+                                position_ids=tokens.position_ids, target_mask=mask,
                                 prompt_id=torch.tensor(row_prompts),
                                 prompt_length=torch.tensor([len(self.prompts.ids[i]) for i in row_prompts]),
                                 advantages=advantage)
@@ -336,10 +333,17 @@ class GRPORun:
         # its forward in the loss (completion_logprobs)
         groups = torch.randperm(len(indices), generator=torch.Generator().manual_seed(params.seed))
         order = (groups[:, None] * plan.group + torch.arange(plan.group)).flatten()
+        batch = batch.rows(order)
+        # dapo and cispo divide by the generation batch's tokens on all ranks
+        tokens_everywhere = float(self._gathered(mask.sum(1, keepdim=True))[0].sum())
+        weights = row_weights(batch.target_mask.cpu(), cfg.loss_type, cfg.max_new_tokens, plan.step,
+                              tokens_everywhere, plan.steps_per_generation * dist.world_size,
+                              cfg.per_device_train_batch_size)
         logged = [{"prompt": self.prompts.rows[indices[j // plan.group]], "completion": texts[j],
                    "reward": float(rewards[j])} for j in range(min(SAMPLES_LOGGED, len(texts)))]
         self.generations += 1
-        return Generation(batch.rows(order), metrics, logged if cfg.log_completions else [])
+        return Generation(dataclasses.replace(batch, nll_weight=weights.to(self.device)), metrics,
+                          logged if cfg.log_completions else [])
 
     def _rewards(self, indices: list[int], texts: list[str], ids: list[list[int]],
                  truncated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:

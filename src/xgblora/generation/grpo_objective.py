@@ -8,11 +8,14 @@ log-probabilities of each completion token, and its mask m:
 - advantage A_i = r_i - mean(r of i's group), divided by (std + 1e-4) where std is the group's (scale_rewards
   group), the whole generation batch's (batch), or not at all (none); std is Bessel-corrected. A completion that
   every reward function left unscored (None) gets A = 0 and is left out of its group's mean and std.
-- ratio rho_it = exp(logp_it - old_it); per-token loss
+- ratio rho_it = exp(logp_it - old_it) (importance_sampling_level token), or one ratio per completion,
+  rho_i = exp(masked mean over t of (logp_it - old_it)) (sequence: GSPO); per-token loss
   l_it = -min(rho A_i, clip(rho, 1 - epsilon, 1 + epsilon_high) A_i) + beta kl_it, with
-  kl_it = (exp(ref_it - logp_it) - (ref_it - logp_it) - 1) rho_it (k3; times rho: TRL's use_bias_correction_kl).
+  kl_it = (exp(ref_it - logp_it) - (ref_it - logp_it) - 1) rho (k3; times rho: TRL's use_bias_correction_kl);
+  `cispo` instead l_it = -sg(min(rho, epsilon_high)) A_i logp_it + beta kl_it (the ratio clipped, not the term).
 - the loss of an optimizer step's n completions: `grpo` the mean over completions of each one's token mean;
-  `dr_grpo` sum(l m) / (n * max_completion_length); `dapo` sum(l m) / (the generation batch's completion tokens
+  `bnpo` the mean over its micro-batches of each one's token mean; `dr_grpo` sum(l m) / (n *
+  max_completion_length); `dapo` and `cispo` sum(l m) / (the generation batch's completion tokens, at least 1,
   / optimizer steps per generation batch), the token mean over the generation batch.
 
 Each normalisation is a weight per completion (`row_weights`), so a step's loss is the mean over its completions
@@ -35,7 +38,8 @@ from xgblora.adapters.lora import LoRALinear
 from xgblora.data.batches import TokenBatch
 from xgblora.models.scoring import token_logprobs
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPS = 1e-4  # TRL's: A = (r - mean) / (std + 1e-4)
 
@@ -64,18 +68,23 @@ def advantages(rewards: Tensor, group_size: int, scale_rewards: str = "group") -
 
 
 def row_weights(completion_mask: Tensor, loss_type: str, max_completion_length: int, rows_per_step: int,
-                tokens_per_step: float) -> Tensor:
+                generation_tokens: float, steps: int, micro_batch: int) -> Tensor:
     """Each completion's weight w_i [n], so that an optimizer step's loss is the mean over its rows_per_step
-    completions of w_i sum_t l_it m_it (module docstring); tokens_per_step (dapo): the generation batch's completion
-    tokens over its optimizer steps (data-parallel: the whole batch's over its steps and the processes, with
-    rows_per_step a process's rows, so that the mean over processes is the one-process loss)."""
+    completions of w_i sum_t l_it m_it (module docstring). The rows are in training order: bnpo's micro-batches
+    are consecutive runs of micro_batch rows. dapo and cispo divide by generation_tokens (the whole generation
+    batch's, at least 1, as TRL clamps it) over steps (its optimizer steps; data-parallel: times the processes,
+    with rows_per_step a process's rows, so that the mean over processes is the one-process loss)."""
     n = completion_mask.shape[0]
+    tokens = completion_mask.sum(1).float()
     if loss_type == "grpo":
-        return 1.0 / completion_mask.sum(1).clamp(min=1).float()
+        return 1.0 / tokens.clamp(min=1)
+    if loss_type == "bnpo":
+        per_micro_batch = tokens.view(-1, micro_batch).sum(1).clamp(min=1)
+        return (micro_batch / per_micro_batch).repeat_interleave(micro_batch)
     if loss_type == "dr_grpo":
         return torch.full((n,), 1.0 / max_completion_length)
-    if loss_type == "dapo":
-        return torch.full((n,), rows_per_step / max(tokens_per_step, 1.0))
+    if loss_type in ("dapo", "cispo"):
+        return torch.full((n,), rows_per_step * steps / max(generation_tokens, 1.0))
     raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
 
 
@@ -87,6 +96,8 @@ class Objective:
     epsilon_high: float | None = None
     beta: float = 0.0
     bias_correction_kl: bool = True
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
 
     @property
     def upper(self) -> float:
@@ -95,14 +106,22 @@ class Objective:
 
 
 def token_losses(logps: Tensor, old_logps: Tensor, ref_logps: Tensor | None, advantage: Tensor,
-                 objective: Objective) -> tuple[Tensor, dict[str, Tensor]]:
-    """l_it of every token [n, k] and the per-token statistics (ratio clipped low/high, KL) for the logs."""
-    ratio = torch.exp(logps - old_logps)
+                 objective: Objective, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """l_it of every token [n, k] and the per-token statistics (ratio clipped low/high, KL) for the logs; mask
+    [n, k] marks the completion tokens (a sequence-level ratio is their mean)."""
+    log_ratio = logps - old_logps
+    if objective.importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1)
+    ratio = torch.exp(log_ratio)
     a = advantage.unsqueeze(1)
-    clipped = torch.clamp(ratio, 1 - objective.epsilon, 1 + objective.upper)
-    loss = -torch.min(ratio * a, clipped * a)
-    stats = {"clip_low": ((ratio < 1 - objective.epsilon) & (a < 0)).float(),
-             "clip_high": ((ratio > 1 + objective.upper) & (a > 0)).float()}
+    if objective.loss_type == "cispo":
+        loss = -torch.clamp(ratio, max=objective.upper).detach() * a * logps
+        stats = {"cispo_clip_ratio": ((ratio > objective.upper) & (a > 0)).float()}
+    else:
+        clipped = torch.clamp(ratio, 1 - objective.epsilon, 1 + objective.upper)
+        loss = -torch.min(ratio * a, clipped * a)
+        stats = {"clip_low": ((ratio < 1 - objective.epsilon) & (a < 0)).float(),
+                 "clip_high": ((ratio > 1 + objective.upper) & (a > 0)).float()}
     if objective.beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta != 0 needs the reference log-probabilities")
@@ -112,7 +131,7 @@ def token_losses(logps: Tensor, old_logps: Tensor, ref_logps: Tensor | None, adv
             kl = kl * ratio
         loss = loss + objective.beta * kl
         stats["kl"] = kl.detach()
-    return loss, stats
+    return loss, {name: value.expand_as(logps) for name, value in stats.items()}
 
 
 @dataclass(kw_only=True)
@@ -252,8 +271,8 @@ class GRPOLoss:
         with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
             logps, entropy = completion_logprobs(self.model, batch, self.temperature, with_entropy=True)
         old = logps.detach() if batch.old_logps is None else batch.old_logps
-        losses, stats = token_losses(logps, old, batch.ref_logps, batch.advantages, self.objective)
         mask = batch.target_mask
+        losses, stats = token_losses(logps, old, batch.ref_logps, batch.advantages, self.objective, mask)
         self.statistics.add({**stats, "entropy": entropy}, mask)
         return (losses * mask).sum(1) * batch.nll_weight * batch.loss_scale
 
