@@ -172,6 +172,22 @@ def test_mezo_estimates_the_grpo_loss_from_a_dual_batch_as_from_two_passes():
     assert losses[0] == pytest.approx(losses[1], abs=1e-5)
 
 
+def test_a_continued_adapter_is_its_own_kl_reference(data):
+    """GRPO on top of a trained adapter (SFT -> GRPO): the reference of --beta is that adapter, frozen, as TRL's copy
+    of the starting model, so the KL is 0 at the first step (the policy is the reference) and grows after."""
+    from peft import LoraConfig, get_peft_model
+
+    from xgblora.models import pretrained
+
+    torch.manual_seed(0)
+    peft = get_peft_model(pretrained.load("tiny-llama")[0],
+                          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft.save_pretrained(data / "sft-adapter")  # B random: far from the base model
+    run_grpo(_cfg(data, "continued", adapter=str(data / "sft-adapter"), beta=0.04, max_steps=2, eval_file=None))
+    kl = [r["kl"] for r in read_metrics(data / "continued" / "metrics.jsonl") if "kl" in r]
+    assert len(kl) == 2 and abs(kl[0]) < 1e-7 and kl[1] > 1e-6
+
+
 def test_mezo_trains_the_adapter(data):
     done = run_grpo(_cfg(data, "zo", trainer="zo", gradient_accumulation_steps=1, max_steps=2))
     weights = load_file(str(data / "zo" / "final" / "adapter_model.safetensors"))

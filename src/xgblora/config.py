@@ -575,7 +575,7 @@ class GRPOConfig(Config, SamplingOptions):
     reward_funcs: list[str] = _opt(["gsm8k"], "Reward functions: gsm8k, answer_tags, regex:PATTERN (1 when the answer agrees with the row's reference, else 0), format:<one of those> (1 when an answer is found at all), or module:function (TRL's signature: f(prompts, completions, completion_ids, **columns) -> list of floats).")
     reward_weights: list[float] | None = _opt(None, "Weight of each reward function in the total reward (default: 1 each).")
     answer_tolerance: float = _opt(1e-6, "Correctness rewards: numbers agree within this relative tolerance.")
-    beta: float = _opt(0.0, "KL coefficient to the reference policy (TRL's default 0: no reference pass). The reference is the model with its adapter switched off; under --method ft a frozen copy.")
+    beta: float = _opt(0.0, "KL coefficient to the reference policy (TRL's default 0: no reference pass). The reference is the model as it started: a new adapter switched off, an --adapter continued from kept frozen; under --method ft a frozen copy.")
     epsilon: float = _opt(0.2, "Clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high].")
     epsilon_high: float | None = _opt(None, "Upper clipping epsilon (default: epsilon; DAPO uses 0.28).")
     loss_type: str = _opt("dapo", "How token losses add up: grpo (each completion's mean, then the mean), bnpo (each micro-batch's token mean), dr_grpo (sum over max_completion_length per completion), dapo (the mean over the generation batch's tokens: TRL's default), cispo (dapo's mean of the ratio-clipped policy gradient, MiniMax-M1; clips at --epsilon_high, about 5).",

@@ -5,8 +5,8 @@ Every generation batch: the next generation_batch / G prompts (seeded epochs, re
 by the shared-prefix sampler (the policy, dropout off), the reward functions score the completions, the rewards
 become group-normalised advantages, and one pass without gradients gives what the loss needs besides: the old
 log-probabilities, when the batch serves more than one optimizer step or MeZO (whose two-point estimate needs the
-ratio's value), and the reference ones when beta > 0 (the model with its adapter switched off: no second copy; a
-frozen copy under full fine-tuning). The batch is shuffled by groups and cut into optimizer batches; each optimizer step
+ratio's value), and the reference ones when beta > 0 (the model as it started: a new adapter switched off, a
+continued adapter's starting factors, no second model; a frozen copy under full fine-tuning). The batch is shuffled by groups and cut into optimizer batches; each optimizer step
 takes the next (AdamW: in micro-batches, accumulated; MeZO: the whole optimizer batch, two perturbed forwards), and
 after num_iterations passes a new batch is sampled. XGBLoRA merges its boosters on its schedule meanwhile.
 
@@ -32,6 +32,7 @@ import functools
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ from xgblora.generation.grpo_objective import (
     CompletionBatch,
     GRPOLoss,
     Objective,
+    adapter_factors,
+    adapter_snapshot,
     adapters_off,
     advantages,
     completion_logprobs,
@@ -213,6 +216,10 @@ class GRPORun:
         self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) \
             if cfg.method == "ft" and cfg.beta else None
         self.method = setup_method(self.model, cfg)
+        # a continued LoRA adapter is the reference itself, as TRL's frozen copy of the starting model: its factors
+        # are kept (a fresh adapter is zero, so switching it off is the same reference at no cost)
+        self.reference_factors = adapter_snapshot(self.method.modules) \
+            if cfg.beta and cfg.adapter and cfg.method == "lora" else None
         self.model.eval()  # dropout off: the old, new and perturbed log-probabilities come from one function
         self.autocast = autocast_dtype(cfg, self.device)
         self.prompts = self._read(cfg.train_file)
@@ -371,9 +378,22 @@ class GRPORun:
         old = self._logprobs(self.model, batch) if cfg.trainer == "zo" or self.plan.cycle > 1 else None
         ref = None
         if cfg.beta:
-            with contextlib.nullcontext() if self.reference is not None else adapters_off(self.method.modules):
-                ref = self._logprobs(self.reference if self.reference is not None else self.model, batch)
+            with self._reference_policy() as reference:
+                ref = self._logprobs(reference, batch)
         return dataclasses.replace(batch, old_logps=old, ref_logps=ref)
+
+    @contextlib.contextmanager
+    def _reference_policy(self) -> Iterator[torch.nn.Module]:
+        """The reference of --beta: the frozen copy (full fine-tuning), the model with the continued adapter's
+        starting factors, or the model with its adapter switched off (XGBLoRA: with the boosters merged so far)."""
+        if self.reference is not None:
+            yield self.reference
+        elif self.reference_factors is not None:
+            with adapter_factors(self.method.modules, self.reference_factors):
+                yield self.model
+        else:
+            with adapters_off(self.method.modules):
+                yield self.model
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: CompletionBatch) -> torch.Tensor:

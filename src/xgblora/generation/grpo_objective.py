@@ -234,6 +234,25 @@ def adapters_off(modules: Mapping[str, LoRALinear]) -> Iterator[None]:
             m.active = was[name]
 
 
+def adapter_snapshot(modules: Mapping[str, LoRALinear]) -> dict[str, tuple[Tensor, Tensor]]:
+    """A frozen copy of every adapter branch's factors (A, B): the reference policy of a continued adapter."""
+    return {name: (m.lora_A.detach().clone(), m.lora_B.detach().clone()) for name, m in modules.items()}
+
+
+@contextlib.contextmanager
+def adapter_factors(modules: Mapping[str, LoRALinear], factors: Mapping[str, tuple[Tensor, Tensor]]) -> Iterator[None]:
+    """The model with its adapter branches' factors replaced by `factors` (adapter_snapshot's); restored on exit.
+    Only for passes without a graph: the parameters' storage is swapped, not the parameters."""
+    kept = {name: (m.lora_A.data, m.lora_B.data) for name, m in modules.items()}
+    try:
+        for name, (A, B) in factors.items():
+            modules[name].lora_A.data, modules[name].lora_B.data = A, B
+        yield
+    finally:
+        for name, (A, B) in kept.items():
+            modules[name].lora_A.data, modules[name].lora_B.data = A, B
+
+
 class Statistics:
     """Token-weighted sums of what the loss saw since the last drain: clipped fractions, KL, entropy."""
 
