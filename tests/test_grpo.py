@@ -243,3 +243,65 @@ def test_grpo_raises_the_verified_reward_after_a_short_sft(tmp_path, seed):
     rewards = [r["reward"] for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "reward" in r]
     assert len(rewards) == 60
     assert sum(rewards[-20:]) / 20 >= sum(rewards[:20]) / 20 + 0.02
+
+
+def _trl_rewards(per_function, weights, group, scale_rewards, aggregation):
+    """TRL's advantages and reward logs of one generation batch (`_generate_and_score_completions`), line by line
+    from its source, with its nanstd."""
+    from trl.trainer.utils import nanstd
+
+    unscorable = torch.isnan(per_function).all(dim=1)
+    if aggregation == "sum_then_normalize":
+        rewards = (per_function * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        mean = torch.nanmean(rewards.view(-1, group), dim=1).repeat_interleave(group, dim=0)
+        if scale_rewards in ("group", "none"):
+            std = nanstd(rewards.view(-1, group), dim=1).repeat_interleave(group, dim=0)
+        else:
+            std = nanstd(rewards).expand_as(rewards)
+        adv = rewards - mean
+        if scale_rewards != "none":
+            adv = adv / (std + 1e-4)
+    else:
+        grouped = per_function.view(-1, group, per_function.shape[1])
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = nanstd(grouped, dim=1, keepdim=True)
+        rewards = (((grouped - mean_k) / (std_k + 1e-4)).view(-1, per_function.shape[1]) * weights).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        std = nanstd(rewards).expand_as(rewards)
+        adv = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+    logged = (per_function * weights.unsqueeze(0)).nansum(dim=1)
+    logged[unscorable] = torch.nan
+    metrics = {"reward": torch.nanmean(logged).item(), "reward_std": nanstd(logged).item(),
+               "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item()}
+    for i in range(per_function.shape[1]):
+        metrics[f"{i}/mean"], metrics[f"{i}/std"] = (torch.nanmean(per_function[:, i]).item(),
+                                                     nanstd(per_function[:, i]).item())
+    return torch.nan_to_num(adv, nan=0.0), metrics
+
+
+@pytest.mark.parametrize("aggregation, scale_rewards", [("sum_then_normalize", "group"),
+                                                        ("sum_then_normalize", "batch"),
+                                                        ("sum_then_normalize", "none"),
+                                                        ("normalize_then_sum", "group")])
+def test_rewards_advantages_and_their_logs_equal_trls(aggregation, scale_rewards):
+    """Three groups of 4, two weighted reward functions, one completion unscored by both (None) and one by the
+    second: the advantages and the logged reward, reward_std, frac_reward_zero_std and each function's mean and
+    std equal TRL's, NaN-aware as TRL (a torch.std of the totals would be NaN)."""
+    nan = float("nan")
+    per_function = torch.tensor([[1.0, 0.5], [1.0, 0.5], [nan, nan], [1.0, 0.5],  # no spread: 0 std
+                                 [0.0, 1.0], [1.0, nan], [1.0, 0.0], [0.0, 0.0],
+                                 [2.0, 1.0], [0.0, 1.0], [1.0, 0.0], [3.0, 1.0]])
+    run = grpo_loop.GRPORun.__new__(grpo_loop.GRPORun)  # only _rewards() and what it reads
+    run.cfg = GRPOConfig(train_file="x", scale_rewards=scale_rewards, multi_objective_aggregation=aggregation)
+    run.rewards = Rewards(["gsm8k", "format:gsm8k"], [1.0, 0.5])
+    run.plan, run.dist, run.device = grpo_loop.Plan(4, 12, 4, 4, 1), grpo_loop.LOCAL, torch.device("cpu")
+    run.score, run.prompts = (lambda *args: per_function), None
+    _, ours, logged = run._rewards([0, 1, 2], [""] * 12, [[1]] * 12, torch.zeros(12, dtype=torch.bool))
+    theirs, metrics = _trl_rewards(per_function, run.rewards.weights, 4, scale_rewards, aggregation)
+    assert torch.allclose(ours, theirs, atol=1e-6) and ours.abs().sum() > 0
+    for key in ("reward", "reward_std", "frac_reward_zero_std"):
+        assert logged[key] == pytest.approx(metrics[key], abs=1e-6), key
+    for i, name in enumerate(run.rewards.names):
+        assert logged[f"rewards/{name}"] == pytest.approx(metrics[f"{i}/mean"], abs=1e-6)
+        assert logged[f"rewards/{name}/std"] == pytest.approx(metrics[f"{i}/std"], abs=1e-6)

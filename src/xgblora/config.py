@@ -574,6 +574,8 @@ class GRPOConfig(Config, SamplingOptions):
     temperature: float = _opt(1.0, "Sampling temperature (the log-probabilities of the loss are taken at it too, as TRL does).")
     reward_funcs: list[str] = _opt(["gsm8k"], "Reward functions: gsm8k, answer_tags, regex:PATTERN (1 when the answer agrees with the row's reference, else 0), format:<one of those> (1 when an answer is found at all), or module:function (TRL's signature: f(prompts, completions, completion_ids, **columns) -> list of floats).")
     reward_weights: list[float] | None = _opt(None, "Weight of each reward function in the total reward (default: 1 each).")
+    multi_objective_aggregation: str = _opt("sum_then_normalize", "Several reward functions: weigh and sum them, then form advantages (sum_then_normalize), or normalise each within its group first, then weigh, sum and normalise over the batch (normalize_then_sum: GDPO), as TRL.",
+                                            ("sum_then_normalize", "normalize_then_sum"))
     answer_tolerance: float = _opt(1e-6, "Correctness rewards: numbers agree within this relative tolerance.")
     beta: float = _opt(0.0, "KL coefficient to the reference policy (TRL's default 0: no reference pass). The reference is the model as it started: a new adapter switched off, an --adapter continued from kept frozen; under --method ft a frozen copy.")
     epsilon: float = _opt(0.2, "Clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high].")

@@ -62,6 +62,9 @@ from xgblora.generation.grpo_objective import (
     adapters_off,
     advantages,
     completion_logprobs,
+    nanstd,
+    normalized_sum,
+    reward_scale,
     row_weights,
 )
 from xgblora.generation.rewards import Rewards
@@ -362,8 +365,14 @@ class GRPORun:
         everyone, start = self._gathered(scores)
         per_function, rewards = everyone[:, :-2], self.rewards.total(everyone[:, :-2])
         mine = slice(start, start + len(texts))
-        advantage = advantages(rewards, self.plan.group, self.cfg.scale_rewards)[mine]
-        metrics = self._generation_metrics(per_function, rewards, everyone[:, -2], everyone[:, -1].bool())
+        if self.cfg.multi_objective_aggregation == "normalize_then_sum":
+            shaped = normalized_sum(per_function, self.rewards.weights, self.plan.group)
+            group, scale = len(shaped), "batch"
+        else:
+            shaped, group, scale = rewards, self.plan.group, self.cfg.scale_rewards
+        advantage = advantages(shaped, group, scale)[mine]
+        metrics = self._generation_metrics(per_function, rewards, reward_scale(shaped, group, scale),
+                                           everyone[:, -2], everyone[:, -1].bool())
         return rewards[mine], advantage, metrics
 
     def _gathered(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -402,16 +411,18 @@ class GRPORun:
             return torch.cat([completion_logprobs(model, batch.split(i, i + size), self.cfg.temperature)[0]
                               for i in range(0, batch.n_examples, size)])
 
-    def _generation_metrics(self, per_function: torch.Tensor, rewards: torch.Tensor, lengths: torch.Tensor,
-                            truncated: torch.Tensor) -> dict[str, float]:
-        """The statistics of the whole generation batch (every rank's rows)."""
-        grouped = rewards.view(-1, self.plan.group)
-        metrics = {"reward": float(rewards.nanmean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-                   **{f"rewards/{name}": float(per_function[:, i].nanmean())
-                      for i, name in enumerate(self.rewards.names)},
-                   "completion_length": float(lengths.mean()),
-                   "completions_truncated": float(truncated.float().mean()),
-                   "frac_reward_zero_std": float((grouped.max(1).values == grouped.min(1).values).float().mean())}
+    def _generation_metrics(self, per_function: torch.Tensor, rewards: torch.Tensor, scale: torch.Tensor,
+                            lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+        """The statistics of the whole generation batch (every rank's rows), as TRL logs them: unscored completions
+        left out of means and stds; frac_reward_zero_std, the share of completions whose advantage's std (scale) is
+        0."""
+        metrics = {"reward": float(rewards.nanmean()), "reward_std": float(nanstd(rewards))}
+        for i, name in enumerate(self.rewards.names):
+            metrics[f"rewards/{name}"] = float(per_function[:, i].nanmean())
+            metrics[f"rewards/{name}/std"] = float(nanstd(per_function[:, i]))
+        metrics.update({"completion_length": float(lengths.mean()),
+                        "completions_truncated": float(truncated.float().mean()),
+                        "frac_reward_zero_std": float(torch.isclose(scale, torch.zeros_like(scale)).float().mean())})
         if self.rewards.accuracy_index is not None:
             metrics["accuracy"] = float(per_function[:, self.rewards.accuracy_index].nanmean())
         return metrics

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -53,18 +54,35 @@ def nanstd(x: Tensor, dim: int | None = None) -> Tensor:
     return corrected.sqrt().squeeze(dim) if dim is not None else corrected.sqrt().reshape(())
 
 
+def reward_scale(rewards: Tensor, group_size: int, scale_rewards: str = "group") -> Tensor:
+    """The std [n] each completion's advantage is divided by: its group's (group; also none, where it only tells
+    a group without spread), or the whole batch's (batch); 0 for groups of one, NaN where fewer than two scored."""
+    if scale_rewards == "batch":
+        return nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    if group_size < 2:
+        return torch.zeros_like(rewards)
+    return nanstd(rewards.view(-1, group_size), dim=1).repeat_interleave(group_size)
+
+
 def advantages(rewards: Tensor, group_size: int, scale_rewards: str = "group") -> Tensor:
     """Group-normalised advantages of rewards [n] (groups of group_size adjacent completions; NaN: unscored)."""
-    grouped = rewards.view(-1, group_size)
-    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size)
-    if scale_rewards == "batch":
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-    else:
-        std = nanstd(grouped, dim=1).repeat_interleave(group_size) if group_size > 1 else torch.zeros_like(rewards)
+    mean = torch.nanmean(rewards.view(-1, group_size), dim=1).repeat_interleave(group_size)
     centred = rewards - mean
     if scale_rewards != "none":
-        centred = centred / (std + STD_EPS)
+        centred = centred / (reward_scale(rewards, group_size, scale_rewards) + STD_EPS)
     return torch.nan_to_num(centred, nan=0.0)
+
+
+def normalized_sum(per_function: Tensor, weights: Tensor, group_size: int) -> Tensor:
+    """TRL's multi_objective_aggregation normalize_then_sum (GDPO): each function's rewards [n, functions] centred
+    and scaled within their group, then weighted and summed (unscored values skipped); NaN where none scored. Its
+    advantages are then those of the whole batch: advantages(total, n, "batch")."""
+    grouped = per_function.view(-1, group_size, per_function.shape[1])
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = nanstd(grouped, dim=1).unsqueeze(1) if group_size > 1 else torch.zeros_like(mean)
+    normalized = ((grouped - mean) / (std + STD_EPS)).view_as(per_function)
+    total = (normalized * weights).nansum(dim=1)
+    return total.masked_fill(torch.isnan(per_function).all(dim=1), math.nan)
 
 
 def row_weights(completion_mask: Tensor, loss_type: str, max_completion_length: int, rows_per_step: int,
