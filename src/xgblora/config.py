@@ -542,7 +542,7 @@ class RFTConfig(Config, SamplingOptions):
     include_gold: bool = _opt(False, "Also train on each question's reference solution (RFT trains on the SFT data plus the samples; off here as --model_name has usually been fine-tuned on it already).")
     restart_from_base: bool = _opt(False, "Each round fine-tunes the starting model (--model_name with its --adapter) on that round's samples (STaR, ReST-EM), instead of continuing from the last round's model; samples still come from the last round's model.")
     rationalize: bool = _opt(False, "STaR's rationalisation: questions with no correct sample are sampled again with the reference answer as a hint; correct hinted completions are trained on under the original question.")
-    verifier: str = _opt("gsm8k", "How an answer is read: gsm8k (the first number after the first ####), answer_tags (<answer>...</answer>), regex:PATTERN, or module:function.")
+    verifier: str = _opt("gsm8k", "How an answer is read: gsm8k (the first number after the first ####), math (math-verify: LaTeX, \\boxed{}, equivalent forms; pip install math-verify), answer_tags (<answer>...</answer>), regex:PATTERN, or module:function.")
     answer_tolerance: float = _opt(1e-6, "Numbers agree within this relative tolerance.")
     pass_k: int = _opt(8, "Held-out evaluation: pass@k at --temperature (besides greedy pass@1); 0 for pass@1 only.")
     pass_n: int | None = _opt(None, "Held-out evaluation: samples drawn per question for pass@k, n >= k (the unbiased estimator 1 - C(n-c, k) / C(n, k) of Chen et al. 2021; default k).")
@@ -572,7 +572,7 @@ class GRPOConfig(Config, SamplingOptions):
     max_new_tokens: int = _opt(256, "Most tokens per completion (TRL's max_completion_length; dr_grpo's normaliser).",
                                aliases=("max_completion_length",))
     temperature: float = _opt(1.0, "Sampling temperature (the log-probabilities of the loss are taken at it too, as TRL does).")
-    reward_funcs: list[str] = _opt(["gsm8k"], "Reward functions: gsm8k, answer_tags, regex:PATTERN (1 when the answer agrees with the row's reference, else 0), format:<one of those> (1 when an answer is found at all), or module:function (TRL's signature: f(prompts, completions, completion_ids, **columns) -> list of floats).")
+    reward_funcs: list[str] = _opt(["gsm8k"], "Reward functions: gsm8k, math, answer_tags, regex:PATTERN (1 when the answer agrees with the row's reference, else 0), format:<one of those> (1 when an answer is found at all), or module:function (TRL's signature: f(prompts, completions, completion_ids, **columns) -> list of floats; also given trainer_state, log_extra, log_metric).")
     reward_weights: list[float] | None = _opt(None, "Weight of each reward function in the total reward (default: 1 each).")
     multi_objective_aggregation: str = _opt("sum_then_normalize", "Several reward functions: weigh and sum them, then form advantages (sum_then_normalize), or normalise each within its group first, then weigh, sum and normalise over the batch (normalize_then_sum: GDPO), as TRL.",
                                             ("sum_then_normalize", "normalize_then_sum"))
@@ -600,6 +600,9 @@ class GRPOConfig(Config, SamplingOptions):
         _check_positive(self, "max_new_tokens", "num_iterations", "generation_batch_size", "steps_per_generation")
         if self.temperature == 0:
             raise UserError("--temperature 0 samples one greedy completion G times: GRPO needs a temperature above 0")
+        if self.num_return_sequences < 2:
+            raise UserError(f"--num_generations {self.num_return_sequences}: GRPO's advantages compare the completions "
+                            f"of a prompt, so it needs at least 2 (as TRL)")
         if not self.train_file:
             raise UserError("xgblora grpo needs --train_file (prompts, with reference answers for correctness rewards)")
         if self.generation_batch_size is not None and self.steps_per_generation is not None:

@@ -242,6 +242,8 @@ class GRPORun:
         self.buffer = GenerationBuffer(dist, self.device)
         self.window = LossWindow(self.device)
         self.step, self.generations, self.resumes, self.earlier_s = 0, 0, 0, 0.0
+        self.extra_columns: dict[str, list[Any]] = {}  # reward functions' log_extra, for the logged completions
+        self.reward_metrics: dict[str, list[float]] = {}  # their log_metric, until the next logging step
         self.before: dict[str, float] = {}
         self.checkpointer = self._checkpointer()
         if cfg.resume_from_checkpoint:
@@ -312,7 +314,26 @@ class GRPORun:
         for key in dict.fromkeys(k for row in rows for k in row if k not in prompt_keys):
             columns[key] = [row.get(key) for row in rows]
         completions = [_completion_value(p, t) for p, t in zip(values, texts, strict=True)]
-        return self.rewards.score(values, completions, completion_ids, columns)
+        hooks = {"trainer_state": self._trainer_state(), "log_extra": self._log_extra, "log_metric": self._log_metric}
+        return self.rewards.score(values, completions, completion_ids, {**columns, **hooks},
+                                  [ex.source for ex in examples])
+
+    def _trainer_state(self) -> transformers.TrainerState:
+        """What TRL hands reward functions as trainer_state (transformers' TrainerState): the step, epoch, budget."""
+        epoch = self.stream.epoch + self.stream.cursor / max(1, len(self.prompts.ids))
+        return transformers.TrainerState(epoch=epoch, global_step=self.step, max_steps=self.max_steps,
+                                         logging_steps=self.cfg.logging_steps, eval_steps=self.cfg.eval_steps,
+                                         save_steps=self.cfg.save_steps,
+                                         train_batch_size=self.cfg.per_device_train_batch_size)
+
+    def _log_extra(self, column: str, values: list[Any]) -> None:
+        """TRL's log_extra: a column of one value per completion, shown beside the logged completions."""
+        self.extra_columns[column] = list(values)
+
+    def _log_metric(self, name: str, value: float) -> None:
+        """TRL's log_metric: a scalar, averaged over the logging step and logged with the other metrics (this
+        process's values)."""
+        self.reward_metrics.setdefault(name, []).append(float(value))
 
     def generate(self) -> Generation:
         """Sample, score and prepare this process's share of the next generation batch (see the module
@@ -327,6 +348,7 @@ class GRPORun:
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
         ids = [list(s.token_ids) + ([s.stop_id] if s.stop_id is not None else []) for s in samples]
         truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        self.extra_columns = {}
         rewards, advantage, metrics = self._rewards(indices, texts, ids, truncated)
         row_prompts = [i for i in indices for _ in range(plan.group)]
         seqs = [TokenSeq(tuple(self.prompts.ids[i]) + tuple(c), len(c), i, 0)
@@ -350,7 +372,8 @@ class GRPORun:
                               tokens_everywhere, plan.steps_per_generation * dist.world_size,
                               cfg.per_device_train_batch_size)
         logged = [{"prompt": self.prompts.rows[indices[j // plan.group]], "completion": texts[j],
-                   "reward": float(rewards[j])} for j in range(min(SAMPLES_LOGGED, len(texts)))]
+                   "reward": float(rewards[j]), **{k: v[j] for k, v in self.extra_columns.items() if j < len(v)}}
+                  for j in range(min(SAMPLES_LOGGED, len(texts)))]
         self.generations += 1
         return Generation(dataclasses.replace(batch, nll_weight=weights.to(self.device)), metrics,
                           logged if cfg.log_completions else [])
@@ -364,6 +387,10 @@ class GRPORun:
                             truncated[:, None].float()], 1)
         everyone, start = self._gathered(scores)
         per_function, rewards = everyone[:, :-2], self.rewards.total(everyone[:, :-2])
+        if torch.isnan(rewards).all():  # nothing to learn from, on any rank: the loss would be 0 to the end
+            raise UserError(f"{self.prompts.examples[indices[0]].source}: every reward function "
+                            f"({', '.join(self.rewards.names)}) returned None or NaN for all {len(rewards)} "
+                            f"completions of generation batch {self.generations + 1}; nothing to learn from")
         mine = slice(start, start + len(texts))
         if self.cfg.multi_objective_aggregation == "normalize_then_sum":
             shaped = normalized_sum(per_function, self.rewards.weights, self.plan.group)
@@ -533,7 +560,9 @@ class GRPORun:
                             f"or --nan_policy skip)")
         current = self.buffer.current
         record = {"step": self.step, "loss": mean, "lr": lr, **current.metrics, **self._loss_statistics(),
+                  **{name: sum(v) / len(v) for name, v in self.reward_metrics.items()},
                   "elapsed_s": round(self.earlier_s + time.perf_counter() - self.started, 3)}
+        self.reward_metrics = {}
         if current.samples:
             record["samples"] = current.samples
         self.metrics.log(record)
