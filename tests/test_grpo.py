@@ -64,7 +64,7 @@ def test_built_in_rewards_and_a_trl_style_user_function(tmp_path, monkeypatch):
     rewards = Rewards(["gsm8k", "format:answer_tags", "my_rewards:short"], [1.0, 0.5, 2.0])
     completions = ["so #### 7", "<answer>7</answer> #### 8", "nothing"]
     out = rewards.score(["q"] * 3, completions, [[1, 2], [1, 2, 3], [4]],
-                        {"reference": ["#### 7"] * 3, "level": [0, 1, 2]})
+                        {"reference": ["#### 7"] * 3, "level": [0, 1, 2]}, ["q.jsonl:1"] * 3)
     assert out[:, 0].tolist() == [1.0, 0.0, 0.0] and out[:, 1].tolist() == [0.0, 1.0, 0.0]
     assert out[:2, 2].tolist() == [1.0, 1.0] and torch.isnan(out[2, 2])
     assert rewards.total(out).tolist() == [3.0, 2.5, 0.0] and rewards.accuracy_index == 0
@@ -80,6 +80,7 @@ def test_a_conversational_prompt_reaches_reward_functions_as_messages():
     run = grpo_loop.GRPORun.__new__(grpo_loop.GRPORun)  # only score() and what it reads
     run.cfg, run.rewards = GRPOConfig(train_file="x", columns=None), Rewards(["gsm8k"])
     run.rewards.funcs = [record]
+    run._trainer_state = lambda: None
     prompts = grpo_loop.Prompts(rows=[{"messages": [{"role": "user", "content": "hi"}]}],
                                 examples=[_example()], ids=[[1]])
     run.score(prompts, [0], ["hello"], [[5]])
@@ -172,6 +173,22 @@ def test_mezo_estimates_the_grpo_loss_from_a_dual_batch_as_from_two_passes():
     assert losses[0] == pytest.approx(losses[1], abs=1e-5)
 
 
+def test_a_continued_adapter_is_its_own_kl_reference(data):
+    """GRPO on top of a trained adapter (SFT -> GRPO): the reference of --beta is that adapter, frozen, as TRL's copy
+    of the starting model, so the KL is 0 at the first step (the policy is the reference) and grows after."""
+    from peft import LoraConfig, get_peft_model
+
+    from xgblora.models import pretrained
+
+    torch.manual_seed(0)
+    peft = get_peft_model(pretrained.load("tiny-llama")[0],
+                          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft.save_pretrained(data / "sft-adapter")  # B random: far from the base model
+    run_grpo(_cfg(data, "continued", adapter=str(data / "sft-adapter"), beta=0.04, max_steps=2, eval_file=None))
+    kl = [r["kl"] for r in read_metrics(data / "continued" / "metrics.jsonl") if "kl" in r]
+    assert len(kl) == 2 and abs(kl[0]) < 1e-7 and kl[1] > 1e-6
+
+
 def test_mezo_trains_the_adapter(data):
     done = run_grpo(_cfg(data, "zo", trainer="zo", gradient_accumulation_steps=1, max_steps=2))
     weights = load_file(str(data / "zo" / "final" / "adapter_model.safetensors"))
@@ -190,6 +207,7 @@ def test_a_prompt_without_a_reference_is_a_one_line_error_naming_its_row(data, c
     (["--generation_batch_size", "12"], "multiple of the optimizer batch"),
     (["--num_generations", "3"], "multiple of --num_generations 3"),
     (["--temperature", "0"], "temperature"),
+    (["--num_generations", "1", "--per_device_train_batch_size", "1"], "at least 2"),
     (["--reward_funcs", "gsm8k", "format:gsm8k", "--reward_weights", "1"], "--reward_weights"),
 ])
 def test_bad_options_are_one_line_errors(data, capsys, flags, message):
@@ -227,3 +245,128 @@ def test_grpo_raises_the_verified_reward_after_a_short_sft(tmp_path, seed):
     rewards = [r["reward"] for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "reward" in r]
     assert len(rewards) == 60
     assert sum(rewards[-20:]) / 20 >= sum(rewards[:20]) / 20 + 0.02
+
+
+def _trl_rewards(per_function, weights, group, scale_rewards, aggregation):
+    """TRL's advantages and reward logs of one generation batch (`_generate_and_score_completions`), line by line
+    from its source, with its nanstd."""
+    from trl.trainer.utils import nanstd
+
+    unscorable = torch.isnan(per_function).all(dim=1)
+    if aggregation == "sum_then_normalize":
+        rewards = (per_function * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        mean = torch.nanmean(rewards.view(-1, group), dim=1).repeat_interleave(group, dim=0)
+        if scale_rewards in ("group", "none"):
+            std = nanstd(rewards.view(-1, group), dim=1).repeat_interleave(group, dim=0)
+        else:
+            std = nanstd(rewards).expand_as(rewards)
+        adv = rewards - mean
+        if scale_rewards != "none":
+            adv = adv / (std + 1e-4)
+    else:
+        grouped = per_function.view(-1, group, per_function.shape[1])
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = nanstd(grouped, dim=1, keepdim=True)
+        rewards = (((grouped - mean_k) / (std_k + 1e-4)).view(-1, per_function.shape[1]) * weights).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        std = nanstd(rewards).expand_as(rewards)
+        adv = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+    logged = (per_function * weights.unsqueeze(0)).nansum(dim=1)
+    logged[unscorable] = torch.nan
+    metrics = {"reward": torch.nanmean(logged).item(), "reward_std": nanstd(logged).item(),
+               "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item()}
+    for i in range(per_function.shape[1]):
+        metrics[f"{i}/mean"], metrics[f"{i}/std"] = (torch.nanmean(per_function[:, i]).item(),
+                                                     nanstd(per_function[:, i]).item())
+    return torch.nan_to_num(adv, nan=0.0), metrics
+
+
+@pytest.mark.parametrize("aggregation, scale_rewards", [("sum_then_normalize", "group"),
+                                                        ("sum_then_normalize", "batch"),
+                                                        ("sum_then_normalize", "none"),
+                                                        ("normalize_then_sum", "group")])
+def test_rewards_advantages_and_their_logs_equal_trls(aggregation, scale_rewards):
+    """Three groups of 4, two weighted reward functions, one completion unscored by both (None) and one by the
+    second: the advantages and the logged reward, reward_std, frac_reward_zero_std and each function's mean and
+    std equal TRL's, NaN-aware as TRL (a torch.std of the totals would be NaN)."""
+    nan = float("nan")
+    per_function = torch.tensor([[1.0, 0.5], [1.0, 0.5], [nan, nan], [1.0, 0.5],  # no spread: 0 std
+                                 [0.0, 1.0], [1.0, nan], [1.0, 0.0], [0.0, 0.0],
+                                 [2.0, 1.0], [0.0, 1.0], [1.0, 0.0], [3.0, 1.0]])
+    run = grpo_loop.GRPORun.__new__(grpo_loop.GRPORun)  # only _rewards() and what it reads
+    run.cfg = GRPOConfig(train_file="x", scale_rewards=scale_rewards, multi_objective_aggregation=aggregation)
+    run.rewards = Rewards(["gsm8k", "format:gsm8k"], [1.0, 0.5])
+    run.plan, run.dist, run.device = grpo_loop.Plan(4, 12, 4, 4, 1), grpo_loop.LOCAL, torch.device("cpu")
+    run.score, run.prompts = (lambda *args: per_function), None
+    _, ours, logged = run._rewards([0, 1, 2], [""] * 12, [[1]] * 12, torch.zeros(12, dtype=torch.bool))
+    theirs, metrics = _trl_rewards(per_function, run.rewards.weights, 4, scale_rewards, aggregation)
+    assert torch.allclose(ours, theirs, atol=1e-6) and ours.abs().sum() > 0
+    for key in ("reward", "reward_std", "frac_reward_zero_std"):
+        assert logged[key] == pytest.approx(metrics[key], abs=1e-6), key
+    for i, name in enumerate(run.rewards.names):
+        assert logged[f"rewards/{name}"] == pytest.approx(metrics[f"{i}/mean"], abs=1e-6)
+        assert logged[f"rewards/{name}/std"] == pytest.approx(metrics[f"{i}/std"], abs=1e-6)
+
+
+BAD_REWARDS = {
+    "raises": ("def f(completions, **kw):\n    return {}['level']\n", "raised KeyError: 'level'"),
+    "a number": ("def f(completions, **kw):\n    return 1.0\n", "returned 1.0 (float)"),
+    "too few": ("def f(completions, **kw):\n    return [1.0]\n", "returned 1 rewards for 2 completions"),
+    "a string": ("def f(completions, **kw):\n    return [1.0, 'yes']\n", "q.jsonl:7: reward function bad:f returned 'yes'"),
+    "infinite": ("def f(completions, **kw):\n    return [float('inf'), 0.0]\n", "q.jsonl:3: reward function bad:f returned inf"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REWARDS)
+def test_a_reward_function_that_fails_is_one_line_naming_it_and_the_row(tmp_path, monkeypatch, case):
+    source, message = BAD_REWARDS[case]
+    module = f"bad_{case.replace(' ', '_')}"  # a module of its own per case (imports are cached)
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards = Rewards([f"{module}:f"])
+    with pytest.raises(UserError) as error:
+        rewards.score(["q", "q"], ["a", "b"], [[1], [2]], {}, ["q.jsonl:3", "q.jsonl:7"])
+    text = str(error.value).replace(module, "bad")
+    assert message in text and "reward function bad:f" in text and "q.jsonl:" in text
+    assert "\n" not in str(error.value)
+
+
+def test_reward_funcs_import_from_the_current_folder(tmp_path, monkeypatch):
+    """`--reward_funcs mymodule:fn` finds mymodule.py where the command runs, as `rft --verifier` does (the console
+    script's sys.path holds its own folder, not the current one)."""
+    (tmp_path / "here_rewards.py").write_text("def fn(completions, **kw):\n    return [0.5] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".", str(tmp_path))])
+    rewards = Rewards(["here_rewards:fn"])
+    assert rewards.score(["q"], ["a"], [[1]], {}, ["q.jsonl:1"]).tolist() == [[0.5]]
+
+
+def test_rewards_that_score_nothing_stop_the_run_in_one_line(data, capsys):
+    (data / "none_reward.py").write_text("def nothing(completions, **kw):\n    return [None] * len(completions)\n")
+    code = main(["grpo", "--model_name", "tiny-llama", "--train_file", str(data / "q.jsonl"), "--columns",
+                 "prompt=question,completion=answer", "--output_dir", str(data / "nan"), "--device", "cpu",
+                 "--reward_funcs", "none_reward:nothing", "--num_generations", "2", "--per_device_train_batch_size",
+                 "2", "--max_new_tokens", "2", "--max_steps", "3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "q.jsonl:" in err[-1] and "returned None or NaN for all 2 completions" in err[-1]
+
+
+def test_reward_functions_get_trainer_state_log_extra_and_log_metric_as_in_trl(data):
+    """A TRL reward function that names trainer_state (no default), log_extra and log_metric: it sees the step,
+    its metric is averaged into metrics.jsonl, its column is shown with the logged completions."""
+    (data / "trl_style.py").write_text(
+        "SEEN = []\n"
+        "def scheduled(completions, trainer_state, log_extra, log_metric, **kwargs):\n"
+        "    SEEN.append(trainer_state.global_step)\n"
+        "    log_metric('my_metric', 2.0 * trainer_state.global_step)\n"
+        "    log_extra('note', [f'c{i}' for i in range(len(completions))])\n"
+        "    return [float(len(c) % 2) for c in completions]\n")
+    run_grpo(_cfg(data, "trl-style", reward_funcs=["trl_style:scheduled"], max_steps=2, eval_file=None,
+                  gradient_accumulation_steps=1, log_completions=True))
+    import trl_style
+
+    records = [r for r in read_metrics(data / "trl-style" / "metrics.jsonl") if "loss" in r]
+    assert trl_style.SEEN == [0, 1]
+    assert [r["my_metric"] for r in records] == [0.0, 2.0]
+    assert [s["note"] for s in records[0]["samples"]] == ["c0", "c1", "c2", "c3"]

@@ -33,7 +33,7 @@ def tiny_llama():
 
 
 def _trl_loss(logps, old, ref, adv, mask, loss_type, beta, epsilon, epsilon_high, *, accumulation=1,
-              steps_per_generation=1, max_completion_length=None, generation_tokens=None):
+              steps_per_generation=1, max_completion_length=None, generation_tokens=None, level="token"):
     """TRL's loss of one micro-batch: `GRPOTrainer._compute_loss` on a stand-in holding only what it reads, with
     the policy's per-token log-probabilities handed in (so its gradient with respect to them can be compared)."""
     args = types.SimpleNamespace(delta=None, use_bias_correction_kl=True, steps_per_generation=steps_per_generation)
@@ -41,7 +41,7 @@ def _trl_loss(logps, old, ref, adv, mask, loss_type, beta, epsilon, epsilon_high
                                         autocast=contextlib.nullcontext)
     trainer = types.SimpleNamespace(
         args=args, accelerator=accelerator, beta=beta, loss_type=loss_type, epsilon_low=epsilon,
-        epsilon_high=epsilon if epsilon_high is None else epsilon_high, importance_sampling_level="token",
+        epsilon_high=epsilon if epsilon_high is None else epsilon_high, importance_sampling_level=level,
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False, _entropy_bonus_enabled=False,
         aux_loss_enabled=False, current_gradient_accumulation_steps=accumulation,
         max_completion_length=max_completion_length or mask.shape[1], model=types.SimpleNamespace(training=True),
@@ -66,20 +66,31 @@ def _fixed_batch(n=8, k=6, seed=0):
     return logps, old, ref, mask, adv
 
 
-def _ours(logps, old, ref, adv, mask, loss_type, objective, rows_per_step, tokens_per_step, max_len):
-    losses, _ = token_losses(logps, old, ref, adv, objective)
-    weights = row_weights(mask, loss_type, max_len, rows_per_step, tokens_per_step).double()
+def _ours(logps, old, ref, adv, mask, loss_type, objective, max_len, *, steps=1, micro_batch=None,
+          generation_tokens=None):
+    """Our loss of one optimizer step whose rows are the whole batch given (one step, one micro-batch unless told)."""
+    objective = dataclasses.replace(objective, loss_type=loss_type)
+    losses, _ = token_losses(logps, old, ref, adv, objective, mask)
+    tokens = float(mask.sum()) if generation_tokens is None else generation_tokens
+    weights = row_weights(mask, loss_type, max_len, len(mask), tokens, steps, micro_batch or len(mask)).double()
     return ((losses * mask).sum(1) * weights).mean()
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("beta, epsilon_high", [(0.0, None), (0.04, 0.28)])
-def test_loss_and_gradient_equal_trls_on_one_step(loss_type, beta, epsilon_high):
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"]
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("beta, epsilon_high", [(0.0, None), (0.04, 0.28), (0.04, 1.2)])
+def test_loss_and_gradient_equal_trls_on_one_step(loss_type, beta, epsilon_high, level):
+    """Every loss type, token-level ratios and GSPO's sequence-level ones, against TRL's `_compute_loss`; cispo at
+    epsilon_high 1.2 clips some ratios and not others."""
     logps, old, ref, mask, adv = _fixed_batch()
-    objective = Objective(epsilon=0.2, epsilon_high=epsilon_high, beta=beta)
+    objective = Objective(epsilon=0.2, epsilon_high=epsilon_high, beta=beta, importance_sampling_level=level)
     theirs_in, ours_in = logps.clone().requires_grad_(), logps.clone().requires_grad_()
-    theirs = _trl_loss(theirs_in, old, ref, adv, mask, loss_type, beta, 0.2, epsilon_high, max_completion_length=9)
-    ours = _ours(ours_in, old, ref, adv, mask, loss_type, objective, len(mask), float(mask.sum()), 9)
+    theirs = _trl_loss(theirs_in, old, ref, adv, mask, loss_type, beta, 0.2, epsilon_high, max_completion_length=9,
+                       level=level)
+    ours = _ours(ours_in, old, ref, adv, mask, loss_type, objective, 9)
     theirs.backward()
     ours.backward()
     assert abs(ours.item() - theirs.item()) < 1e-6
@@ -87,26 +98,46 @@ def test_loss_and_gradient_equal_trls_on_one_step(loss_type, beta, epsilon_high)
     assert ours_in.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
-def test_a_generation_batch_split_into_steps_and_micro_batches_matches_trl(loss_type):
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_a_generation_batch_split_into_steps_and_micro_batches_matches_trl(loss_type, level):
     """A generation batch of 8 completions, micro-batches of 2, 2 of them accumulated per optimizer step (TRL's
     steps_per_generation 4): each optimizer step's loss and gradient, summed over its micro-batches in TRL, equal
-    ours, a mean over the step's completions with the weights of the whole generation batch."""
+    ours, a mean over the step's completions with the weights of the whole generation batch (bnpo: of each
+    micro-batch)."""
     logps, old, ref, mask, adv = _fixed_batch()
-    objective = Objective(epsilon=0.2, epsilon_high=0.28, beta=0.04)
-    weights_tokens = float(mask.sum()) / 2  # two optimizer steps per generation batch
+    objective = Objective(epsilon=0.2, epsilon_high=0.28, beta=0.04, loss_type=loss_type,
+                          importance_sampling_level=level)
+    weights = row_weights(mask, loss_type, mask.shape[1], 4, float(mask.sum()), 2, 2).double()
     for step in range(2):
         rows = slice(4 * step, 4 * step + 4)
         theirs_in, ours_in = logps.clone().requires_grad_(), logps.clone().requires_grad_()
         theirs = sum(_trl_loss(theirs_in[r], old[r], ref[r], adv[r], mask[r], loss_type, 0.04, 0.2, 0.28,
-                               accumulation=2, steps_per_generation=4, generation_tokens=mask.sum())
+                               accumulation=2, steps_per_generation=4, generation_tokens=mask.sum(), level=level)
                      for r in (slice(rows.start, rows.start + 2), slice(rows.start + 2, rows.stop)))
-        ours = _ours(ours_in[rows], old[rows], ref[rows], adv[rows], mask[rows], loss_type, objective, 4,
-                     weights_tokens, mask.shape[1])
+        losses, _ = token_losses(ours_in[rows], old[rows], ref[rows], adv[rows], objective, mask[rows])
+        ours = ((losses * mask[rows]).sum(1) * weights[rows]).mean()
         theirs.backward()
         ours.backward()
         assert abs(ours.item() - theirs.item()) < 1e-6
         assert torch.allclose(ours_in.grad, theirs_in.grad, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo"])
+def test_dapo_clamps_the_token_count_before_dividing_by_the_steps(loss_type):
+    """A generation batch with one completion token over two optimizer steps (every other completion truncated and
+    masked): TRL divides by max(tokens, 1) / steps = 0.5, not by max(tokens / steps, 1)."""
+    logps, old, ref, mask, adv = _fixed_batch()
+    mask = torch.zeros_like(mask)
+    mask[1, 0] = 1
+    objective = Objective(epsilon=0.2, epsilon_high=0.28, beta=0.04, loss_type=loss_type)
+    weights = row_weights(mask, loss_type, mask.shape[1], 4, float(mask.sum()), 2, 2).double()
+    rows = slice(0, 4)
+    theirs = sum(_trl_loss(logps[r], old[r], ref[r], adv[r], mask[r], loss_type, 0.04, 0.2, 0.28, accumulation=2,
+                           steps_per_generation=4, generation_tokens=mask.sum()) for r in (slice(0, 2), slice(2, 4)))
+    losses, _ = token_losses(logps[rows], old[rows], ref[rows], adv[rows], objective, mask[rows])
+    ours = ((losses * mask[rows]).sum(1) * weights[rows]).mean()
+    assert theirs.abs() > 0 and abs(ours.item() - theirs.item()) < 1e-9
 
 
 def _trl_advantages(rewards, group, scale_rewards):
@@ -196,7 +227,7 @@ def test_the_loss_gradient_through_the_model_equals_autograd_on_the_formula(tiny
     ref = base + 0.2 * torch.randn(base.shape, generator=g) * batch.target_mask
     adv = torch.tensor([0.7, -1.2])
     objective = Objective(beta=0.1, epsilon_high=0.28)
-    weights = row_weights(batch.target_mask, "grpo", 4, 2, 5.0)
+    weights = row_weights(batch.target_mask, "grpo", 4, 2, 5.0, 1, 2)
     cbatch = dataclasses.replace(batch, nll_weight=weights, advantages=adv, old_logps=old, ref_logps=ref)
     weight = model.model.layers[0].mlp.down_proj.weight
     GRPOLoss(model, objective, 1.0)(cbatch).mean().backward()
@@ -205,7 +236,7 @@ def test_the_loss_gradient_through_the_model_equals_autograd_on_the_formula(tiny
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                    position_ids=batch.position_ids).logits[:, -4:-1]
     logps = torch.log_softmax(logits, -1).gather(-1, batch.input_ids[:, -3:, None]).squeeze(-1) * batch.target_mask
-    losses, _ = token_losses(logps, old, ref, adv, objective)
+    losses, _ = token_losses(logps, old, ref, adv, objective, batch.target_mask)
     ((losses * batch.target_mask).sum(1) * weights).mean().backward()
     assert torch.allclose(ours, weight.grad, atol=1e-6)
     weight.grad = None

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("data",),
     ("config", "report"),
     ("logs", "trackers", "checkpoint", "perf"),
-    ("atomic",),
+    ("atomic", "usercode"),
     ("errors",),
 ]
 

@@ -392,3 +392,64 @@ def test_a_hint_is_the_reference_answer_in_the_prompt():
     hinted = hint_questions(cfg, questions, [0], Verifier(make_extractor("gsm8k")), tokenizer)
     text = tokenizer.decode(hinted.prompts.ids[0])
     assert "Which is larger, 1 or 2?\n(Hint: the answer is 2.)" in text and hinted.turns == questions.turns
+
+
+@pytest.mark.parametrize("body, message", [
+    ("return [text]", "returned ['7'] (list): an answer extractor returns the answer as a string"),
+    ("return int(text)", "raised ValueError: invalid literal for int()"),
+])
+def test_a_verifier_that_fails_or_returns_a_list_is_one_line_naming_it_and_the_row(tmp_path, monkeypatch, body,
+                                                                                  message):
+    """A --verifier returning a list (which a random model used to pass with pass@1 = 1) or raising: one line
+    naming the function, the question's row and what was wrong."""
+    module = f"bad_verifier_{abs(hash(body))}"
+    (tmp_path / f"{module}.py").write_text(f"def extract(text):\n    {body}\n")
+    monkeypatch.chdir(tmp_path)
+    verifier = rft.make_verifier(f"{module}:extract")
+    question = Example("1 + 6?", (), (), answers=("7",), source="questions.jsonl:4")
+    with pytest.raises(UserError) as error:
+        rft.judge(verifier, question, ["seven"])
+    text = str(error.value)
+    assert text.startswith(f"questions.jsonl:4: --verifier {module}:extract ") and message in text
+    assert "\n" not in text
+
+
+MATH_CASES = [  # (completion, solution): LaTeX, boxed, fractions, equivalent forms, wrong answers, no answer
+    (r"So the answer is $\boxed{\frac{1}{3}}$.", r"$\frac{1}{3}$"),
+    (r"We get \boxed{0.5}", r"$\frac{1}{2}$"),
+    (r"The result is $\boxed{2\sqrt{2}}$", r"$\sqrt{8}$"),
+    (r"\boxed{\frac{1}{2}}", r"$\frac{1}{3}$"),
+    (r"Answer: $x = 4$", r"$4$"),
+    ("I do not know.", r"$\frac{2}{5}$"),
+    (r"\boxed{\{1, 2\}}", r"$\{2, 1\}$"),
+    (r"\boxed{3}", "no parseable answer here"),
+]
+
+
+def test_the_math_reward_and_verifier_score_as_trls_accuracy_reward():
+    """`--reward_funcs math` (and `--verifier math`) against TRL's own accuracy_reward on the same completions and
+    solutions: identical scores, None where the solution cannot be parsed."""
+    pytest.importorskip("math_verify")
+    from trl.rewards import accuracy_reward
+
+    from xgblora.evaluation.answers import make_verifier
+    from xgblora.generation.rewards import Rewards
+
+    completions = [[{"role": "assistant", "content": c}] for c, _ in MATH_CASES]
+    solutions = [s for _, s in MATH_CASES]
+    theirs = accuracy_reward(completions, solutions)
+    ours = Rewards(["math"]).score(["q"] * len(MATH_CASES), completions, [[1]] * len(MATH_CASES),
+                                   {"reference": solutions}, ["q.jsonl:1"] * len(MATH_CASES))[:, 0].tolist()
+    assert [None if x != x else x for x in ours] == theirs
+    assert 0 < sum(x or 0 for x in theirs) < len(theirs) - 1
+    verifier = make_verifier("math")
+    assert [verifier.judge([c], s)[0] for c, s in MATH_CASES] == [t == 1.0 for t in theirs]
+
+
+def test_instruction_evaluation_grades_boxed_answers_with_the_math_verifier():
+    pytest.importorskip("math_verify")
+    from xgblora.evaluation.answers import MathVerifier
+    from xgblora.evaluation.instructions import GSM8K, answer_verifier
+
+    assert isinstance(answer_verifier([r"so \boxed{\frac{1}{2}}", r"\boxed{3}"]), MathVerifier)
+    assert answer_verifier(["#### 4", "#### 5"]) is GSM8K and answer_verifier(["Paris"]) is None

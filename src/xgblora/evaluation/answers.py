@@ -5,7 +5,9 @@ An extractor is picked by name: `gsm8k` (the first number on the line of the fir
 ScRel's `extract_answer` read it (OFA-Sys/gsm8k-ScRel, collect_rejection_sampling.py: `ANS_RE.search`); a completion
 without one has no answer, so only completions in the format being trained are kept; the one GSM8K grader of the
 project, also instruction evaluation's), `answer_tags` (the text of the last
-`<answer>...</answer>`), `regex:PATTERN` (the last match; its first group when it has one), or `module:function`
+`<answer>...</answer>`), `regex:PATTERN` (the last match; its first group when it has one), `math` (the
+math-verify package's reading and symbolic comparison, as TRL's accuracy_reward: LaTeX, `\\boxed{}`, fractions,
+equivalent forms), or `module:function`
 (a function of the text returning the answer or None, imported from the user's module). Two answers agree when
 both read as numbers within a relative tolerance, or else as equal normalised strings (SQuAD's normalisation).
 
@@ -19,15 +21,13 @@ from __future__ import annotations
 
 import ast
 import collections
-import importlib
 import operator
-import os
 import re
 import string
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from xgblora import usercode
 from xgblora.errors import UserError
 
 Extractor = Callable[[str], "str | None"]
@@ -89,38 +89,36 @@ def regex_extractor(pattern: str) -> Extractor:
 
 
 def user_extractor(spec: str) -> Extractor:
-    """A function given as module:function, imported from the user's code (the current folder is importable)."""
-    module_name, _, function_name = spec.partition(":")
-    cwd = os.getcwd()
-    added = cwd not in sys.path  # the console script's sys.path[0] is its own folder, not the user's
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        function = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError) as exc:
-        raise UserError(f"--verifier {spec}: cannot import it from {cwd} or the installed packages "
-                        f"({type(exc).__name__}: {exc})") from None
-    except Exception as exc:  # noqa: BLE001 -- the user's module failed while importing: name it, one line
-        raise UserError(f"--verifier {spec}: importing {module_name} failed ({type(exc).__name__}: {exc})") from None
-    finally:
-        if added:
-            sys.path.remove(cwd)
-    if not callable(function):
-        raise UserError(f"--verifier {spec}: {function_name} is not a function")
-    return function
+    """A function given as module:function, imported from the user's code (the current folder is importable) and
+    called through the guard: an exception, or a value not a string, a number or None, is one line."""
+    function = usercode.import_function("--verifier", spec)
+    name = f"--verifier {spec}"
+
+    def extract(text: str) -> str | None:
+        return usercode.answer(name, usercode.call(name, function, text))
+
+    return extract
+
+
+def make_verifier(spec: str, tolerance: float = 1e-6) -> Verifier | MathVerifier:
+    """The verifier a --verifier value names: `math` (math-verify's), else an extractor's (see the module
+    docstring)."""
+    return MathVerifier() if spec == "math" else Verifier(make_extractor(spec), tolerance)
 
 
 def make_extractor(spec: str) -> Extractor:
     """The extractor a --verifier value names (see the module docstring)."""
     if spec == "gsm8k":
         return gsm8k_answer
+    if spec == "math":
+        return MathVerifier().extract
     if spec == "answer_tags":
         return tagged_answer
     if spec.startswith("regex:"):
         return regex_extractor(spec[len("regex:"):])
     if re.fullmatch(r"[\w.]+:\w+", spec):
         return user_extractor(spec)
-    raise UserError(f"--verifier {spec!r}: choose gsm8k, answer_tags, regex:PATTERN, or module:function")
+    raise UserError(f"--verifier {spec!r}: choose gsm8k, math, answer_tags, regex:PATTERN, or module:function")
 
 
 def _as_number(text: str) -> float | None:
@@ -155,6 +153,50 @@ class Verifier:
         want = self.reference_answer(reference)
         found = [self.extract(text) for text in completions]
         return [got is not None and same_answer(str(got), want, self.tolerance) for got in found]
+
+    def scores(self, completions: Sequence[str], reference: str) -> list[float | None]:
+        """1.0 for each correct completion, else 0.0 (a reward)."""
+        return [float(ok) for ok in self.judge(completions, reference)]
+
+
+class MathVerifier:
+    """Mathematical answers judged by the math-verify package as TRL's `accuracy_reward` judges them: the reference
+    parsed whole, the completion's first LaTeX answer (\\boxed{} first, units normalised), compared symbolically
+    (equivalent forms, fractions, sets, intervals). A reference it cannot parse is no judgement (None)."""
+
+    def __init__(self) -> None:
+        try:
+            import math_verify
+            from latex2sympy2_extended import NormalizationConfig
+        except ImportError:
+            raise UserError("the math verifier needs the math-verify package: pip install math-verify (or the "
+                            "`math` extra)") from None
+        self._mv = math_verify
+        self._config = [math_verify.LatexExtractionConfig(normalization_config=NormalizationConfig(units=True),
+                                                          boxed_match_priority=0, try_extract_without_anchor=False)]
+
+    def extract(self, text: str) -> str | None:
+        """The completion's answer as math-verify reads it, or None."""
+        found = self._mv.parse(text, extraction_config=self._config, extraction_mode="first_match")
+        return str(found[-1]) if found else None
+
+    def reference_answer(self, reference: str) -> str:
+        """The reference's answer as math-verify reads it (the reference whole where it reads none)."""
+        found = self._mv.parse(reference)
+        return str(found[-1]) if found else reference.strip()
+
+    def scores(self, completions: Sequence[str], reference: str) -> list[float | None]:
+        """1.0 / 0.0 for each completion; None each where the reference has no answer math-verify can parse."""
+        gold = self._mv.parse(reference)
+        if not gold:
+            return [None] * len(completions)
+        return [float(self._mv.verify(gold, self._mv.parse(text, extraction_config=self._config,
+                                                           extraction_mode="first_match")))
+                for text in completions]
+
+    def judge(self, completions: Sequence[str], reference: str) -> list[bool]:
+        """Whether each completion is correct (none is, against a reference it cannot parse)."""
+        return [score == 1.0 for score in self.scores(completions, reference)]
 
 
 def keep_correct(completions: Sequence[str], verdicts: Sequence[bool], limit: int | None = None,

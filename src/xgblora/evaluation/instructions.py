@@ -4,6 +4,7 @@ the end of the turn, and their exact match / F1 against the references (GSM8K's 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -14,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from xgblora.data import formats
 from xgblora.data.collation import iter_batches
 from xgblora.data.tasks import Example
-from xgblora.evaluation.answers import Verifier, f1_score, gsm8k_answer, normalize_answer
+from xgblora.evaluation.answers import MathVerifier, Verifier, f1_score, gsm8k_answer, normalize_answer
 from xgblora.models.sampler import greedy_continuations
 from xgblora.models.scoring import eval_mode, target_logprobs
 
@@ -44,7 +45,7 @@ def evaluate_instructions(model: PreTrainedModel, tokenizer: PreTrainedTokenizer
 
     Metrics: `loss` (first: the best checkpoint has the lowest) and `perplexity`; for examples with a prompt to
     answer (not plain-text rows) `em` and `f1` against the reference, and `accuracy` when every reference ends in
-    GSM8K's `#### N` (graded as RFT grades it: `GSM8K.judge`).
+    GSM8K's `#### N` (graded as RFT grades it: `GSM8K.judge`), or a LaTeX `\\boxed{}` answer (the math verifier).
     """
     loss = token_loss(model, tokenizer, examples, max_length=max_length, batch_size=batch_size,
                       train_on_prompt=train_on_prompt, stop_ids=stop_ids)
@@ -59,10 +60,21 @@ def evaluate_instructions(model: PreTrainedModel, tokenizer: PreTrainedTokenizer
     references = [ex.answers[0] for ex in answerable]
     metrics["em"] = _mean([normalize_answer(p) == normalize_answer(r) for p, r in zip(predictions, references, strict=True)])
     metrics["f1"] = _mean([f1_score(p, r) for p, r in zip(predictions, references, strict=True)])
-    if all("####" in r for r in references):
-        metrics["accuracy"] = _mean([GSM8K.judge([p], r)[0] for p, r in zip(predictions, references, strict=True)])
+    verifier = answer_verifier(references)
+    if verifier is not None:
+        metrics["accuracy"] = _mean([verifier.judge([p], r)[0] for p, r in zip(predictions, references, strict=True)])
     records = [{"prompt": t, "prediction": p, "reference": r} for t, p, r in zip(texts, predictions, references, strict=True)]
     return metrics, records
+
+
+def answer_verifier(references: Sequence[str]) -> Verifier | MathVerifier | None:
+    """How accuracy is graded, when every reference says: GSM8K's `#### N`, or a LaTeX `\\boxed{}` answer
+    (math-verify's judgement, when the package is installed); None otherwise."""
+    if all("####" in r for r in references):
+        return GSM8K
+    if all("\\boxed{" in r for r in references) and importlib.util.find_spec("math_verify") is not None:
+        return MathVerifier()
+    return None
 
 
 def _mean(values: Sequence[float | bool]) -> float:

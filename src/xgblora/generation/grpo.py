@@ -5,8 +5,8 @@ Every generation batch: the next generation_batch / G prompts (seeded epochs, re
 by the shared-prefix sampler (the policy, dropout off), the reward functions score the completions, the rewards
 become group-normalised advantages, and one pass without gradients gives what the loss needs besides: the old
 log-probabilities, when the batch serves more than one optimizer step or MeZO (whose two-point estimate needs the
-ratio's value), and the reference ones when beta > 0 (the model with its adapter switched off: no second copy; a
-frozen copy under full fine-tuning). The batch is shuffled by groups and cut into optimizer batches; each optimizer step
+ratio's value), and the reference ones when beta > 0 (the model as it started: a new adapter switched off, a
+continued adapter's starting factors, no second model; a frozen copy under full fine-tuning). The batch is shuffled by groups and cut into optimizer batches; each optimizer step
 takes the next (AdamW: in micro-batches, accumulated; MeZO: the whole optimizer batch, two perturbed forwards), and
 after num_iterations passes a new batch is sampled. XGBLoRA merges its boosters on its schedule meanwhile.
 
@@ -32,6 +32,7 @@ import functools
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,9 +57,14 @@ from xgblora.generation.grpo_objective import (
     CompletionBatch,
     GRPOLoss,
     Objective,
+    adapter_factors,
+    adapter_snapshot,
     adapters_off,
     advantages,
     completion_logprobs,
+    nanstd,
+    normalized_sum,
+    reward_scale,
     row_weights,
 )
 from xgblora.generation.rewards import Rewards
@@ -213,14 +219,19 @@ class GRPORun:
         self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) \
             if cfg.method == "ft" and cfg.beta else None
         self.method = setup_method(self.model, cfg)
+        # a continued LoRA adapter is the reference itself, as TRL's frozen copy of the starting model: its factors
+        # are kept (a fresh adapter is zero, so switching it off is the same reference at no cost)
+        self.reference_factors = adapter_snapshot(self.method.modules) \
+            if cfg.beta and cfg.adapter and cfg.method == "lora" else None
         self.model.eval()  # dropout off: the old, new and perturbed log-probabilities come from one function
         self.autocast = autocast_dtype(cfg, self.device)
         self.prompts = self._read(cfg.train_file)
         self.heldout = self._read(cfg.eval_file) if cfg.eval_file else None
         self.max_steps = cfg.max_steps if cfg.max_steps > 0 else self.plan.cycle * max(
             1, round(cfg.num_train_epochs * len(self.prompts.ids) / self.plan.prompts))
-        self.loss_fn = GRPOLoss(self.model, Objective(cfg.epsilon, cfg.epsilon_high, cfg.beta,
-                                                      cfg.use_bias_correction_kl), cfg.temperature, self.autocast)
+        objective = Objective(cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.use_bias_correction_kl, cfg.loss_type,
+                              cfg.importance_sampling_level)
+        self.loss_fn = GRPOLoss(self.model, objective, cfg.temperature, self.autocast)
         self.stepper = build_stepper(cfg, self.method, self.loss_fn, dist, self.device)
         boosting = self.method.boosting
         if boosting is not None:
@@ -231,6 +242,8 @@ class GRPORun:
         self.buffer = GenerationBuffer(dist, self.device)
         self.window = LossWindow(self.device)
         self.step, self.generations, self.resumes, self.earlier_s = 0, 0, 0, 0.0
+        self.extra_columns: dict[str, list[Any]] = {}  # reward functions' log_extra, for the logged completions
+        self.reward_metrics: dict[str, list[float]] = {}  # their log_metric, until the next logging step
         self.before: dict[str, float] = {}
         self.checkpointer = self._checkpointer()
         if cfg.resume_from_checkpoint:
@@ -301,7 +314,26 @@ class GRPORun:
         for key in dict.fromkeys(k for row in rows for k in row if k not in prompt_keys):
             columns[key] = [row.get(key) for row in rows]
         completions = [_completion_value(p, t) for p, t in zip(values, texts, strict=True)]
-        return self.rewards.score(values, completions, completion_ids, columns)
+        hooks = {"trainer_state": self._trainer_state(), "log_extra": self._log_extra, "log_metric": self._log_metric}
+        return self.rewards.score(values, completions, completion_ids, {**columns, **hooks},
+                                  [ex.source for ex in examples])
+
+    def _trainer_state(self) -> transformers.TrainerState:
+        """What TRL hands reward functions as trainer_state (transformers' TrainerState): the step, epoch, budget."""
+        epoch = self.stream.epoch + self.stream.cursor / max(1, len(self.prompts.ids))
+        return transformers.TrainerState(epoch=epoch, global_step=self.step, max_steps=self.max_steps,
+                                         logging_steps=self.cfg.logging_steps, eval_steps=self.cfg.eval_steps,
+                                         save_steps=self.cfg.save_steps,
+                                         train_batch_size=self.cfg.per_device_train_batch_size)
+
+    def _log_extra(self, column: str, values: list[Any]) -> None:
+        """TRL's log_extra: a column of one value per completion, shown beside the logged completions."""
+        self.extra_columns[column] = list(values)
+
+    def _log_metric(self, name: str, value: float) -> None:
+        """TRL's log_metric: a scalar, averaged over the logging step and logged with the other metrics (this
+        process's values)."""
+        self.reward_metrics.setdefault(name, []).append(float(value))
 
     def generate(self) -> Generation:
         """Sample, score and prepare this process's share of the next generation batch (see the module
@@ -316,18 +348,15 @@ class GRPORun:
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
         ids = [list(s.token_ids) + ([s.stop_id] if s.stop_id is not None else []) for s in samples]
         truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        self.extra_columns = {}
         rewards, advantage, metrics = self._rewards(indices, texts, ids, truncated)
         row_prompts = [i for i in indices for _ in range(plan.group)]
         seqs = [TokenSeq(tuple(self.prompts.ids[i]) + tuple(c), len(c), i, 0)
                 for i, c in zip(row_prompts, ids, strict=True)]
         tokens = collate(seqs, self.tokenizer.pad_token_id)
         mask = tokens.target_mask & ~truncated[:, None] if cfg.mask_truncated_completions else tokens.target_mask
-        # dapo divides by the generation batch's tokens on all ranks: per rank and step, their mean share
-        tokens_everywhere = float(self._gathered(mask.sum(1, keepdim=True))[0].sum())
-        weights = row_weights(mask, cfg.loss_type, cfg.max_new_tokens, plan.step,
-                              tokens_everywhere / plan.steps_per_generation / dist.world_size)
         batch = CompletionBatch(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
-                                position_ids=tokens.position_ids, target_mask=mask, nll_weight=weights,
+                                position_ids=tokens.position_ids, target_mask=mask,
                                 prompt_id=torch.tensor(row_prompts),
                                 prompt_length=torch.tensor([len(self.prompts.ids[i]) for i in row_prompts]),
                                 advantages=advantage)
@@ -336,10 +365,18 @@ class GRPORun:
         # its forward in the loss (completion_logprobs)
         groups = torch.randperm(len(indices), generator=torch.Generator().manual_seed(params.seed))
         order = (groups[:, None] * plan.group + torch.arange(plan.group)).flatten()
+        batch = batch.rows(order)
+        # dapo and cispo divide by the generation batch's tokens on all ranks
+        tokens_everywhere = float(self._gathered(mask.sum(1, keepdim=True))[0].sum())
+        weights = row_weights(batch.target_mask.cpu(), cfg.loss_type, cfg.max_new_tokens, plan.step,
+                              tokens_everywhere, plan.steps_per_generation * dist.world_size,
+                              cfg.per_device_train_batch_size)
         logged = [{"prompt": self.prompts.rows[indices[j // plan.group]], "completion": texts[j],
-                   "reward": float(rewards[j])} for j in range(min(SAMPLES_LOGGED, len(texts)))]
+                   "reward": float(rewards[j]), **{k: v[j] for k, v in self.extra_columns.items() if j < len(v)}}
+                  for j in range(min(SAMPLES_LOGGED, len(texts)))]
         self.generations += 1
-        return Generation(batch.rows(order), metrics, logged if cfg.log_completions else [])
+        return Generation(dataclasses.replace(batch, nll_weight=weights.to(self.device)), metrics,
+                          logged if cfg.log_completions else [])
 
     def _rewards(self, indices: list[int], texts: list[str], ids: list[list[int]],
                  truncated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -350,9 +387,19 @@ class GRPORun:
                             truncated[:, None].float()], 1)
         everyone, start = self._gathered(scores)
         per_function, rewards = everyone[:, :-2], self.rewards.total(everyone[:, :-2])
+        if torch.isnan(rewards).all():  # nothing to learn from, on any rank: the loss would be 0 to the end
+            raise UserError(f"{self.prompts.examples[indices[0]].source}: every reward function "
+                            f"({', '.join(self.rewards.names)}) returned None or NaN for all {len(rewards)} "
+                            f"completions of generation batch {self.generations + 1}; nothing to learn from")
         mine = slice(start, start + len(texts))
-        advantage = advantages(rewards, self.plan.group, self.cfg.scale_rewards)[mine]
-        metrics = self._generation_metrics(per_function, rewards, everyone[:, -2], everyone[:, -1].bool())
+        if self.cfg.multi_objective_aggregation == "normalize_then_sum":
+            shaped = normalized_sum(per_function, self.rewards.weights, self.plan.group)
+            group, scale = len(shaped), "batch"
+        else:
+            shaped, group, scale = rewards, self.plan.group, self.cfg.scale_rewards
+        advantage = advantages(shaped, group, scale)[mine]
+        metrics = self._generation_metrics(per_function, rewards, reward_scale(shaped, group, scale),
+                                           everyone[:, -2], everyone[:, -1].bool())
         return rewards[mine], advantage, metrics
 
     def _gathered(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -367,9 +414,22 @@ class GRPORun:
         old = self._logprobs(self.model, batch) if cfg.trainer == "zo" or self.plan.cycle > 1 else None
         ref = None
         if cfg.beta:
-            with contextlib.nullcontext() if self.reference is not None else adapters_off(self.method.modules):
-                ref = self._logprobs(self.reference if self.reference is not None else self.model, batch)
+            with self._reference_policy() as reference:
+                ref = self._logprobs(reference, batch)
         return dataclasses.replace(batch, old_logps=old, ref_logps=ref)
+
+    @contextlib.contextmanager
+    def _reference_policy(self) -> Iterator[torch.nn.Module]:
+        """The reference of --beta: the frozen copy (full fine-tuning), the model with the continued adapter's
+        starting factors, or the model with its adapter switched off (XGBLoRA: with the boosters merged so far)."""
+        if self.reference is not None:
+            yield self.reference
+        elif self.reference_factors is not None:
+            with adapter_factors(self.method.modules, self.reference_factors):
+                yield self.model
+        else:
+            with adapters_off(self.method.modules):
+                yield self.model
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: CompletionBatch) -> torch.Tensor:
@@ -378,16 +438,18 @@ class GRPORun:
             return torch.cat([completion_logprobs(model, batch.split(i, i + size), self.cfg.temperature)[0]
                               for i in range(0, batch.n_examples, size)])
 
-    def _generation_metrics(self, per_function: torch.Tensor, rewards: torch.Tensor, lengths: torch.Tensor,
-                            truncated: torch.Tensor) -> dict[str, float]:
-        """The statistics of the whole generation batch (every rank's rows)."""
-        grouped = rewards.view(-1, self.plan.group)
-        metrics = {"reward": float(rewards.nanmean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-                   **{f"rewards/{name}": float(per_function[:, i].nanmean())
-                      for i, name in enumerate(self.rewards.names)},
-                   "completion_length": float(lengths.mean()),
-                   "completions_truncated": float(truncated.float().mean()),
-                   "frac_reward_zero_std": float((grouped.max(1).values == grouped.min(1).values).float().mean())}
+    def _generation_metrics(self, per_function: torch.Tensor, rewards: torch.Tensor, scale: torch.Tensor,
+                            lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+        """The statistics of the whole generation batch (every rank's rows), as TRL logs them: unscored completions
+        left out of means and stds; frac_reward_zero_std, the share of completions whose advantage's std (scale) is
+        0."""
+        metrics = {"reward": float(rewards.nanmean()), "reward_std": float(nanstd(rewards))}
+        for i, name in enumerate(self.rewards.names):
+            metrics[f"rewards/{name}"] = float(per_function[:, i].nanmean())
+            metrics[f"rewards/{name}/std"] = float(nanstd(per_function[:, i]))
+        metrics.update({"completion_length": float(lengths.mean()),
+                        "completions_truncated": float(truncated.float().mean()),
+                        "frac_reward_zero_std": float(torch.isclose(scale, torch.zeros_like(scale)).float().mean())})
         if self.rewards.accuracy_index is not None:
             metrics["accuracy"] = float(per_function[:, self.rewards.accuracy_index].nanmean())
         return metrics
@@ -498,7 +560,9 @@ class GRPORun:
                             f"or --nan_policy skip)")
         current = self.buffer.current
         record = {"step": self.step, "loss": mean, "lr": lr, **current.metrics, **self._loss_statistics(),
+                  **{name: sum(v) / len(v) for name, v in self.reward_metrics.items()},
                   "elapsed_s": round(self.earlier_s + time.perf_counter() - self.started, 3)}
+        self.reward_metrics = {}
         if current.samples:
             record["samples"] = current.samples
         self.metrics.log(record)

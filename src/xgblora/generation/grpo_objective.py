@@ -8,11 +8,14 @@ log-probabilities of each completion token, and its mask m:
 - advantage A_i = r_i - mean(r of i's group), divided by (std + 1e-4) where std is the group's (scale_rewards
   group), the whole generation batch's (batch), or not at all (none); std is Bessel-corrected. A completion that
   every reward function left unscored (None) gets A = 0 and is left out of its group's mean and std.
-- ratio rho_it = exp(logp_it - old_it); per-token loss
+- ratio rho_it = exp(logp_it - old_it) (importance_sampling_level token), or one ratio per completion,
+  rho_i = exp(masked mean over t of (logp_it - old_it)) (sequence: GSPO); per-token loss
   l_it = -min(rho A_i, clip(rho, 1 - epsilon, 1 + epsilon_high) A_i) + beta kl_it, with
-  kl_it = (exp(ref_it - logp_it) - (ref_it - logp_it) - 1) rho_it (k3; times rho: TRL's use_bias_correction_kl).
+  kl_it = (exp(ref_it - logp_it) - (ref_it - logp_it) - 1) rho (k3; times rho: TRL's use_bias_correction_kl);
+  `cispo` instead l_it = -sg(min(rho, epsilon_high)) A_i logp_it + beta kl_it (the ratio clipped, not the term).
 - the loss of an optimizer step's n completions: `grpo` the mean over completions of each one's token mean;
-  `dr_grpo` sum(l m) / (n * max_completion_length); `dapo` sum(l m) / (the generation batch's completion tokens
+  `bnpo` the mean over its micro-batches of each one's token mean; `dr_grpo` sum(l m) / (n *
+  max_completion_length); `dapo` and `cispo` sum(l m) / (the generation batch's completion tokens, at least 1,
   / optimizer steps per generation batch), the token mean over the generation batch.
 
 Each normalisation is a weight per completion (`row_weights`), so a step's loss is the mean over its completions
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -35,7 +39,8 @@ from xgblora.adapters.lora import LoRALinear
 from xgblora.data.batches import TokenBatch
 from xgblora.models.scoring import token_logprobs
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPS = 1e-4  # TRL's: A = (r - mean) / (std + 1e-4)
 
@@ -49,33 +54,55 @@ def nanstd(x: Tensor, dim: int | None = None) -> Tensor:
     return corrected.sqrt().squeeze(dim) if dim is not None else corrected.sqrt().reshape(())
 
 
+def reward_scale(rewards: Tensor, group_size: int, scale_rewards: str = "group") -> Tensor:
+    """The std [n] each completion's advantage is divided by: its group's (group; also none, where it only tells
+    a group without spread), or the whole batch's (batch); 0 for groups of one, NaN where fewer than two scored."""
+    if scale_rewards == "batch":
+        return nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    if group_size < 2:
+        return torch.zeros_like(rewards)
+    return nanstd(rewards.view(-1, group_size), dim=1).repeat_interleave(group_size)
+
+
 def advantages(rewards: Tensor, group_size: int, scale_rewards: str = "group") -> Tensor:
     """Group-normalised advantages of rewards [n] (groups of group_size adjacent completions; NaN: unscored)."""
-    grouped = rewards.view(-1, group_size)
-    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size)
-    if scale_rewards == "batch":
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-    else:
-        std = nanstd(grouped, dim=1).repeat_interleave(group_size) if group_size > 1 else torch.zeros_like(rewards)
+    mean = torch.nanmean(rewards.view(-1, group_size), dim=1).repeat_interleave(group_size)
     centred = rewards - mean
     if scale_rewards != "none":
-        centred = centred / (std + STD_EPS)
+        centred = centred / (reward_scale(rewards, group_size, scale_rewards) + STD_EPS)
     return torch.nan_to_num(centred, nan=0.0)
 
 
+def normalized_sum(per_function: Tensor, weights: Tensor, group_size: int) -> Tensor:
+    """TRL's multi_objective_aggregation normalize_then_sum (GDPO): each function's rewards [n, functions] centred
+    and scaled within their group, then weighted and summed (unscored values skipped); NaN where none scored. Its
+    advantages are then those of the whole batch: advantages(total, n, "batch")."""
+    grouped = per_function.view(-1, group_size, per_function.shape[1])
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = nanstd(grouped, dim=1).unsqueeze(1) if group_size > 1 else torch.zeros_like(mean)
+    normalized = ((grouped - mean) / (std + STD_EPS)).view_as(per_function)
+    total = (normalized * weights).nansum(dim=1)
+    return total.masked_fill(torch.isnan(per_function).all(dim=1), math.nan)
+
+
 def row_weights(completion_mask: Tensor, loss_type: str, max_completion_length: int, rows_per_step: int,
-                tokens_per_step: float) -> Tensor:
+                generation_tokens: float, steps: int, micro_batch: int) -> Tensor:
     """Each completion's weight w_i [n], so that an optimizer step's loss is the mean over its rows_per_step
-    completions of w_i sum_t l_it m_it (module docstring); tokens_per_step (dapo): the generation batch's completion
-    tokens over its optimizer steps (data-parallel: the whole batch's over its steps and the processes, with
-    rows_per_step a process's rows, so that the mean over processes is the one-process loss)."""
+    completions of w_i sum_t l_it m_it (module docstring). The rows are in training order: bnpo's micro-batches
+    are consecutive runs of micro_batch rows. dapo and cispo divide by generation_tokens (the whole generation
+    batch's, at least 1, as TRL clamps it) over steps (its optimizer steps; data-parallel: times the processes,
+    with rows_per_step a process's rows, so that the mean over processes is the one-process loss)."""
     n = completion_mask.shape[0]
+    tokens = completion_mask.sum(1).float()
     if loss_type == "grpo":
-        return 1.0 / completion_mask.sum(1).clamp(min=1).float()
+        return 1.0 / tokens.clamp(min=1)
+    if loss_type == "bnpo":
+        per_micro_batch = tokens.view(-1, micro_batch).sum(1).clamp(min=1)
+        return (micro_batch / per_micro_batch).repeat_interleave(micro_batch)
     if loss_type == "dr_grpo":
         return torch.full((n,), 1.0 / max_completion_length)
-    if loss_type == "dapo":
-        return torch.full((n,), rows_per_step / max(tokens_per_step, 1.0))
+    if loss_type in ("dapo", "cispo"):
+        return torch.full((n,), rows_per_step * steps / max(generation_tokens, 1.0))
     raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
 
 
@@ -87,6 +114,8 @@ class Objective:
     epsilon_high: float | None = None
     beta: float = 0.0
     bias_correction_kl: bool = True
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
 
     @property
     def upper(self) -> float:
@@ -95,14 +124,22 @@ class Objective:
 
 
 def token_losses(logps: Tensor, old_logps: Tensor, ref_logps: Tensor | None, advantage: Tensor,
-                 objective: Objective) -> tuple[Tensor, dict[str, Tensor]]:
-    """l_it of every token [n, k] and the per-token statistics (ratio clipped low/high, KL) for the logs."""
-    ratio = torch.exp(logps - old_logps)
+                 objective: Objective, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """l_it of every token [n, k] and the per-token statistics (ratio clipped low/high, KL) for the logs; mask
+    [n, k] marks the completion tokens (a sequence-level ratio is their mean)."""
+    log_ratio = logps - old_logps
+    if objective.importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1)
+    ratio = torch.exp(log_ratio)
     a = advantage.unsqueeze(1)
-    clipped = torch.clamp(ratio, 1 - objective.epsilon, 1 + objective.upper)
-    loss = -torch.min(ratio * a, clipped * a)
-    stats = {"clip_low": ((ratio < 1 - objective.epsilon) & (a < 0)).float(),
-             "clip_high": ((ratio > 1 + objective.upper) & (a > 0)).float()}
+    if objective.loss_type == "cispo":
+        loss = -torch.clamp(ratio, max=objective.upper).detach() * a * logps
+        stats = {"cispo_clip_ratio": ((ratio > objective.upper) & (a > 0)).float()}
+    else:
+        clipped = torch.clamp(ratio, 1 - objective.epsilon, 1 + objective.upper)
+        loss = -torch.min(ratio * a, clipped * a)
+        stats = {"clip_low": ((ratio < 1 - objective.epsilon) & (a < 0)).float(),
+                 "clip_high": ((ratio > 1 + objective.upper) & (a > 0)).float()}
     if objective.beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta != 0 needs the reference log-probabilities")
@@ -112,7 +149,7 @@ def token_losses(logps: Tensor, old_logps: Tensor, ref_logps: Tensor | None, adv
             kl = kl * ratio
         loss = loss + objective.beta * kl
         stats["kl"] = kl.detach()
-    return loss, stats
+    return loss, {name: value.expand_as(logps) for name, value in stats.items()}
 
 
 @dataclass(kw_only=True)
@@ -215,6 +252,25 @@ def adapters_off(modules: Mapping[str, LoRALinear]) -> Iterator[None]:
             m.active = was[name]
 
 
+def adapter_snapshot(modules: Mapping[str, LoRALinear]) -> dict[str, tuple[Tensor, Tensor]]:
+    """A frozen copy of every adapter branch's factors (A, B): the reference policy of a continued adapter."""
+    return {name: (m.lora_A.detach().clone(), m.lora_B.detach().clone()) for name, m in modules.items()}
+
+
+@contextlib.contextmanager
+def adapter_factors(modules: Mapping[str, LoRALinear], factors: Mapping[str, tuple[Tensor, Tensor]]) -> Iterator[None]:
+    """The model with its adapter branches' factors replaced by `factors` (adapter_snapshot's); restored on exit.
+    Only for passes without a graph: the parameters' storage is swapped, not the parameters."""
+    kept = {name: (m.lora_A.data, m.lora_B.data) for name, m in modules.items()}
+    try:
+        for name, (A, B) in factors.items():
+            modules[name].lora_A.data, modules[name].lora_B.data = A, B
+        yield
+    finally:
+        for name, (A, B) in kept.items():
+            modules[name].lora_A.data, modules[name].lora_B.data = A, B
+
+
 class Statistics:
     """Token-weighted sums of what the loss saw since the last drain: clipped fractions, KL, entropy."""
 
@@ -252,8 +308,8 @@ class GRPOLoss:
         with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
             logps, entropy = completion_logprobs(self.model, batch, self.temperature, with_entropy=True)
         old = logps.detach() if batch.old_logps is None else batch.old_logps
-        losses, stats = token_losses(logps, old, batch.ref_logps, batch.advantages, self.objective)
         mask = batch.target_mask
+        losses, stats = token_losses(logps, old, batch.ref_logps, batch.advantages, self.objective, mask)
         self.statistics.add({**stats, "entropy": entropy}, mask)
         return (losses * mask).sum(1) * batch.nll_weight * batch.loss_scale
 

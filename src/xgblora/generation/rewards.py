@@ -7,15 +7,18 @@ other column of the prompt rows comes as a keyword argument, one value per compl
 
 `--reward_funcs` names them:
 - `gsm8k`, `answer_tags`, `regex:PATTERN`: correctness, 1.0 when the answer the verifier extracts agrees with the
-  row's reference answer (verify.py: numbers within --answer_tolerance, else normalised strings), else 0.0;
+  row's reference answer (answers.py: numbers within --answer_tolerance, else normalised strings), else 0.0;
+- `math`: correctness by the math-verify package, as TRL's accuracy_reward (LaTeX, \\boxed{}, fractions, equivalent
+  forms); None where the reference has no answer it can parse;
 - `format:SPEC`: 1.0 when the extractor SPEC (one of the above) finds an answer at all, else 0.0;
-- `module:function`: a user's function with TRL's signature, imported from the user's code.
+- `module:function`: a user's function with TRL's signature, imported from the user's code (the current folder
+  first) and called through usercode's guard (an exception, a wrong type or length, an infinite value: one line
+  naming the function and the row); it also receives TRL's trainer_state, log_extra and log_metric.
 The first correctness reward is the run's accuracy.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -24,11 +27,12 @@ from typing import Any
 
 import torch
 
+from xgblora import usercode
 from xgblora.errors import UserError
-from xgblora.evaluation.answers import Verifier, make_extractor
+from xgblora.evaluation.answers import MathVerifier, Verifier, make_extractor, make_verifier
 
 RewardFunc = Callable[..., Sequence["float | None"]]
-_BUILT_IN = re.compile(r"^(gsm8k|answer_tags|regex:.*)$", re.DOTALL)
+_BUILT_IN = re.compile(r"^(gsm8k|math|answer_tags|regex:.*)$", re.DOTALL)
 
 
 def completion_text(completion: Any) -> str:
@@ -40,17 +44,18 @@ def completion_text(completion: Any) -> str:
 
 @dataclass
 class Correct:
-    """1.0 where the verifier's answer agrees with the reference (the `reference` column), else 0.0."""
+    """1.0 where the verifier's answer agrees with the reference (the `reference` column), else 0.0; None where the
+    reference has no answer the verifier can read (the math verifier, as TRL's accuracy_reward)."""
 
-    verifier: Verifier
+    verifier: Verifier | MathVerifier
 
-    def __call__(self, completions: Sequence[Any], reference: Sequence[str | None], **_: Any) -> list[float]:
+    def __call__(self, completions: Sequence[Any], reference: Sequence[str | None], **_: Any) -> list[float | None]:
         scores = []
         for completion, ref in zip(completions, reference, strict=True):
             if ref is None:
                 raise UserError("a correctness reward needs a reference answer in every prompt row (a completion, "
                                 "response, or final assistant turn; --columns completion=answer maps yours)")
-            scores.append(float(self.verifier.judge([completion_text(completion)], ref)[0]))
+            scores.append(self.verifier.scores([completion_text(completion)], ref)[0])
         return scores
 
 
@@ -64,28 +69,16 @@ class Formatted:
         return [float(self.extract(completion_text(c)) is not None) for c in completions]
 
 
-def user_reward(spec: str) -> RewardFunc:
-    """A reward function given as module:function, imported from the user's code (the current folder first)."""
-    module_name, _, function_name = spec.partition(":")
-    try:
-        function = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError) as exc:
-        raise UserError(f"--reward_funcs {spec}: cannot import it ({type(exc).__name__}: {exc})") from None
-    if not callable(function):
-        raise UserError(f"--reward_funcs {spec}: {function_name} is not a function")
-    return function
-
-
 def make_reward(spec: str, tolerance: float) -> tuple[RewardFunc, bool]:
     """The reward function a --reward_funcs entry names, and whether it scores correctness."""
     if _BUILT_IN.match(spec):
-        return Correct(Verifier(make_extractor(spec), tolerance)), True
+        return Correct(make_verifier(spec, tolerance)), True
     if spec.startswith("format:") and _BUILT_IN.match(spec[len("format:"):]):
         return Formatted(make_extractor(spec[len("format:"):])), False
-    if re.fullmatch(r"[\w.]+:\w+", spec):
-        return user_reward(spec), False
-    raise UserError(f"--reward_funcs {spec!r}: choose gsm8k, answer_tags, regex:PATTERN, format:<one of those>, or "
-                    f"module:function")
+    if usercode.SPEC.fullmatch(spec):
+        return usercode.import_function("--reward_funcs", spec), False
+    raise UserError(f"--reward_funcs {spec!r}: choose gsm8k, math, answer_tags, regex:PATTERN, format:<one of "
+                    f"those>, or module:function")
 
 
 class Rewards:
@@ -103,15 +96,17 @@ class Rewards:
         self.accuracy_index = next((i for i, (_, correct) in enumerate(made) if correct), None)
 
     def score(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]],
-              columns: dict[str, Sequence[Any]]) -> torch.Tensor:
-        """Rewards [n, functions]; NaN where a function returned None."""
+              columns: dict[str, Any], rows: Sequence[str]) -> torch.Tensor:
+        """Rewards [n, functions]; NaN where a function returned None. columns: the keyword arguments besides
+        (the rows' other columns, one value per completion, and TRL's trainer_state, log_extra, log_metric); rows:
+        where each completion's prompt came from, for one-line errors about the user's functions."""
         out = torch.empty(len(completions), len(self.funcs))
         for i, (name, func) in enumerate(zip(self.names, self.funcs, strict=True)):
-            values = list(func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
-            if len(values) != len(completions):
-                raise UserError(f"reward function {name} returned {len(values)} rewards for {len(completions)} "
-                                f"completions (one per completion)")
-            out[:, i] = torch.tensor([math.nan if v is None else float(v) for v in values])
+            label = f"reward function {name}"
+            with usercode.row(usercode.batch(rows)):
+                values = usercode.call(label, func, prompts=prompts, completions=completions,
+                                       completion_ids=completion_ids, **columns)
+            out[:, i] = torch.tensor(usercode.scores(label, values, rows))
         return out
 
     def total(self, per_function: torch.Tensor) -> torch.Tensor:

@@ -37,14 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xgblora import atomic, checkpoint
+from xgblora import atomic, checkpoint, usercode
 from xgblora.adapters.trained import load_with_options, resolve
 from xgblora.config import Config, RFTConfig
 from xgblora.data import formats
 from xgblora.data.sources import parse_columns, read_rows
 from xgblora.data.tasks import Example, PromptTask
 from xgblora.errors import UserError
-from xgblora.evaluation.answers import Verifier, equations_hold, keep_correct, make_extractor
+from xgblora.evaluation.answers import MathVerifier, Verifier, equations_hold, keep_correct, make_verifier
 from xgblora.export import export_run
 from xgblora.generation.generate import Prompts, read_prompts, sampling_params, write_completions
 from xgblora.models.sampler import SamplingParams
@@ -122,7 +122,7 @@ class Kept:
     counts: dict[str, int]
 
 
-def keep_question(cfg: RFTConfig, verifier: Verifier, row: dict[str, Any], reference: str) -> Kept:
+def keep_question(cfg: RFTConfig, verifier: Verifier | MathVerifier, row: dict[str, Any], reference: str) -> Kept:
     """The completions of one question to train on: finished (a completion cut off by max_new_tokens would teach
     the model to stop mid-solution), correct, with equations that hold (--check_equations), distinct."""
     texts, reasons = row["completions"], row["finish_reasons"]
@@ -154,13 +154,22 @@ def verify_round(cfg: RFTConfig, questions: Questions, kept: list[Kept], round_d
             "questions": len(report), "kept_fraction": totals.get("kept", 0) / samples if samples else 0.0}
 
 
-def keep_all(cfg: RFTConfig, verifier: Verifier, questions: Questions, rows: list[dict[str, Any]]) -> list[Kept]:
+def keep_all(cfg: RFTConfig, verifier: Verifier | MathVerifier, questions: Questions, rows: list[dict[str, Any]]) -> list[Kept]:
     """What each question keeps of its completions (each completion extracted once)."""
-    return [keep_question(cfg, verifier, row, ex.answers[0])
-            for ex, row in zip(questions.prompts.examples, rows, strict=True)]
+    kept = []
+    for ex, row in zip(questions.prompts.examples, rows, strict=True):
+        with usercode.row(ex.source):  # a user's verifier that fails names the question
+            kept.append(keep_question(cfg, verifier, row, ex.answers[0]))
+    return kept
 
 
-def hint_questions(cfg: RFTConfig, questions: Questions, chosen: list[int], verifier: Verifier,
+def judge(verifier: Verifier | MathVerifier | MathVerifier, ex: Example, completions: list[str]) -> list[bool]:
+    """The verifier's verdicts on completions of one question (a user's verifier that fails names its row)."""
+    with usercode.row(ex.source):
+        return verifier.judge(completions, ex.answers[0])
+
+
+def hint_questions(cfg: RFTConfig, questions: Questions, chosen: list[int], verifier: Verifier | MathVerifier,
                    tokenizer: Any) -> Questions:
     """The chosen questions with their reference answer given as a hint (STaR's rationalisation), rendered as the
     questions are; a question in messages form gets the hint in its last user turn."""
@@ -185,7 +194,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def evaluate_model(cfg: RFTConfig, model_path: str, adapter: str | None, verifier: Verifier,
+def evaluate_model(cfg: RFTConfig, model_path: str, adapter: str | None, verifier: Verifier | MathVerifier,
                    round_dir: Path) -> dict[str, float]:
     """pass@1 of greedy answers and pass@k from n samples per held-out question (written to eval.json); no pass@k
     at temperature 0 (every sample would be the greedy one)."""
@@ -196,13 +205,13 @@ def evaluate_model(cfg: RFTConfig, model_path: str, adapter: str | None, verifie
     examples = questions.prompts.examples
     greedy = dataclasses.replace(sampling_params(cfg), num_samples=1, temperature=0.0)
     rows = sample_questions(loaded, questions, greedy, round_dir / "eval-greedy.jsonl")
-    metrics = {"pass@1": sum(any(verifier.judge(row["completions"], ex.answers[0]))
+    metrics = {"pass@1": sum(any(judge(verifier, ex, row["completions"]))
                              for ex, row in zip(examples, rows, strict=True)) / len(examples)}
     if cfg.pass_k and cfg.temperature > 0:
         params = dataclasses.replace(sampling_params(cfg), num_samples=cfg.pass_n or cfg.pass_k)
         rows = sample_questions(loaded, questions, params, round_dir / "eval-samples.jsonl")
         metrics[f"pass@{cfg.pass_k}"] = sum(
-            pass_at_k(len(row["completions"]), sum(verifier.judge(row["completions"], ex.answers[0])), cfg.pass_k)
+            pass_at_k(len(row["completions"]), sum(judge(verifier, ex, row["completions"])), cfg.pass_k)
             for ex, row in zip(examples, rows, strict=True)) / len(examples)
     atomic.write_text(round_dir / "eval.json", json.dumps(metrics, indent=2) + "\n")
     return metrics
@@ -250,7 +259,7 @@ def run_rft(cfg: RFTConfig) -> dict[str, Any]:
     """Run every round (see the module docstring); returns the per-round records (also rounds.json)."""
     _questions(cfg, cfg.train_file, "train")  # every input is checked before a model loads or a folder is made
     heldout = _questions(cfg, cfg.eval_file, "eval")
-    verifier = Verifier(make_extractor(cfg.verifier), cfg.answer_tolerance)
+    verifier = make_verifier(cfg.verifier, cfg.answer_tolerance)
     resolve(cfg.model_name, cfg.adapter)
     if cfg.sampler_model:
         resolve(cfg.sampler_model)
@@ -259,7 +268,7 @@ def run_rft(cfg: RFTConfig) -> dict[str, Any]:
         return _rounds(cfg, root, verifier)
 
 
-def _rounds(cfg: RFTConfig, root: Path, verifier: Verifier) -> dict[str, Any]:
+def _rounds(cfg: RFTConfig, root: Path, verifier: Verifier | MathVerifier) -> dict[str, Any]:
     """Round 0's measurement, then each round of sample -> verify -> train -> evaluate."""
     model_path, adapter = cfg.model_name, cfg.adapter
     records = [{"round": 0, "model": model_path,
