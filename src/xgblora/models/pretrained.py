@@ -67,6 +67,9 @@ RANDOM_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                              max_position_embeddings=4096, tie_word_embeddings=True)),
     "tiny-bert": ("bert", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
                                max_position_embeddings=512)),
+    # BERT-base's shapes (110M), for the contrastive step on a GPU where no embedding model can be downloaded
+    "bert-base-random": ("bert", dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                      intermediate_size=3072, max_position_embeddings=512)),
 }
 
 # TinyLlama-1.1B-Chat-v1.0's chat template (Zephyr's): the built-in *-chat models carry it, so that chat data can
