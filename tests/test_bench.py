@@ -70,9 +70,27 @@ def test_gpu_suite_runs_its_cpu_part_and_names_what_needs_cuda(tmp_path, capsys)
     tests = parts["cuda_tests"]["tests"]
     assert len(tests) >= 8 and all(t["outcome"] == "skipped" and t["message"] for t in tests.values())
     assert _positive(parts["cpu_bench"]["zo_step_over_two_forwards"])
-    for name in ("bench:llama-1b-random", "bench:opt-1.3b-random", "sft", "icl", "compile"):
-        assert parts[name] == {"status": "needs CUDA"}
-    assert "needs CUDA" in capsys.readouterr().out
+    for name in ("bench:llama-1b-random", "bench:opt-1.3b-random", "sft", "sft_shapes", "grpo", "embed", "icl",
+                 "compile"):
+        assert parts[name]["status"] == "needs CUDA" and _positive(parts[name]["estimate_s"])
+    stats = parts["cpu_bench"]["step_stats"]["adamw_lora_step"]
+    assert len(stats["steps_s"]) == 2 and stats["max_s"] >= stats["median_s"] and stats["mfu"] is None  # CPU
+    assert parts["cpu_bench"]["profiles"]["adamw_lora_step"]["ops"]
+    out = capsys.readouterr().out
+    assert "needs CUDA" in out and "| cpu_bench | adamw_lora_step |" in out and "top ops by self CPU time" in out
+
+
+def test_gpu_suite_reads_the_cuda_tests_from_the_path_it_is_given(tmp_path, monkeypatch):
+    """The installed package never reaches into a checkout's tests/: the file comes from the command line (default
+    relative to where the command runs)."""
+    monkeypatch.chdir(tmp_path)
+    assert gpu.cuda_tests(60.0)["status"] == "not run"
+    calls = []
+    monkeypatch.setattr(gpu.subprocess, "run", lambda command, **kwargs: calls.append(command) or
+                        subprocess.CompletedProcess(command, 5, "", ""))
+    (tmp_path / "cuda_checks.py").write_text("")
+    assert gpu.cuda_tests(60.0, "cuda_checks.py")["status"] == "ran"
+    assert calls and "cuda_checks.py" in calls[0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the CPU part; with a GPU the suite runs its CUDA part")

@@ -1,8 +1,8 @@
 """The CUDA paths, each against its CPU/eager/unfused counterpart: bf16 autocast, attention selection (SDPA,
 flash-attention), varlen packing, fused AdamW, --compile, MeZO's dual batch, full-model MeZO in bf16 (z in pieces,
 little memory added), out-of-memory halving on a real OOM,
-and a 1-GPU NCCL process group. Marked `cuda`; without a GPU every test skips with the reason.
-`xgblora bench --suite gpu` runs them (`python -m pytest -m cuda tests/test_cuda.py`)."""
+and a 1-GPU NCCL process group, the padded loss without a host sync. Marked `cuda`; without a GPU every test skips with the reason.
+`xgblora bench --suite gpu --cuda_tests tests/test_cuda.py` runs them (`python -m pytest -m cuda tests/test_cuda.py`)."""
 
 import importlib.util
 import os
@@ -182,3 +182,19 @@ def test_one_gpu_nccl_process_group_all_reduces():
             assert loss.item() == 1.5 and torch.equal(grad, before)
         finally:
             torch.distributed.destroy_process_group()
+
+
+def test_the_padded_token_mean_loss_makes_no_host_sync():
+    """The SFT loss after the model (target log-probs in chunks, token-mean weights, backward) queues its kernels
+    without waiting on the GPU: torch raises on any synchronising call in sync debug mode 'error'."""
+    seqs = synthetic_seqs(4, 48, 12, 512, seed=0)
+    batch = collate(seqs, 0, pad_to_multiple_of=64).token_mean().to(CUDA)
+    logits = torch.randn(4, batch.input_ids.shape[1], 512, device=CUDA, requires_grad=True)
+    head = lambda **kw: types.SimpleNamespace(logits=logits[:, -kw["logits_to_keep"]:] * 1.0)  # noqa: E731
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        per_example_loss(head, batch).mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert batch.input_ids.shape[1] == 64 and torch.isfinite(logits.grad).all()

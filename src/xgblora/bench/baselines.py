@@ -79,7 +79,8 @@ def hf_vs_xgblora(bench: Bench, steps: int, warmup: int) -> dict[str, Any]:
     hf_s, our_s = median(hf_times), median(our_times)
     return {"hf_peft_step_s": hf_s, "fo_lora_step_interleaved_s": our_s, "hf_peft_optim": optim,
             "hf_peft_train_tokens_per_s": tokens / hf_s, "hf_peft_train_samples_per_s": args.batch_size / hf_s,
-            "fo_lora_speedup_vs_hf_peft": hf_s / our_s, "hf_steps_timed": len(hf_times)}
+            "fo_lora_speedup_vs_hf_peft": hf_s / our_s, "hf_steps_timed": len(hf_times),
+            "step_times_s": {"hf_peft_step": hf_times, "fo_lora_step_interleaved": our_times}}
 
 
 # ----------------------------------------------------------------------------- evaluation: batched vs one pair per forward

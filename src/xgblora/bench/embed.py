@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import random
 import statistics
 import tempfile
@@ -30,8 +31,10 @@ from typing import Any
 import torch
 
 from xgblora.adapters import lora
+from xgblora.bench import flops
 from xgblora.bench.memory import memory_cell, peak_added, run_against_baseline, sides_in_subprocesses
-from xgblora.bench.timing import InterleavedSteps
+from xgblora.bench.profile import profile_slowest
+from xgblora.bench.timing import InterleavedSteps, step_stats
 from xgblora.data.pairs import pair_seqs
 from xgblora.data.sources import read_jsonl
 from xgblora.data.tasks import Example, MultiRC
@@ -129,6 +132,22 @@ def step_rows(case: EmbedCase, step: int) -> list[int]:
     return list(range(step * case.batch, (step + 1) * case.batch))
 
 
+@functools.cache
+def model_folder(name: str) -> str:
+    """The folder both sides load the model from: a built-in random model saved once per process (in a temporary
+    folder removed at exit), so that sentence-transformers reads the very weights xgblora trains."""
+    if name not in pretrained.RANDOM_MODELS:
+        return pretrained.resolve_path(name)
+    folder = Path(_SAVED.name) / name
+    model, tokenizer = pretrained.random_model(name, head="embed")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+_SAVED = tempfile.TemporaryDirectory(prefix="xgblora-bench-")
+
+
 # ----------------------------------------------------------------------------- the two sides
 
 class XgbloraContrastive:
@@ -137,11 +156,14 @@ class XgbloraContrastive:
 
     def __init__(self, case: EmbedCase, pairs: list[tuple[str, str]]) -> None:
         self.device = pretrained.choose_device(case.device)
-        head = pretrained.embedding_head(case.model_name, "contrastive")
-        self.model, tokenizer = pretrained.load(case.model_name, device=case.device, head=head)
+        folder = model_folder(case.model_name)
+        self.model, tokenizer = pretrained.load(folder, device=case.device,
+                                                head=pretrained.embedding_head(folder, "contrastive"))
         lora.attach(self.model, LORA["targets"], r=LORA["r"], alpha=LORA["alpha"])
         examples = [Example(query, (doc,), (0,)) for query, doc in pairs]
-        self.train_set = pair_training_set(pair_seqs(tokenizer, examples, case.max_length), tokenizer.pad_token_id)
+        self.seqs = pair_seqs(tokenizer, examples, case.max_length)
+        self.train_set = pair_training_set(self.seqs, tokenizer.pad_token_id)
+        self.lora_params = sum(p.numel() for _, p in lora.adapter_params(self.model))
         contrastive = Contrastive("mean", 1 / SCALE, mini_batch=case.mini_batch if case.cached else 0,
                                   split_cost=split_cost(None, self.device))
         self.loss = TrainingLoss(self.model, contrastive=contrastive)
@@ -172,7 +194,7 @@ def st_trainer(case: EmbedCase, pairs: list[tuple[str, str]], callbacks: list[An
             return BatchSampler(SequentialSampler(dataset), batch_size, drop_last)
 
     device = pretrained.choose_device(case.device)
-    model = SentenceTransformer(pretrained.resolve_path(case.model_name), device=str(device))
+    model = SentenceTransformer(model_folder(case.model_name), device=str(device))
     model.max_seq_length = case.max_length
     # PEFT's own injection (model.add_adapter asks transformers for a newer PEFT than some installs have)
     inject_adapter_in_model(LoraConfig(task_type=TaskType.FEATURE_EXTRACTION, r=LORA["r"], lora_alpha=LORA["alpha"],
@@ -202,9 +224,19 @@ def compare_case(case: EmbedCase) -> dict[str, Any]:
         timer.start()
         trainer.train()
     st_times, our_times = timer.trainer_s, timer.ours_s
+    rows = [r for s in range(case.warmup, case.warmup + case.steps) for r in step_rows(case, s)]
+    texts = [t for r in rows for t in (ours.seqs[r].query, *ours.seqs[r].docs)]
+    tokens = sum(len(t) for t in texts)  # unpadded; the model FLOPs of a text of mean length
+    per_token = flops.flops_per_token(ours.model.config, round(tokens / len(texts)), "train_lora", ours.lora_params,
+                                      lm_head=False)
     return {
         "model_name": case.model_name, "pairs": case.pairs, "variant": case.variant, "max_length": case.max_length,
         "steps_timed": len(our_times), "st_step_s": st_times, "xgblora_step_s": our_times,
+        "xgblora_step_stats": step_stats(our_times), "st_step_stats": step_stats(st_times),
+        "flops_per_token": per_token, "xgblora_mfu": flops.mfu(tokens / sum(our_times), per_token, ours.device),
+        "st_mfu": flops.mfu(tokens / sum(st_times), per_token, ours.device),
+        "xgblora_profile": profile_slowest(our_times, lambda i: ours.step(step_rows(case, case.warmup + i)),
+                                           ours.device),
         "speedup_vs_st": sum(st_times) / sum(our_times),
         "speedup_vs_st_median_step": statistics.median(s / o for s, o in zip(st_times, our_times, strict=True)),
         "xgblora_pairs_per_s": case.batch * len(our_times) / sum(our_times),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 SUITES = ("train", "sft", "icl", "compile", "grpo", "embed", "gpu")
-GPU_PARTS = ("cuda_tests", "bench", "sft", "icl", "compile")
+GPU_PARTS = ("cuda_tests", "bench", "sft", "sft_shapes", "grpo", "embed", "icl", "compile")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--suite embed: gradient caching's mini-batch, on both sides, for batches above it.")
     parser.add_argument("--embed_max_length", "--embed-max-length", type=int, default=256,
                         help="--suite embed: tokens per text.")
-    parser.add_argument("--gpu_budget_s", "--gpu-budget-s", type=float, default=570.0,
+    parser.add_argument("--cuda_tests", "--cuda-tests", default="tests/test_cuda.py", metavar="PATH",
+                        help="--suite gpu: the file of CUDA tests to run (pytest -m cuda), relative to where you run "
+                             "the command (default: a checkout's tests/test_cuda.py).")
+    parser.add_argument("--gpu_budget_s", "--gpu-budget-s", type=float, default=420.0,
                         help="--suite gpu: seconds for the whole suite; a part starts only if its estimate fits.")
     parser.add_argument("--gpu_parts", "--gpu-parts", nargs="+", default=list(GPU_PARTS), choices=GPU_PARTS,
                         metavar="PART", help=f"--suite gpu: the parts to run, e.g. the ones a budget skipped "

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from xgblora.bench.memory import memory_cell, peak_added, run_against_baseline, sides_in_subprocesses
+from xgblora.bench.profile import profile_slowest
 from xgblora.bench.sft import chat_tokenizer, generated_conversations
-from xgblora.bench.timing import InterleavedSteps
+from xgblora.bench.timing import InterleavedSteps, step_stats
 from xgblora.config import GRPOConfig
 from xgblora.errors import UserError
 from xgblora.generation.grpo import GRPORun
@@ -120,11 +121,14 @@ def compare_case(case: GRPOCase) -> dict[str, Any]:
         trainer = trl_trainer(case, prompts, [timer.callback()], trl_dir)
         timer.start()
         trainer.train()
+        profile = profile_slowest(timer.ours_s, lambda _: ours.train_step(), ours.device)
     trl_times, our_times = timer.trainer_s, timer.ours_s
     trl_s, our_s = sum(trl_times), sum(our_times)
     return {"model_name": case.model_name, "prompts": case.prompts, "num_generations": case.num_generations,
             "max_completion_length": case.max_completion_length, "steps_timed": len(our_times),
             "trl_step_s": trl_times, "xgblora_step_s": our_times,
+            "xgblora_step_stats": step_stats(our_times), "trl_step_stats": step_stats(trl_times),
+            "xgblora_profile": profile,
             "xgblora_steps_per_s": len(our_times) / our_s, "trl_steps_per_s": len(trl_times) / trl_s,
             "speedup_vs_trl": trl_s / our_s,
             "speedup_vs_trl_median_step": statistics.median(t / o for t, o in zip(trl_times, our_times, strict=True))}

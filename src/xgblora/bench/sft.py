@@ -24,6 +24,7 @@ import random
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,12 @@ from typing import Any
 import torch
 
 from xgblora.adapters import lora
+from xgblora.bench import flops
 from xgblora.bench.memory import memory_cell, peak_added, run_against_baseline, sides_in_subprocesses
-from xgblora.bench.timing import InterleavedSteps
+from xgblora.bench.profile import profile_slowest
+from xgblora.bench.timing import InterleavedSteps, step_stats, sync_device
 from xgblora.data import formats
-from xgblora.data.collation import TokenSeq
+from xgblora.data.collation import TokenSeq, pad_multiple
 from xgblora.data.tasks import Example
 from xgblora.errors import UserError
 from xgblora.models import pretrained
@@ -63,6 +66,7 @@ class SFTCase:
     data_dir: str = ""
     rows: int = 0  # GSM8K rows tokenised (the steps' batches come from them in order)
     max_length: int = 1024
+    pad_to_multiple_of: int = 0  # xgblora's padded widths; 0: the device's default (collation.pad_multiple)
 
     @property
     def variant(self) -> str:
@@ -154,7 +158,10 @@ class XgbloraSFT:
         lora.attach(self.model, LORA["targets"], r=LORA["r"], alpha=LORA["alpha"])
         if case.checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.train_set = sequence_training_set(seqs, tokenizer.pad_token_id, case.packed, token_mean=True)
+        self.pad_multiple = case.pad_to_multiple_of or pad_multiple(self.device)
+        self.train_set = sequence_training_set(seqs, tokenizer.pad_token_id, case.packed, token_mean=True,
+                                               pad_to_multiple_of=self.pad_multiple)
+        self.lora_params = sum(p.numel() for _, p in lora.adapter_params(self.model))
         params = lora.adapter_params(self.model)
         self.stepper = AdamWStepper(params, TrainingLoss(self.model), max_grad_norm=1.0, micro_batch=case.batch_size)
 
@@ -206,9 +213,17 @@ def compare_case(case: SFTCase) -> dict[str, Any]:
     tokens = [batch_tokens(seqs, rows) for rows in timed]
     all_tokens, target_tokens = sum(t[0] for t in tokens), sum(t[1] for t in tokens)
     trl_s, our_s = sum(trl_times), sum(our_times)
+    per_token = flops.flops_per_token(ours.model.config, round(all_tokens / (len(timed) * case.batch_size)),
+                                      "train_lora", ours.lora_params)
     return {
         "model_name": case.model_name, "variant": case.variant, "steps_timed": len(our_times),
         "trl_step_s": trl_times, "xgblora_step_s": our_times,
+        "xgblora_step_stats": step_stats(our_times), "trl_step_stats": step_stats(trl_times),
+        "flops_per_token": per_token, "xgblora_mfu": flops.mfu(all_tokens / our_s, per_token, ours.device),
+        "trl_mfu": flops.mfu(all_tokens / trl_s, per_token, ours.device),
+        **_widths(case, seqs, ours.pad_multiple),
+        "xgblora_profile": profile_slowest(our_times, lambda i: ours.step(step_rows(case, case.warmup + i)),
+                                           ours.device),
         "speedup_vs_trl": trl_s / our_s,
         "speedup_vs_trl_median_step": statistics.median(t / o for t, o in zip(trl_times, our_times, strict=True)),
         "xgblora_tokens_per_s": all_tokens / our_s, "trl_tokens_per_s": all_tokens / trl_s,
@@ -216,6 +231,41 @@ def compare_case(case: SFTCase) -> dict[str, Any]:
         "mean_tokens_per_row": all_tokens / (len(timed) * case.batch_size),
         "target_share": target_tokens / all_tokens,
     }
+
+
+def _widths(case: SFTCase, seqs: list[TokenSeq], multiple: int) -> dict[str, Any]:
+    """Each step's padded width on both sides (TRL pads to the longest row), from the first warm-up step on, and
+    whether xgblora's was new to the run: on a GPU the first step at a width pays for its kernel plans."""
+    if case.packed:
+        return {}
+    longest = [max(len(seqs[r].ids) for r in step_rows(case, s)) for s in range(case.warmup + case.steps)]
+    ours = [-(-n // multiple) * multiple for n in longest]
+    return {"pad_to_multiple_of": multiple, "trl_widths": longest, "xgblora_widths": ours,
+            "xgblora_new_width": [w not in ours[:k] for k, w in enumerate(ours)]}
+
+
+def shape_case(case: SFTCase, multiples: tuple[int, ...] = (1, 64)) -> dict[str, Any]:
+    """xgblora's padded steps alone, once per padding multiple, interleaved step by step on the same rows (the
+    widths of one multiple are not those of the other, so neither inherits the other's kernel plans): per-step
+    times, widths, and which steps met a new width."""
+    seqs = sft_seqs(case)
+    sides = {m: XgbloraSFT(dataclasses.replace(case, pad_to_multiple_of=m), seqs) for m in multiples}
+    times: dict[int, list[float]] = {m: [] for m in multiples}
+    for step in range(case.warmup + case.steps):
+        for m, side in sides.items():
+            t = _timed_step(side, step_rows(case, step))
+            if step >= case.warmup:
+                times[m].append(t)
+    return {"model_name": case.model_name, "steps_timed": case.steps, "warmup": case.warmup,
+            "multiples": {str(m): {**step_stats(times[m]), **_widths(case, seqs, m)} for m in multiples}}
+
+
+def _timed_step(side: XgbloraSFT, rows: list[int]) -> float:
+    sync_device(side.device)
+    start = time.perf_counter()
+    side.step(rows)
+    sync_device(side.device)
+    return time.perf_counter() - start
 
 
 # ----------------------------------------------------------------------------- memory, one process per side

@@ -31,8 +31,10 @@ def run_suite(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         return res, format_table(res)
     if args.suite == "gpu":
         args.json = args.json or "gpu-suite.json"
-        report = gpu.run(args)
-        return {"suite": "gpu", "environment": environment(args), **report}, gpu.format_table(report)
+        env = environment(args)
+        report = gpu.run(args, save=lambda partial: gpu.write(Path(args.json), {"suite": "gpu", "environment": env,
+                                                                                **partial}))
+        return {"suite": "gpu", "environment": env, **report}, gpu.format_table(report)
     module, key = LISTED_SUITES[args.suite]
     results = module.run(apply_quick(args))
     return {"suite": args.suite, "environment": environment(args), key: results}, module.format_table(results)

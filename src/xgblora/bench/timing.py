@@ -1,4 +1,5 @@
-"""Timing: workloads run round-robin (interleaved) and summarised by medians; the per-record cost of the metrics log."""
+"""Timing: workloads run round-robin (interleaved) and summarised by medians (and mean, p90, max, every step); the
+per-record cost of the metrics log."""
 
 from __future__ import annotations
 
@@ -97,6 +98,20 @@ class InterleavedSteps:
 def median(xs: list[float]) -> float:
     """The median of the timings, NaN when there are none."""
     return statistics.median(xs) if xs else float("nan")
+
+
+def step_stats(xs: list[float]) -> dict[str, Any]:
+    """Mean, median, p90 (linear interpolation between order statistics, numpy's default), max and the list of
+    per-step seconds: a slow step shows in p90 and max where the mean alone would hide which step it was."""
+    if not xs:
+        return {"n": 0, "mean_s": None, "median_s": None, "p90_s": None, "max_s": None, "steps_s": []}
+    ordered = sorted(xs)
+    pos = 0.9 * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    p90 = ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return {"n": len(xs), "mean_s": statistics.fmean(xs), "median_s": statistics.median(xs), "p90_s": p90,
+            "max_s": ordered[-1], "steps_s": list(xs)}
 
 
 def log_overhead(step_s: float, n: int = 500) -> dict[str, float]:

@@ -10,12 +10,21 @@ from typing import Any
 
 import torch
 
+from xgblora.bench import flops
 from xgblora.bench.baselines import eval_comparison, hf_vs_xgblora
 from xgblora.bench.flags import apply_quick
 from xgblora.bench.machine import environment
 from xgblora.bench.memory import measure_memory
-from xgblora.bench.timing import log_overhead, median, time_interleaved
+from xgblora.bench.profile import profile_slowest
+from xgblora.bench.timing import log_overhead, median, step_stats, time_interleaved
 from xgblora.bench.workloads import Bench
+
+# model FLOPs of each workload per token of its batch: (kind of pass, passes); MeZO's perturbation sweeps and
+# AdamW's update are not model FLOPs
+WORKLOAD_FLOPS = {"forward": ("forward", 1), "two_forwards": ("forward", 2), "lora_forward": ("forward", 1),
+                  "zo_step": ("forward", 2), "adamw_lora_step": ("train_lora", 1), "zo_full_step": ("forward", 2),
+                  "hf_peft_step": ("train_lora", 1), "fo_lora_step_interleaved": ("train_lora", 1)}
+PROFILED = ("zo_step", "adamw_lora_step", "zo_full_step")  # xgblora's own steps
 
 
 def _sizes_and_environment(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
@@ -43,6 +52,10 @@ def _step_figures(bench: Bench) -> dict[str, Any]:
     tokens = args.batch_size * args.seq_len
     res: dict[str, Any] = {f"{name}_s": value for name, value in med.items()}
     res["raw_times_s"] = times
+    res["step_stats"] = efficiency(bench, times)
+    workloads = {"zo_step": bench.zo_step, "adamw_lora_step": bench.adamw_step, "zo_full_step": bench.zo_full_step}
+    res["profiles"] = {name: profile_slowest(times[name], lambda _, fn=workloads[name]: fn(batch), bench.device)
+                       for name in PROFILED}
     res.update({
         "zo_step_over_two_forwards": med["zo_step"] / med["two_forwards"],
         "zo_full_step_over_two_forwards": med["zo_full_step"] / med["two_forwards"],
@@ -59,6 +72,23 @@ def _step_figures(bench: Bench) -> dict[str, Any]:
     return res
 
 
+def efficiency(bench: Bench, times: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
+    """Each workload's step statistics, tokens/s of its mean step and MFU (`bench.flops`: the device's bf16 peak;
+    None on the CPU)."""
+    args = bench.args
+    tokens = args.batch_size * args.seq_len
+    config = (bench.plain if bench.plain is not None else bench.lora_model).config
+    out = {}
+    for name, ts in times.items():
+        stats = step_stats(ts)
+        kind, passes = WORKLOAD_FLOPS[name]
+        per_token = passes * flops.flops_per_token(config, args.seq_len, kind, bench.lora_report.trainable_params)
+        tokens_per_s = tokens / stats["mean_s"] if ts else None
+        out[name] = {**stats, "tokens_per_s": tokens_per_s, "flops_per_token": per_token,
+                     "mfu": flops.mfu(tokens_per_s, per_token, bench.device) if ts else None}
+    return out
+
+
 def _hf_figures(bench: Bench) -> dict[str, Any]:
     """The HF Trainer + PEFT comparison, or a note saying why it was skipped (--skip_hf, or no peft)."""
     args = bench.args
@@ -66,7 +96,9 @@ def _hf_figures(bench: Bench) -> dict[str, Any]:
         return {"fo_lora_speedup_vs_hf_peft": None, "hf_note": "skipped (--skip_hf)"}
     if importlib.util.find_spec("peft") is None:
         return {"fo_lora_speedup_vs_hf_peft": None, "hf_note": "skipped: peft is not installed (pip install peft)"}
-    return hf_vs_xgblora(bench, max(args.repeats, 3), max(args.warmup, 1))
+    res = hf_vs_xgblora(bench, max(args.repeats, 3), max(args.warmup, 1))
+    res["step_stats"] = efficiency(bench, res.pop("step_times_s"))
+    return res
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -78,7 +110,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res.update(_step_figures(bench))
     res.update(log_overhead(res["adamw_lora_step_s"]))
     res.update(eval_comparison(bench, args.repeats, args.warmup))
-    res.update(_hf_figures(bench))
+    hf = _hf_figures(bench)
+    res["step_stats"].update(hf.pop("step_stats", {}))
+    res.update(hf)
     if args.skip_memory:
         res["zo_peak_mem_over_inference"] = None
     else:

@@ -67,6 +67,9 @@ RANDOM_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                              max_position_embeddings=4096, tie_word_embeddings=True)),
     "tiny-bert": ("bert", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
                                max_position_embeddings=512)),
+    # BERT-base's shapes (110M), for the contrastive step on a GPU where no embedding model can be downloaded
+    "bert-base-random": ("bert", dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                      intermediate_size=3072, max_position_embeddings=512)),
 }
 
 # TinyLlama-1.1B-Chat-v1.0's chat template (Zephyr's): the built-in *-chat models carry it, so that chat data can
@@ -117,11 +120,14 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def random_model(name: str, *, dtype: str = "float32", attn_implementation: str = "sdpa", seed: int = 0,
-                 head: str = "lm", **overrides: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Build a built-in random model (see RANDOM_MODELS) with the same weights for the same seed.
+                 head: str = "lm", device: str | torch.device = "cpu",
+                 **overrides: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Build a built-in random model (see RANDOM_MODELS) with the same weights for the same seed and device.
 
-    Encoders get a mask token added to the tokenizer; `head` picks the model class (see HEAD_CLASSES), and a
-    classifier's label count comes from `num_labels` in overrides.
+    The weights are created and initialised on `device`, in `dtype`: a 1B model built on the CPU and then moved
+    takes minutes of CPU initialisation, on a GPU a fraction of a second (its random numbers differ from the
+    CPU's). Encoders get a mask token added to the tokenizer; `head` picks the model class (see HEAD_CLASSES), and
+    a classifier's label count comes from `num_labels` in overrides.
     """
     model_type, shape = RANDOM_MODELS[name]
     tokenizer = tiny_tokenizer()
@@ -131,7 +137,8 @@ def random_model(name: str, *, dtype: str = "float32", attn_implementation: str 
         tokenizer.add_special_tokens({"mask_token": "<mask>"})
     vocab = max(shape.get("vocab_size", 0), (len(tokenizer) + 63) // 64 * 64)
     config = AutoConfig.for_model(model_type, **{**shape, "vocab_size": vocab, **_special_ids(tokenizer), **overrides})
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type), device:
         torch.manual_seed(seed)
         model = HEAD_CLASSES[head].from_config(config, attn_implementation=attn_implementation, dtype=DTYPES[dtype])
     return model, tokenizer
@@ -282,7 +289,8 @@ def load(name_or_path: str, *, dtype: str = "float32", attn_implementation: str 
     labels = {"num_labels": num_labels} if head == "classifier" and num_labels is not None else {}
     compute = DTYPES[compute_dtype or dtype]
     if name_or_path in RANDOM_MODELS:
-        model, tokenizer = random_model(name_or_path, dtype=dtype, attn_implementation=attn, head=head, **labels)
+        model, tokenizer = random_model(name_or_path, dtype=dtype, attn_implementation=attn, head=head,
+                                        device="cpu" if load_in_4bit else target, **labels)
         if load_in_4bit:
             quant.quantize_linears(model.to(target), quant.in_transformer_block, compute, target)
     else:

@@ -42,7 +42,7 @@ class TrainingSet:
 
 def causal_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
                         classification: bool, packed: bool = False, token_mean: bool = False,
-                        whole_sequence: bool = False) -> TrainingSet:
+                        whole_sequence: bool = False, pad_to_multiple_of: int = 1) -> TrainingSet:
     """A causal LM's training set: the gold continuation of each example, or all its candidates (classification).
 
     packed: each batch is its examples end to end in one row, without padding (`batching.collate_packed`).
@@ -52,7 +52,7 @@ def causal_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[E
     if whole_sequence:
         seqs = [dataclasses.replace(s, n_target=len(s.ids) - 1) for s in seqs]
     if not classification:
-        return sequence_training_set(seqs, tokenizer.pad_token_id, packed, token_mean)
+        return sequence_training_set(seqs, tokenizer.pad_token_id, packed, token_mean, pad_to_multiple_of)
     if packed:
         raise ValueError("packed batches hold one sequence per example: not the classification objective")
     by_example: dict[int, list[int]] = {}
@@ -64,15 +64,16 @@ def causal_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[E
 
 
 def sequence_training_set(seqs: Sequence[TokenSeq], pad_id: int, packed: bool = False,
-                          token_mean: bool = False) -> TrainingSet:
-    """A training set of one scored sequence per example, batched padded or packed; token_mean: a batch's loss is
-    the mean over its target tokens, else the mean of each example's mean."""
+                          token_mean: bool = False, pad_to_multiple_of: int = 1) -> TrainingSet:
+    """A training set of one scored sequence per example, batched padded (widths rounded up to pad_to_multiple_of)
+    or packed; token_mean: a batch's loss is the mean over its target tokens, else the mean of each example's
+    mean."""
     lengths = [len(s.ids) for s in seqs]
     if packed:
         return TrainingSet(lengths, lambda idx: collate_packed([seqs[i] for i in idx], token_mean))
 
     def batch(idx: Sequence[int]) -> TokenBatch:
-        padded = collate([seqs[i] for i in idx], pad_id)
+        padded = collate([seqs[i] for i in idx], pad_id, pad_to_multiple_of)
         return padded.token_mean() if token_mean else padded
 
     return TrainingSet(lengths, batch)

@@ -29,6 +29,7 @@ from xgblora.adapters.lora import (
 from xgblora.adapters.peft import read_adapter
 from xgblora.config import Config
 from xgblora.data import formats
+from xgblora.data.collation import pad_multiple
 from xgblora.data.pairs import PairTask, Prefixes, embedding_prefixes, held_apart, pair_seqs, prefix_length
 from xgblora.data.splits import Splits, load_rows, sample_splits
 from xgblora.data.tasks import CustomTask, Example, Task, get_task
@@ -332,10 +333,11 @@ def training_set(run: RunSetup) -> TrainingSet:
     if run.task.instruction:
         seqs = formats.instruction_seqs(run.tokenizer, run.splits.train, cfg.max_length, cfg.train_on_prompt,
                                      run.stop_ids)
-        return sequence_training_set(seqs, run.tokenizer.pad_token_id, packing_enabled(run), token_mean)
+        return sequence_training_set(seqs, run.tokenizer.pad_token_id, packing_enabled(run), token_mean,
+                                     pad_multiple(run.device))
     return causal_training_set(run.tokenizer, run.splits.train, cfg.max_length, cfg.train_as_classification,
                                packed=packing_enabled(run), token_mean=token_mean,
-                               whole_sequence=not cfg.only_train_option)
+                               whole_sequence=not cfg.only_train_option, pad_to_multiple_of=pad_multiple(run.device))
 
 
 def embedding_training_set(run: RunSetup) -> TrainingSet:

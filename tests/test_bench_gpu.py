@@ -1,0 +1,123 @@
+"""The GPU suite's pieces, checked on the CPU: step statistics, the FLOP count behind MFU, random models built on
+their device, the profiler summary."""
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from xgblora.adapters import lora
+from xgblora.bench import flops
+from xgblora.bench.profile import format_profile, profile_slowest
+from xgblora.bench.timing import step_stats
+from xgblora.models import pretrained
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 10, 23])
+def test_step_stats_match_numpy(n):
+    xs = list(np.random.default_rng(n).exponential(0.1, size=n))
+    stats = step_stats(xs)
+    assert stats["steps_s"] == xs and stats["n"] == n
+    assert stats["mean_s"] == pytest.approx(np.mean(xs), rel=1e-12)
+    assert stats["median_s"] == pytest.approx(np.median(xs), rel=1e-12)
+    assert stats["p90_s"] == pytest.approx(np.percentile(xs, 90), rel=1e-12)
+    assert stats["max_s"] == max(xs)
+
+
+def test_step_stats_of_no_steps():
+    assert step_stats([]) == {"n": 0, "mean_s": None, "median_s": None, "p90_s": None, "max_s": None, "steps_s": []}
+
+
+def _counted(fn):
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-opt"])
+def test_flops_per_token_equal_torch_flop_counter(name):
+    """PaLM's count (2N + 4LTd forward, 3x that for full training, 4N + 12LTd + 6N_lora for LoRA) against torch's
+    own FLOP counter on a forward and a forward + backward (eager attention: its matmuls are counted)."""
+    model, _ = pretrained.random_model(name, attn_implementation="eager")
+    batch, seq = 2, 16
+    ids = torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(0))
+    tokens = batch * seq
+    with torch.no_grad():
+        assert _counted(lambda: model(input_ids=ids)) == tokens * flops.flops_per_token(model.config, seq, "forward")
+    assert _counted(lambda: model(input_ids=ids).logits.sum().backward()) == \
+        tokens * flops.flops_per_token(model.config, seq, "train_full")
+    report = lora.attach(model, ["q_proj", "v_proj"], r=4)
+    model.enable_input_require_grads()  # every layer's input gradient, as in a deep model past its first layer
+    assert _counted(lambda: model(input_ids=ids).logits.sum().backward()) == \
+        tokens * flops.flops_per_token(model.config, seq, "train_lora", report.trainable_params)
+
+
+@pytest.mark.parametrize(("name", "head", "lm_head"), [("tiny-llama", "lm", True), ("tiny-opt", "lm", True),
+                                                       ("tiny-bert", "embed", False)])
+def test_matmul_params_count_the_linear_weights(name, head, lm_head):
+    model, _ = pretrained.random_model(name, head=head)
+    linear = sum(m.weight.numel() for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and "pooler" not in n)  # BERT's pooler reads one token a row
+    assert flops.matmul_params(model.config, lm_head) == linear
+
+
+def test_mfu_from_the_peak_table(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert flops.peak_flops(torch.device("cuda")) == 989e12
+    assert flops.mfu(1e5, 1e9, torch.device("cuda")) == pytest.approx(1e14 / 989e12)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    assert flops.peak_flops(torch.device("cuda")) == 756e12
+    assert flops.mfu(1e5, 1e9, torch.device("cpu")) is None
+
+
+class _LargestCpuTensor(TorchDispatchMode):
+    """Records the largest tensor any op puts on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_random_model_is_built_on_its_device_in_its_dtype():
+    """A 1B random model loaded for a device is created there (here the meta device: no memory, no time), never
+    on the CPU and moved: no tensor of a weight's size ever exists on the CPU."""
+    with _LargestCpuTensor() as largest:
+        model, _ = pretrained.load("llama-1b-random", dtype="bfloat16", device="meta")
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert largest.numel < 2048  # the smallest weight, a layer norm, has 2048 elements
+
+
+def test_random_model_on_the_cpu_keeps_its_weights():
+    a, _ = pretrained.random_model("tiny-llama")
+    b, _ = pretrained.random_model("tiny-llama", device=torch.device("cpu"), seed=0)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_profile_of_the_slowest_step():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    x = torch.randn(32, 64)
+    replayed = []
+
+    def replay(index):
+        replayed.append(index)
+        model(x).sum().backward()
+
+    summary = profile_slowest([0.1, 0.5, 0.2], replay, torch.device("cpu"), top=5)
+    assert replayed == [1] and summary["step"] == 1 and summary["timed_s"] == 0.5
+    assert summary["sorted_by"] == "self CPU time" and summary["wall_s"] > 0
+    ops = summary["ops"]
+    assert 0 < len(ops) <= 5 and {"name", "calls", "self_s", "share"} <= set(ops[0])
+    assert [o["self_s"] for o in ops] == sorted((o["self_s"] for o in ops), reverse=True)
+    assert any("addmm" in o["name"] or "mm" in o["name"] for o in ops)
+    assert 0 < sum(o["share"] for o in ops) <= 1 + 1e-9
+    assert format_profile("x", summary).count("\n| `") == len(ops)
+    assert profile_slowest([], replay, torch.device("cpu")) is None
