@@ -21,8 +21,8 @@ import torch
 
 from xgblora.errors import UserError
 
-# HF architecture -> llama.cpp's (Mistral is Llama to llama.cpp, as in its converter)
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# transformers' model type -> llama.cpp's architecture (Mistral is Llama to llama.cpp, as in its converter)
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 # --quantization -> (every 2-D weight's type, the token embedding's and output head's type, general.file_type)
 TYPES = {"f32": ("F32", "F32", "ALL_F32"), "f16": ("F16", "F16", "MOSTLY_F16"),
          "bf16": ("BF16", "BF16", "MOSTLY_BF16"), "q8_0": ("Q8_0", "Q8_0", "MOSTLY_Q8_0"),
@@ -62,24 +62,24 @@ def _field(reader: Any, key: str) -> Any:
 
 def check_architecture(config: dict[str, Any], where: str) -> str:
     """llama.cpp's architecture name of a model config; one line naming it for an architecture not written."""
-    arch = (config.get("architectures") or [config.get("model_type", "unknown")])[0]
-    if arch not in ARCHITECTURES:
-        raise UserError(f"{where}: GGUF export writes {', '.join(ARCHITECTURES)}; this model is {arch}")
+    if config.get("model_type") not in ARCHITECTURES:
+        found = (config.get("architectures") or [config.get("model_type")])[0]
+        raise UserError(f"{where}: GGUF export writes Llama, Mistral and Qwen2 models; this model is {found}")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", "linear"):
         raise UserError(f"{where}: GGUF export writes default or linear RoPE; this model's is {rope.get('rope_type')}")
-    return ARCHITECTURES[arch]
+    return ARCHITECTURES[config["model_type"]]
 
 
 def write(folder: Path, out: Path, quantization: str, origin: Origin | None = None) -> dict[str, Any]:
-    """Write the model folder as the GGUF file `out` at `quantization` (see TYPES); return what was written
-    (tensor name -> (shape, type)) and the metadata a reader checks."""
+    """Write the model folder as the GGUF file `out` at `quantization` (see TYPES), named (general.name) after the
+    file; return what was written (tensor name -> (shape, type)) and the metadata a reader checks."""
     import gguf
 
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     arch = check_architecture(config, str(folder))
     writer = gguf.GGUFWriter(out, arch)
-    writer.add_name(config.get("_name_or_path") or folder.name)
+    writer.add_name(out.stem)
     writer.add_file_type(gguf.LlamaFileType[TYPES[quantization][2]])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_hparams(writer, config, arch)
