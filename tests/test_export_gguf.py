@@ -121,7 +121,15 @@ def test_the_file_holds_llama_cpps_names_metadata_and_permuted_attention(exporte
 
 
 def _tiny_folder(tmp: Path, model_type: str, **shape) -> Path:
+    """A tiny model of the type; Qwen2's with Qwen2's own pre-tokenizer split (before byte-level BPE)."""
     tokenizer = pretrained.tiny_tokenizer()
+    if model_type == "qwen2":
+        from tokenizers import Regex, pre_tokenizers
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     config = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2, **shape)
@@ -148,6 +156,23 @@ def test_qwen2_and_mistral_read_back_exactly_at_f32(tmp_path, model_type):
     reference = _logits(AutoModelForCausalLM.from_pretrained(folder), ids)
     back = _logits(AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=f"tiny-{model_type}.gguf", dtype=torch.float32), ids)
     assert torch.allclose(back, reference, atol=1e-5, rtol=0)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    reread = AutoTokenizer.from_pretrained(tmp_path, gguf_file=f"tiny-{model_type}.gguf")
+    texts = [*TEXTS, "it's 2024:\n\n  x=1;y=22"]
+    assert [reread(t)["input_ids"] for t in texts] == [tokenizer(t)["input_ids"] for t in texts]
+    from gguf import GGUFReader
+
+    pre = GGUFReader(tmp_path / f"tiny-{model_type}.gguf").get_field("tokenizer.ggml.pre").contents()
+    assert pre == {"qwen2": "qwen2", "mistral": "gpt-2"}[model_type]
+
+
+def test_a_sentencepiece_style_tokenizer_is_refused_in_one_line(tmp_path):
+    folder = _tiny_folder(tmp_path, "mistral")
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["model"]["byte_fallback"] = True
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(UserError, match="writes byte-level BPE tokenizers .* with byte fallback"):
+        gguf_export.write(folder, tmp_path / "m.gguf", "f16")
 
 
 def test_a_run_trained_from_a_gguf_file_exports_to_that_files_type_and_tokenizer(tmp_path):
