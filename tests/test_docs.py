@@ -1,4 +1,4 @@
-"""Every documented command runs as written: each `xgblora ...` line of a fenced shell block in README.md, and each
+"""Every documented command runs as written: each `xgblora ...` line of a fenced shell block in README.md and docs/, and each
 command quoted in a file under examples/, run from a temporary folder (not the repository root) with only these
 rewrites (the mapping below, applied to the command's words):
 
@@ -68,9 +68,11 @@ def _commands(block: str) -> list[str]:
 
 
 def documented_commands() -> list[tuple[str, str]]:
-    """(where, command) of every command in README.md's shell blocks and quoted in examples/, in document order."""
-    found = [("README.md", c) for block in _shell_blocks((REPO / "README.md").read_text(encoding="utf-8"))
-             for c in _commands(block)]
+    """(where, command) of every command in the shell blocks of README.md and docs/, and quoted in examples/, in
+    document order."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    found = [(str(page.relative_to(REPO)), c) for page in pages
+             for block in _shell_blocks(page.read_text(encoding="utf-8")) for c in _commands(block)]
     inline = re.findall(r"`((?:[A-Z_]+=\S+ )+bash examples/\S+)`", (REPO / "README.md").read_text(encoding="utf-8"))
     found += [("README.md", c) for c in inline]
     for path in sorted((REPO / "examples").rglob("*")):

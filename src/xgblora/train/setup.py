@@ -309,7 +309,7 @@ def resolve_bidirectional(cfg: Config, model: torch.nn.Module, head: str) -> boo
 def _warn_on_emulated_bf16(cfg: Config, device: torch.device) -> None:
     if device.type == "cpu" and (cfg.bf16 or cfg.dtype_name != "float32") and not perf.cpu_has_bf16():
         log.warning("this CPU has no native bf16 arithmetic (no avx512_bf16, AMX or Arm bf16): half precision runs "
-                    "emulated, 24x slower than fp32 for an all-MiniLM-L6-v2 training step on a 2-core AMD EPYC; "
+                    "emulated, many times slower than fp32 (24x for an all-MiniLM-L6-v2 training step, BENCHMARKS.md); "
                     "drop --bf16 / --load_bfloat16 / --load_float16 on this machine")
 
 
