@@ -47,6 +47,7 @@ SKIPPED = {
     "pip install": "installs packages",
     "...": "a placeholder for flags; tests/test_distributed.py runs multi-process training",
     "--suite gpu": "minutes long; tests/test_bench.py runs the suite",
+    "ollama ": "the Ollama runtime is not installed here; tests/test_export_gguf.py renders the Modelfile's TEMPLATE",
 }
 SLOW = ("xgblora mezo", "xgblora rft", "--objective grit", "xgblora chat", "mezo.sh", "--dev_pool sentences",
         "--eval_file chat_eval.jsonl")

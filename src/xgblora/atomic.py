@@ -86,6 +86,20 @@ def create_text(path: Path, text: str) -> bool:
     return True
 
 
+def publish_new(tmp: Path, path: Path) -> bool:
+    """Move the finished file `tmp` to `path` (same file system) if no file is there; False (tmp kept) if one is.
+    link() refuses an existing name, so an existing file is never replaced, not even by a writer racing this one."""
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    Path(tmp).unlink()
+    fsync_dir(Path(path).parent)
+    return True
+
+
 def _fsync_tree(root: Path) -> None:
     for folder, _, files in os.walk(root):
         for name in files:

