@@ -31,7 +31,7 @@ MEZO_NUM_TRAIN = 1000
 # (the default) is the measured best: more boosters on every layer beat the paper's third of the layers at equal
 # steps where rank limits and on SmolLM2, and tie on MiniLM SST-2 (BENCHMARKS.md, "XGBLoRA's preset").
 PRESET_BOOSTERS = {"paper": 5, "plain": 25}
-ZO_ESTIMATORS = ("mezo", "fzoo", "svrg", "nspsa")
+ZO_ESTIMATORS = ("mezo", "fzoo", "svrg", "nspsa", "es")
 GGUF_SUFFIX = ".gguf"
 
 
@@ -198,9 +198,9 @@ class Config(ModelOptions):
     trainer: str = _opt("regular", "regular (AdamW), zo (MeZO), or none (evaluate only: what `xgblora eval` runs).", ("none", "regular", "zo"))
     learning_rate: float = _opt(1e-5, "Peak learning rate.")
     zo_eps: float = _opt(1e-3, "MeZO perturbation size epsilon.")
-    zo_dual: bool | None = _opt(None, "ZO with adapters: both perturbed losses of a two-point estimate from one forward over a doubled batch (default: on where it applies: adapters with mezo, nspsa or svrg).")
-    zo_estimator: str = _opt("mezo", "Zeroth-order gradient estimator: mezo (two-point SPSA, 2 forwards/step), nspsa (mean of --zo_queries two-point estimates), fzoo (--zo_queries one-sided Rademacher estimates over their std, queries+1 forwards), svrg (MeZO-SVRG: large-batch anchor every --zo_svrg_period steps, 4 forwards between).", ZO_ESTIMATORS)
-    zo_queries: int | None = _opt(None, "Perturbations per step: nspsa's two-point estimates (default 4), fzoo's one-sided ones (default 8); mezo and svrg use 1.")
+    zo_dual: bool | None = _opt(None, "ZO with adapters: both perturbed losses of a two-point estimate from one forward over a doubled batch (default: on where it applies: adapters with mezo, nspsa, svrg or es).")
+    zo_estimator: str = _opt("mezo", "Zeroth-order gradient estimator: mezo (two-point SPSA, 2 forwards/step), nspsa (mean of --zo_queries two-point estimates), fzoo (--zo_queries one-sided Rademacher estimates over their std, queries+1 forwards), svrg (MeZO-SVRG: large-batch anchor every --zo_svrg_period steps, 4 forwards between), es (evolution strategies: --zo_queries antithetic pairs, losses z-scored over the population).", ZO_ESTIMATORS)
+    zo_queries: int | None = _opt(None, "Perturbations per step: nspsa's two-point estimates (default 4), fzoo's one-sided ones (default 8), es's antithetic pairs (default 15: a population of 30); mezo and svrg use 1.")
     zo_optimizer: str = _opt("sgd", "What the ZO estimate drives: sgd (in place, no state), momentum (torch SGD, --adam_beta1 as momentum), adam (torch AdamW); the last two keep fp32 state as large as the trainable weights.", ("sgd", "momentum", "adam"))
     zo_svrg_period: int = _opt(10, "svrg: steps from one anchor step to the next.")
     zo_svrg_anchor_batches: int = _opt(8, "svrg: training batches the anchor step's large-batch estimate averages (2 forwards each).")

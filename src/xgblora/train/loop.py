@@ -35,7 +35,7 @@ from xgblora.logs import MetricsLog, ProgressLine
 from xgblora.optim.fo import AdamWStepper
 from xgblora.optim.schedule import Schedule
 from xgblora.optim.zo import MeZO, ZOStepper
-from xgblora.optim.zo_estimators import FZOO, NSPSA, MeZOSVRG, SVRGStepper
+from xgblora.optim.zo_estimators import ES, FZOO, NSPSA, MeZOSVRG, SVRGStepper
 from xgblora.trackers import open_trackers, parse_report_to
 from xgblora.train.head import HeadTrainer
 from xgblora.train.objective import TrainingLoss, TrainingSet
@@ -185,12 +185,12 @@ def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Dist
     return stepper(estimator, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
 
 
-ESTIMATORS = {"mezo": MeZO, "nspsa": NSPSA, "fzoo": FZOO, "svrg": MeZOSVRG}
+ESTIMATORS = {"mezo": MeZO, "nspsa": NSPSA, "fzoo": FZOO, "svrg": MeZOSVRG, "es": ES}
 
 
 def estimator_options(cfg: Config) -> dict[str, int]:
     """The estimator's own options: its queries per step, or SVRG's period and anchor batches."""
-    if cfg.zo_estimator in ("nspsa", "fzoo"):
+    if cfg.zo_estimator in ("nspsa", "fzoo", "es"):
         return {"queries": cfg.zo_queries} if cfg.zo_queries is not None else {}
     if cfg.zo_estimator == "svrg":
         return {"period": cfg.zo_svrg_period, "anchor_batches": cfg.zo_svrg_anchor_batches}
