@@ -189,6 +189,8 @@ class Config(ModelOptions):
     xgblora_shrinkage: float = _opt(1.0, "Merge step size alpha_t: W += alpha_t * delta (the paper's 1).")
     xgblora_norm_penalty: float | None = _opt(None, "lambda in lambda * (|A|^2 + |B|^2) added to the loss (default 1e-3 under the paper preset, 0 under plain).")
     xgblora_restart_schedule: bool = _opt(False, "Run the learning-rate schedule (warm-up and decay) anew for every booster, over its steps.")
+    xgblora_init: str = _opt("random", "Where each booster starts: random (A Kaiming-uniform, B = 0, as LoRA) or gradient (A = the leading right singular vectors of the gradient of each adapted weight over --xgblora_init_batches training batches, B = 0: its first step follows the gradient's best rank-r direction; --trainer regular only).", ("gradient", "random"))
+    xgblora_init_batches: int = _opt(4, "--xgblora_init gradient: training batches (one forward and backward each, beside the training steps) whose gradient starts each booster.")
     xgblora_adaptive: bool = _opt(False, "The Boosting-LoRA-ZO fork's extension (not the paper's): merge when the loss EMA stops improving, at the latest after --xgblora_adaptive_max_steps.")
     xgblora_adaptive_max_steps: int | None = _opt(None, "Adaptive merge: most steps one booster trains (default: the steps per booster of the fixed schedule).")
     xgblora_adaptive_patience: int = _opt(50, "Adaptive merge: steps without improvement before merging.")
@@ -318,6 +320,12 @@ class Config(ModelOptions):
             raise UserError(f"--xgblora_norm_penalty must be 0 or more, got {self.xgblora_norm_penalty}")
         if self.xgblora_layers_per_booster is not None and self.xgblora_layers_per_booster < 1:
             raise UserError(f"--xgblora_layers_per_booster must be at least 1, got {self.xgblora_layers_per_booster}")
+        if self.xgblora_init_batches < 1:
+            raise UserError(f"--xgblora_init_batches must be at least 1, got {self.xgblora_init_batches}")
+        if self.xgblora_init == "gradient" and self.trainer == "zo" and self.method == "xgblora":
+            raise UserError("--xgblora_init gradient needs the gradient of each adapted weight, a backward pass: "
+                            "under --trainer zo a few zeroth-order estimates cannot find its leading direction "
+                            "(README, XGBLoRA); use --xgblora_init random")
         if self.trainer == "zo" and self.method != "ft" and self.scaling > ZO_MAX_SCALING:
             log.warning("--trainer zo with an adapter scale of %g (alpha %g, r %d%s): MeZO's change of B A per step "
                         "grows with the square of the scale, %gx that of r=8, alpha=16; lower --lora_alpha (default "
@@ -634,7 +642,8 @@ XGBLORA_ADAPTIVE_OPTIONS = ("xgblora_adaptive_max_steps", "xgblora_adaptive_pati
                             "xgblora_adaptive_ema")
 XGBLORA_OPTIONS = ("xgblora_preset", "xgblora_num_boosters", "xgblora_steps_per_iteration",
                    "xgblora_layers_per_booster", "xgblora_shrinkage", "xgblora_norm_penalty",
-                   "xgblora_restart_schedule", "xgblora_adaptive", *XGBLORA_ADAPTIVE_OPTIONS)
+                   "xgblora_restart_schedule", "xgblora_init", "xgblora_init_batches", "xgblora_adaptive",
+                   *XGBLORA_ADAPTIVE_OPTIONS)
 ZO_OPTIONS = ("zo_eps", "zo_dual", "zo_estimator", "zo_queries", "zo_optimizer", "zo_svrg_period",
               "zo_svrg_anchor_batches", "zo_stochastic_rounding", "head_trainer", "head_learning_rate")
 GRIT_OPTIONS = ("grit_contrastive_weight", "grit_generative_weight", "grit_generative_batch_size")

@@ -268,6 +268,8 @@ class Trainer:
         cfg, state = self.cfg, self.state
         state.part_started = time.perf_counter()  # set-up and resuming are not training time
         self.run.model.train(cfg.trainer == "regular")  # MeZO's forwards run in eval mode: no dropout in L+ vs L-
+        if state.step == 0:
+            self._start_booster()
         with graceful_stop() as stop, self._metrics() as self.metrics, self._progress() as self.progress:
             while state.step < self.max_steps:
                 lr = self.schedule(self._schedule_step())
@@ -314,7 +316,22 @@ class Trainer:
         observed = float(loss) if self.cfg.xgblora_adaptive else None
         event = self.method.boosting.after_step(self.state.step, observed, self.stepper.forget)
         if event is not None:
+            if self.state.step < self.max_steps:  # a booster merged at the last step has no successor to start
+                self._start_booster()
             self.metrics.log({**event, "step": self.state.step})
+
+    def _start_booster(self) -> None:
+        """--xgblora_init gradient: the new booster's A from the gradient of the next --xgblora_init_batches
+        training batches (drawn from the run's stream, so a resumed run draws the same ones)."""
+        boosting = self.method.boosting
+        if boosting is None or self.cfg.xgblora_init != "gradient":
+            return
+
+        def backward(inputs: list[torch.nn.Parameter]) -> None:
+            for _ in range(self.cfg.xgblora_init_batches):
+                self.loss_fn(self.next_batch()).mean().backward(inputs=inputs)
+
+        boosting.init_from_gradients(backward, self.dist.all_mean)
 
     def _log(self, lr: float) -> None:
         """Drain the loss window into metrics.jsonl; a non-finite loss stops the run under --nan_policy stop."""
