@@ -190,7 +190,7 @@ class Config(ModelOptions):
     xgblora_norm_penalty: float | None = _opt(None, "lambda in lambda * (|A|^2 + |B|^2) added to the loss (default 1e-3 under the paper preset, 0 under plain).")
     xgblora_restart_schedule: bool = _opt(False, "Run the learning-rate schedule (warm-up and decay) anew for every booster, over its steps.")
     xgblora_init: str = _opt("random", "Where each booster starts: random (A Kaiming-uniform, B = 0, as LoRA) or gradient (A = the leading right singular vectors of the gradient of each adapted weight over --xgblora_init_batches training batches, B = 0: its first step follows the gradient's best rank-r direction; --trainer regular only).", ("gradient", "random"))
-    xgblora_init_batches: int = _opt(4, "--xgblora_init gradient: training batches (one forward and backward each, beside the training steps) whose gradient starts each booster.")
+    xgblora_init_batches: int = _opt(1, "--xgblora_init gradient: training batches (one forward and backward each, beside the training steps) whose gradient starts each booster.")
     xgblora_adaptive: bool = _opt(False, "The Boosting-LoRA-ZO fork's extension (not the paper's): merge when the loss EMA stops improving, at the latest after --xgblora_adaptive_max_steps.")
     xgblora_adaptive_max_steps: int | None = _opt(None, "Adaptive merge: most steps one booster trains (default: the steps per booster of the fixed schedule).")
     xgblora_adaptive_patience: int = _opt(50, "Adaptive merge: steps without improvement before merging.")
