@@ -49,6 +49,15 @@ RUNS: dict[str, tuple[dict[str, Any], tuple[float, ...]]] = {
                                                             xgblora_num_boosters=25), (3e-3, 1e-2, 3e-2)),
     "XGBLoRA r=1, plain, 25 boosters (AdamW)": (dict(method="xgblora", xgblora_preset="plain",
                                                      xgblora_num_boosters=25), (3e-3, 1e-2, 3e-2)),
+    # steps per booster (80 steps: 3, 10, 20), and boosters that start from the gradient of one batch
+    "XGBLoRA r=1, plain, 25 boosters, gradient init (AdamW)": (dict(method="xgblora", xgblora_num_boosters=25,
+                                                                    xgblora_init="gradient"), (3e-3, 1e-2, 3e-2)),
+    "XGBLoRA r=1, plain, 8 boosters (AdamW)": (dict(method="xgblora", xgblora_num_boosters=8), (3e-3, 1e-2, 3e-2)),
+    "XGBLoRA r=1, plain, 8 boosters, gradient init (AdamW)": (dict(method="xgblora", xgblora_num_boosters=8,
+                                                                   xgblora_init="gradient"), (3e-3, 1e-2, 3e-2)),
+    "XGBLoRA r=1, plain, 4 boosters (AdamW)": (dict(method="xgblora", xgblora_num_boosters=4), (3e-3, 1e-2, 3e-2)),
+    "XGBLoRA r=1, plain, 4 boosters, gradient init (AdamW)": (dict(method="xgblora", xgblora_num_boosters=4,
+                                                                   xgblora_init="gradient"), (3e-3, 1e-2, 3e-2)),
 }
 
 

@@ -1,7 +1,9 @@
 """XGBLoRA boosting: equivalence to plain LoRA, merge invariants, layer sampling, adaptive merge, exact resume."""
 
+import copy
 import io
 import logging
+import math
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ from conftest import forget_state_in
 from torch import nn
 
 from xgblora.adapters.boosting import Boosting, block_of
-from xgblora.adapters.lora import LoRALinear, attach
+from xgblora.adapters.lora import LoRALinear, attach, unwrap
 from xgblora.models import pretrained
 
 
@@ -116,6 +118,40 @@ def test_merge_invariants(caplog):
     # training continues: the optimizer rebuilds the state of the fresh booster
     losses, _ = _train(model, opt, boosting, 4, 5)
     assert all(m.lora_A in opt.state for m in mods.values()) and all(map(lambda x: x == x, losses))
+
+
+def test_a_booster_started_from_the_gradient_after_a_merge():
+    """After a merge, init_from_gradients gives each layer of the new subset A = the leading right singular
+    vector of autograd's gradient of its merged weight (reduced over ranks), B = 0: the logits do not move and
+    the layers outside the subset keep their factors."""
+    model, mods, boosting, opt = _setup(steps_per_iteration=3, layers_per_booster=1)
+    _train(model, opt, boosting, 1, 3)  # merged at step 3; a new block carries the next booster
+    active = boosting.active_modules()
+    assert 0 < len(active) < len(mods)
+    idle = {n: m.lora_A.detach().clone() for n, m in mods.items() if n not in active}
+    ids = _batch(model, 77)
+    reference = copy.deepcopy(model)
+    unwrap(reference)  # B = 0: the merged weights alone
+    for name in active:
+        reference.get_submodule(name).weight.requires_grad_(True)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    reduced = []
+
+    def reduce(grad: torch.Tensor) -> torch.Tensor:
+        reduced.append(grad)
+        return grad
+
+    boosting.init_from_gradients(lambda inputs: model(input_ids=ids, labels=ids).loss.backward(inputs=inputs), reduce)
+    assert len(reduced) == len(active)
+    for name, m in active.items():
+        v = torch.linalg.svd(reference.get_submodule(name).weight.grad)[2][0]
+        torch.testing.assert_close(float((m.lora_A.detach()[0] @ v).abs()), 1 / math.sqrt(3), atol=1e-5, rtol=0)
+        assert torch.count_nonzero(m.lora_B) == 0 and m.lora_A.grad is None and m.lora_B.grad is None
+    assert all(torch.equal(mods[n].lora_A, a) for n, a in idle.items())
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
 
 
 def test_fixed_schedule_with_several_merges():

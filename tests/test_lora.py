@@ -333,6 +333,76 @@ def test_gpt2_conv1d_adapter_matches_peft_exports_and_merges_in_its_layout(tmp_p
         torch.testing.assert_close(model(ids).logits, theirs, rtol=1e-5, atol=1e-5)
 
 
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64)).eval()
+
+
+def _lm_loss(model, seed: int) -> torch.Tensor:
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed))
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _autograd_weight_grads(model, names: list[str], seeds: list[int]) -> dict[str, torch.Tensor]:
+    """The reference: the adapters merged into plain weights, autograd's gradient of each named weight summed
+    over the batches, (out, in) (a Conv1D's transposed)."""
+    merged = copy.deepcopy(model)
+    unwrap(merged)
+    layers = {name: merged.get_submodule(name) for name in names}
+    for layer in layers.values():
+        layer.weight.requires_grad_(True)
+    for seed in seeds:
+        _lm_loss(merged, seed).backward()
+    return {name: (layer.weight.grad.T if type(layer).__name__ == "Conv1D" else layer.weight.grad)
+            for name, layer in layers.items()}
+
+
+@pytest.mark.parametrize("arch", ["opt", "gpt2-conv1d"])
+def test_weight_grad_is_autograds_gradient_of_the_effective_weight(arch):
+    model = pretrained.load("tiny-opt")[0].eval() if arch == "opt" else _gpt2()
+    modules = attach(model, r=2, alpha=4.0).modules
+    for m in modules.values():  # the branch is part of the weight whose gradient is taken
+        nn.init.normal_(m.lora_B, std=0.1)
+    expected = _autograd_weight_grads(model, list(modules), seeds=[1, 2])
+    for m in modules.values():
+        m.start_weight_grad()
+    for seed in (1, 2):
+        _lm_loss(model, seed).backward(inputs=[m.lora_B for m in modules.values()])
+    for name, m in modules.items():
+        got = m.take_weight_grad()
+        assert got.shape == (m.out_features, m.in_features)
+        torch.testing.assert_close(got, expected[name], rtol=1e-4, atol=1e-6)
+    _lm_loss(model, 3).backward()  # accumulation stopped: no hook left behind
+    assert all(m._weight_grad is None for m in modules.values())
+
+
+@pytest.mark.parametrize("r", [1, 2])
+def test_init_from_gradient_starts_on_the_gradients_leading_singular_directions(r):
+    """A = the leading right singular vectors of autograd's gradient G (at reset()'s row norm 1/sqrt(3)), B = 0:
+    the output is the base model's, and the first gradient of B is scaling G A^T = scaling U_r S_r / sqrt(3)."""
+    model = pretrained.load("tiny-opt")[0].eval()
+    base = copy.deepcopy(model)
+    modules = attach(model, r=r, alpha=2.0 * r).modules
+    grads = _autograd_weight_grads(model, list(modules), seeds=[4])
+    for name, m in modules.items():
+        m.init_from_gradient(grads[name])
+        u, s, vh = torch.linalg.svd(grads[name])
+        assert torch.equal(m.lora_B, torch.zeros_like(m.lora_B))
+        torch.testing.assert_close((m.lora_A @ vh[:r].T).abs(), torch.eye(r) / math.sqrt(3), atol=1e-5, rtol=0)
+    with torch.no_grad():
+        ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+        torch.testing.assert_close(model(ids).logits, base(ids).logits, rtol=0, atol=0)
+    _lm_loss(model, 4).backward()
+    for name, m in modules.items():
+        u, s, vh = torch.linalg.svd(grads[name])
+        torch.testing.assert_close(m.lora_B.grad, m.scaling * grads[name] @ m.lora_A.detach().T, rtol=1e-4,
+                                   atol=1e-7)
+        torch.testing.assert_close(m.lora_B.grad.abs(), m.scaling * (u[:, :r] * s[:r]).abs() / math.sqrt(3),
+                                   rtol=1e-3, atol=1e-7)
+
+
 def test_prepare_full_ft():
     model, _ = pretrained.load("tiny-opt")
     for p in model.parameters():

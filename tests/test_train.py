@@ -19,6 +19,7 @@ from helpers import adapter, assert_same_tensors, interrupt_at, make_cfg, record
 
 from xgblora import checkpoint, cli, perf, train
 from xgblora import config as config_mod
+from xgblora.adapters.boosting import Boosting
 from xgblora.config import Config
 from xgblora.data.splits import sample_splits
 from xgblora.data.tasks import get_task
@@ -45,6 +46,9 @@ RESUME_CASES = {
     "xgblora-adamw": dict(method="xgblora", trainer="regular", max_steps=14, xgblora_steps_per_iteration=4,
                           xgblora_layers_per_booster=1, lr_scheduler_type="linear", warmup_steps=2, logging_steps=3,
                           lora_target_modules="q_proj,v_proj,fc1"),
+    # each booster starts from the gradient of 2 training batches: the stream advances beyond the steps' batches
+    "xgblora-adamw-gradient-init": dict(method="xgblora", trainer="regular", max_steps=14, xgblora_steps_per_iteration=4,
+                                        xgblora_init="gradient", xgblora_init_batches=2, logging_steps=3),
     "lora-mezo-dual": dict(method="lora", trainer="zo", max_steps=14, learning_rate=1e-3, lr_scheduler_type="linear",
                            logging_steps=3),
     # anchors at steps 1, 6, 11: the stop at 7 is mid-epoch, with Adam moments in flight
@@ -77,6 +81,24 @@ def test_sigint_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path, m
         assert [r["step"] for r in records(whole) if r.get("event") == "merge"] == [4, 8, 12]
     for key in ("steps", "train_loss", "accuracy", "boosters", "trainable_params"):
         assert got[key] == expected[key], key
+
+
+def test_gradient_init_starts_every_booster_and_only_those(shared_data, tmp_path, monkeypatch):
+    """--xgblora_init gradient: the first booster and each one after a merge start from the gradient (not one
+    merged at the last step); --trainer zo refuses it with the reason."""
+    started = []
+    original = Boosting.init_from_gradients
+
+    def spy(self, backward, reduce=None):
+        started.append(len(self.history))
+        original(self, backward, reduce)
+
+    monkeypatch.setattr(Boosting, "init_from_gradients", spy)
+    train.run(make_cfg(shared_data, tmp_path / "run", method="xgblora", max_steps=12, xgblora_steps_per_iteration=4,
+                       xgblora_init="gradient", xgblora_init_batches=1))
+    assert started == [0, 1, 2]  # boosters merged at 4 and 8 are followed by a new one; the one at 12 is not
+    with pytest.raises(UserError, match="needs the gradient of each adapted weight"):
+        make_cfg(shared_data, tmp_path / "zo", method="xgblora", trainer="zo", xgblora_init="gradient")
 
 
 def test_crash_after_a_periodic_checkpoint_resumes_exactly(shared_data, tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from xgblora.config import Config
 from xgblora.errors import UserError
 from xgblora.models.pretrained import load
 from xgblora.optim.zo import MeZO, ZOStepper
-from xgblora.optim.zo_estimators import FZOO, NSPSA, MeZOSVRG, SVRGStepper
+from xgblora.optim.zo_estimators import ES, FZOO, NSPSA, MeZOSVRG, SVRGStepper
 from xgblora.train.loop import ESTIMATORS, estimator_options
 
 
@@ -134,6 +134,67 @@ def test_fzoo_step_is_the_papers_normalised_one_sided_rule(tiny, tiny64, full):
     assert all(torch.equal(ui.abs(), torch.ones_like(ui)) for u in us for ui in u)  # +-1 everywhere
     expected = [t - lr * sum(c * u[k] for c, u in zip(coefficients, us, strict=True)) for k, t in enumerate(theta)]
     assert_params(named, expected, theta)
+
+
+@pytest.mark.parametrize("case", ["lora", "lora-dual", "full-ft"])
+def test_es_step_is_the_references_z_scored_population_update(tiny, tiny64, case):
+    """ES at scale (es_ops.apply_update, reward_shaping.z_score) with antithetic members and losses for rewards:
+    theta -= lr / N sum_m (L_m - mean) / (std + 1e-8) e_m over the N = 2n members theta + eps e_m, e = +-z_i."""
+    model, named = trained_params(tiny, tiny64, case == "full-ft")
+    dual = dict(dual_modules={n: m for n, m in model.named_modules() if hasattr(m, "set_dual_perturbation")}) \
+        if case == "lora-dual" else {}
+    reference = copy.deepcopy(model)
+    names, theta = [n for n, _ in named], state(named)
+    batch = random_batch(tiny.config.vocab_size, seed=3)
+    lr, eps, n = 1e-2, 1e-2, 3
+    losses = ES(named, lr=lr, eps=eps, seed=8, queries=n, **dual).step(ce_loss_fn(model), batch)
+
+    members = [(sign, reference_z(theta, s)) for s in step_seeds(8, n) for sign in (1.0, -1.0)]
+    member_losses = torch.tensor([loss_at(reference, names, shifted(theta, z, sign * eps), batch)
+                                  for sign, z in members], dtype=torch.float64)
+    shaped = (member_losses - member_losses.mean()) / (member_losses.std(unbiased=False) + 1e-8)
+    assert losses == pytest.approx(member_losses.tolist(), abs=2e-6)
+    expected = [t - lr / len(members) * sum(float(a) * sign * z[k] for a, (sign, z) in zip(shaped, members,
+                                                                                             strict=True))
+                for k, t in enumerate(theta)]
+    assert_params(named, expected, theta, atol=1e-5 if case == "lora-dual" else 1e-6)
+
+
+def test_es_on_a_quadratic_is_the_exact_update_and_descends():
+    """On L = 1/2 theta'A theta + b'theta, L(theta +- eps z) = L(theta) +- eps z'g + eps^2/2 z'Az exactly, so with
+    the documented seeds the step has a closed form; 150 steps then remove most of the loss above the optimum."""
+    a, b, start = quadratic_terms()
+    theta = nn.Parameter(start.clone())
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x @ a @ x + b @ x
+
+    lr, eps, n = 0.05, 1e-3, 4
+    estimator = ES([("theta", theta)], lr=lr, eps=eps, seed=5, queries=n)
+    estimator.step(lambda batch: loss(theta).reshape(1), {})
+
+    zs = [reference_z([start], s)[0] for s in step_seeds(5, n)]
+    g = a @ start + b
+    members = torch.stack([loss(start) + sign * eps * z @ g + 0.5 * eps**2 * z @ a @ z
+                           for z in zs for sign in (1.0, -1.0)])
+    std = float(members.std(unbiased=False))
+    expected = start - lr * sum(float(members[2 * i] - members[2 * i + 1]) / (2 * n * (std + 1e-8)) * z
+                                for i, z in enumerate(zs))
+    torch.testing.assert_close(theta.detach(), expected, atol=1e-12, rtol=0)
+
+    best = float(loss(torch.linalg.solve(a, -b)))
+    for _ in range(150):
+        estimator.step(lambda batch: loss(theta).reshape(1), {})
+    assert float(loss(theta.detach())) - best < 0.1 * (float(loss(start)) - best)
+
+
+def test_zo_estimator_es_builds_the_population_the_flags_ask_for():
+    weight = nn.Parameter(torch.zeros(3))
+    for queries, pairs in ((None, 15), (6, 6)):  # default: the reference's population of 30
+        cfg = Config(trainer="zo", method="lora", zo_estimator="es", zo_queries=queries)
+        estimator = ESTIMATORS[cfg.zo_estimator]([("w", weight)], lr=1e-3, eps=1e-3, **estimator_options(cfg))
+        assert (type(estimator), estimator.queries) == (ES, pairs)
+    assert parse_method("lora:es", "regular") == ("lora", "zo", "es")
 
 
 def test_fzoo_leaves_the_weights_alone_when_all_perturbed_losses_are_equal():
@@ -275,13 +336,19 @@ def test_zo_adam_refuses_half_precision_weights():
 # ----------------------------------------------------------------------------- expected direction on a quadratic
 
 
-def quadratic(d: int = 16) -> tuple[nn.Parameter, callable, torch.Tensor]:
-    """L(theta) = 1/2 theta^T A theta + b^T theta (A positive definite); returns theta, loss_fn, the true gradient."""
+def quadratic_terms(d: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A (positive definite, eigenvalues 0.5-2), b and a starting theta of the quadratic below, float64."""
     gen = torch.Generator().manual_seed(0)
     q, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
     a = q @ torch.diag(torch.linspace(0.5, 2.0, d, dtype=torch.float64)) @ q.T
     b = torch.randn(d, generator=gen, dtype=torch.float64)
-    theta = nn.Parameter(torch.randn(d, generator=gen, dtype=torch.float64))
+    return a, b, torch.randn(d, generator=gen, dtype=torch.float64)
+
+
+def quadratic() -> tuple[nn.Parameter, callable, torch.Tensor]:
+    """L(theta) = 1/2 theta^T A theta + b^T theta (A positive definite); returns theta, loss_fn, the true gradient."""
+    a, b, start = quadratic_terms()
+    theta = nn.Parameter(start)
 
     def loss_fn(batch) -> torch.Tensor:
         return (0.5 * theta @ a @ theta + b @ theta).reshape(1)
@@ -294,6 +361,7 @@ DIRECTION_RUNS = {
     "nspsa": lambda named, seed: NSPSA(named, lr=1e-4, eps=1e-3, seed=seed, queries=4),
     "fzoo": lambda named, seed: FZOO(named, lr=1e-4, eps=1e-3, seed=seed, queries=8),
     "svrg": lambda named, seed: MeZOSVRG(named, lr=1e-4, eps=1e-3, seed=seed, period=5, anchor_batches=1),
+    "es": lambda named, seed: ES(named, lr=1e-4, eps=1e-3, seed=seed, queries=4),
 }
 
 

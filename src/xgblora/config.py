@@ -31,7 +31,7 @@ MEZO_NUM_TRAIN = 1000
 # (the default) is the measured best: more boosters on every layer beat the paper's third of the layers at equal
 # steps where rank limits and on SmolLM2, and tie on MiniLM SST-2 (BENCHMARKS.md, "XGBLoRA's preset").
 PRESET_BOOSTERS = {"paper": 5, "plain": 25}
-ZO_ESTIMATORS = ("mezo", "fzoo", "svrg", "nspsa")
+ZO_ESTIMATORS = ("mezo", "fzoo", "svrg", "nspsa", "es")
 GGUF_SUFFIX = ".gguf"
 
 
@@ -189,6 +189,8 @@ class Config(ModelOptions):
     xgblora_shrinkage: float = _opt(1.0, "Merge step size alpha_t: W += alpha_t * delta (the paper's 1).")
     xgblora_norm_penalty: float | None = _opt(None, "lambda in lambda * (|A|^2 + |B|^2) added to the loss (default 1e-3 under the paper preset, 0 under plain).")
     xgblora_restart_schedule: bool = _opt(False, "Run the learning-rate schedule (warm-up and decay) anew for every booster, over its steps.")
+    xgblora_init: str = _opt("random", "Where each booster starts: random (A Kaiming-uniform, B = 0, as LoRA) or gradient (A = the leading right singular vectors of the gradient of each adapted weight over --xgblora_init_batches training batches, B = 0: its first step follows the gradient's best rank-r direction; --trainer regular only).", ("gradient", "random"))
+    xgblora_init_batches: int = _opt(1, "--xgblora_init gradient: training batches (one forward and backward each, beside the training steps) whose gradient starts each booster.")
     xgblora_adaptive: bool = _opt(False, "The Boosting-LoRA-ZO fork's extension (not the paper's): merge when the loss EMA stops improving, at the latest after --xgblora_adaptive_max_steps.")
     xgblora_adaptive_max_steps: int | None = _opt(None, "Adaptive merge: most steps one booster trains (default: the steps per booster of the fixed schedule).")
     xgblora_adaptive_patience: int = _opt(50, "Adaptive merge: steps without improvement before merging.")
@@ -198,9 +200,9 @@ class Config(ModelOptions):
     trainer: str = _opt("regular", "regular (AdamW), zo (MeZO), or none (evaluate only: what `xgblora eval` runs).", ("none", "regular", "zo"))
     learning_rate: float = _opt(1e-5, "Peak learning rate.")
     zo_eps: float = _opt(1e-3, "MeZO perturbation size epsilon.")
-    zo_dual: bool | None = _opt(None, "ZO with adapters: both perturbed losses of a two-point estimate from one forward over a doubled batch (default: on where it applies: adapters with mezo, nspsa or svrg).")
-    zo_estimator: str = _opt("mezo", "Zeroth-order gradient estimator: mezo (two-point SPSA, 2 forwards/step), nspsa (mean of --zo_queries two-point estimates), fzoo (--zo_queries one-sided Rademacher estimates over their std, queries+1 forwards), svrg (MeZO-SVRG: large-batch anchor every --zo_svrg_period steps, 4 forwards between).", ZO_ESTIMATORS)
-    zo_queries: int | None = _opt(None, "Perturbations per step: nspsa's two-point estimates (default 4), fzoo's one-sided ones (default 8); mezo and svrg use 1.")
+    zo_dual: bool | None = _opt(None, "ZO with adapters: both perturbed losses of a two-point estimate from one forward over a doubled batch (default: on where it applies: adapters with mezo, nspsa, svrg or es).")
+    zo_estimator: str = _opt("mezo", "Zeroth-order gradient estimator: mezo (two-point SPSA, 2 forwards/step), nspsa (mean of --zo_queries two-point estimates), fzoo (--zo_queries one-sided Rademacher estimates over their std, queries+1 forwards), svrg (MeZO-SVRG: large-batch anchor every --zo_svrg_period steps, 4 forwards between), es (evolution strategies: --zo_queries antithetic pairs, losses z-scored over the population).", ZO_ESTIMATORS)
+    zo_queries: int | None = _opt(None, "Perturbations per step: nspsa's two-point estimates (default 4), fzoo's one-sided ones (default 8), es's antithetic pairs (default 15: a population of 30); mezo and svrg use 1.")
     zo_optimizer: str = _opt("sgd", "What the ZO estimate drives: sgd (in place, no state), momentum (torch SGD, --adam_beta1 as momentum), adam (torch AdamW); the last two keep fp32 state as large as the trainable weights.", ("sgd", "momentum", "adam"))
     zo_svrg_period: int = _opt(10, "svrg: steps from one anchor step to the next.")
     zo_svrg_anchor_batches: int = _opt(8, "svrg: training batches the anchor step's large-batch estimate averages (2 forwards each).")
@@ -318,6 +320,12 @@ class Config(ModelOptions):
             raise UserError(f"--xgblora_norm_penalty must be 0 or more, got {self.xgblora_norm_penalty}")
         if self.xgblora_layers_per_booster is not None and self.xgblora_layers_per_booster < 1:
             raise UserError(f"--xgblora_layers_per_booster must be at least 1, got {self.xgblora_layers_per_booster}")
+        if self.xgblora_init_batches < 1:
+            raise UserError(f"--xgblora_init_batches must be at least 1, got {self.xgblora_init_batches}")
+        if self.xgblora_init == "gradient" and self.trainer == "zo" and self.method == "xgblora":
+            raise UserError("--xgblora_init gradient needs the gradient of each adapted weight, a backward pass: "
+                            "under --trainer zo a few zeroth-order estimates cannot find its leading direction "
+                            "(README, XGBLoRA); use --xgblora_init random")
         if self.trainer == "zo" and self.method != "ft" and self.scaling > ZO_MAX_SCALING:
             log.warning("--trainer zo with an adapter scale of %g (alpha %g, r %d%s): MeZO's change of B A per step "
                         "grows with the square of the scale, %gx that of r=8, alpha=16; lower --lora_alpha (default "
@@ -641,7 +649,8 @@ XGBLORA_ADAPTIVE_OPTIONS = ("xgblora_adaptive_max_steps", "xgblora_adaptive_pati
                             "xgblora_adaptive_ema")
 XGBLORA_OPTIONS = ("xgblora_preset", "xgblora_num_boosters", "xgblora_steps_per_iteration",
                    "xgblora_layers_per_booster", "xgblora_shrinkage", "xgblora_norm_penalty",
-                   "xgblora_restart_schedule", "xgblora_adaptive", *XGBLORA_ADAPTIVE_OPTIONS)
+                   "xgblora_restart_schedule", "xgblora_init", "xgblora_init_batches", "xgblora_adaptive",
+                   *XGBLORA_ADAPTIVE_OPTIONS)
 ZO_OPTIONS = ("zo_eps", "zo_dual", "zo_estimator", "zo_queries", "zo_optimizer", "zo_svrg_period",
               "zo_svrg_anchor_batches", "zo_stochastic_rounding", "head_trainer", "head_learning_rate")
 GRIT_OPTIONS = ("grit_contrastive_weight", "grit_generative_weight", "grit_generative_batch_size")

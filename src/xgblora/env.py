@@ -40,7 +40,7 @@ def environment() -> dict[str, Any]:
                     "none (fp32; no native bf16 here, where --bf16 would be emulated and slow)",
         "fused_adamw": True, "tf32": cuda and torch.cuda.get_device_capability(device)[0] >= 8,
         "use_cache_in_training": False, "padding": "dynamic, left, length-grouped",
-        "zo_estimator": "mezo, optimizer sgd (--trainer zo; --zo_estimator mezo|fzoo|svrg|nspsa, "
+        "zo_estimator": "mezo, optimizer sgd (--trainer zo; --zo_estimator mezo|fzoo|svrg|nspsa|es, "
                         "--zo_optimizer sgd|momentum|adam)",
         "packing": "on (flash attention, models that keep packed sequences apart)"
                    if choose_attention("auto", device).startswith("flash") else "off (--packing to force)",

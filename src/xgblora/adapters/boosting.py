@@ -1,5 +1,5 @@
-"""XGBLoRA: when to merge the booster (fixed, or the fork's adaptive merge with a cap), which layers carry it,
-shrinkage, and the booster history."""
+"""XGBLoRA: when to merge the booster (fixed, or the fork's adaptive merge with a cap), which layers carry it, where
+a new booster starts (random, or from the gradient), shrinkage, and the booster history."""
 
 from __future__ import annotations
 
@@ -96,6 +96,33 @@ class Boosting:
             record[name] = {"A": _cpu_copy(A), "B": _cpu_copy(B), "scale": float(scale)}
         self.history.append({"booster": len(self.history) + 1, "step": 0, "modules": record})
         log.info("XGBLoRA: the adapter's %d modules merged as booster %d", len(record), len(self.history))
+
+    def init_from_gradients(self, backward: Callable[[list[torch.nn.Parameter]], None],
+                            reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Start the current booster where the gradient points (--xgblora_init gradient): backward(inputs) runs the
+        loss's backward over a few batches (into inputs, the active lora_B, only), every active layer accumulates
+        the gradient of its weight meanwhile, and its A becomes that gradient's leading right singular vectors
+        (LoRALinear.init_from_gradient). reduce averages a gradient over data-parallel ranks, so that every rank
+        starts the same booster.
+
+        Zeroth-order training has no such start: the mean of n two-point estimates of a layer's (out, in) gradient G
+        is G plus noise of about iid entries of std |g| / sqrt(n) (g the gradient of everything perturbed together),
+        and the estimate's leading singular vectors carry nothing of G's until s_1(G) passes the noise's spiked-
+        matrix threshold (|g| / sqrt(n)) (out in)^(1/4), i.e. until n exceeds sqrt(out in) (|g| / s_1(G))^2: 576
+        forward pairs at a 576 x 576 layer even for a rank-1 G alone in the model, more per layer and booster than
+        the booster's own steps. So it needs a backward pass.
+        """
+        active = self.active_modules()
+        for m in active.values():
+            m.start_weight_grad()
+        try:
+            backward([m.lora_B for m in active.values()])
+        finally:
+            grads = {name: m.take_weight_grad() for name, m in active.items()}
+        for name, m in active.items():
+            m.init_from_gradient(grads[name] if reduce is None else reduce(grads[name]))
+            m.lora_A.grad = m.lora_B.grad = None
+        self._start_tracking()  # the adaptive merge rolls back to this start, not to the random one
 
     # ------------------------------------------------------------------ schedule
 

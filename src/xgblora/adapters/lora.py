@@ -1,9 +1,10 @@
-"""LoRA layers: a frozen base Linear plus a low-rank branch of fp32 factors (A, B); attach, merge, reset, dual-batch MeZO
-mode."""
+"""LoRA layers: a frozen base Linear plus a low-rank branch of fp32 factors (A, B); attach, merge, reset, a start from
+the gradient, dual-batch MeZO mode."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -93,6 +94,7 @@ class LoRALinear(nn.Module):
         self.active = True
         self._dual_A: torch.Tensor | None = None
         self._dual_B: torch.Tensor | None = None
+        self._weight_grad: torch.Tensor | None = None  # dL/dW being accumulated (start_weight_grad)
         self.register_buffer("merged_A", None, persistent=False)  # merges into a 4-bit base (see the class doc)
         self.register_buffer("merged_B", None, persistent=False)
         self.reset()
@@ -108,7 +110,14 @@ class LoRALinear(nn.Module):
         perturbations of the fp32 factors reach the output unrounded. While autograd records (first-order
         training), the branch runs in the base output's dtype: autograd then keeps the input the base layer keeps
         anyway, not an fp32 copy of it per adapted layer (the factors and their gradients stay fp32).
+        After start_weight_grad(), the backward through the output also adds dL/dW = grad_out^T x to it.
         """
+        y = self._output(x)
+        if self._weight_grad is not None and y.requires_grad:
+            y.register_hook(functools.partial(self._add_weight_grad, x.detach()))
+        return y
+
+    def _output(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         if not self.active and self.merged_A is None:
             return out
@@ -179,6 +188,41 @@ class LoRALinear(nn.Module):
         bound = 1.0 / math.sqrt(self.in_features)  # gain sqrt(2 / (1 + 5)) * sqrt(3 / fan_in)
         fresh = torch.empty(self.lora_A.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
         self.lora_A.copy_(fresh)
+        self.lora_B.zero_()
+
+    def start_weight_grad(self) -> None:
+        """Accumulate the gradient of the layer's effective weight (base, merged boosters and branch: one (out, in)
+        matrix W) over the backward passes that follow, in fp32, until take_weight_grad(). It costs one fp32
+        matrix of the weight's size; the base weight itself stays frozen (a 4-bit one has no gradient)."""
+        self._weight_grad = torch.zeros(self.out_features, self.in_features, dtype=torch.float32,
+                                        device=self.lora_A.device)
+
+    def take_weight_grad(self) -> torch.Tensor:
+        """The gradient accumulated since start_weight_grad(), (out, in); accumulation stops."""
+        grad, self._weight_grad = self._weight_grad, None
+        return grad
+
+    def _add_weight_grad(self, x: torch.Tensor, grad_out: torch.Tensor) -> None:
+        """dL/dW += grad_out^T x over every token of the batch (W's gradient for y = W x)."""
+        self._weight_grad.addmm_(grad_out.reshape(-1, self.out_features).T.float(),
+                                 x.reshape(-1, self.in_features).float())
+
+    @torch.no_grad()
+    def init_from_gradient(self, grad: torch.Tensor) -> None:
+        """Start the branch where grad (dL/dW, (out, in)) points: A = its r leading right singular vectors (rows of
+        the norm reset() draws, 1/sqrt(3), so learning rates carry over), B = 0.
+
+        With B = 0 the output is unchanged, and the first gradient of B is scaling G A^T = scaling U_r S_r /
+        sqrt(3): the first step moves B A along the leading singular directions of -G, the best rank-r descent
+        step (Eckart-Young), where a random A takes a random projection of G. LoRA-GA (arXiv 2407.05000; PEFT's
+        lora_ga_init) sets B != 0 too and subtracts the initial product from the base weight; here that would
+        add a second rank-r term to every booster of an XGBLoRA history (and to every export) and a side factor
+        per booster on a 4-bit base, for a start that B = 0 reaches after its first step.
+        """
+        _, _, vh = torch.linalg.svd(grad.float(), full_matrices=False)
+        rows = vh[: self.r]
+        signs = rows.gather(1, rows.abs().argmax(dim=1, keepdim=True)).sign()  # an SVD's signs are arbitrary
+        self.lora_A.copy_(rows * signs / math.sqrt(3.0))
         self.lora_B.zero_()
 
     @torch.no_grad()

@@ -14,6 +14,12 @@
   trainable weights (theta_a); g_a z_a is kept as its seed and coefficient. The reference code's memory-efficient
   path evaluates the "anchor" term at the current weights with a second z (its anchor list is a shallow copy);
   this follows the paper's algorithm instead.
+* `ES` (evolution strategies as Qiu et al. scale them to LLM fine-tuning, "Evolution Strategies at Scale",
+  arXiv 2509.24372, github.com/VsonicV/es-fine-tuning-paper, es_at_scale/backends/es_ops.py `apply_update` and
+  utils/reward_shaping.py `z_score`): a population of n antithetic pairs theta +- eps z_i (2n members, one step seed
+  per pair, as OpenAI ES's mirrored sampling), each member's loss z-scored over the population, and
+  theta <- theta - lr / (2n) sum_m zscore(L_m) e_m (e_m = +-z_i): the reference's update with the loss in place of
+  the reward. 2n forwards per step (n with the dual batch); memory as MeZO's.
 
 Each `step(loss_fn, batch, lr)` returns the losses it measured: their mean is the step's training loss.
 """
@@ -52,6 +58,39 @@ class NSPSA(SeededZO):
         self.projected_grad = sum(estimates) / len(estimates)
         if math.isfinite(self.projected_grad):
             self._apply(params, [(seed, g / self.queries) for seed, g in zip(seeds, estimates, strict=True)], lr)
+        return tuple(values)
+
+
+class ES(SeededZO):
+    """Evolution strategies: `queries` antithetic pairs, member losses z-scored over the population of 2n.
+
+    In a pair the z-scores differ by (L+ - L-) / std (the population mean cancels), so z_i's coefficient is
+    (L+_i - L-_i) / (2n (std + 1e-8)), std the population's (ddof 0) and 1e-8 the reference's guard: equal
+    losses move nothing. Unlike MeZO's estimate it has no 1 / (2 eps): the reference folds the perturbation scale
+    into the learning rate, so a step is of normalised size, as FZOO's."""
+
+    def __init__(self, *args, queries: int = 15, **kwargs):
+        super().__init__(*args, **kwargs)
+        if queries < 1:
+            raise ValueError(f"ES needs at least one antithetic pair, got {queries}")
+        self.queries = queries
+
+    @torch.no_grad()
+    def step(self, loss_fn: Callable[[Batch], Tensor], batch: Batch,
+             lr: float | None = None) -> tuple[float, ...]:
+        """One step on batch; returns the 2n member losses (L+_1, L-_1, ...) after one host sync."""
+        lr = self.lr if lr is None else lr
+        params = self._trainable()
+        seeds = [self._next_seed() for _ in range(self.queries)]
+        losses = [loss for seed in seeds for loss in self._pair_losses(loss_fn, batch, params, seed)]
+        values = self._reduce(losses)
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+        coefficients = [(plus - minus) / (len(values) * (std + 1e-8))
+                        for plus, minus in zip(values[::2], values[1::2], strict=True)]
+        self.projected_grad = sum(coefficients)
+        if math.isfinite(self.projected_grad):
+            self._apply(params, list(zip(seeds, coefficients, strict=True)), lr)
         return tuple(values)
 
 

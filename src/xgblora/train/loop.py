@@ -35,7 +35,7 @@ from xgblora.logs import MetricsLog, ProgressLine
 from xgblora.optim.fo import AdamWStepper
 from xgblora.optim.schedule import Schedule
 from xgblora.optim.zo import MeZO, ZOStepper
-from xgblora.optim.zo_estimators import FZOO, NSPSA, MeZOSVRG, SVRGStepper
+from xgblora.optim.zo_estimators import ES, FZOO, NSPSA, MeZOSVRG, SVRGStepper
 from xgblora.trackers import open_trackers, parse_report_to
 from xgblora.train.head import HeadTrainer
 from xgblora.train.objective import TrainingLoss, TrainingSet
@@ -185,12 +185,12 @@ def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Dist
     return stepper(estimator, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
 
 
-ESTIMATORS = {"mezo": MeZO, "nspsa": NSPSA, "fzoo": FZOO, "svrg": MeZOSVRG}
+ESTIMATORS = {"mezo": MeZO, "nspsa": NSPSA, "fzoo": FZOO, "svrg": MeZOSVRG, "es": ES}
 
 
 def estimator_options(cfg: Config) -> dict[str, int]:
     """The estimator's own options: its queries per step, or SVRG's period and anchor batches."""
-    if cfg.zo_estimator in ("nspsa", "fzoo"):
+    if cfg.zo_estimator in ("nspsa", "fzoo", "es"):
         return {"queries": cfg.zo_queries} if cfg.zo_queries is not None else {}
     if cfg.zo_estimator == "svrg":
         return {"period": cfg.zo_svrg_period, "anchor_batches": cfg.zo_svrg_anchor_batches}
@@ -268,6 +268,8 @@ class Trainer:
         cfg, state = self.cfg, self.state
         state.part_started = time.perf_counter()  # set-up and resuming are not training time
         self.run.model.train(cfg.trainer == "regular")  # MeZO's forwards run in eval mode: no dropout in L+ vs L-
+        if state.step == 0:
+            self._start_booster()
         with graceful_stop() as stop, self._metrics() as self.metrics, self._progress() as self.progress:
             while state.step < self.max_steps:
                 lr = self.schedule(self._schedule_step())
@@ -314,7 +316,22 @@ class Trainer:
         observed = float(loss) if self.cfg.xgblora_adaptive else None
         event = self.method.boosting.after_step(self.state.step, observed, self.stepper.forget)
         if event is not None:
+            if self.state.step < self.max_steps:  # a booster merged at the last step has no successor to start
+                self._start_booster()
             self.metrics.log({**event, "step": self.state.step})
+
+    def _start_booster(self) -> None:
+        """--xgblora_init gradient: the new booster's A from the gradient of the next --xgblora_init_batches
+        training batches (drawn from the run's stream, so a resumed run draws the same ones)."""
+        boosting = self.method.boosting
+        if boosting is None or self.cfg.xgblora_init != "gradient":
+            return
+
+        def backward(inputs: list[torch.nn.Parameter]) -> None:
+            for _ in range(self.cfg.xgblora_init_batches):
+                self.loss_fn(self.next_batch()).mean().backward(inputs=inputs)
+
+        boosting.init_from_gradients(backward, self.dist.all_mean)
 
     def _log(self, lr: float) -> None:
         """Drain the loss window into metrics.jsonl; a non-finite loss stops the run under --nan_policy stop."""
