@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -323,3 +323,16 @@ def prepare_full_ft(model: nn.Module) -> int:
     for p in model.parameters():
         p.requires_grad_(True)
     return sum(p.numel() for p in model.parameters())
+
+
+@contextlib.contextmanager
+def adapters_off(modules: Mapping[str, LoRALinear]) -> Iterator[None]:
+    """The model without its adapter branches (the reference policy of an adapter run); restored on exit."""
+    was = {name: m.active for name, m in modules.items()}
+    try:
+        for m in modules.values():
+            m.active = False
+        yield
+    finally:
+        for name, m in modules.items():
+            m.active = was[name]

@@ -23,15 +23,13 @@ completion positions reach the LM head, and each prompt's forward serves all its
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from xgblora.adapters.lora import LoRALinear
+from xgblora.adapters.lora import adapters_off  # noqa: F401 -- grpo.py's reference policy
 from xgblora.data.batches import TokenBatch
 from xgblora.models.scoring import token_logprobs
 
@@ -200,19 +198,6 @@ def _entropy(logits: Tensor) -> Tensor:
         logp = torch.log_softmax(row.float(), dim=-1)
         out.append(-(logp.exp() * logp).sum(-1))
     return torch.stack(out)
-
-
-@contextlib.contextmanager
-def adapters_off(modules: Mapping[str, LoRALinear]) -> Iterator[None]:
-    """The model without its adapter branches (the reference policy of an adapter run); restored on exit."""
-    was = {name: m.active for name, m in modules.items()}
-    try:
-        for m in modules.values():
-            m.active = False
-        yield
-    finally:
-        for name, m in modules.items():
-            m.active = was[name]
 
 
 class Statistics:

@@ -225,7 +225,7 @@ class Trainer:
         if cfg.gradient_checkpointing and cfg.trainer == "regular":
             run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.loss_fn = TrainingLoss(torch.compile(run.model) if cfg.compile else run.model, run.autocast,
-                                    method.contrastive)
+                                    method.contrastive, method.preference)
         self.stepper = build_stepper(cfg, method, self.loss_fn, dist, run.device)
         self.state = LoopState(stream, LossWindow(run.device))
         self.checkpointer = self._checkpointer()
