@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "sft")
 POLICY_ONLY = ("simpo", "orpo", "sft")  # the loss types that read no reference
 
 
@@ -134,7 +133,7 @@ def log1mexp(x: Tensor) -> Tensor:
     return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-LOSSES: dict[str, Callable[[Objective, PairScores], Tensor]] = {
+LOSSES: dict[str, Callable[[Objective, PairScores], Tensor]] = {  # config.DPO_LOSS_TYPES
     "sigmoid": _sigmoid, "ipo": _ipo, "hinge": _hinge, "robust": _robust, "simpo": _simpo, "orpo": _orpo,
     "sft": _nll}
 

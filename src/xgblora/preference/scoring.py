@@ -10,7 +10,8 @@ gradients are those of the full rows.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, ContextManager, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 from torch import Tensor, nn
@@ -65,7 +66,7 @@ class PreferenceLoss:
     """loss(model, batch) -> each pair's loss [halves x pairs], for the steppers (AdamW and MeZO); the reference is
     the batch's precomputed log-probabilities, else the model inside `reference()` (its adapters off)."""
 
-    def __init__(self, objective: Objective, reference: Callable[[], ContextManager] | None = None):
+    def __init__(self, objective: Objective, reference: Callable[[], AbstractContextManager] | None = None):
         self.objective, self.reference = objective, reference
         self.statistics = Statistics()
 
@@ -91,7 +92,7 @@ def _halves(t: Tensor, halves: int) -> list[tuple[Tensor, Tensor]]:
 
 @torch.no_grad()
 def reference_logps(model: nn.Module, seqs: Sequence[PreferenceSeq], pad_id: int, batch_size: int,
-                    device: torch.device, reference: Callable[[], ContextManager] = contextlib.nullcontext) -> Tensor:
+                    device: torch.device, reference: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> Tensor:
     """The reference's summed completion log-probabilities of every pair [pairs, 2] (chosen, rejected), computed
     once (TRL's precompute_ref_log_probs), in eval mode."""
     out = []

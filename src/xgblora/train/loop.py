@@ -324,8 +324,9 @@ class Trainer:
             raise UserError(f"training loss is nan or inf at step {step}; stopping. The last good checkpoint is "
                             f"under {self.checkpointer.root} (try a lower --learning_rate, or --nan_policy skip)")
         self.state.last_loss = mean
-        self.metrics.log({"step": step, "loss": mean, "lr": lr, **({"skipped": skipped} if skipped else {}),
-                          "elapsed_s": round(self.state.runtime_s(), 3)})
+        preference = self.method.preference.statistics.drain() if self.method.preference is not None else {}
+        self.metrics.log({"step": step, "loss": mean, "lr": lr, **preference,
+                          **({"skipped": skipped} if skipped else {}), "elapsed_s": round(self.state.runtime_s(), 3)})
         if mean is not None:
             self.progress.set_postfix(loss=f"{mean:.4f}", refresh=False)
         self.progress_line.report(step, mean, lr)
