@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from xgblora.data.preference import (
 )
 from xgblora.data.splits import Splits
 from xgblora.errors import UserError
+from xgblora.evaluation.evaluators import Evaluator
 from xgblora.logs import setup_console_logging
 from xgblora.models import pretrained
 from xgblora.preference.objective import Objective
@@ -85,8 +87,37 @@ def _load(cfg: DPOConfig, dist: distributed.Distributed, template: str | None) -
     return cfg, model, tokenizer
 
 
+@dataclass
+class DPORun:
+    """A set-up preference run: its resolved config, its Trainer (`fit()` trains), and the held-out pairs with
+    their evaluator."""
+
+    cfg: DPOConfig
+    trainer: Trainer
+    eval_seqs: list[PreferenceSeq]
+    evaluate: Evaluator
+
+
 def _run(cfg: DPOConfig, dist: distributed.Distributed, train: list[PreferenceExample],
          held_out: list[PreferenceExample], template: str | None) -> dict[str, Any]:
+    run = prepare(cfg, dist, train, held_out, template)
+    cfg, model = run.cfg, run.trainer.run.model
+    summary = run.trainer.fit()
+    results = {"model": cfg.model_name, "method": cfg.method, "trainer": cfg.trainer, "seed": cfg.seed,
+               "loss_type": list(cfg.loss_terms[0]), "beta": cfg.beta, "num_train": len(run.trainer.run.splits.train),
+               "num_eval": len(run.eval_seqs), "device": str(run.trainer.run.device), "torch": torch.__version__,
+               **summary}
+    if run.eval_seqs:
+        results.update({f"eval_{k}": v for k, v in run.evaluate(model, run.eval_seqs)[0].items()})
+    if dist.is_main:
+        write_model_card(cfg, results)
+        write_results(cfg, results)  # last: results.json marks a finished run
+    return results
+
+
+def prepare(cfg: DPOConfig, dist: distributed.Distributed, train: list[PreferenceExample],
+            held_out: list[PreferenceExample], template: str | None = None) -> DPORun:
+    """Load the model, tokenise the pairs, set up what trains and the reference (see the module docstring)."""
     cfg, model, tokenizer = _load(cfg, dist, template)
     device, pad = next(model.parameters()).device, tokenizer.pad_token_id
     train_seqs = encode_all(tokenizer, train, cfg.max_length, cfg.max_prompt_length)
@@ -110,18 +141,10 @@ def _run(cfg: DPOConfig, dist: distributed.Distributed, train: list[PreferenceEx
     def evaluate(model: torch.nn.Module, seqs: Sequence[PreferenceSeq], demos: Sequence = ()) -> tuple[dict, list]:  # noqa: ARG001
         return evaluate_pairs(model, seqs, ref_eval, objective, pad, cfg.per_device_eval_batch_size, device), []
 
-    run = RunSetup(cfg, task=None, splits=Splits(train=list(train_seqs), dev=[], eval=list(eval_seqs), eval_is_own=True),
-                   head="lm", model=model, tokenizer=tokenizer, scoring=None, device=device, evaluate=evaluate)
-    summary = Trainer(run, method, training_set(train_seqs, pad, ref_train), dist).fit()
-    results = {"model": cfg.model_name, "method": cfg.method, "trainer": cfg.trainer, "seed": cfg.seed,
-               "loss_type": list(objective.loss_type), "beta": cfg.beta, "num_train": len(train_seqs),
-               "num_eval": len(eval_seqs), "device": str(device), "torch": torch.__version__, **summary}
-    if eval_seqs:
-        results.update({f"eval_{k}": v for k, v in evaluate(model, eval_seqs)[0].items()})
-    if dist.is_main:
-        write_model_card(cfg, results)
-        write_results(cfg, results)  # last: results.json marks a finished run
-    return results
+    splits = Splits(train=list(train_seqs), dev=[], eval=list(eval_seqs), eval_is_own=True)
+    run = RunSetup(cfg, task=None, splits=splits, head="lm", model=model, tokenizer=tokenizer, scoring=None,
+                   device=device, evaluate=evaluate)
+    return DPORun(cfg, Trainer(run, method, training_set(train_seqs, pad, ref_train), dist), eval_seqs, evaluate)
 
 
 def training_set(seqs: Sequence[PreferenceSeq], pad_id: int, ref: torch.Tensor | None) -> TrainingSet:
