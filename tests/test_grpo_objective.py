@@ -10,11 +10,10 @@ import pytest
 import torch
 from conftest import completion_batch
 
-from xgblora.adapters.lora import attach
+from xgblora.adapters.lora import adapters_off, attach
 from xgblora.generation.grpo_objective import (
     GRPOLoss,
     Objective,
-    adapters_off,
     advantages,
     completion_logprobs,
     row_weights,
@@ -191,7 +190,7 @@ def test_shared_prompt_forward_gives_the_values_and_gradients_of_full_rows(tiny_
     """Each prompt runs once and its cache serves its completions: log-probabilities and the gradients of every
     trainable weight (the base's reach the prompt's forward through the cache) equal one forward of the full rows
     (`target_logprobs`, the SFT scorer): full fine-tuning of a float64 model, and LoRA, whose branch computes in
-    float32 (gradients to a relative error of 1e-6 and 1e-5)."""
+    float32 (gradients to a relative error of 1e-6 and 3e-5)."""
     model, tokenizer = tiny_llama
     if adapter:
         for m in attach(model, "all-linear", r=2, alpha=4).modules.values():
@@ -211,8 +210,11 @@ def test_shared_prompt_forward_gives_the_values_and_gradients_of_full_rows(tiny_
     tolerance = 1e-5 if adapter else 1e-6  # log-probabilities are taken in float32 either way
     assert torch.allclose(ours, full, rtol=0, atol=tolerance)
     assert (ours[2] == 0).all()  # a masked (truncated) completion scores nothing
+    # float32 gradients summed in two orders (the cached prompt's, the full rows') differ by a few float32
+    # roundings per layer: measured 0.2-1.1e-5 relative across runs on one CPU, so 3e-5 for the LoRA case
+    grad_tolerance = 3e-5 if adapter else tolerance
     for g_ours, g_full in zip(our_grads, full_grads, strict=True):
-        assert (g_ours - g_full).norm() <= tolerance * g_full.norm()
+        assert (g_ours - g_full).norm() <= grad_tolerance * g_full.norm()
     assert all(g.abs().sum() > 0 for g in our_grads)
 
 

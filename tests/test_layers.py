@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("generation",),
     ("export",),
     ("train",),
-    ("evaluation",),
+    ("evaluation", "preference"),
     ("embeddings",),
     ("optim",),
     ("adapters",),

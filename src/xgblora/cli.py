@@ -24,6 +24,7 @@ COMMANDS = {
     "chat": "Talk to a model in the terminal: streamed replies, multi-turn through the chat template.",
     "rft": "Rejection-sampling fine-tuning: rounds of sample -> verify -> train -> evaluate (pass@1, pass@k).",
     "grpo": "Online RL with verifiable rewards (GRPO, TRL's options): sample G answers per prompt, reward, update.",
+    "dpo": "Preference training on chosen/rejected pairs (DPO, IPO, hinge, robust, SimPO, ORPO; TRL's options).",
     "bench": "Measure speed and memory against baselines.",
     "env": "Print the environment report (versions, device, attention backends, chosen defaults).",
     "export": "Export a run as a PEFT adapter, a merged model, or a GGUF file (llama.cpp, Ollama).",
@@ -42,10 +43,14 @@ RFT_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 2e-4, 
                 "temperature": 0.7, "max_new_tokens": 256}
 # GRPO trains a LoRA adapter by default, at a learning rate for adapters (TRL's 1e-6 is for full fine-tuning).
 GRPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5}
-COMMAND_DEFAULTS = {"eval": EVAL_DEFAULTS, "mezo": MEZO_DEFAULTS, "rft": RFT_DEFAULTS, "grpo": GRPO_DEFAULTS}
+# DPO trains a LoRA adapter by default, at a learning rate for adapters (TRL's 1e-6 is for full fine-tuning), on
+# TRL's max_length of 1024 tokens.
+DPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5, "max_length": 1024}
+COMMAND_DEFAULTS = {"eval": EVAL_DEFAULTS, "mezo": MEZO_DEFAULTS, "rft": RFT_DEFAULTS, "grpo": GRPO_DEFAULTS,
+                    "dpo": DPO_DEFAULTS}
 # Options of a command's dataclass that it never reads: left out of its flags (a YAML config may still name them,
 # at their default).
-HIDDEN = {"rft": config_mod.RFT_IGNORES, "grpo": config_mod.GRPO_IGNORES}
+HIDDEN = {"rft": config_mod.RFT_IGNORES, "grpo": config_mod.GRPO_IGNORES, "dpo": config_mod.DPO_IGNORES}
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -102,6 +107,13 @@ def _grpo(args: argparse.Namespace) -> int:
     from xgblora.generation.grpo import run_grpo
 
     print(json.dumps(run_grpo(config_mod.from_namespace(config_mod.GRPOConfig, args, GRPO_DEFAULTS)), indent=2))
+    return 0
+
+
+def _dpo(args: argparse.Namespace) -> int:
+    from xgblora.train.dpo import run_dpo
+
+    print(json.dumps(run_dpo(config_mod.from_namespace(config_mod.DPOConfig, args, DPO_DEFAULTS)), indent=2))
     return 0
 
 
@@ -178,12 +190,14 @@ def _env(args: argparse.Namespace) -> int:  # noqa: ARG001
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "mezo": _mezo, "compare": _compare, "eval": _eval, "generate": _generate, "chat": _chat, "rft": _rft,
     "grpo": _grpo,
+    "dpo": _dpo,
     "bench": _bench, "env": _env, "export": _export, "demo": _demo, "encode": _encode,
     "mine": _mine}
 # The options dataclass of each command that takes one (its flags, --config YAML keys and suggestions).
 OPTIONS = {"train": config_mod.Config, "eval": config_mod.Config, "mezo": config_mod.Config,
            "compare": config_mod.CompareConfig, "generate": config_mod.GenerateConfig, "chat": config_mod.ChatConfig,
-           "rft": config_mod.RFTConfig, "grpo": config_mod.GRPOConfig}
+           "rft": config_mod.RFTConfig, "grpo": config_mod.GRPOConfig,
+           "dpo": config_mod.DPOConfig}
 
 
 class _Parser(argparse.ArgumentParser):

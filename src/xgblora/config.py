@@ -642,6 +642,52 @@ class GRPOConfig(Config, SamplingOptions):
         return self.optimizer_batch * processes
 
 
+
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "sft")
+
+
+@dataclass(frozen=True)
+class DPOConfig(Config):
+    """Options of `xgblora dpo`: the train options (method, trainer, optimiser, checkpoints) plus preference
+    training's, under TRL's DPOConfig names (CPOConfig's simpo_gamma). --train_file holds the pairs, --eval_file
+    held-out ones (reward accuracy)."""
+
+    loss_type: list[str] = _opt(["sigmoid"], "Preference losses (TRL's): sigmoid (DPO), ipo, hinge, robust (with label_smoothing), simpo and orpo (no reference model), sft (the chosen completions' NLL); several add up with --loss_weights.")
+    loss_weights: list[float] | None = _opt(None, "Weight of each --loss_type (default: 1 each).")
+    beta: float = _opt(0.1, "Temperature of the implicit reward beta (IPO's tau; SimPO's and ORPO's beta).")
+    label_smoothing: float = _opt(0.0, "Probability that a pair's preference is flipped (robust, simpo), in [0, 0.5).")
+    simpo_gamma: float = _opt(0.5, "SimPO's target reward margin gamma (TRL's CPOConfig).")
+    reference_free: bool = _opt(False, "Take the reference's log-probabilities as 0 (no reference forward).")
+    rpo_alpha: float | None = _opt(None, "RPO: add the chosen completions' NLL with this weight (TRL's loss_type sft beside sigmoid).")
+    max_prompt_length: int | None = _opt(None, "Keep each prompt's last N tokens (before --max_length cuts prompt + completion at the end).")
+    precompute_ref_log_probs: bool = _opt(False, "Compute the reference's log-probabilities of every pair once before training (always so for XGBLoRA, full fine-tuning and a continued --adapter).")
+    precompute_ref_batch_size: int | None = _opt(None, "Pairs per forward while precomputing (default: per_device_eval_batch_size).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.train_file:
+            raise UserError("xgblora dpo needs --train_file (preference pairs: prompt, chosen, rejected)")
+        unknown = [t for t in self.loss_type if t not in DPO_LOSS_TYPES]
+        if unknown or not self.loss_type:
+            raise UserError(f"--loss_type {' '.join(unknown)}: choose from {', '.join(DPO_LOSS_TYPES)}")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise UserError(f"--loss_weights has {len(self.loss_weights)} values for {len(self.loss_type)} --loss_type")
+        if self.beta <= 0:
+            raise UserError(f"--beta must be positive, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise UserError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.rpo_alpha is not None and "sft" in self.loss_type:
+            raise UserError("--rpo_alpha adds the sft loss type; give it or --loss_type sft, not both")
+        _check_positive(self, "max_prompt_length", "precompute_ref_batch_size")
+
+    @property
+    def loss_terms(self) -> tuple[tuple[str, ...], tuple[float, ...]]:
+        """The loss types and their weights, RPO's sft term included."""
+        weights = tuple(self.loss_weights or [1.0] * len(self.loss_type))
+        if self.rpo_alpha is None:
+            return tuple(self.loss_type), weights
+        return (*self.loss_type, "sft"), (*weights, self.rpo_alpha)
+
 # ----------------------------------------------------------------------------- options a run would ignore
 
 ADAPTER_OPTIONS = ("lora_r", "lora_alpha", "use_rslora", "lora_dropout", "lora_target_modules")
@@ -679,6 +725,10 @@ RFT_IGNORES = (*SAMPLE_TRAINING_IGNORES, "output_dir")
 GRPO_IGNORES = (*SAMPLE_TRAINING_IGNORES, "eval_split_ratio", "loss_mean", "train_on_prompt", "log_samples",
                 "per_device_eval_batch_size", "packing", "group_by_length", "load_best_model_at_end", "compile",
                 "gradient_checkpointing", "tf32")
+# `xgblora dpo` trains on preference pairs: no generation, packing or prompt loss; its forwards carry a KV cache
+# from each prompt to its two completions, which gradient checkpointing would switch off.
+DPO_IGNORES = (*SAMPLE_TRAINING_IGNORES, "eval_split_ratio", "loss_mean", "train_on_prompt", "log_samples", "packing",
+               "gradient_checkpointing", "tf32", "max_new_tokens", "head_trainer", "head_learning_rate")
 
 
 @dataclass(frozen=True)
@@ -727,6 +777,8 @@ IGNORED = (
             "xgblora rft trains each round on its kept samples as instruction data, under --output_root"),
     Ignored(GRPO_IGNORES, lambda c: isinstance(c, GRPOConfig),
             "xgblora grpo trains a language model on its own prompts and never reads it"),
+    Ignored(DPO_IGNORES, lambda c: isinstance(c, DPOConfig),
+            "xgblora dpo trains a language model on preference pairs and never reads it"),
     Ignored(("num_return_sequences",), lambda c: type(c) is ChatConfig,
             "xgblora chat streams one reply a turn; sample several with xgblora generate"),
 )

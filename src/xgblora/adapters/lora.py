@@ -7,7 +7,7 @@ import contextlib
 import functools
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -367,3 +367,35 @@ def prepare_full_ft(model: nn.Module) -> int:
     for p in model.parameters():
         p.requires_grad_(True)
     return sum(p.numel() for p in model.parameters())
+
+
+@contextlib.contextmanager
+def adapters_off(modules: Mapping[str, LoRALinear]) -> Iterator[None]:
+    """The model without its adapter branches (the reference policy of an adapter run); restored on exit."""
+    was = {name: m.active for name, m in modules.items()}
+    try:
+        for m in modules.values():
+            m.active = False
+        yield
+    finally:
+        for name, m in modules.items():
+            m.active = was[name]
+
+
+def adapter_snapshot(modules: Mapping[str, LoRALinear]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A frozen copy of every adapter branch's factors (A, B): the reference policy of a continued adapter."""
+    return {name: (m.lora_A.detach().clone(), m.lora_B.detach().clone()) for name, m in modules.items()}
+
+
+@contextlib.contextmanager
+def adapter_factors(modules: Mapping[str, LoRALinear], factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """The model with its adapter branches' factors replaced by `factors` (adapter_snapshot's); restored on exit.
+    Only for passes without a graph: the parameters' storage is swapped, not the parameters."""
+    kept = {name: (m.lora_A.data, m.lora_B.data) for name, m in modules.items()}
+    try:
+        for name, (A, B) in factors.items():
+            modules[name].lora_A.data, modules[name].lora_B.data = A, B
+        yield
+    finally:
+        for name, (A, B) in kept.items():
+            modules[name].lora_A.data, modules[name].lora_B.data = A, B

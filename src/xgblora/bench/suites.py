@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from xgblora.bench import compile as compile_suite
-from xgblora.bench import embed, gpu, grpo, icl, sft, train_suite
+from xgblora.bench import dpo, embed, gpu, grpo, icl, sft, train_suite
 from xgblora.bench.flags import apply_quick
 from xgblora.bench.machine import environment
 from xgblora.bench.table import format_table
 
 # suite -> (module, the JSON key of its list of results)
 LISTED_SUITES = {"sft": (sft, "cases"), "icl": (icl, "tasks"), "compile": (compile_suite, "workloads"),
-                 "grpo": (grpo, "cases"), "embed": (embed, "cases")}
+                 "grpo": (grpo, "cases"), "embed": (embed, "cases"), "dpo": (dpo, "cases")}
 
 
 def run_suite(args: argparse.Namespace) -> tuple[dict[str, Any], str]:

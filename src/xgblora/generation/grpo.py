@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from xgblora import atomic, perf
 from xgblora import config as config_mod
 from xgblora.adapters import trained
+from xgblora.adapters.lora import adapter_factors, adapter_snapshot, adapters_off
 from xgblora.checkpoint import Checkpointer, prune
 from xgblora.config import GRPOConfig
 from xgblora.data import formats
@@ -57,9 +58,6 @@ from xgblora.generation.grpo_objective import (
     CompletionBatch,
     GRPOLoss,
     Objective,
-    adapter_factors,
-    adapter_snapshot,
-    adapters_off,
     advantages,
     completion_logprobs,
     nanstd,

@@ -26,16 +26,13 @@ completion positions reach the LM head, and each prompt's forward serves all its
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from xgblora.adapters.lora import LoRALinear
 from xgblora.data.batches import TokenBatch
 from xgblora.models.scoring import token_logprobs
 
@@ -237,38 +234,6 @@ def _entropy(logits: Tensor) -> Tensor:
         logp = torch.log_softmax(row.float(), dim=-1)
         out.append(-(logp.exp() * logp).sum(-1))
     return torch.stack(out)
-
-
-@contextlib.contextmanager
-def adapters_off(modules: Mapping[str, LoRALinear]) -> Iterator[None]:
-    """The model without its adapter branches (the reference policy of an adapter run); restored on exit."""
-    was = {name: m.active for name, m in modules.items()}
-    try:
-        for m in modules.values():
-            m.active = False
-        yield
-    finally:
-        for name, m in modules.items():
-            m.active = was[name]
-
-
-def adapter_snapshot(modules: Mapping[str, LoRALinear]) -> dict[str, tuple[Tensor, Tensor]]:
-    """A frozen copy of every adapter branch's factors (A, B): the reference policy of a continued adapter."""
-    return {name: (m.lora_A.detach().clone(), m.lora_B.detach().clone()) for name, m in modules.items()}
-
-
-@contextlib.contextmanager
-def adapter_factors(modules: Mapping[str, LoRALinear], factors: Mapping[str, tuple[Tensor, Tensor]]) -> Iterator[None]:
-    """The model with its adapter branches' factors replaced by `factors` (adapter_snapshot's); restored on exit.
-    Only for passes without a graph: the parameters' storage is swapped, not the parameters."""
-    kept = {name: (m.lora_A.data, m.lora_B.data) for name, m in modules.items()}
-    try:
-        for name, (A, B) in factors.items():
-            modules[name].lora_A.data, modules[name].lora_B.data = A, B
-        yield
-    finally:
-        for name, (A, B) in kept.items():
-            modules[name].lora_A.data, modules[name].lora_B.data = A, B
 
 
 class Statistics:

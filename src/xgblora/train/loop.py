@@ -225,7 +225,7 @@ class Trainer:
         if cfg.gradient_checkpointing and cfg.trainer == "regular":
             run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.loss_fn = TrainingLoss(torch.compile(run.model) if cfg.compile else run.model, run.autocast,
-                                    method.contrastive)
+                                    method.contrastive, method.preference)
         self.stepper = build_stepper(cfg, method, self.loss_fn, dist, run.device)
         self.state = LoopState(stream, LossWindow(run.device))
         self.checkpointer = self._checkpointer()
@@ -341,8 +341,9 @@ class Trainer:
             raise UserError(f"training loss is nan or inf at step {step}; stopping. The last good checkpoint is "
                             f"under {self.checkpointer.root} (try a lower --learning_rate, or --nan_policy skip)")
         self.state.last_loss = mean
-        self.metrics.log({"step": step, "loss": mean, "lr": lr, **({"skipped": skipped} if skipped else {}),
-                          "elapsed_s": round(self.state.runtime_s(), 3)})
+        preference = self.method.preference.statistics.drain() if self.method.preference is not None else {}
+        self.metrics.log({"step": step, "loss": mean, "lr": lr, **preference,
+                          **({"skipped": skipped} if skipped else {}), "elapsed_s": round(self.state.runtime_s(), 3)})
         if mean is not None:
             self.progress.set_postfix(loss=f"{mean:.4f}", refresh=False)
         self.progress_line.report(step, mean, lr)

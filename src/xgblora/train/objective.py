@@ -20,6 +20,7 @@ from xgblora.data.batches import (
     LabelBatch,
     PackedBatch,
     PairBatch,
+    PreferenceBatch,
     TokenBatch,
 )
 from xgblora.data.collation import TokenSeq, collate, collate_packed, training_seqs
@@ -30,6 +31,7 @@ from xgblora.embeddings.pieces import embed_in_pieces, length_pieces
 from xgblora.embeddings.pooling import embed
 from xgblora.evaluation import labels
 from xgblora.models.scoring import label_logits, packed_mean_logprobs, target_logprobs
+from xgblora.preference.scoring import PreferenceLoss
 
 
 @dataclass
@@ -128,17 +130,19 @@ class TrainingLoss:
     model: torch.nn.Module
     autocast: torch.dtype | None = None
     contrastive: Contrastive | None = None
+    preference: PreferenceLoss | None = None
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """Per-example losses [n_examples] (times the batch's loss_scale)."""
         if self.autocast is None:
-            return per_example_loss(self.model, batch, self.contrastive)
+            return per_example_loss(self.model, batch, self.contrastive, self.preference)
         device = next(self.model.parameters()).device
         with torch.autocast(device.type, dtype=self.autocast):
-            return per_example_loss(self.model, batch, self.contrastive)
+            return per_example_loss(self.model, batch, self.contrastive, self.preference)
 
 
-def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrastive | None = None) -> torch.Tensor:
+def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrastive | None = None,
+                     preference: PreferenceLoss | None = None) -> torch.Tensor:
     """Loss of each example in the batch, shape [n_examples], times the batch's loss_scale.
 
     TokenBatch / PackedBatch: the mean negative log-likelihood of each example's target tokens (the gold candidate
@@ -146,8 +150,11 @@ def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrast
     mean over examples is the mean over the batch's tokens. CandidateBatch: cross-entropy over each example's candidates, scored by their mean token
     log-probability. LabelBatch (a classifier or masked LM): cross-entropy over the label logits. PairBatch: each
     query's InfoNCE term (`Contrastive`); GritBatch: w_c times that plus w_g times the generative batch's mean loss.
+    PreferenceBatch: each pair's preference loss (`PreferenceLoss`: DPO and its family; it applies loss_scale).
     """
     match batch:
+        case PreferenceBatch():
+            return preference(model, batch)
         case GritBatch():
             losses = contrastive.grit(model, batch)
         case PairBatch():

@@ -42,6 +42,7 @@ from xgblora.evaluation.evaluators import Candidates, EvalSizes, Evaluator, Inst
 from xgblora.models import pretrained
 from xgblora.models.quant import is_quantized
 from xgblora.models.scoring import packing_supported
+from xgblora.preference.scoring import PreferenceLoss
 from xgblora.train.head import fit_probe
 from xgblora.train.objective import (
     Contrastive,
@@ -66,6 +67,7 @@ class Method:
     modules: dict[str, LoRALinear] = field(default_factory=dict)
     boosting: Boosting | None = None
     contrastive: Contrastive | None = None  # the embedding objective; its learnable temperature trains too
+    preference: PreferenceLoss | None = None  # the preference objective (xgblora dpo)
 
     def __post_init__(self) -> None:
         temperature = [("contrastive.log_scale", self.contrastive.log_scale)] \

@@ -1,0 +1,187 @@
+"""Preference rows in TRL's formats -> checked `PreferenceExample`s -> tokens -> `PreferenceBatch`es.
+
+The formats of TRL's `DPOTrainer`: `prompt` / `chosen` / `rejected` as strings (standard) or as lists of
+{"role", "content"} messages (conversational), and implicit-prompt rows (`chosen` / `rejected` only, the prompt
+being their longest common prefix, as TRL's `extract_prompt`). Tokenisation follows TRL's: standard rows as plain
+text with EOS appended to each completion, conversational rows through the chat template (the prompt with the
+generation prompt, BOS once, as in SFT); the completion starts where the prompt's tokens and the prompt+completion's
+diverge. Truncation: `max_prompt_length` keeps a prompt's last tokens, `max_length` cuts prompt+completion at the
+end (TRL's keep_start), and a pair whose prompt alone fills max_length is dropped, as TRL drops it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from xgblora.data import formats
+from xgblora.data.batches import PreferenceBatch
+from xgblora.data.sources import Where, parse_columns, read_rows
+from xgblora.errors import UserError, located
+
+log = logging.getLogger("xgblora")
+
+Text = str | list[dict]  # a string (standard) or a list of messages (conversational)
+
+
+@dataclass(frozen=True)
+class PreferenceExample:
+    """One checked pair: its prompt and two completions, all strings or all message lists; where it came from."""
+
+    prompt: Text
+    chosen: Text
+    rejected: Text
+    where: Where
+
+    @property
+    def conversational(self) -> bool:
+        return isinstance(self.chosen, list)
+
+    @property
+    def source(self) -> str:
+        path, line = self.where
+        return f"{path}:{line}" if isinstance(line, int) else f"{path}, {line}" if line else str(path)
+
+
+@dataclass(frozen=True)
+class PreferenceSeq:
+    """A pair's tokens: the shared prompt and each completion."""
+
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+
+
+def read_preferences(source: str, columns: str | None = None, split: str = "train") -> list[PreferenceExample]:
+    """Every row of a file, folder or dataset id as a checked pair; a bad row is a one-line UserError naming the
+    file, the row and the field."""
+    return [check_row(where, row) for where, row in read_rows(source, split, parse_columns(columns))]
+
+
+def check_row(where: Where, row: dict) -> PreferenceExample:
+    """The row as a pair: chosen and rejected present, of one format, not empty, not equal; an implicit prompt
+    extracted."""
+    def bad(name: str, what: str) -> UserError:
+        return located(where[0], where[1], name, what)
+
+    for name in ("chosen", "rejected"):
+        if row.get(name) is None:
+            raise bad(name, f"missing: a preference row needs chosen and rejected (and prompt, unless both hold it); "
+                            f"the row has: {', '.join(map(str, row)) or 'no fields'}")
+    fields = {name: _text(row[name], bad, name) for name in ("prompt", "chosen", "rejected") if row.get(name) is not None}
+    kinds = {name: isinstance(value, list) for name, value in fields.items()}
+    if len(set(kinds.values())) > 1:
+        raise bad("prompt" if "prompt" in fields else "rejected",
+                  "mixes formats: prompt, chosen and rejected are all strings or all lists of messages")
+    prompt, chosen, rejected = (fields["prompt"], fields["chosen"], fields["rejected"]) if "prompt" in fields \
+        else extract_prompt(fields["chosen"], fields["rejected"])
+    for name, value in (("chosen", chosen), ("rejected", rejected)):
+        if not value or (isinstance(value, list) and not any(m["content"] for m in value)):
+            raise bad(name, "is an empty completion" + ("" if "prompt" in fields else " once the common prompt is "
+                                                         "taken off"))
+    if chosen == rejected:
+        raise bad("rejected", "is the same as chosen: a preference pair needs two different completions")
+    return PreferenceExample(prompt, chosen, rejected, where)
+
+
+def _text(value: object, bad, name: str) -> Text:
+    """A string, or a list of {"role", "content"} messages with string values."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                       and isinstance(m.get("content"), str) for m in value):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise bad(name, 'expected a string or a list of {"role": ..., "content": ...} messages')
+
+
+def extract_prompt(chosen: Text, rejected: Text) -> tuple[Text, Text, Text]:
+    """TRL's extract_prompt: the longest common prefix (of messages, or of characters less a trailing space) is the
+    prompt; (prompt, chosen's rest, rejected's rest)."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if chosen[idx - 1] == " ":  # the space before the completion stays with it
+                idx -= 1
+            break
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, ex: PreferenceExample) -> PreferenceSeq:
+    """The pair's tokens as TRL makes them (see the module docstring)."""
+    where = f"{ex.source}: "
+    if ex.conversational:
+        def turns(messages: list[dict]) -> list[tuple[str, str]]:
+            return [(m["role"], m["content"]) for m in messages]
+
+        texts = [formats.render(tokenizer, turns(ex.prompt), generation_prompt=True, where=where)]
+        texts += [formats.render(tokenizer, turns(ex.prompt + c), generation_prompt=False, where=where)
+                  for c in (ex.chosen, ex.rejected)]
+        prompt, chosen, rejected = (formats.prompt_ids(tokenizer, t, templated=True) for t in texts)
+    else:
+        eos = tokenizer.eos_token or ""
+        with_eos = [c if c.endswith(eos) else c + eos for c in (ex.chosen, ex.rejected)]
+        prompt, chosen, rejected = (formats.prompt_ids(tokenizer, t, templated=False)
+                                    for t in (ex.prompt, ex.prompt + with_eos[0], ex.prompt + with_eos[1]))
+    n = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
+    if n == 0:
+        raise UserError(f"{where}field \"prompt\": has no tokens before the completions; a pair needs a prompt to "
+                        f"condition on (give the row a prompt, or use a tokenizer that adds BOS)")
+    return PreferenceSeq(prompt[:n], chosen[n:], rejected[n:])
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def truncate(seq: PreferenceSeq, max_length: int | None, max_prompt_length: int | None) -> PreferenceSeq | None:
+    """The prompt's last max_prompt_length tokens; prompt + completion cut to max_length at the end; None when the
+    prompt alone fills max_length (no completion token would be left)."""
+    prompt = seq.prompt[-max_prompt_length:] if max_prompt_length else seq.prompt
+    if max_length is None:
+        return PreferenceSeq(prompt, seq.chosen, seq.rejected)
+    room = max_length - len(prompt)
+    if room <= 0:
+        return None
+    return PreferenceSeq(prompt, seq.chosen[:room], seq.rejected[:room])
+
+
+def encode_all(tokenizer: PreTrainedTokenizerBase, examples: Sequence[PreferenceExample], max_length: int | None,
+               max_prompt_length: int | None) -> list[PreferenceSeq]:
+    """Every pair's tokens, truncated; the pairs whose prompt fills max_length are dropped (and counted)."""
+    seqs = [truncate(encode(tokenizer, ex), max_length, max_prompt_length) for ex in examples]
+    kept = [s for s in seqs if s is not None]
+    if len(kept) < len(seqs):
+        log.warning("%d of %d pairs dropped: the prompt alone fills --max_length %s", len(seqs) - len(kept),
+                    len(seqs), max_length)
+    if not kept:
+        raise UserError(f"every pair's prompt fills --max_length {max_length}: raise it, or set --max_prompt_length")
+    return kept
+
+
+def collate_preferences(seqs: Sequence[PreferenceSeq], pad_id: int,
+                        ref_logps: torch.Tensor | None = None) -> PreferenceBatch:
+    """The pairs as one batch: prompts left-padded, chosen then rejected completions right-padded; ref_logps
+    [pairs, 2] (chosen, rejected) of these pairs, or None."""
+    prompts = [s.prompt for s in seqs]
+    completions = [s.chosen for s in seqs] + [s.rejected for s in seqs]
+    wp, wc = max(map(len, prompts)), max(map(len, completions))
+    prompt_ids = torch.full((len(prompts), wp), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(prompts), wp), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        prompt_ids[i, wp - len(p):] = torch.tensor(p)
+        prompt_mask[i, wp - len(p):] = 1
+    completion_ids = torch.full((len(completions), wc), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros((len(completions), wc), dtype=torch.long)
+    for i, c in enumerate(completions):
+        completion_ids[i, :len(c)] = torch.tensor(c)
+        completion_mask[i, :len(c)] = 1
+    ref = None if ref_logps is None else ref_logps.T.reshape(-1)
+    return PreferenceBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                           completion_mask=completion_mask, ref_logps=ref)

@@ -1,0 +1,1 @@
+"""Preference training (DPO and its family): the objectives as TRL computes them, and their forwards."""

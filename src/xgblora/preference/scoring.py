@@ -1,0 +1,121 @@
+"""The forwards of preference training: each pair's prompt runs once and its KV cache serves both completions,
+the LM head runs at completion positions only; the policy's loss, the reference's log-probabilities (the model
+with its adapters off, or precomputed), and the reward accuracy of held-out pairs.
+
+A pair of a P-token prompt and completions of C and R tokens costs P + C + R tokens of forward and backward, not
+2P + C + R as two full rows do; gradients reach the prompt's forward through the shared cache, so values and
+gradients are those of the full rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+
+import torch
+from torch import Tensor, nn
+
+from xgblora.data.batches import PreferenceBatch
+from xgblora.data.preference import PreferenceSeq, collate_preferences
+from xgblora.models.scoring import eval_mode, token_logprobs
+from xgblora.preference.objective import Objective, PairScores, Statistics, pair_losses
+
+
+def completion_logps(model: nn.Module, batch: PreferenceBatch,
+                     with_logits: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Summed log-probabilities of each completion row [rows] and, when asked, the sum over its tokens of the mean
+    logit (TRL's logits/*), [rows], no gradient."""
+    rows = batch.completion_ids.shape[0]
+    per_half = batch.prompt_ids.shape[0] // batch.halves  # pairs of a half
+    index = torch.arange(rows, device=batch.completion_ids.device)
+    row_prompt = index // (2 * per_half) * per_half + index % per_half  # half h's rows: its chosen, its rejected
+    mask = batch.prompt_mask
+    out = model(input_ids=batch.prompt_ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                use_cache=True, logits_to_keep=1)
+    cache = out.cache
+    cache.batch_select_indices(row_prompt)
+    ids, cmask = batch.completion_ids, batch.completion_mask
+    logits = [out.logits[:, -1][row_prompt].unsqueeze(1)]  # the prompt's last position predicts the first token
+    if ids.shape[1] > 1:
+        attention = torch.cat([mask[row_prompt], cmask[:, :-1]], dim=1)
+        position = mask.sum(1)[row_prompt, None] + torch.arange(ids.shape[1] - 1, device=ids.device)
+        logits.append(model(input_ids=ids[:, :-1], attention_mask=attention, position_ids=position, cache=cache,
+                            use_cache=True).logits)
+    logps = torch.cat([token_logprobs(part, t) for part, t in zip(logits, (ids[:, :1], ids[:, 1:]), strict=False)], 1)
+    sums = (logps * cmask).sum(1)
+    if not with_logits:
+        return sums, None
+    with torch.no_grad():
+        mean_logits = torch.cat([part.float().mean(-1) for part in logits], dim=1)
+        return sums, (mean_logits * cmask).sum(1)
+
+
+def scores(batch: PreferenceBatch, logps: Tensor, ref_logps: Tensor | None) -> list[PairScores]:
+    """The pairs of each half of the batch: chosen and rejected sums, token counts, reference sums."""
+    tokens = batch.completion_mask.sum(1)
+
+    def pairs(t: Tensor | None) -> list[tuple[Tensor, Tensor] | tuple[None, None]]:
+        return [(None, None)] * batch.halves if t is None else [tuple(h.chunk(2)) for h in t.chunk(batch.halves)]
+
+    return [PairScores(c, r, ct, rt, rc, rr)
+            for (c, r), (ct, rt), (rc, rr) in zip(pairs(logps), pairs(tokens), pairs(ref_logps), strict=True)]
+
+
+class PreferenceLoss:
+    """loss(model, batch) -> each pair's loss [halves x pairs], for the steppers (AdamW and MeZO); the reference is
+    the batch's precomputed log-probabilities, else the model inside `reference()` (its adapters off)."""
+
+    def __init__(self, objective: Objective, reference: Callable[[], AbstractContextManager] | None = None):
+        self.objective, self.reference = objective, reference
+        self.statistics = Statistics()
+
+    def __call__(self, model: nn.Module, batch: PreferenceBatch) -> Tensor:
+        logps, logit_sums = completion_logps(model, batch, with_logits=True)
+        ref = batch.ref_logps
+        if ref is None and self.objective.needs_reference:
+            if self.reference is None:
+                raise ValueError("this objective needs the reference's log-probabilities: precompute them or give "
+                                 "a reference")
+            with torch.no_grad(), self.reference():
+                ref = completion_logps(model, batch)[0]
+        losses = []
+        for s, (lc, lr) in zip(scores(batch, logps, ref), _halves(logit_sums, batch.halves), strict=True):
+            losses.append(pair_losses(self.objective, s))
+            self.statistics.add(self.objective, s, (lc, lr))
+        return torch.cat(losses) * batch.loss_scale
+
+
+def _halves(t: Tensor, halves: int) -> list[tuple[Tensor, Tensor]]:
+    return [tuple(h.chunk(2)) for h in t.chunk(halves)]
+
+
+@torch.no_grad()
+def reference_logps(model: nn.Module, seqs: Sequence[PreferenceSeq], pad_id: int, batch_size: int,
+                    device: torch.device, reference: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> Tensor:
+    """The reference's summed completion log-probabilities of every pair [pairs, 2] (chosen, rejected), computed
+    once (TRL's precompute_ref_log_probs), in eval mode."""
+    out = []
+    with eval_mode(model), reference():
+        for start in range(0, len(seqs), batch_size):
+            batch = collate_preferences(seqs[start:start + batch_size], pad_id).to(device)
+            out.append(completion_logps(model, batch)[0].float().view(2, -1).T)
+    return torch.cat(out).cpu()
+
+
+@torch.no_grad()
+def evaluate_pairs(model: nn.Module, seqs: Sequence[PreferenceSeq], ref: Tensor | None, objective: Objective,
+                   pad_id: int, batch_size: int, device: torch.device) -> dict[str, float]:
+    """Held-out pairs: the loss and TRL's metrics (rewards/accuracies is the reward accuracy), in eval mode; ref
+    [pairs, 2] the reference's log-probabilities of these pairs (None: the objective needs none)."""
+    statistics, total = Statistics(), 0.0
+    with eval_mode(model):
+        for start in range(0, len(seqs), batch_size):
+            batch = collate_preferences(seqs[start:start + batch_size], pad_id,
+                                        None if ref is None else ref[start:start + batch_size]).to(device)
+            logps, logit_sums = completion_logps(model, batch, with_logits=True)
+            (s,), ((lc, lr),) = scores(batch, logps, batch.ref_logps), _halves(logit_sums, 1)
+            total += float(pair_losses(objective, s).sum())
+            statistics.add(objective, s, (lc, lr))
+    return {"loss": total / len(seqs), **statistics.drain()}
+

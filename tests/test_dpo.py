@@ -1,0 +1,81 @@
+"""`xgblora dpo` end to end on tiny-llama: the reference is the starting model for every method (the first loss is
+DPO's log 2), training raises the held-out reward accuracy, TRL's metrics reach metrics.jsonl, options are checked."""
+
+import json
+import math
+import random
+
+import pytest
+
+from xgblora import cli
+from xgblora.config import DPOConfig
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    random.seed(0)
+    path = tmp_path_factory.mktemp("dpo") / "pairs.jsonl"
+    rows = []
+    for _ in range(8):
+        a, b = random.randint(10, 99), random.randint(10, 99)
+        rows.append({"prompt": f"{a}+{b}=", "chosen": f" {a + b}", "rejected": f" {a + b + random.randint(1, 9)}"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def dpo(tmp_path, pairs, *flags):
+    out = tmp_path / "run"
+    code = cli.main(["dpo", "--model_name", "tiny-llama", "--train_file", pairs, "--eval_file", pairs,
+                     "--output_dir", str(out), "--per_device_train_batch_size", "4", "--logging_steps", "1", *flags])
+    assert code == 0
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "results.json").read_text()), [m for m in metrics if "loss" in m]
+
+
+@pytest.mark.parametrize("flags", [("--method", "lora"), ("--method", "xgblora"), ("--method", "ft"),
+                                   ("--method", "lora", "--precompute_ref_log_probs")])
+def test_first_step_is_at_the_reference(tmp_path, pairs, flags):
+    """Before the first update the policy is the reference: every log ratio is 0, so the loss is log 2 and the
+    rewards 0, whichever way the reference is had (adapters off, or precomputed)."""
+    _, logged = dpo(tmp_path, pairs, *flags, "--max_steps", "1")
+    assert logged[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert logged[0]["rewards/chosen"] == pytest.approx(0, abs=1e-5)
+    assert logged[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)
+
+
+def test_continued_adapter_is_its_own_reference(tmp_path, pairs):
+    first, _ = dpo(tmp_path / "a", pairs, "--max_steps", "8", "--learning_rate", "1e-2")
+    assert first["eval_rewards/margins"] > 0
+    _, logged = dpo(tmp_path / "b", pairs, "--adapter", str(tmp_path / "a" / "run"), "--max_steps", "1")
+    assert logged[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+
+
+def test_training_raises_the_reward_accuracy(tmp_path, pairs):
+    results, logged = dpo(tmp_path, pairs, "--max_steps", "12", "--learning_rate", "1e-2", "--beta", "0.5")
+    assert logged[-1]["loss"] < logged[0]["loss"] - 0.1
+    assert results["eval_rewards/accuracies"] == 1.0 and results["eval_loss"] < math.log(2) - 0.1
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                 "logps/rejected", "logits/chosen", "logits/rejected"):
+        assert name in logged[-1]
+
+
+def test_zeroth_order_runs_the_same_loss(tmp_path, pairs):
+    results, logged = dpo(tmp_path, pairs, "--trainer", "zo", "--max_steps", "2", "--learning_rate", "1e-4")
+    assert all(math.isfinite(m["loss"]) for m in logged) and abs(logged[0]["loss"] - math.log(2)) < 0.05
+    assert results["steps"] == 2
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--loss_type", "kto"], "--loss_type kto"), (["--loss_weights", "1", "2"], "--loss_weights"),
+    (["--beta", "0"], "--beta"), (["--label_smoothing", "0.5"], "--label_smoothing"),
+    (["--loss_type", "sft", "--rpo_alpha", "1"], "--rpo_alpha"), (["--packing"], "--packing")])
+def test_bad_options(tmp_path, capsys, flags, message):
+    code = cli.main(["dpo", "--train_file", "x.jsonl", "--output_dir", str(tmp_path / "out"), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_rpo_alpha_is_the_sft_term():
+    cfg = DPOConfig(task_name="custom", train_file="x.jsonl", rpo_alpha=0.3)
+    assert cfg.loss_terms == (("sigmoid", "sft"), (1.0, 0.3))
