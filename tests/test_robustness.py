@@ -302,17 +302,30 @@ def dying_save_run(at: int, args: list[str], stderr_path: Path) -> int:
                               stderr=stderr, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300).returncode
 
 
-def test_sigkill_inside_a_checkpoint_save_keeps_the_last_whole_one_and_resumes_exactly(shared_data, tmp_path):
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under folder (hidden ones too) with its bytes."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_sigkill_inside_a_checkpoint_save_keeps_the_last_whole_one_the_rerun_refuses_and_resume_is_exact(shared_data,
+                                                                                                       tmp_path):
     out = tmp_path / "killed"
     root, args = out / "checkpoints", kill_args(shared_data, out)
 
     def killed_in_a_save_then_resumed() -> tuple:
         # saves come at steps 2, 4, ...: the 2nd (step 4) dies half-way through its weights file
-        assert dying_save_run(2, [*args, "--overwrite_output_dir"], tmp_path / "1.txt") == -signal.SIGKILL
+        assert dying_save_run(2, args, tmp_path / "1.txt") == -signal.SIGKILL
         seen = (sorted(p.name for p in root.iterdir()), checkpoint.load_requested(root, "latest")[0].name,
                 checkpoint.load(root / "step-2")[1]["step"], (out / "metrics.jsonl").read_text())
         with pytest.raises(Exception):  # noqa: B017 - the kill did land mid-write: the weights are cut short
             load_file(str(root / ".step-4.tmp" / checkpoint.WEIGHTS))
+        before = snapshot(out)
+        assert dying_save_run(0, args, tmp_path / "again.txt") == 2  # the identical command: refused, nothing changed
+        refused = (tmp_path / "again.txt").read_text()
+        assert refused.count("\n") == 1 and "Traceback" not in refused, refused
+        assert f"{out} holds an interrupted run (last checkpoint {root / 'step-2'}); continue it with " \
+               f"--resume_from_checkpoint latest, or start over with --overwrite_output_dir" in refused
+        assert snapshot(out) == before and "xgblora.lock" in before  # the dead run's lock left as it was
         resumed = [*args, "--resume_from_checkpoint", "latest"]
         assert dying_save_run(0, resumed, tmp_path / "2.txt") == 0, (tmp_path / "2.txt").read_text(errors="replace")
         return seen

@@ -175,6 +175,14 @@ def step_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def clear(root: Path) -> None:
+    """Remove every checkpoint under root (step-N, best, and folders a killed save left): a run started over must
+    not leave an earlier run's checkpoints for 'latest' to find."""
+    for path in root.glob("*"):
+        if path.is_dir() and (_STEP_DIR.match(path.name) or path.name == "best" or path.name.endswith((".tmp", ".old"))):
+            shutil.rmtree(path)
+
+
 def load_requested(root: Path, requested: str) -> tuple[Path, Contents]:
     """Load the given folder, or for 'latest' the newest intact step checkpoint under root (warning about each
     damaged one passed over); returns its path and what load() read."""

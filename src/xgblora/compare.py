@@ -8,7 +8,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from xgblora import report, train
+from xgblora import checkpoint, report, train
 from xgblora.config import ZO_ESTIMATORS, CompareConfig, Config
 from xgblora.errors import UserError
 from xgblora.logs import setup_console_logging
@@ -56,7 +56,7 @@ def run_all(configs: list[Config], output_root: Path, loss_figure_path: Path | N
     """Run each config whose folder holds no results.json yet (or all, with overwrite_output_dir), then report.
 
     results.json is written whole, and last, so that a folder holding one is a finished run: a run killed
-    part-way (even while writing it) is run again.
+    part-way (even while writing it) is run again, from its last checkpoint where it saved one.
     """
     finished, failed = [], []
     for run_cfg in configs:
@@ -67,6 +67,8 @@ def run_all(configs: list[Config], output_root: Path, loss_figure_path: Path | N
             finished.append(out)
             continue
         log.info("%s: running", name)
+        if not run_cfg.overwrite_output_dir and checkpoint.step_checkpoints(out / "checkpoints"):
+            run_cfg = dataclasses.replace(run_cfg, resume_from_checkpoint="latest")
         try:
             train.run(run_cfg)
             finished.append(out)

@@ -712,8 +712,7 @@ TRAINING_OPTIONS = ("lora", "xgblora", "method", *ADAPTER_OPTIONS, *XGBLORA_OPTI
                     "head_init", "head_probe_l2", "contrastive_loss", "learnable_temperature", "mini_batch_size",
                     "embed_pieces", *GRIT_OPTIONS, "logging_steps", "evaluation_strategy", "eval_steps",
                     "log_samples", "save_strategy", "save_steps", "save_total_limit", "save_only_model",
-                    "load_best_model_at_end", "resume_from_checkpoint", "report_to", "nan_policy", "no_eval",
-                    "overwrite_output_dir")
+                    "load_best_model_at_end", "resume_from_checkpoint", "report_to", "nan_policy", "no_eval")
 # What `xgblora rft` and `xgblora grpo` never read: they train on instruction rows of their own (RFT's kept samples,
 # GRPO's prompts) with the language-modelling loss, so MeZO's tasks, classification heads and embeddings have no
 # place; RFT sets each round's data, evaluation and folder itself. Their parsers leave these flags out.

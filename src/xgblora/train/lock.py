@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,13 @@ log = logging.getLogger("xgblora")
 
 
 @contextlib.contextmanager
-def run_lock(folder: Path) -> Iterator[None]:
-    """Own `folder` for the block: UserError at once when another run owns it; the lock file is removed after."""
+def run_lock(folder: Path, check: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Own `folder` for the block: UserError at once when another run owns it; the lock file is removed after.
+
+    `check` runs once no live run holds the folder, before this run takes a dead one's lock over: a run that it
+    refuses leaves the folder as it found it."""
     path = Path(folder) / LOCK_NAME
-    fd = _acquire(path)
+    fd = _acquire(path, check)
     try:
         yield
     finally:
@@ -40,8 +43,9 @@ def run_lock(folder: Path) -> Iterator[None]:
             os.close(fd)
 
 
-def _acquire(path: Path) -> int | None:
-    """Lock path and write this process into it; None where the file system refuses locks."""
+def _acquire(path: Path, check: Callable[[], None]) -> int | None:
+    """Lock path, run check, and write this process into it; None where the file system refuses locks."""
+    existed = path.exists()
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -54,10 +58,18 @@ def _acquire(path: Path) -> int | None:
         except OSError as exc:  # some network and cluster mounts have no locks (ENOLCK, ENOSYS)
             os.close(fd)
             log.warning("%s: cannot lock it (%s); a second run into this folder will not be stopped", path, exc)
+            check()
             return None
         if _still_at(fd, path):
             break
         os.close(fd)  # its holder removed the file between our open and our lock: lock the new file
+    try:
+        check()
+    except BaseException:
+        if not existed:
+            path.unlink(missing_ok=True)
+        os.close(fd)
+        raise
     _take_over(fd, path)
     return fd
 

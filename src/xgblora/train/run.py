@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import logging
 import time
 from pathlib import Path
@@ -10,7 +12,7 @@ from typing import Any
 
 import torch
 
-from xgblora import atomic, distributed
+from xgblora import atomic, checkpoint, distributed
 from xgblora.config import Config
 from xgblora.errors import UserError
 from xgblora.logs import setup_console_logging
@@ -27,17 +29,47 @@ def run(cfg: Config, hooks: Hooks | None = None) -> dict[str, Any]:
     setup_console_logging()
     dist = distributed.setup(cfg)  # before the model loads: it picks this rank's GPU
     out = Path(cfg.output_dir)
+    if (done := finished_results(cfg, out)) is not None:
+        return done
+    check = functools.partial(check_folder, cfg, out)
+    if not dist.is_main:
+        check()
     with atomic.output_folder(out, "--output_dir"), \
-            run_lock(out) if dist.is_main else contextlib.nullcontext():  # the main process owns the folder
+            run_lock(out, check) if dist.is_main else contextlib.nullcontext():  # the main process owns the folder
         return _run(cfg, dist, out, hooks)
 
 
+def finished_results(cfg: Config, out: Path) -> dict[str, Any] | None:
+    """A finished run asked to resume has nothing left to do: its results (None for any other run)."""
+    results = out / "results.json"
+    if not cfg.resume_from_checkpoint or cfg.overwrite_output_dir or not results.is_file():
+        return None
+    log.warning("%s holds a finished run (results.json): nothing to resume; pass --overwrite_output_dir to train "
+                "it again", out)
+    return json.loads(results.read_text(encoding="utf-8"))
+
+
+def check_folder(cfg: Config, out: Path) -> None:
+    """Refuse, before anything is written, a folder whose earlier run this one would write over: a finished run's
+    results, or the checkpoints of an interrupted one (unless told to resume it or to start over)."""
+    if cfg.overwrite_output_dir or cfg.resume_from_checkpoint:
+        return
+    if (out / "results.json").exists():
+        raise UserError(f"{out} already holds a finished run's results.json; pass --overwrite_output_dir to redo "
+                        f"it, or another --output_dir")
+    if found := checkpoint.step_checkpoints(out / "checkpoints"):
+        raise UserError(f"{out} holds an interrupted run (last checkpoint {found[-1]}); continue it with "
+                        f"--resume_from_checkpoint latest, or start over with --overwrite_output_dir")
+
+
+def start_over(out: Path) -> None:
+    """--overwrite_output_dir: an earlier run's results and checkpoints go before this run writes its own."""
+    (out / "results.json").unlink(missing_ok=True)  # first: a kill from here on leaves an unfinished run
+    checkpoint.clear(out / "checkpoints")
+
+
 def _run(cfg: Config, dist: distributed.Distributed, out: Path, hooks: Hooks | None) -> dict[str, Any]:
-    """Inside the run lock: refuse a finished run's folder, set up, evaluate or train, write results.json."""
-    if cfg.trainer != "none" and (out / "results.json").exists() and not cfg.overwrite_output_dir \
-            and not cfg.resume_from_checkpoint:
-        raise UserError(f"{out} already holds a finished run; pass --overwrite_output_dir to redo it, "
-                        f"or another --output_dir")
+    """Inside the run lock (the folder checked): set up, evaluate or train, write results.json."""
     setup = set_up_run(cfg, dist)
     base = {"task": setup.task.name, "model": cfg.model_name, "head": setup.head, "trainer": cfg.trainer,
             "seed": cfg.seed, "num_eval": len(setup.splits.eval), "device": str(setup.device),
@@ -67,6 +99,8 @@ def _train(setup: RunSetup, dist: distributed.Distributed, hooks: Hooks | None) 
     train_set = training_set(setup)  # before the adapters: the packing probe runs on the plain model
     method = setup_method(setup.model, cfg, build_contrastive(setup, dist))
     init_head(setup, method)
+    if cfg.overwrite_output_dir and not cfg.resume_from_checkpoint and dist.is_main:
+        start_over(Path(cfg.output_dir))
     summary = Trainer(setup, method, train_set, dist, hooks).fit()
     results = {**summary, "method": cfg.method, "num_train": len(setup.splits.train)}
     if method.contrastive is not None:  # learnt or fixed, the temperature the embeddings were trained at

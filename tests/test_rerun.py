@@ -1,0 +1,68 @@
+"""A run folder knows its state: the same command run again on an interrupted run refuses (naming its last
+checkpoint and the two ways on) and changes nothing (after a SIGKILL: test_robustness); resuming a finished run does
+nothing; starting over removes the earlier run's checkpoints; an evaluation never writes over an earlier
+results.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_robustness import snapshot
+from test_train import interrupt_at, make_cfg
+
+from xgblora import checkpoint, cli, train
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_rerun_after_ctrl_c_refuses_and_starting_over_removes_the_earlier_checkpoints(shared_data, tmp_path,
+                                                                                        capsys):
+    out = tmp_path / "run"
+    cfg = make_cfg(shared_data, out, max_steps=8, save_steps=3, no_eval=True)
+    with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):
+        train.run(cfg, hooks=interrupt_at(7))
+    before, _ = snapshot(out), capsys.readouterr()
+    args = ["train", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(shared_data),
+            "--num_train", "64", "--num_eval", "16", "--method", "lora", "--max_steps", "8", "--save_steps", "3",
+            "--max_length", "64", "--output_dir", str(out), "--device", "cpu", "--no_eval"]
+    assert cli.main(args) == 2
+    assert "holds an interrupted run (last checkpoint" in one_line_error(capsys)
+    assert snapshot(out) == before
+
+    # started over and stopped before the old run's step-7: 'latest' must not find the old run's checkpoint
+    with pytest.raises(KeyboardInterrupt, match="stopped at step 4"):
+        train.run(make_cfg(shared_data, out, max_steps=8, save_steps=3, no_eval=True, overwrite_output_dir=True),
+                  hooks=interrupt_at(4))
+    assert [p.name for p in checkpoint.step_checkpoints(out / "checkpoints")] == ["step-3", "step-4"]
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(shared_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    results = train.run(make_cfg(shared_data, out, max_steps=4, save_steps=2, no_eval=True))
+    capsys.readouterr()
+    before = snapshot(out)
+    again = train.run(make_cfg(shared_data, out, max_steps=4, save_steps=2, no_eval=True,
+                               resume_from_checkpoint="latest"))
+    assert again == json.loads(json.dumps(results))
+    assert snapshot(out) == before
+    assert "holds a finished run (results.json): nothing to resume" in capsys.readouterr().err
+
+
+def test_eval_never_writes_over_an_earlier_results_json(shared_data, tmp_path, capsys):
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "results.json").write_text('{"mine": 1}\n')
+    args = ["eval", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(shared_data),
+            "--num_eval", "8", "--output_dir", str(out)]
+    assert cli.main(args) == 2
+    err = one_line_error(capsys)
+    assert "already holds a finished run's results.json" in err and "--overwrite_output_dir" in err
+    assert "trainable" not in err and sorted(p.name for p in out.iterdir()) == ["results.json"]
+    assert (out / "results.json").read_text() == '{"mine": 1}\n'
+    assert cli.main([*args, "--overwrite_output_dir"]) == 0
+    assert "accuracy" in json.loads((out / "results.json").read_text())
