@@ -8,7 +8,15 @@ import pytest
 import torch
 from torch import nn
 
-from xgblora.adapters.lora import LoRALinear, attach, default_targets, lora_modules, prepare_full_ft, unwrap
+from xgblora.adapters.lora import (
+    LoRALinear,
+    attach,
+    default_targets,
+    lora_modules,
+    lora_scaling,
+    prepare_full_ft,
+    unwrap,
+)
 from xgblora.adapters.peft import to_peft
 from xgblora.errors import UserError
 from xgblora.models import pretrained
@@ -417,14 +425,17 @@ def test_prepare_full_ft():
 def test_default_alpha_keeps_alpha_over_r_at_mezos_two_for_every_rank():
     from xgblora.config import Config
 
+    def scaling(cfg: Config) -> float:
+        return lora_scaling(cfg.alpha, cfg.rank, cfg.use_rslora)
+
     for method, r, alpha in (("lora", None, 16.0), ("xgblora", None, 2.0), ("lora", 1, 2.0), ("lora", 32, 64.0)):
         cfg = Config(method=method, lora_r=r)
-        assert (cfg.alpha, cfg.scaling) == (alpha, 2.0)
-    assert Config(method="xgblora", lora_alpha=16.0).scaling == 16.0  # an explicit alpha wins
-    assert Config(method="lora", lora_alpha=16.0).scaling == 2.0  # MeZO's r=8, alpha=16 unchanged
-    assert Config(method="lora", use_rslora=True).scaling == pytest.approx(2.0)  # the same at r=8
-    assert Config(method="xgblora", use_rslora=True).scaling == pytest.approx(2 * math.sqrt(8))
-    assert Config(method="lora", lora_r=4, lora_alpha=6.0, use_rslora=True).scaling == 3.0
+        assert (cfg.alpha, scaling(cfg)) == (alpha, 2.0)
+    assert scaling(Config(method="xgblora", lora_alpha=16.0)) == 16.0  # an explicit alpha wins
+    assert scaling(Config(method="lora", lora_alpha=16.0)) == 2.0  # MeZO's r=8, alpha=16 unchanged
+    assert scaling(Config(method="lora", use_rslora=True)) == pytest.approx(2.0)  # the same at r=8
+    assert scaling(Config(method="xgblora", use_rslora=True)) == pytest.approx(2 * math.sqrt(8))
+    assert scaling(Config(method="lora", lora_r=4, lora_alpha=6.0, use_rslora=True)) == 3.0
 
 
 def test_rslora_branch_is_alpha_over_sqrt_r():
@@ -438,14 +449,18 @@ def test_rslora_branch_is_alpha_over_sqrt_r():
 
 def test_zo_with_a_large_adapter_scale_warns(caplog):
     from xgblora.config import Config
+    from xgblora.train.setup import setup_method
+
+    def set_up(**options) -> None:
+        setup_method(pretrained.load("tiny-opt")[0], Config(model_name="tiny-opt", **options))
 
     with caplog.at_level("WARNING", logger="xgblora"):
-        Config(trainer="zo", method="xgblora")
-        Config(trainer="zo", method="lora", lora_alpha=16.0)
-        Config(trainer="regular", method="xgblora", lora_alpha=16.0)
-    assert not caplog.records
+        set_up(trainer="zo", method="xgblora")
+        set_up(trainer="zo", method="lora", lora_alpha=16.0)
+        set_up(trainer="regular", method="xgblora", lora_alpha=16.0)
+    assert not [r for r in caplog.records if "adapter scale" in r.getMessage()]
     with caplog.at_level("WARNING", logger="xgblora"):
-        Config(trainer="zo", method="xgblora", lora_alpha=16.0)
+        set_up(trainer="zo", method="xgblora", lora_alpha=16.0)
     assert "adapter scale of 16" in caplog.text and "64x that of r=8" in caplog.text
 
 

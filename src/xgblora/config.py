@@ -20,8 +20,6 @@ from xgblora.trackers import parse_report_to
 
 log = logging.getLogger("xgblora")
 
-# Above this alpha/r (twice MeZO's r=8, alpha=16) a MeZO run is warned: its per-step change of B A is 4x MeZO's.
-ZO_MAX_SCALING = 4.0
 # The paper's Eq. 7 adds lambda (|A|^2 + |B|^2) to each booster's loss; its value for our models is not in the text
 # we could read, so it is a small one that changes little (see README). The booster counts are ours too.
 PAPER_NORM_PENALTY = 1e-3
@@ -38,11 +36,6 @@ GGUF_SUFFIX = ".gguf"
 def is_gguf(name_or_path: str) -> bool:
     """Whether a model name names a GGUF file (a local path, or owner/repo/FILE.gguf on the hub)."""
     return name_or_path.lower().endswith(GGUF_SUFFIX)
-
-
-def lora_scaling(alpha: float, r: int, rslora: bool = False) -> float:
-    """A LoRA branch's multiplier of B A: alpha / r (LoRA), or alpha / sqrt(r) (rsLoRA, Kalajdzievski 2023)."""
-    return alpha / (math.sqrt(r) if rslora else r)
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -326,11 +319,6 @@ class Config(ModelOptions):
             raise UserError("--xgblora_init gradient needs the gradient of each adapted weight, a backward pass: "
                             "under --trainer zo a few zeroth-order estimates cannot find its leading direction "
                             "(README, XGBLoRA); use --xgblora_init random")
-        if self.trainer == "zo" and self.method != "ft" and self.scaling > ZO_MAX_SCALING:
-            log.warning("--trainer zo with an adapter scale of %g (alpha %g, r %d%s): MeZO's change of B A per step "
-                        "grows with the square of the scale, %gx that of r=8, alpha=16; lower --lora_alpha (default "
-                        "2r) if the loss jumps or predictions collapse to one class", self.scaling, self.alpha,
-                        self.rank, ", rsLoRA" if self.use_rslora else "", (self.scaling / 2) ** 2)
         if (self.grit_generative_batch_size or 0) > self.per_device_train_batch_size:
             raise UserError(f"--grit_generative_batch_size {self.grit_generative_batch_size} takes the instruction "
                             f"examples of a batch's first pairs: at most --per_device_train_batch_size "
@@ -452,11 +440,6 @@ class Config(ModelOptions):
         if self.lora_alpha is not None:
             return self.lora_alpha
         return 2 * math.sqrt(8) if self.use_rslora else 2.0 * self.rank
-
-    @property
-    def scaling(self) -> float:
-        """The adapters' multiplier of B A: alpha / r, or alpha / sqrt(r) under rsLoRA."""
-        return lora_scaling(self.alpha, self.rank, self.use_rslora)
 
 
 

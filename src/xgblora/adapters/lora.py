@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xgblora.config import lora_scaling
 from xgblora.errors import UserError
 from xgblora.models.quant import in_transformer_block, is_quantized
 
@@ -63,6 +62,11 @@ def is_conv1d(module: nn.Module) -> bool:
     """GPT-2's Conv1D: a linear layer whose weight is stored (in, out), PEFT's fan_in_fan_out layout."""
     return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
 
+
+
+def lora_scaling(alpha: float, r: int, rslora: bool = False) -> float:
+    """A LoRA branch's multiplier of B A: alpha / r (LoRA), or alpha / sqrt(r) (rsLoRA, Kalajdzievski 2023)."""
+    return alpha / (math.sqrt(r) if rslora else r)
 
 class LoRALinear(nn.Module):
     """A frozen linear layer plus scaling * B A in fp32; inactive -> the base alone; dual mode -> +/- perturbed halves.

@@ -13,8 +13,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from xgblora.adapters.lora import LoRALinear, is_adapter_param
-from xgblora.config import lora_scaling
+from xgblora.adapters.lora import LoRALinear, is_adapter_param, lora_scaling
 from xgblora.errors import UserError
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")

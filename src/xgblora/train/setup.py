@@ -97,6 +97,19 @@ def init_head(run: RunSetup, method: Method) -> None:
     log.info("head: linear probe on %s-pooled features, L2 %g, training accuracy %.3f", cfg.pooling, l2, accuracy)
 
 
+# Above this alpha/r (twice MeZO's r=8, alpha=16) a MeZO run is warned: its per-step change of B A is 4x MeZO's.
+ZO_MAX_SCALING = 4.0
+
+
+def _warn_on_large_zo_scale(modules: dict[str, LoRALinear]) -> None:
+    m = max(modules.values(), key=lambda m: m.scaling)
+    if m.scaling > ZO_MAX_SCALING:
+        log.warning("--trainer zo with an adapter scale of %g (alpha %g, r %d): MeZO's change of B A per step "
+                    "grows with the square of the scale, %gx that of r=8, alpha=16; lower --lora_alpha (default "
+                    "2r) if the loss jumps or predictions collapse to one class", m.scaling, m.alpha, m.r,
+                    (m.scaling / 2) ** 2)
+
+
 def setup_method(model: torch.nn.Module, cfg: Config, contrastive: Contrastive | None = None) -> Method:
     """Prepare full fine-tuning, LoRA, or XGBLoRA boosters on the model, and say what trains; with --adapter, start
     from that adapter (see continue_from)."""
@@ -113,6 +126,8 @@ def setup_method(model: torch.nn.Module, cfg: Config, contrastive: Contrastive |
     if cfg.method == "lora":
         continue_from(factors, report.modules)
     log.info("%s", report)
+    if cfg.trainer == "zo":
+        _warn_on_large_zo_scale(report.modules)
     adapters = adapter_params(model)
     head = [(n, p) for n, p in model.named_parameters() if labels.is_head_param(n)]
     for _, p in head:  # a new classification head trains in every method (or stays frozen: see zo_params)
