@@ -33,8 +33,9 @@ def one_step(data_dir: str, batch_size: int, mini_batch: int, max_length: int) -
     from xgblora.adapters.lora import attach, is_adapter_param
     from xgblora.data.pairs import collate_pairs, pair_seqs
     from xgblora.data.tasks import Example
+    from xgblora.embeddings.contrastive import Contrastive
     from xgblora.models import pretrained
-    from xgblora.train.objective import Contrastive, per_example_loss
+    from xgblora.train.objective import per_example_loss
 
     torch.set_num_threads(1)
     rows = [json.loads(line) for line in (Path(data_dir) / "multirc" / "train.jsonl").read_text().splitlines()]

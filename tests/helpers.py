@@ -23,12 +23,12 @@ from xgblora.data.batches import TokenBatch
 from xgblora.data.pairs import collate_pairs, pair_seqs
 from xgblora.data.splits import load_rows
 from xgblora.data.tasks import CustomTask, Example
+from xgblora.embeddings.contrastive import Contrastive
 from xgblora.logs import read_metrics
 from xgblora.models import pretrained
 from xgblora.optim.zo import MeZO
 from xgblora.train import run
 from xgblora.train.objective import (
-    Contrastive,
     grit_training_set,
     per_example_loss,
     sequence_training_set,
@@ -230,7 +230,7 @@ def grit_loss_and_grads(model, batch, objective: Contrastive) -> tuple[float, li
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
-    loss = objective.grit(model, batch).mean()
+    loss = per_example_loss(model, batch, objective).mean()
     loss.backward()
     return float(loss.detach()), grads(params)
 

@@ -19,9 +19,9 @@ from helpers import (
 
 from xgblora.config import Config
 from xgblora.embeddings import pieces as pieces_module
+from xgblora.embeddings.contrastive import Contrastive
 from xgblora.embeddings.pieces import embed_in_pieces, length_pieces, split_cost
 from xgblora.models import pretrained
-from xgblora.train.objective import Contrastive
 
 
 def least_cost(widths: list[int], cost: float) -> float:

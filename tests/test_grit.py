@@ -14,11 +14,12 @@ from xgblora.data import formats
 from xgblora.data.pairs import Prefixes, collate_pairs, gritlm_instruction, pair_seqs, prefix_length
 from xgblora.data.splits import load_rows
 from xgblora.data.tasks import CustomTask, Example
+from xgblora.embeddings.contrastive import Contrastive
 from xgblora.embeddings.pooling import bidirectional_supported, embed, encode_texts, hidden_states
 from xgblora.errors import UserError
 from xgblora.models import pretrained
 from xgblora.train import run, setup
-from xgblora.train.objective import Contrastive, grit_training_set, per_example_loss, sequence_training_set
+from xgblora.train.objective import grit_training_set, per_example_loss, sequence_training_set
 
 TOPICS = ["the movie was a love story", "a film about the war", "the best story of the year", "a boring time",
           "funny and good", "the terrible acting", "a great new film", "what a fun movie", "the dull plot",

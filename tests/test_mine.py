@@ -10,10 +10,11 @@ from xgblora import cli
 from xgblora.config import Config
 from xgblora.data.pairs import PairTask, collate_pairs, pair_seqs
 from xgblora.data.splits import load_rows
+from xgblora.embeddings.contrastive import Contrastive
 from xgblora.embeddings.mine import Window, mine
 from xgblora.embeddings.pooling import encode_texts
 from xgblora.models import pretrained
-from xgblora.train.objective import Contrastive, per_example_loss
+from xgblora.train.objective import per_example_loss
 
 WORDS = ["film", "story", "war", "love", "time", "plot", "acting", "music", "city", "night", "sea", "king"]
 

@@ -38,11 +38,12 @@ from xgblora.bench.timing import InterleavedSteps, step_stats
 from xgblora.data.pairs import pair_seqs
 from xgblora.data.sources import read_jsonl
 from xgblora.data.tasks import Example, MultiRC
+from xgblora.embeddings.contrastive import Contrastive
 from xgblora.embeddings.pieces import split_cost
 from xgblora.errors import UserError
 from xgblora.models import pretrained
 from xgblora.optim.fo import AdamWStepper
-from xgblora.train.objective import Contrastive, TrainingLoss, pair_training_set
+from xgblora.train.objective import TrainingLoss, pair_training_set
 
 LORA = dict(r=8, alpha=16.0, targets=["query", "value"])
 LR = 1e-4

@@ -5,12 +5,10 @@ InfoNCE plus the instruction loss (GRIT)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from xgblora.data.batches import (
@@ -26,9 +24,7 @@ from xgblora.data.batches import (
 from xgblora.data.collation import TokenSeq, collate, collate_packed, training_seqs
 from xgblora.data.pairs import PairSeq, collate_pairs
 from xgblora.data.tasks import Example
-from xgblora.embeddings.gradcache import cached_embed
-from xgblora.embeddings.pieces import embed_in_pieces, length_pieces
-from xgblora.embeddings.pooling import embed
+from xgblora.embeddings.contrastive import Contrastive
 from xgblora.evaluation import labels
 from xgblora.models.scoring import label_logits, packed_mean_logprobs, target_logprobs
 from xgblora.preference.scoring import PreferenceLoss
@@ -156,7 +152,7 @@ def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrast
         case PreferenceBatch():
             return preference(model, batch)
         case GritBatch():
-            losses = contrastive.grit(model, batch)
+            losses = contrastive.grit(model, batch, per_example_loss(model, batch.generative))
         case PairBatch():
             losses = contrastive(model, batch)
         case LabelBatch():
@@ -179,86 +175,3 @@ def candidate_loss(model: torch.nn.Module, batch: CandidateBatch) -> torch.Tenso
     scores = mean_lp.new_full((batch.n_examples, int(batch.candidate.max()) + 1), float("-inf"))
     scores[batch.group, batch.candidate] = mean_lp
     return torch.nn.functional.cross_entropy(scores, batch.gold, reduction="none")
-
-
-Gather = Callable[[Tensor], tuple[Tensor, int]]  # this rank's rows -> (every rank's rows, where this rank's start)
-
-
-def info_nce(queries: Tensor, docs: Tensor, positive: Tensor, doc_key: Tensor, scale: Tensor | float,
-             gather: Gather | None = None, symmetric: bool = False) -> Tensor:
-    """Each query's InfoNCE loss [B]: cross-entropy of its positive among all documents of the batch (every
-    process's, when `gather` collects them), on scale x cosine similarity of unit vectors.
-
-    A document with the same text as a query's positive (another query's copy of it) is left out of that query's
-    negatives: it is not one. symmetric: the mean of that and each positive's cross-entropy of its query among all
-    queries (sentence-transformers' MultipleNegativesSymmetricRankingLoss: MultipleNegativesRankingLoss with
-    directions query_to_doc and doc_to_query, partition_mode per_direction).
-    """
-    keys, offset = (doc_key, 0) if gather is None else gather(doc_key)
-    all_docs = docs if gather is None else gather(docs)[0]
-    target = positive + offset
-    rows = torch.arange(len(target), device=target.device)
-    scores = queries @ all_docs.T * scale
-    same = keys[None, :] == doc_key[positive][:, None]
-    same[rows, target] = False
-    loss = nn.functional.cross_entropy(scores.masked_fill(same, float("-inf")), target, reduction="none")
-    if not symmetric:
-        return loss
-    all_queries = queries if gather is None else gather(queries)[0]
-    query_keys = doc_key[positive] if gather is None else gather(doc_key[positive])[0]
-    back = docs[positive] @ all_queries.T * scale
-    same = query_keys[None, :] == doc_key[positive][:, None]  # a query whose positive is this document's copy
-    same[rows, rows + offset] = False
-    return (loss + nn.functional.cross_entropy(back.masked_fill(same, float("-inf")), rows + offset,
-                                               reduction="none")) / 2
-
-
-class Contrastive(nn.Module):
-    """The embedding objective: pooling, attention direction, temperature (fixed, or learnt as a log-scale), the
-    cross-process gather of documents, GRIT's weights, the instruction tokens left out of the pooling (`skips`: of
-    queries and documents; GritLM's), the symmetric loss, gradient caching (`mini_batch` > 0: queries and
-    documents embedded that many rows at a time, `gradcache`), and otherwise length-sorted pieces (`split_cost`, in
-    tokens, a forward's fixed cost: `pieces`; None: the batch in one piece). Owns its one parameter, the learnable
-    log-scale."""
-
-    def __init__(self, pooling: str, temperature: float, learnable: bool = False, bidirectional: bool = False,
-                 gather: Gather | None = None, weights: tuple[float, float] = (1.0, 1.0), mini_batch: int = 0,
-                 skips: tuple[int, int] = (0, 0), symmetric: bool = False, split_cost: float | None = None):
-        super().__init__()
-        self.pooling, self.bidirectional, self.gather, self.weights = pooling, bidirectional, gather, weights
-        self.mini_batch, self.skips, self.symmetric, self.split_cost = mini_batch, skips, symmetric, split_cost
-        log_scale = torch.tensor(math.log(1 / temperature))
-        self.log_scale = nn.Parameter(log_scale) if learnable else None
-        self.fixed_scale = 1 / temperature
-
-    @property
-    def scale(self) -> Tensor | float:
-        """1 / temperature (a learnt one is capped at 100, as CLIP caps it)."""
-        return self.fixed_scale if self.log_scale is None else self.log_scale.exp().clamp(max=100.0)
-
-    def forward(self, model: nn.Module, batch: PairBatch) -> Tensor:
-        """Per-query InfoNCE [halves x B]; each half of MeZO's dual batch is its own contrastive batch."""
-        q = self.embed(model, batch.query_ids, batch.query_mask, batch.halves, self.skips[0])
-        d = self.embed(model, batch.doc_ids, batch.doc_mask, batch.halves, self.skips[1])
-        return torch.cat([info_nce(qh, dh, batch.positive, batch.doc_key, self.scale, self.gather, self.symmetric)
-                          for qh, dh in zip(q.chunk(batch.halves), d.chunk(batch.halves), strict=True)])
-
-    def embed(self, model: nn.Module, ids: Tensor, mask: Tensor, halves: int, skip: int = 0) -> Tensor:
-        """Unit embeddings of the rows (their first `skip` tokens not pooled): `mini_batch` rows of each half at a
-        time (gradient caching), else in length-sorted pieces (with `split_cost`), else in one piece."""
-        def embed_rows(rows_ids: Tensor, rows_mask: Tensor) -> Tensor:
-            return embed(model, rows_ids, rows_mask, self.pooling, self.bidirectional, skip)
-
-        if self.mini_batch and ids.shape[0] > self.mini_batch * halves:
-            return cached_embed(embed_rows, ids, mask, self.mini_batch, halves)
-        if self.split_cost is None:
-            return embed_rows(ids, mask)
-        return embed_in_pieces(embed_rows, ids, mask, length_pieces(mask.sum(1), self.split_cost, halves))
-
-    def grit(self, model: nn.Module, batch: GritBatch) -> Tensor:
-        """w_c x each query's InfoNCE + w_g x its half's mean generative loss (so the mean is GRIT's loss)."""
-        contrastive = self(model, batch.pairs)
-        generative = per_example_loss(model, batch.generative).chunk(batch.pairs.halves)
-        w_c, w_g = self.weights
-        per_half = contrastive.chunk(batch.pairs.halves)
-        return torch.cat([w_c * c + w_g * g.mean() for c, g in zip(per_half, generative, strict=True)])

@@ -34,6 +34,7 @@ from xgblora.data.pairs import PairTask, Prefixes, embedding_prefixes, held_apar
 from xgblora.data.splits import Splits, load_rows, sample_splits
 from xgblora.data.tasks import CustomTask, Example, Task, get_task
 from xgblora.distributed import Distributed
+from xgblora.embeddings.contrastive import Contrastive
 from xgblora.embeddings.pieces import split_cost
 from xgblora.embeddings.pooling import bidirectional_supported
 from xgblora.errors import UserError
@@ -45,7 +46,6 @@ from xgblora.models.scoring import packing_supported
 from xgblora.preference.scoring import PreferenceLoss
 from xgblora.train.head import fit_probe
 from xgblora.train.objective import (
-    Contrastive,
     TrainingSet,
     causal_training_set,
     grit_training_set,
