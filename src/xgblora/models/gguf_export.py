@@ -122,7 +122,7 @@ def _add_hparams(writer: Any, config: dict[str, Any], arch: str) -> None:
 def _add_vocab(writer: Any, folder: Path, config: dict[str, Any], origin: Origin | None) -> int:
     """llama.cpp's _set_vocab_gpt2: every id up to the model's vocabulary size (holes as [PADn], UNUSED), added
     tokens CONTROL or USER_DEFINED, the merges, special ids and chat template through SpecialVocab, and whether
-    the tokenizer adds BOS/EOS as it really does."""
+    the tokenizer adds BOS/EOS and a prefix space as it really does."""
     import gguf
     from transformers import AutoTokenizer
 
@@ -137,6 +137,8 @@ def _add_vocab(writer: Any, folder: Path, config: dict[str, Any], origin: Origin
     writer.add_tokenizer_pre(origin.pre if origin and origin.pre else _pre_tokenizer(tokenizer_json, folder))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    writer.add_add_space_prefix(any(step.get("add_prefix_space") for step in pre.get("pretokenizers", [pre])))
     special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens))
     probe = tokenizer("a")["input_ids"]
     special.add_special_token["bos"] = tokenizer.bos_token_id is not None and probe[0] == tokenizer.bos_token_id
@@ -197,18 +199,23 @@ def permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.
 
 
 def _tensors(folder: Path, config: dict[str, Any], arch: str):
-    """(GGUF name, fp32 tensor) of every weight, in the safetensors files' order; Q/K permuted for llama."""
+    """(GGUF name, fp32 tensor) of every weight, in the safetensors files' order; Q/K permuted for llama. A tied head
+    is the token embedding, whichever of the two names the folder stored it under."""
     import gguf
     from safetensors import safe_open
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
     n_head, n_kv = config["num_attention_heads"], config.get("num_key_value_heads")
-    for file in sorted(folder.glob("*.safetensors")):
+    files = sorted(folder.glob("*.safetensors"))
+    stored = {name for file in files for name in _keys(file)}
+    tied = config.get("tie_word_embeddings") and "model.embed_tokens.weight" in stored
+    for file in files:
         with safe_open(file, "pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open's handle is not iterable)
-                if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            for name in _keys(file):
+                if name == "lm_head.weight" and tied:
                     continue
-                new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+                new = "token_embd.weight" if name == "lm_head.weight" and config.get("tie_word_embeddings") \
+                    else names.get_name(name, try_suffixes=(".weight", ".bias"))
                 if new is None:
                     raise UserError(f"{file}: no GGUF name for tensor {name} ({arch})")
                 tensor = handle.get_tensor(name).float()
@@ -217,6 +224,13 @@ def _tensors(folder: Path, config: dict[str, Any], arch: str):
                 if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
                     tensor = permute(tensor, n_head, n_kv)
                 yield new, tensor
+
+
+def _keys(file: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(file, "pt") as handle:
+        return list(handle.keys())
 
 
 def _quantised(name: str, tensor: torch.Tensor, quantization: str, origin: Origin | None) -> tuple[Any, np.ndarray]:
