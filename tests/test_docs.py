@@ -106,6 +106,18 @@ def rewrite(command: str, data: dict[str, str]) -> list[str]:
     return out
 
 
+def _preferences(numbers) -> list[dict]:
+    """Preference pairs in TRL's formats: standard rows and conversational ones."""
+    rows = []
+    for i in numbers:
+        question, right, wrong = f"What is {i} + {i}?", f"{2 * i}", f"{2 * i + 1}"
+        rows.append({"prompt": question, "chosen": f" {right}", "rejected": f" {wrong}"} if i % 2 else
+                    {"prompt": [{"role": "user", "content": question}],
+                     "chosen": [{"role": "assistant", "content": right}],
+                     "rejected": [{"role": "assistant", "content": wrong}]})
+    return rows
+
+
 def _write_jsonl(path: Path, rows) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -139,6 +151,8 @@ def workspace(tmp_path_factory) -> tuple[Path, dict[str, str]]:
             {"prompt": r["question"], "completion": r["answer"]} for r in gsm8k[:8]]),
         "heldout.jsonl": _write_jsonl(root / "heldout.jsonl", [
             {"prompt": r["question"], "completion": r["answer"]} for r in gsm8k[8:]]),
+        "preferences.jsonl": _write_jsonl(root / "preferences.jsonl", _preferences(range(8))),
+        "preferences_eval.jsonl": _write_jsonl(root / "preferences_eval.jsonl", _preferences(range(8, 12))),
     }
     reviews = [("a fine and moving film", "pos"), ("dull and far too long", "neg")] * 8
     for name, rows in (("reviews.csv", reviews), ("test.csv", reviews[:4])):

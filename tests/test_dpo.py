@@ -6,6 +6,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from xgblora import cli
 from xgblora.config import DPOConfig
@@ -79,3 +80,21 @@ def test_bad_options(tmp_path, capsys, flags, message):
 def test_rpo_alpha_is_the_sft_term():
     cfg = DPOConfig(task_name="custom", train_file="x.jsonl", rpo_alpha=0.3)
     assert cfg.loss_terms == (("sigmoid", "sft"), (1.0, 0.3))
+
+
+def test_resume_continues_exactly(tmp_path, pairs):
+    """A checkpoint at step 2 (of a three-step run), resumed to step 4: the adapter of an uninterrupted four-step run
+    (the reference log-probabilities are the starting model's both times, computed before the checkpoint loads)."""
+    from safetensors.torch import load_file
+
+    common = ["--precompute_ref_log_probs", "--learning_rate", "1e-2", "--lr_scheduler_type", "constant",
+              "--save_strategy", "steps", "--save_steps", "2"]
+    dpo(tmp_path / "whole", pairs, *common, "--max_steps", "4")
+    dpo(tmp_path / "parts", pairs, *common, "--max_steps", "3")
+    resumed, logged = dpo(tmp_path / "parts", pairs, *common, "--max_steps", "4", "--resume_from_checkpoint", "latest",
+                          "--overwrite_output_dir")
+    assert resumed["resumes"] == 1 and [m["step"] for m in logged][-2:] == [3, 4]
+    whole = load_file(tmp_path / "whole" / "run" / "final" / "adapter_model.safetensors")
+    parts = load_file(tmp_path / "parts" / "run" / "final" / "adapter_model.safetensors")
+    assert whole.keys() == parts.keys()
+    assert all(torch.equal(whole[k], parts[k]) for k in whole)
