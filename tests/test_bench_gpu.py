@@ -121,3 +121,24 @@ def test_profile_of_the_slowest_step():
     assert 0 < sum(o["share"] for o in ops) <= 1 + 1e-9
     assert format_profile("x", summary).count("\n| `") == len(ops)
     assert profile_slowest([], replay, torch.device("cpu")) is None
+
+
+def test_shape_comparison_runs_each_side_on_the_same_rows():
+    from xgblora.bench import gpu, sft
+
+    case = sft.SFTCase(model_name="tiny-llama", packed=False, checkpointing=False, batch_size=2, steps=1, warmup=1,
+                       max_length=96)
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    res = sft.shape_case(case)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn  # restored
+    sides = res["sides"]
+    assert list(sides) == [label for label, _, _ in sft.SHAPE_SIDES]
+    exact, _, widened = sides.values()
+    assert all(s["n"] == 1 and len(s["xgblora_widths"]) == 2 for s in sides.values())
+    assert exact["xgblora_widths"] == exact["trl_widths"]  # the longest row of each step
+    assert all(w % 64 == 0 and 0 <= w - t < 64 for w, t in zip(widened["xgblora_widths"], exact["trl_widths"],
+                                                                strict=True))
+    assert widened["xgblora_new_width"][0] and exact["xgblora_new_width"][0]
+    table = gpu.format_table({"cuda": False, "elapsed_s": 1.0, "parts": {"sft_shapes": {"status": "ran",
+                                                                                        "results": res}}})
+    assert table.count("| sft_shapes | padded widths") == 3

@@ -244,20 +244,34 @@ def _widths(case: SFTCase, seqs: list[TokenSeq], multiple: int) -> dict[str, Any
             "xgblora_new_width": [w not in ours[:k] for k, w in enumerate(ours)]}
 
 
-def shape_case(case: SFTCase, multiples: tuple[int, ...] = (1, 64)) -> dict[str, Any]:
-    """xgblora's padded steps alone, once per padding multiple, interleaved step by step on the same rows (the
-    widths of one multiple are not those of the other, so neither inherits the other's kernel plans): per-step
-    times, widths, and which steps met a new width."""
+# (label, padding multiple, cuDNN attention allowed), in the order each step runs them: the first meets every
+# exact width first with cuDNN's SDPA off, so what the second pays on a new width beyond it is cuDNN's plan
+SHAPE_SIDES = (("as they come, cuDNN attention off", 1, False), ("as they come", 1, True),
+               ("multiple of 64", 64, True))
+
+
+def shape_case(case: SFTCase) -> dict[str, Any]:
+    """xgblora's padded steps alone, interleaved step by step on the same rows (SHAPE_SIDES): widths as they come
+    with and without cuDNN attention, and widened to a multiple of 64; per-step times, widths, and which steps met
+    a new width. Where the slow steps of padded training come from, in one comparison."""
     seqs = sft_seqs(case)
-    sides = {m: XgbloraSFT(dataclasses.replace(case, pad_to_multiple_of=m), seqs) for m in multiples}
-    times: dict[int, list[float]] = {m: [] for m in multiples}
-    for step in range(case.warmup + case.steps):
-        for m, side in sides.items():
-            t = _timed_step(side, step_rows(case, step))
-            if step >= case.warmup:
-                times[m].append(t)
+    sides = [(label, cudnn, XgbloraSFT(dataclasses.replace(case, pad_to_multiple_of=m), seqs))
+             for label, m, cudnn in SHAPE_SIDES]
+    times: dict[str, list[float]] = {label: [] for label, _, _ in SHAPE_SIDES}
+    cudnn_default = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        for step in range(case.warmup + case.steps):
+            for label, cudnn, side in sides:
+                torch.backends.cuda.enable_cudnn_sdp(cudnn and cudnn_default)
+                t = _timed_step(side, step_rows(case, step))
+                if step >= case.warmup:
+                    times[label].append(t)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_default)
     return {"model_name": case.model_name, "steps_timed": case.steps, "warmup": case.warmup,
-            "multiples": {str(m): {**step_stats(times[m]), **_widths(case, seqs, m)} for m in multiples}}
+            "cudnn_sdp_enabled": cudnn_default,
+            "sides": {label: {**step_stats(times[label]), **_widths(case, seqs, side.pad_multiple)}
+                      for label, _, side in sides}}
 
 
 def _timed_step(side: XgbloraSFT, rows: list[int]) -> float:
