@@ -142,3 +142,32 @@ def test_shape_comparison_runs_each_side_on_the_same_rows():
     table = gpu.format_table({"cuda": False, "elapsed_s": 1.0, "parts": {"sft_shapes": {"status": "ran",
                                                                                         "results": res}}})
     assert table.count("| sft_shapes | padded widths") == 3
+
+
+def test_gpu_suite_saves_after_every_part_and_skips_what_does_not_fit(monkeypatch):
+    """The CUDA branch's bookkeeping, with stand-in parts: a part starts only while its estimate fits the budget,
+    and the report is saved after the CUDA tests and after every part that ran."""
+    import argparse
+
+    from xgblora.bench import flags, gpu
+
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser)
+    args = parser.parse_args(["--suite", "gpu", "--gpu_budget_s", "100"])
+    monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu, "cuda_tests", lambda budget, path: {"status": "ran", "passed": 1, "tests": {}})
+    monkeypatch.setattr(gpu, "ESTIMATE_S", {**gpu.ESTIMATE_S, "sft": 1, "grpo": 10**6, "embed": 1})
+
+    def broken():
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(gpu, "cuda_parts", lambda a: [("one", "sft", lambda: {"ok": a.device}),
+                                                      ("two", "grpo", lambda: {}), ("three", "embed", broken)])
+    saved = []
+    report = gpu.run(args, save=lambda r: saved.append({k: dict(v) for k, v in r["parts"].items()}))
+    parts = report["parts"]
+    assert parts["one"]["status"] == "ran" and parts["one"]["results"] == {"ok": "cuda"}
+    assert parts["two"]["status"].startswith("skipped") and parts["two"]["estimate_s"] == 10**6
+    assert parts["three"]["status"] == "failed: RuntimeError: out of memory"
+    assert [list(s) for s in saved] == [["cuda_tests"], ["cuda_tests", "one"], ["cuda_tests", "one", "two", "three"]]
+    assert "| two | skipped" in gpu.format_table(report)
