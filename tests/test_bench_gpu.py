@@ -87,13 +87,21 @@ class _LargestCpuTensor(TorchDispatchMode):
 
 
 def test_random_model_is_built_on_its_device_in_its_dtype():
-    """A 1B random model loaded for a device is created there (here the meta device: no memory, no time), never
-    on the CPU and moved: no tensor of a weight's size ever exists on the CPU."""
+    """A 1B random model loaded for a device with build_on_device (the benchmarks) is created there (here the meta
+    device: no memory, no time), never on the CPU and moved: no tensor of a weight's size exists on the CPU."""
     with _LargestCpuTensor() as largest:
-        model, _ = pretrained.load("llama-1b-random", dtype="bfloat16", device="meta")
+        model, _ = pretrained.load("llama-1b-random", dtype="bfloat16", device="meta", build_on_device=True)
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert largest.numel < 2048  # the smallest weight, a layer norm, has 2048 elements
+
+
+def test_random_model_weights_come_from_the_cpu_by_default():
+    """Without build_on_device the weights are the CPU's, whatever the device: one base model for a run trained on
+    a GPU and exported on the CPU."""
+    with _LargestCpuTensor() as largest:
+        model, _ = pretrained.load("tiny-llama", device="meta")
+    assert {p.device.type for p in model.parameters()} == {"meta"} and largest.numel >= 64 * 176
 
 
 def test_random_model_on_the_cpu_keeps_its_weights():

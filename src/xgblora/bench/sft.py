@@ -154,7 +154,8 @@ class XgbloraSFT:
 
     def __init__(self, case: SFTCase, seqs: list[TokenSeq]) -> None:
         self.device = pretrained.choose_device(case.device)
-        self.model, tokenizer = pretrained.load(case.model_name, dtype=case.dtype, device=case.device)
+        self.model, tokenizer = pretrained.load(case.model_name, dtype=case.dtype, device=case.device,
+                                                build_on_device=True)
         lora.attach(self.model, LORA["targets"], r=LORA["r"], alpha=LORA["alpha"])
         if case.checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -183,7 +184,8 @@ def trl_trainer(case: SFTCase, seqs: list[TokenSeq], callbacks: list[Any], outpu
         def _get_train_sampler(self, train_dataset=None):
             return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
 
-    model, tokenizer = pretrained.load(case.model_name, dtype=case.dtype, device=case.device)
+    model, tokenizer = pretrained.load(case.model_name, dtype=case.dtype, device=case.device,
+                                       build_on_device=True)
     tokenizer.chat_template = tokenizer.chat_template or pretrained.ZEPHYR_CHAT_TEMPLATE
     config = SFTConfig(
         output_dir=output_dir, max_steps=case.warmup + case.steps, per_device_train_batch_size=case.batch_size,
