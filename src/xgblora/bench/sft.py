@@ -8,7 +8,8 @@ batch's target tokens. TRL gets the rows as `input_ids` + `labels` (-100 off the
 tokens. One xgblora step runs beside each TRL step, on the rows of that step, before or after it in turn
 (`timing.InterleavedSteps`: on a GPU, whichever side meets a new padded shape first pays for its kernel choice).
 Variants: padded or packed (TRL's `padding_free`, xgblora's `collate_packed`), with or without gradient
-checkpointing (non-reentrant on both sides).
+checkpointing (non-reentrant on both sides). Padded, each side pads as it does for its users: TRL to the longest
+row, xgblora to the longest row rounded up to a multiple of 64 on CUDA (`collation.pad_multiple`).
 
 Peak memory: each side in its own process, what its steps add to the memory held before them (the peak RSS sampled
 during the steps minus the RSS before the first; CUDA: max_memory_allocated over memory_allocated before), so the
@@ -162,8 +163,8 @@ class XgbloraSFT:
         self.pad_multiple = case.pad_to_multiple_of or pad_multiple(self.device)
         self.train_set = sequence_training_set(seqs, tokenizer.pad_token_id, case.packed, token_mean=True,
                                                pad_to_multiple_of=self.pad_multiple)
-        self.lora_params = sum(p.numel() for _, p in lora.adapter_params(self.model))
         params = lora.adapter_params(self.model)
+        self.lora_params = sum(p.numel() for _, p in params)
         self.stepper = AdamWStepper(params, TrainingLoss(self.model), max_grad_norm=1.0, micro_batch=case.batch_size)
 
     def step(self, rows: list[int]) -> torch.Tensor:
