@@ -87,13 +87,21 @@ class _LargestCpuTensor(TorchDispatchMode):
 
 
 def test_random_model_is_built_on_its_device_in_its_dtype():
-    """A 1B random model loaded for a device is created there (here the meta device: no memory, no time), never
-    on the CPU and moved: no tensor of a weight's size ever exists on the CPU."""
+    """A 1B random model loaded for a device with build_on_device (the benchmarks) is created there (here the meta
+    device: no memory, no time), never on the CPU and moved: no tensor of a weight's size exists on the CPU."""
     with _LargestCpuTensor() as largest:
-        model, _ = pretrained.load("llama-1b-random", dtype="bfloat16", device="meta")
+        model, _ = pretrained.load("llama-1b-random", dtype="bfloat16", device="meta", build_on_device=True)
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert largest.numel < 2048  # the smallest weight, a layer norm, has 2048 elements
+
+
+def test_random_model_weights_come_from_the_cpu_by_default():
+    """Without build_on_device the weights are the CPU's, whatever the device: one base model for a run trained on
+    a GPU and exported on the CPU."""
+    with _LargestCpuTensor() as largest:
+        model, _ = pretrained.load("tiny-llama", device="meta")
+    assert {p.device.type for p in model.parameters()} == {"meta"} and largest.numel >= 64 * 176
 
 
 def test_random_model_on_the_cpu_keeps_its_weights():
@@ -121,3 +129,53 @@ def test_profile_of_the_slowest_step():
     assert 0 < sum(o["share"] for o in ops) <= 1 + 1e-9
     assert format_profile("x", summary).count("\n| `") == len(ops)
     assert profile_slowest([], replay, torch.device("cpu")) is None
+
+
+def test_shape_comparison_runs_each_side_on_the_same_rows():
+    from xgblora.bench import gpu, sft
+
+    case = sft.SFTCase(model_name="tiny-llama", packed=False, checkpointing=False, batch_size=2, steps=1, warmup=1,
+                       max_length=96)
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    res = sft.shape_case(case)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn  # restored
+    sides = res["sides"]
+    assert list(sides) == [label for label, _, _ in sft.SHAPE_SIDES]
+    exact, _, widened = sides.values()
+    assert all(s["n"] == 1 and len(s["xgblora_widths"]) == 2 for s in sides.values())
+    assert exact["xgblora_widths"] == exact["trl_widths"]  # the longest row of each step
+    assert all(w % 64 == 0 and 0 <= w - t < 64 for w, t in zip(widened["xgblora_widths"], exact["trl_widths"],
+                                                                strict=True))
+    assert widened["xgblora_new_width"][0] and exact["xgblora_new_width"][0]
+    table = gpu.format_table({"cuda": False, "elapsed_s": 1.0, "parts": {"sft_shapes": {"status": "ran",
+                                                                                        "results": res}}})
+    assert table.count("| sft_shapes | padded widths") == 3
+
+
+def test_gpu_suite_saves_after_every_part_and_skips_what_does_not_fit(monkeypatch):
+    """The CUDA branch's bookkeeping, with stand-in parts: a part starts only while its estimate fits the budget,
+    and the report is saved after the CUDA tests and after every part that ran."""
+    import argparse
+
+    from xgblora.bench import flags, gpu
+
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser)
+    args = parser.parse_args(["--suite", "gpu", "--gpu_budget_s", "100"])
+    monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu, "cuda_tests", lambda budget, path: {"status": "ran", "passed": 1, "tests": {}})
+    monkeypatch.setattr(gpu, "ESTIMATE_S", {**gpu.ESTIMATE_S, "sft": 1, "grpo": 10**6, "embed": 1})
+
+    def broken():
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(gpu, "cuda_parts", lambda a: [("one", "sft", lambda: {"ok": a.device}),
+                                                      ("two", "grpo", lambda: {}), ("three", "embed", broken)])
+    saved = []
+    report = gpu.run(args, save=lambda r: saved.append({k: dict(v) for k, v in r["parts"].items()}))
+    parts = report["parts"]
+    assert parts["one"]["status"] == "ran" and parts["one"]["results"] == {"ok": "cuda"}
+    assert parts["two"]["status"].startswith("skipped") and parts["two"]["estimate_s"] == 10**6
+    assert parts["three"]["status"] == "failed: RuntimeError: out of memory"
+    assert [list(s) for s in saved] == [["cuda_tests"], ["cuda_tests", "one"], ["cuda_tests", "one", "two", "three"]]
+    assert "| two | skipped" in gpu.format_table(report)

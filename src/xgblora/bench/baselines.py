@@ -29,7 +29,7 @@ else:
 
 def _peft_lora_model(args: argparse.Namespace) -> torch.nn.Module:
     """The benchmark's model with PEFT LoRA adapters shaped like Bench's (r=8, alpha 16, q/v, no dropout)."""
-    model, _ = pretrained.load(args.model_name, dtype=args.dtype, device=args.device)
+    model, _ = pretrained.load(args.model_name, dtype=args.dtype, device=args.device, build_on_device=True)
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                             target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
 

@@ -38,7 +38,7 @@ def _batches(args: argparse.Namespace, vocab: int, pad_id: int, device: torch.de
 
 def _stepper(args: argparse.Namespace, kind: str, compiled: bool) -> tuple[Any, torch.nn.Module]:
     """A fresh LoRA copy of the model and the stepper of `kind` over it, its forward compiled or not."""
-    model, _ = pretrained.load(args.model_name, dtype=args.dtype, device=args.device)
+    model, _ = pretrained.load(args.model_name, dtype=args.dtype, device=args.device, build_on_device=True)
     report = lora.attach(model, ["q_proj", "v_proj"], r=8, alpha=16.0)
     params = lora.adapter_params(model)
     loss_fn = TrainingLoss(torch.compile(model) if compiled else model)

@@ -8,7 +8,8 @@ the others are reported as skipped for time; --gpu_parts runs a chosen few):
     bench:llama-1b-random  the train suite (MeZO/AdamW steps, evaluation, HF Trainer + PEFT, peak memory) at a
                    user's size: bf16, batch 16 x 256
     sft            the SFT suite against TRL (llama-100m-random, padded and packed), bf16, batch 16, 10 steps
-    sft_shapes     xgblora's padded SFT steps with widths as they come and widened to a multiple of 64, interleaved
+    sft_shapes     xgblora's padded SFT steps, widths as they come (cuDNN attention on and off) and widened to a
+                   multiple of 64, interleaved: where the slow padded steps come from
     grpo           GRPO against TRL's GRPOTrainer + PEFT (llama-100m-random, 2 prompts x 8 completions of <= 32)
     embed          the contrastive step against sentence-transformers' trainer (bert-base-random, batch 64)
     icl            in-context evaluation, demonstrations cached once vs the per-pair loop (opt-1.3b-random)
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None] = lambd
     parts = report["parts"]
     if "cuda_tests" in args.gpu_parts:
         parts["cuda_tests"] = cuda_tests(max(60.0, left()), args.cuda_tests)
+        save(report)
     if not cuda:
         parts["cpu_bench"] = train_suite.run(_with(args, model_name="tiny-opt", quick=True, skip_hf=True,
                                                    skip_memory=True, device="cpu"))
@@ -183,8 +185,8 @@ def _summary(name: str, part: dict[str, Any]) -> str:
     if name == "sft":
         return "; ".join(f"{r['variant']} {r['speedup_vs_trl']:.2f}x TRL" for r in res)
     if name == "sft_shapes":
-        return "; ".join(f"multiple {m}: mean {v['mean_s']:.3f} s, max {v['max_s']:.3f} s"
-                         for m, v in res["multiples"].items())
+        return "; ".join(f"{label}: mean {v['mean_s']:.3f} s, max {v['max_s']:.3f} s"
+                         for label, v in res["sides"].items())
     if name == "grpo":
         return "; ".join(f"{r['speedup_vs_trl']:.2f}x TRL's steps/s" for r in res)
     if name == "embed":
@@ -202,7 +204,7 @@ def _sides(name: str, res: Any) -> list[tuple[str, dict[str, Any], float | None]
     if name.startswith("bench:") or name == "cpu_bench":
         return [(w, st, st.get("mfu")) for w, st in res.get("step_stats", {}).items()]
     if name == "sft_shapes":
-        return [(f"padded to a multiple of {m}", st, None) for m, st in res["multiples"].items()]
+        return [(f"padded widths {label}", st, None) for label, st in res["sides"].items()]
     if name == "compile":
         return [(f"{r['workload']} {side}", step_stats(r["raw_times_s"][side]), None)
                 for r in res for side in ("eager", "compiled")]

@@ -92,7 +92,8 @@ def compare_task(model: torch.nn.Module, tokenizer: Any, args: argparse.Namespac
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every task of the ICL comparison on one model."""
-    model, tokenizer = pretrained.load(args.model_name, dtype=args.dtype, device=args.device)
+    model, tokenizer = pretrained.load(args.model_name, dtype=args.dtype, device=args.device,
+                                       build_on_device=True)
     model.eval()
     out = []
     for task_name in args.icl_tasks or ICL_TASKS:

@@ -8,7 +8,8 @@ batch's target tokens. TRL gets the rows as `input_ids` + `labels` (-100 off the
 tokens. One xgblora step runs beside each TRL step, on the rows of that step, before or after it in turn
 (`timing.InterleavedSteps`: on a GPU, whichever side meets a new padded shape first pays for its kernel choice).
 Variants: padded or packed (TRL's `padding_free`, xgblora's `collate_packed`), with or without gradient
-checkpointing (non-reentrant on both sides).
+checkpointing (non-reentrant on both sides). Padded, each side pads as it does for its users: TRL to the longest
+row, xgblora to the longest row rounded up to a multiple of 64 on CUDA (`collation.pad_multiple`).
 
 Peak memory: each side in its own process, what its steps add to the memory held before them (the peak RSS sampled
 during the steps minus the RSS before the first; CUDA: max_memory_allocated over memory_allocated before), so the
@@ -154,15 +155,16 @@ class XgbloraSFT:
 
     def __init__(self, case: SFTCase, seqs: list[TokenSeq]) -> None:
         self.device = pretrained.choose_device(case.device)
-        self.model, tokenizer = pretrained.load(case.model_name, dtype=case.dtype, device=case.device)
+        self.model, tokenizer = pretrained.load(case.model_name, dtype=case.dtype, device=case.device,
+                                                build_on_device=True)
         lora.attach(self.model, LORA["targets"], r=LORA["r"], alpha=LORA["alpha"])
         if case.checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.pad_multiple = case.pad_to_multiple_of or pad_multiple(self.device)
         self.train_set = sequence_training_set(seqs, tokenizer.pad_token_id, case.packed, token_mean=True,
                                                pad_to_multiple_of=self.pad_multiple)
-        self.lora_params = sum(p.numel() for _, p in lora.adapter_params(self.model))
         params = lora.adapter_params(self.model)
+        self.lora_params = sum(p.numel() for _, p in params)
         self.stepper = AdamWStepper(params, TrainingLoss(self.model), max_grad_norm=1.0, micro_batch=case.batch_size)
 
     def step(self, rows: list[int]) -> torch.Tensor:
@@ -183,7 +185,8 @@ def trl_trainer(case: SFTCase, seqs: list[TokenSeq], callbacks: list[Any], outpu
         def _get_train_sampler(self, train_dataset=None):
             return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
 
-    model, tokenizer = pretrained.load(case.model_name, dtype=case.dtype, device=case.device)
+    model, tokenizer = pretrained.load(case.model_name, dtype=case.dtype, device=case.device,
+                                       build_on_device=True)
     tokenizer.chat_template = tokenizer.chat_template or pretrained.ZEPHYR_CHAT_TEMPLATE
     config = SFTConfig(
         output_dir=output_dir, max_steps=case.warmup + case.steps, per_device_train_batch_size=case.batch_size,
@@ -244,20 +247,34 @@ def _widths(case: SFTCase, seqs: list[TokenSeq], multiple: int) -> dict[str, Any
             "xgblora_new_width": [w not in ours[:k] for k, w in enumerate(ours)]}
 
 
-def shape_case(case: SFTCase, multiples: tuple[int, ...] = (1, 64)) -> dict[str, Any]:
-    """xgblora's padded steps alone, once per padding multiple, interleaved step by step on the same rows (the
-    widths of one multiple are not those of the other, so neither inherits the other's kernel plans): per-step
-    times, widths, and which steps met a new width."""
+# (label, padding multiple, cuDNN attention allowed), in the order each step runs them: the first meets every
+# exact width first with cuDNN's SDPA off, so what the second pays on a new width beyond it is cuDNN's plan
+SHAPE_SIDES = (("as they come, cuDNN attention off", 1, False), ("as they come", 1, True),
+               ("multiple of 64", 64, True))
+
+
+def shape_case(case: SFTCase) -> dict[str, Any]:
+    """xgblora's padded steps alone, interleaved step by step on the same rows (SHAPE_SIDES): widths as they come
+    with and without cuDNN attention, and widened to a multiple of 64; per-step times, widths, and which steps met
+    a new width. Where the slow steps of padded training come from, in one comparison."""
     seqs = sft_seqs(case)
-    sides = {m: XgbloraSFT(dataclasses.replace(case, pad_to_multiple_of=m), seqs) for m in multiples}
-    times: dict[int, list[float]] = {m: [] for m in multiples}
-    for step in range(case.warmup + case.steps):
-        for m, side in sides.items():
-            t = _timed_step(side, step_rows(case, step))
-            if step >= case.warmup:
-                times[m].append(t)
+    sides = [(label, cudnn, XgbloraSFT(dataclasses.replace(case, pad_to_multiple_of=m), seqs))
+             for label, m, cudnn in SHAPE_SIDES]
+    times: dict[str, list[float]] = {label: [] for label, _, _ in SHAPE_SIDES}
+    cudnn_default = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        for step in range(case.warmup + case.steps):
+            for label, cudnn, side in sides:
+                torch.backends.cuda.enable_cudnn_sdp(cudnn and cudnn_default)
+                t = _timed_step(side, step_rows(case, step))
+                if step >= case.warmup:
+                    times[label].append(t)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_default)
     return {"model_name": case.model_name, "steps_timed": case.steps, "warmup": case.warmup,
-            "multiples": {str(m): {**step_stats(times[m]), **_widths(case, seqs, m)} for m in multiples}}
+            "cudnn_sdp_enabled": cudnn_default,
+            "sides": {label: {**step_stats(times[label]), **_widths(case, seqs, side.pad_multiple)}
+                      for label, _, side in sides}}
 
 
 def _timed_step(side: XgbloraSFT, rows: list[int]) -> float:

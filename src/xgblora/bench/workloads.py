@@ -52,11 +52,13 @@ class Bench:
     def __init__(self, args: argparse.Namespace, with_lora: bool = True, with_plain: bool = True) -> None:
         self.args = args
         self.device = pretrained.choose_device(args.device)
-        self.plain, self.tokenizer = (pretrained.load(args.model_name, dtype=args.dtype, device=args.device)
+        self.plain, self.tokenizer = (pretrained.load(args.model_name, dtype=args.dtype, device=args.device,
+                                                                      build_on_device=True)
                                       if with_plain else (None, None))
         self.lora_model, self.lora_report = None, None
         if with_lora:
-            self.lora_model, tok = pretrained.load(args.model_name, dtype=args.dtype, device=args.device)
+            self.lora_model, tok = pretrained.load(args.model_name, dtype=args.dtype, device=args.device,
+                                                   build_on_device=True)
             self.tokenizer = self.tokenizer or tok
             self.lora_report = lora.attach(self.lora_model, ["q_proj", "v_proj"], r=8, alpha=16.0)
         model = self.plain if self.plain is not None else self.lora_model
