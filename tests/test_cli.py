@@ -103,3 +103,25 @@ def test_train_trains_by_default_and_mezo_keeps_run_py_defaults(shared_data, tmp
     assert json.loads((tmp_path / "result" / "SST2-tiny-opt-sampleeval8-trainset0.json").read_text()) == evaluated
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "result", "t"]
     capsys.readouterr()
+
+
+# every command's options are checked before torch and transformers are imported (seconds on a small machine)
+BAD_OPTIONS = [["train", "--bogus"], ["train", "--learning_rate", "nan"], ["eval", "--lora", "--xgblora"],
+               ["mezo", "--max_length", "1"], ["generate", "--input_file", "p.jsonl", "--temperature", "nan"],
+               ["chat", "--top_p", "0"], ["compare", "--learning_rate", "inf"], ["grpo", "--train_file", "t.jsonl",
+                                                                                 "--epsilon", "-1"]]
+LIGHT = """
+import json, sys
+from xgblora import cli
+codes = [cli.main(argv) for argv in json.loads(sys.argv[1])]
+print(json.dumps([codes, sorted(m for m in ("torch", "transformers", "accelerate", "datasets") if m in sys.modules)]))
+"""
+
+
+def test_bad_options_fail_before_the_heavy_imports():
+    done = subprocess.run([sys.executable, "-c", LIGHT, json.dumps(BAD_OPTIONS)], capture_output=True, text=True,
+                          timeout=120)
+    codes, imported = json.loads(done.stdout)
+    assert codes == [2] * len(BAD_OPTIONS), done.stderr
+    assert len(done.stderr.splitlines()) == len(BAD_OPTIONS), done.stderr  # one line each
+    assert imported == [], imported

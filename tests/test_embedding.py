@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import needs_minilm
 
 from xgblora import cli
 from xgblora.adapters.lora import adapter_params, attach
@@ -66,6 +67,7 @@ def minilm_triplets(st):
     return model, batch, reference, [reference.tokenize(texts) for texts in columns]
 
 
+@needs_minilm
 def test_contrastive_loss_equals_sentence_transformers_multiple_negatives_ranking_loss():
     st = pytest.importorskip("sentence_transformers")
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
@@ -76,6 +78,7 @@ def test_contrastive_loss_equals_sentence_transformers_multiple_negatives_rankin
     assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-4)
 
 
+@needs_minilm
 def test_symmetric_contrastive_loss_equals_sentence_transformers_symmetric_ranking_loss():
     st = pytest.importorskip("sentence_transformers")
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
@@ -90,6 +93,7 @@ def test_symmetric_contrastive_loss_equals_sentence_transformers_symmetric_ranki
     assert abs(float((ours - one_way).detach())) > 1e-3
 
 
+@needs_minilm
 def test_minilm_trains_with_the_symmetric_loss(tmp_path):
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps({"query": f"what about {t}?", "positive": f"{t}. It was fine."}) + "\n"
@@ -165,6 +169,7 @@ def test_mezo_dual_batch_on_pairs_equals_the_two_pass_step():
         torch.testing.assert_close(dual_w[name], two_w[name], rtol=0, atol=2e-6)
 
 
+@needs_minilm
 def test_trained_minilm_exports_a_sentence_transformers_model_with_the_same_embeddings(tmp_path):
     st = pytest.importorskip("sentence_transformers")
     data = pairs_file(tmp_path / "pairs.jsonl")
@@ -229,6 +234,7 @@ def test_a_learnt_temperature_trains_and_resumes_exactly(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@needs_minilm
 def test_evaluating_an_embedding_model_needs_only_pairs_to_score_and_agrees_with_sentence_transformers(tmp_path):
     from sentence_transformers import SentenceTransformer
 
@@ -250,6 +256,7 @@ def test_evaluating_an_embedding_model_needs_only_pairs_to_score_and_agrees_with
     assert (again["recall@1"], again["mrr"]) == (got["recall@1"], got["mrr"])
 
 
+@needs_minilm
 def test_evaluating_an_embedding_run_folder_embeds_as_the_run_did_unless_told_otherwise(tmp_path):
     import yaml
 

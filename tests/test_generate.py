@@ -1,7 +1,9 @@
 """`xgblora generate` and `xgblora chat`: outputs in the input's order, resuming without duplicates, refusals, and
 chat's two turns against transformers' greedy generate."""
 
+import io
 import json
+import os
 import subprocess
 import sys
 
@@ -9,7 +11,10 @@ import pytest
 import torch
 
 from xgblora.cli import main
+from xgblora.config import ChatConfig
+from xgblora.errors import UserError
 from xgblora.generation import generate
+from xgblora.generation.chat import chat
 from xgblora.models.pretrained import random_model
 
 ROWS = [{"prompt": "What is 2 + 3?", "id": "a"},
@@ -117,7 +122,26 @@ def test_chat_streams_two_turns_that_match_greedy_generate_over_the_conversation
     assert done.stderr.count(">>> ") == 3
 
 
+def test_chat_refuses_input_that_is_not_utf8_in_one_line():
+    done = subprocess.run([sys.executable, "-m", "xgblora.cli", "chat", "--model_name", "tiny-llama-chat",
+                           "--max_new_tokens", "2", "--device", "cpu"], input=b"caf\xe9 au lait\n",
+                          capture_output=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    err = done.stderr.decode()
+    assert done.returncode == 2 and "Traceback" not in err, err
+    [line] = [line for line in err.splitlines() if "error" in line]
+    assert line.endswith("standard input is not UTF-8 text (invalid continuation byte); convert it first, e.g. "
+                         "with iconv -t UTF-8")
+
+
+def test_chat_refuses_bytes_a_posix_locale_turned_into_surrogates():
+    stdin = io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="utf-8", errors="surrogateescape")
+    with pytest.raises(UserError, match="standard input is not UTF-8 text"):
+        chat(ChatConfig(model_name="tiny-llama-chat", max_new_tokens=2, device="cpu"), stdin, io.StringIO(),
+             io.StringIO())
+
+
 @pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "--temperature"),
+                                            (["--temperature", "nan"], "--temperature must be a finite number"),
                                             (["--num_return_sequences", "4"], "same greedy completion")])
 def test_sampling_options_out_of_range_are_refused(tmp_path, capsys, flags, message):
     _write_prompts(tmp_path / "prompts.jsonl")

@@ -4,6 +4,8 @@ import builtins
 import logging
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from xgblora.config import Config
 from xgblora.data.batches import LabelBatch
 from xgblora.errors import UserError
 from xgblora.logs import MetricsLog, ProgressLine, read_metrics, setup_console_logging
+from xgblora.models.pretrained import random_model
 from xgblora.trackers import open_trackers
 
 
@@ -218,3 +221,19 @@ def test_console_logging_is_idempotent(capsys):
         logger.handlers.clear()
         logger.propagate = True
         logger.setLevel(logging.NOTSET)
+
+
+def test_a_log_that_is_no_terminal_gets_no_colour_codes_or_carriage_returns(shared_data, tmp_path):
+    """transformers draws a progress bar over the weights it loads and writes its load report's header in bold,
+    terminal or not (a classifier head new to a saved model makes it report)."""
+    model, tokenizer = random_model("tiny-bert")
+    model.save_pretrained(tmp_path / "bert")
+    tokenizer.save_pretrained(tmp_path / "bert")
+    done = subprocess.run([sys.executable, "-m", "xgblora.cli", "eval", "--model_name", str(tmp_path / "bert"),
+                           "--head", "classifier", "--task_name", "SST2", "--data_dir", str(shared_data),
+                           "--num_eval", "2", "--max_length", "16", "--output_dir", str(tmp_path / "out"),
+                           "--device", "cpu"], capture_output=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if "PROGRESS_BARS" not in k})
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert b"LOAD REPORT" in done.stderr  # the report is there, in plain text
+    assert b"\x1b" not in done.stderr and b"\r" not in done.stderr, done.stderr

@@ -96,6 +96,13 @@ CASES = [
      r"argument --nan_policy/--nan-policy: invalid choice: 'ignore' \(choose from .*stop.*skip.*\) "
      r"\(see xgblora train --help\)"),
     ("negative-lr", {}, ["--learning_rate", "-0.001"], r"--learning_rate must be positive, got -0\.001"),
+    ("max-length-1", {}, ["--max_length", "1"],
+     r"--max_length must be at least 2 \(a token is scored from the tokens before it\), got 1"),
+    ("nan-lr", {}, ["--learning_rate", "nan"], r"--learning_rate must be a finite number, got nan"),
+    ("inf-lr", {}, ["--learning_rate", "inf"], r"--learning_rate must be a finite number, got inf"),
+    ("method-and-xgblora", {}, ["--method", "lora", "--xgblora"],
+     r"--method lora and --xgblora name different methods; pass one of them"),
+    ("lora-and-xgblora", {}, ["--lora", "--xgblora"], r"--lora and --xgblora name different methods; pass one of them"),
     ("zero-batch", {}, ["--per_device_train_batch_size", "0"], r"--per_device_train_batch_size must be positive, got 0"),
     ("zero-save-steps", {}, ["--save_steps", "0"], r"--save_steps must be positive with --save_strategy steps, got 0"),
     ("dropout-over-1", {}, ["--lora_dropout", "1.5"], r"--lora_dropout must be in \[0, 1\), got 1\.5"),
@@ -112,6 +119,9 @@ CASES = [
      r"--train_set_seed must be between 0 and 2\*\*32 - 1, got -1"),
     ("unknown-model", SST2, [*SST2_RUN, "--model_name", "no-such-org/no-such-model"],
      r"cannot load model 'no-such-org/no-such-model': not a built-in .*"),
+    ("lora-r-over-width", SST2, [*SST2_RUN, "--method", "lora", "--lora_r", "100000", "--max_steps", "1"],
+     r"--lora_r 100000 is larger than the adapted layer model\.decoder\.layers\.0\.self_attn\.q_proj \(64 inputs, "
+     r"64 outputs\): B A has rank at most 64 there; pass --lora_r 64 or less"),
     ("fp16-on-cpu", SST2, [*SST2_RUN, "--trainer", "regular", "--fp16", "--max_steps", "1"],
      r"--fp16 autocast needs a CUDA device; on CPU use --bf16 \(this CPU may support it\)"),
     ("no-training-examples", SST2, [*SST2_RUN, "--trainer", "regular", "--num_train", "0"],
@@ -122,6 +132,9 @@ CASES = [
     # instruction and chat data, other file formats, column maps, chat templates, trackers
     ("chat-no-assistant", {"t.jsonl": jsonl({"messages": [{"role": "user", "content": "hi"}]})}, CHAT,
      r'{d}/t\.jsonl:1: field "messages": no message with role "assistant" to train on'),
+    ("chat-role-unknown", {"t.jsonl": jsonl({"messages": [{"role": "wizard", "content": "hi"}, CHAT_ROW["messages"][1]]})},
+     CHAT, r'{d}/t\.jsonl:1: field "messages\[0\]\.role": \'wizard\' is not a chat role; use one of system, user, '
+     r"assistant, tool"),
     ("chat-role-missing", {"t.jsonl": jsonl({"messages": [{"content": "hi"}]})}, CHAT,
      r'{d}/t\.jsonl:1: field "messages\[0\]\.role": missing'),
     ("instruction-no-known-field", {"t.jsonl": jsonl({"question": "q", "answer": "a"})}, CUSTOM,
@@ -172,4 +185,5 @@ def test_malformed_input_is_one_line_and_exit_code_2(tmp_path, monkeypatch, caps
     assert code == 2, err
     assert re.fullmatch(r"xgblora train: error: " + message.replace("{d}", re.escape(str(folder))), last), err
     assert all(re.match(r"\d\d:\d\d:\d\d (INFO|WARNING) ", line) for line in logged), err  # no traceback
+    assert not (tmp_path / "out").exists()  # a refused run leaves nothing behind (no bare config.yaml)
 

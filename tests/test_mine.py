@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import needs_minilm
 
 from xgblora import cli
 from xgblora.config import Config
@@ -87,6 +88,7 @@ def test_mine_writes_a_pair_file_the_trainer_reads_and_never_overwrites(tmp_path
     assert cli.main(args) == 2 and "exists" in capsys.readouterr().err and out.read_bytes() == before
 
 
+@needs_minilm
 def test_negative_columns_enter_the_loss_as_sentence_transformers_scores_them(tmp_path):
     st = pytest.importorskip("sentence_transformers")
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss

@@ -318,11 +318,20 @@ def test_nan_loss_stops_with_a_one_line_error_naming_the_step(shared_data, tmp_p
         return loss * float("nan") if calls["n"] >= 3 else loss
 
     monkeypatch.setattr(objective, "per_example_loss", poisoned)
-    with pytest.raises(UserError) as info:
-        train.run(make_cfg(shared_data, tmp_path / "run", max_steps=10, logging_steps=2, nan_policy="stop"))
+    out = tmp_path / "run"
+    with pytest.raises(UserError) as info:  # a checkpoint every step: step-3 and step-4 were saved after the NaN
+        train.run(make_cfg(shared_data, out, max_steps=10, logging_steps=2, save_steps=1, nan_policy="stop"))
     message = str(info.value)
-    assert "\n" not in message and "at step 4" in message and "nan" in message
-    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [2]
+    last_good = out / "checkpoints" / "step-2"
+    assert message == f"training loss is nan or inf at steps 3-4; stopping: the last checkpoint before it is " \
+                      f"{last_good} (a learning rate too high is the usual cause: try a lower --learning_rate, or " \
+                      f"--nan_policy skip)"
+    assert last_good.is_dir() and checkpoint.load(last_good)[1]["step"] == 2
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [2]
+
+    calls["n"] = 0
+    with pytest.raises(UserError, match="at steps 3-4; stopping: no checkpoint was saved before it"):
+        train.run(make_cfg(shared_data, tmp_path / "unsaved", max_steps=10, logging_steps=2, save_strategy="no"))
 
 
 @pytest.mark.parametrize("trainer", ["regular", "zo"])

@@ -54,59 +54,65 @@ HIDDEN = {"rft": config_mod.RFT_IGNORES, "grpo": config_mod.GRPO_IGNORES, "dpo":
 
 
 def _train(args: argparse.Namespace) -> int:
+    cfg = config_mod.from_namespace(config_mod.Config, args)  # the options checked before the heavy imports
     from xgblora.train import run
 
-    print(json.dumps(run(config_mod.from_namespace(config_mod.Config, args)), indent=2))
+    print(json.dumps(run(cfg), indent=2))
     return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from xgblora.adapters.trained import run_embedding_options
-    from xgblora.train import run
-
     if getattr(args, "trainer", "none") != "none":
         raise UserError(f"xgblora eval does not train (--trainer {args.trainer}); use xgblora train")
     cfg = config_mod.from_namespace(config_mod.Config, args, EVAL_DEFAULTS)
-    embedding = run_embedding_options(cfg.model_name)  # a trained embedding run embeds as it did in training
-    if embedding:
-        cfg = config_mod.from_namespace(config_mod.Config, args, {**EVAL_DEFAULTS, **embedding})
+    from xgblora.adapters.trained import run_options
+    from xgblora.train import run
+
+    trained = run_options(cfg.model_name, cfg.adapter)  # a trained run is scored on its own task, as it was trained
+    if trained:
+        cfg = config_mod.from_namespace(config_mod.Config, args, {**EVAL_DEFAULTS, **trained})
     print(json.dumps(run(cfg), indent=2))
     return 0
 
 
 def _mezo(args: argparse.Namespace) -> int:
+    cfg = config_mod.from_namespace(config_mod.Config, args, MEZO_DEFAULTS)
     from xgblora.train import run
 
-    print(json.dumps(run(config_mod.from_namespace(config_mod.Config, args, MEZO_DEFAULTS)), indent=2))
+    print(json.dumps(run(cfg), indent=2))
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
+    cfg = config_mod.from_namespace(config_mod.GenerateConfig, args)
     from xgblora.generation.generate import generate_file
 
-    print(json.dumps(generate_file(config_mod.from_namespace(config_mod.GenerateConfig, args)), indent=2))
+    print(json.dumps(generate_file(cfg), indent=2))
     return 0
 
 
 def _chat(args: argparse.Namespace) -> int:
+    cfg = config_mod.from_namespace(config_mod.ChatConfig, args)
     from xgblora.generation.chat import chat
 
-    return chat(config_mod.from_namespace(config_mod.ChatConfig, args))
+    return chat(cfg)
 
 
 def _rft(args: argparse.Namespace) -> int:
+    cfg = config_mod.from_namespace(config_mod.RFTConfig, args, RFT_DEFAULTS)
     from xgblora.generation.rft import run_rft
 
-    done = run_rft(config_mod.from_namespace(config_mod.RFTConfig, args, RFT_DEFAULTS))
+    done = run_rft(cfg)
     print(json.dumps(done["rounds"], indent=2))
     print(f"report: {done['html']}  figure: {done['figure']}")
     return 0
 
 
 def _grpo(args: argparse.Namespace) -> int:
+    cfg = config_mod.from_namespace(config_mod.GRPOConfig, args, GRPO_DEFAULTS)
     from xgblora.generation.grpo import run_grpo
 
-    print(json.dumps(run_grpo(config_mod.from_namespace(config_mod.GRPOConfig, args, GRPO_DEFAULTS)), indent=2))
+    print(json.dumps(run_grpo(cfg), indent=2))
     return 0
 
 
@@ -118,9 +124,10 @@ def _dpo(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    cfg = config_mod.from_namespace(config_mod.CompareConfig, args)
     from xgblora.compare import compare
 
-    done = compare(config_mod.from_namespace(config_mod.CompareConfig, args))
+    done = compare(cfg)
     print(done["summary"])
     print(f"report: {done['html']}  figure: {done['loss_figure']}")
     for name, message in done["failed"]:

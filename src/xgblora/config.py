@@ -262,6 +262,10 @@ class Config(ModelOptions):
                 raise UserError("--num_dev and --eval_split_ratio both size the dev split; pass one of them")
             if not 0.0 < self.eval_split_ratio < 1.0:
                 raise UserError(f"--eval_split_ratio must be in (0, 1), got {self.eval_split_ratio}")
+        named = [m for m, flag in (("lora", self.lora), ("xgblora", self.xgblora)) if flag]
+        if len(named) > 1 or (named and self.method not in ("ft", named[0])):
+            given = [f"--method {self.method}"] * (self.method != "ft") + [f"--{m}" for m in named]
+            raise UserError(f"{' and '.join(given)} name different methods; pass one of them")
         if self.xgblora:
             object.__setattr__(self, "method", "xgblora")
         elif self.lora and self.method == "ft":
@@ -273,12 +277,16 @@ class Config(ModelOptions):
             raise UserError(f"--eval_steps must be positive with --evaluation_strategy steps, got {self.eval_steps}")
         if self.save_strategy == "steps" and self.save_steps <= 0:
             raise UserError(f"--save_steps must be positive with --save_strategy steps, got {self.save_steps}")
+        check_finite(self)
         check_choices(self)
         _check_positive(self, "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                         "lora_r", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
                         "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
                         "zo_eps", "head_learning_rate", "head_probe_l2", "contrastive_temperature",
                         "grit_generative_batch_size", "zo_queries", "zo_svrg_period", "zo_svrg_anchor_batches")
+        if self.max_length < 2:
+            raise UserError(f"--max_length must be at least 2 (a token is scored from the tokens before it), got "
+                            f"{self.max_length}")
         for flag in ("num_train", "num_dev", "num_eval"):
             if getattr(self, flag) is not None and getattr(self, flag) < 0:
                 raise UserError(f"--{flag} must be 0 or more, got {getattr(self, flag)}")
@@ -499,6 +507,7 @@ class ChatConfig(SamplingOptions, ModelOptions):
 
     def __post_init__(self) -> None:
         self.resolve_gguf_file()
+        check_finite(self)
         check_choices(self)
         self.check_sampling()
         _check_positive(self, "max_new_tokens", "max_length")
@@ -777,6 +786,16 @@ def check_ignored(cfg: Any, defaults: dict[str, Any] | None = None) -> None:
             value = getattr(cfg, name)
             if value != default_of[name]:
                 raise UserError(f"--{name} {value!r} does nothing here: {rule.reason}")
+
+
+def check_finite(cfg: Any) -> None:
+    """One-line errors for numbers that are nan or infinite: no option has a meaning for them, and a comparison with
+    nan is always false, so a range check alone lets it through."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, float) and not math.isfinite(item):
+                raise UserError(f"--{f.name} must be a finite number, got {item}")
 
 
 def check_choices(cfg: Any) -> None:

@@ -7,6 +7,7 @@ import json
 import logging as std_logging
 import numbers
 import os
+import re
 import sys
 import time
 import warnings
@@ -234,6 +235,27 @@ class _ConsoleHandler(std_logging.Handler):
             self.handleError(record)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _plain(record: std_logging.LogRecord) -> bool:
+    """A logging filter that takes terminal colour codes out of a message."""
+    if isinstance(record.msg, str):
+        record.msg = _ANSI.sub("", record.msg)
+    return True
+
+
+def plain_output() -> None:
+    """Where stderr is no terminal (a log file, nohup, SLURM, CI): no progress bars redrawn by carriage returns, no
+    colour codes. The Hugging Face libraries read their switches when first imported (the CLI calls this before), and
+    transformers' load report writes its header in bold even when it colours nothing else."""
+    if sys.stderr.isatty():
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    std_logging.getLogger("transformers.utils.loading_report").addFilter(_plain)
+
+
 def setup_console_logging(level: int = std_logging.INFO) -> std_logging.Logger:
     """Route the "xgblora" logger to stderr, one line per message ("12:03:04 INFO    ..."); calling again only sets the level."""
     logger = std_logging.getLogger(LOGGER_NAME)
@@ -248,4 +270,5 @@ def setup_console_logging(level: int = std_logging.INFO) -> std_logging.Logger:
     # bitsandbytes warns on import, on every CPU machine without its optional `kernels` package, that its CPU 4-bit
     # kernel is unavailable; peft imports it whenever it is installed, so every run printed it, 4-bit or not.
     std_logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(std_logging.ERROR)
+    plain_output()
     return logger

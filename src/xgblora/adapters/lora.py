@@ -63,10 +63,16 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
 
 
-
 def lora_scaling(alpha: float, r: int, rslora: bool = False) -> float:
     """A LoRA branch's multiplier of B A: alpha / r (LoRA), or alpha / sqrt(r) (rsLoRA, Kalajdzievski 2023)."""
     return alpha / (math.sqrt(r) if rslora else r)
+
+
+def features(base: nn.Module) -> tuple[int, int]:
+    """(out_features, in_features) of a linear layer: nn.Linear, GPT-2's Conv1D (weight (in, out)) or a 4-bit layer
+    (whose weight is stored packed: its shape is not (out, in))."""
+    return tuple(base.weight.shape[::-1]) if is_conv1d(base) else (base.out_features, base.in_features)
+
 
 class LoRALinear(nn.Module):
     """A frozen linear layer plus scaling * B A in fp32; inactive -> the base alone; dual mode -> +/- perturbed halves.
@@ -86,9 +92,7 @@ class LoRALinear(nn.Module):
         for p in base.parameters():
             p.requires_grad_(False)
         self.fan_in_fan_out = is_conv1d(base)
-        out_features, in_features = base.weight.shape[::-1] if self.fan_in_fan_out else \
-            (base.out_features, base.in_features)  # a 4-bit weight is stored packed: its shape is not (out, in)
-        self.in_features, self.out_features = in_features, out_features
+        self.out_features, self.in_features = features(base)
         self.r, self.alpha = r, float(alpha)
         self.scaling = lora_scaling(self.alpha, r, rslora)
         device = base.weight.device
@@ -309,6 +313,12 @@ def attach(model: nn.Module, targets: str | list[str] | None = None, r: int = 8,
     if not matched:
         raise UserError(f"LoRA target modules {targets or default_targets(model)}: no linear layer of the model "
                         f"matches (linear layers in this model: {', '.join(_linear_suffixes(model))})")
+    name, narrowest = min(matched, key=lambda item: min(features(item[1])))
+    if r > min(features(narrowest)):
+        out_features, in_features = features(narrowest)
+        raise UserError(f"--lora_r {r} is larger than the adapted layer {name} ({in_features} inputs, {out_features} "
+                        f"outputs): B A has rank at most {min(out_features, in_features)} there; pass --lora_r "
+                        f"{min(out_features, in_features)} or less")
     for p in model.parameters():
         p.requires_grad_(False)
     modules: dict[str, LoRALinear] = {}

@@ -32,6 +32,10 @@ _ADAPTER_CONFIG = "adapter_config.json"
 # how an embedding run's model embeds: an evaluation of the run folder embeds the same way unless told otherwise
 _EMBEDDING_OPTIONS = ("objective", "pooling", "bidirectional", "instruction_format", "query_instruction",
                       "doc_instruction", "include_prompt", "max_length")
+_PAIR_OPTIONS = ("model_name", "eval_file", "columns")
+# the base model, task, data and head a run was trained on: its evaluation takes them unless told otherwise
+_TASK_OPTIONS = ("model_name", "task_name", "data_dir", "eval_file", "columns", "data_format", "template", "label_words",
+                 "label_names", "head", "pooling", "max_length")
 
 
 @dataclass(frozen=True)
@@ -86,16 +90,29 @@ def _adapter_base(folder: Path) -> str:
     return base
 
 
-def run_embedding_options(name: str) -> dict[str, Any]:
-    """The embedding options (objective, pooling, attention direction, instructions, max_length) of an embedding
-    run's folder; {} for a language-model run or anything that is not a run folder."""
-    run_dir = Path(name)
-    if not (run_dir / "config.yaml").is_file():
+def run_folder(path: str | None) -> Path | None:
+    """The xgblora run folder that path is, or whose final/ or checkpoint it names; None for anything else."""
+    if path is None:
+        return None
+    given = Path(path).absolute()
+    for folder in (given, *given.parents[:3]):
+        inside = folder == given or given.is_relative_to(folder / "final") or \
+            given.is_relative_to(folder / "checkpoints")
+        if inside and (folder / "config.yaml").is_file():
+            return folder
+    return None
+
+
+def run_options(model_name: str, adapter: str | None = None) -> dict[str, Any]:
+    """What an evaluation of a trained run (--model_name RUN, or --adapter RUN, RUN/final or a checkpoint of it)
+    takes from the run unless told otherwise: an embedding run's embedding options and evaluation pairs, another
+    run's task, data and head; {} when neither names a run."""
+    folder = next((f for f in (run_folder(adapter), run_folder(model_name)) if f is not None), None)
+    if folder is None:
         return {}
-    cfg = run_config(run_dir)
-    if cfg.get("objective", "lm") == "lm":
-        return {}
-    return {key: cfg[key] for key in _EMBEDDING_OPTIONS if key in cfg}
+    cfg = run_config(folder)
+    keys = _EMBEDDING_OPTIONS + _PAIR_OPTIONS if cfg.get("objective", "lm") != "lm" else _TASK_OPTIONS
+    return {key: cfg[key] for key in keys if cfg.get(key) is not None}
 
 
 def _run_source(run_dir: Path) -> ModelSource:
@@ -112,6 +129,18 @@ def _run_source(run_dir: Path) -> ModelSource:
         raise UserError(f"{run_dir}: an unfinished full fine-tuning run; export its checkpoint first: xgblora export "
                         f"{run_dir} --checkpoint {path.name} --format merged --output_dir DIR")
     return ModelSource(cfg["model_name"], checkpoint.adapter_folder(path))
+
+
+def carries_head(base: str, adapter: str | None) -> bool:
+    """Whether the model loads with a trained classification head: the adapter's (PEFT's modules_to_save), or the
+    head of a saved sequence-classification model."""
+    if adapter is not None:
+        return bool(read_adapter(Path(adapter))[1])
+    config = Path(base) / "config.json"
+    if not config.is_file():
+        return False
+    architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") or [""]
+    return architectures[0].endswith("ForSequenceClassification")
 
 
 def apply_adapter(model: torch.nn.Module, folder: Path, merge: bool) -> None:

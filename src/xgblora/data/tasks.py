@@ -402,10 +402,18 @@ def _detect_format(r: Fields) -> str:
                   f'"response"), or "text" (--columns maps other names); the row has: {", ".join(r.row) or "no fields"}')
 
 
+# The roles chat templates know (transformers' convention). A template renders another one in its own way (as
+# written, as some other role, or not at all), so a turn of role "wizard" would train as whatever came out.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 def _messages(r: Fields, key: str) -> list[tuple[str, str]]:
     turns = r.objs(key)
     if not turns:
         raise r.error(key, "empty list of messages")
+    for turn in turns:
+        if turn.text("role") not in CHAT_ROLES:
+            raise turn.error("role", f"{turn.text('role')!r} is not a chat role; use one of {', '.join(CHAT_ROLES)}")
     return [(turn.text("role"), turn.text("content", allow_empty=True)) for turn in turns]
 
 

@@ -64,11 +64,16 @@ def chat(cfg: ChatConfig, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout
 
 
 def _user_turns(stdin: TextIO, stderr: TextIO):
-    """The user's non-empty lines, until /exit or end of input."""
+    """The user's non-empty lines, until /exit or end of input; text that is not UTF-8 is a one-line UserError."""
     while True:
         stderr.write(">>> ")
         stderr.flush()
-        line = stdin.readline()
+        try:
+            line = stdin.readline()
+            line.encode("utf-8")  # under a POSIX locale, stdin turns bytes that are not UTF-8 into surrogates
+        except UnicodeError as exc:
+            raise UserError(f"standard input is not UTF-8 text ({exc.reason}); convert it first, e.g. with "
+                            f"iconv -t UTF-8") from None
         if not line or line.strip() == "/exit":
             return
         if line.strip():

@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from xgblora import distributed, perf
-from xgblora.checkpoint import Checkpointer, prune
+from xgblora.checkpoint import Checkpointer, prune, step_checkpoints
 from xgblora.config import Config
 from xgblora.data.batches import Batch
 from xgblora.data.order import BatchStream
@@ -335,11 +335,15 @@ class Trainer:
 
     def _log(self, lr: float) -> None:
         """Drain the loss window into metrics.jsonl; a non-finite loss stops the run under --nan_policy stop."""
-        step = self.state.step
+        step, window_start = self.state.step, self.state.step - self.state.window.steps
         mean, skipped = self.state.window.drain()
         if skipped and self.cfg.nan_policy == "stop":
-            raise UserError(f"training loss is nan or inf at step {step}; stopping. The last good checkpoint is "
-                            f"under {self.checkpointer.root} (try a lower --learning_rate, or --nan_policy skip)")
+            good = [p for p in step_checkpoints(self.checkpointer.root) if int(p.name[len("step-"):]) <= window_start]
+            saved = f"the last checkpoint before it is {good[-1]}" if good else "no checkpoint was saved before it"
+            steps = f"step {step}" if window_start + 1 == step else f"steps {window_start + 1}-{step}"
+            raise UserError(f"training loss is nan or inf at {steps}; stopping: "
+                            f"{saved} (a learning rate too high is the usual cause: try a lower --learning_rate, or "
+                            f"--nan_policy skip)")
         self.state.last_loss = mean
         preference = self.method.preference.statistics.drain() if self.method.preference is not None else {}
         self.metrics.log({"step": step, "loss": mean, "lr": lr, **preference,

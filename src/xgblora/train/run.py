@@ -13,13 +13,22 @@ from typing import Any
 import torch
 
 from xgblora import atomic, checkpoint, distributed
+from xgblora.adapters import trained
 from xgblora.config import Config
 from xgblora.errors import UserError
 from xgblora.logs import setup_console_logging
 from xgblora.train.lock import run_lock
 from xgblora.train.loop import Hooks, Trainer
 from xgblora.train.results import write_model_card, write_predictions, write_results
-from xgblora.train.setup import RunSetup, build_contrastive, init_head, set_up_run, setup_method, training_set
+from xgblora.train.setup import (
+    RunSetup,
+    build_contrastive,
+    init_head,
+    set_up_run,
+    setup_method,
+    training_set,
+    write_config,
+)
 
 log = logging.getLogger("xgblora")
 
@@ -74,17 +83,18 @@ def _run(cfg: Config, dist: distributed.Distributed, out: Path, hooks: Hooks | N
     base = {"task": setup.task.name, "model": cfg.model_name, "head": setup.head, "trainer": cfg.trainer,
             "seed": cfg.seed, "num_eval": len(setup.splits.eval), "device": str(setup.device),
             "torch": torch.__version__}
-    results = {**base, **(_evaluate_only(setup) if cfg.trainer == "none" else _train(setup, dist, hooks))}
+    results = {**base, **(_evaluate_only(setup, dist) if cfg.trainer == "none" else _train(setup, dist, hooks))}
     if dist.is_main:
         write_model_card(setup.cfg, results)
         write_results(setup.cfg, results)  # last: results.json marks a finished run
     return results
 
 
-def _evaluate_only(setup: RunSetup) -> dict[str, Any]:
+def _evaluate_only(setup: RunSetup, dist: distributed.Distributed) -> dict[str, Any]:
     """Zero-shot, or in-context with the training examples as demonstrations (causal LMs)."""
-    if setup.head == "classifier":
+    if setup.head == "classifier" and not trained.carries_head(setup.cfg.model_name, setup.cfg.adapter):
         log.warning("--head classifier without training scores with a new, untrained head: expect chance accuracy")
+    write_config(setup, dist)
     started = time.perf_counter()
     demos = setup.splits.train if setup.scoring is None else ()
     metrics, predictions = setup.evaluate(setup.model, setup.splits.eval, demos)
@@ -99,9 +109,11 @@ def _train(setup: RunSetup, dist: distributed.Distributed, hooks: Hooks | None) 
     train_set = training_set(setup)  # before the adapters: the packing probe runs on the plain model
     method = setup_method(setup.model, cfg, build_contrastive(setup, dist))
     init_head(setup, method)
+    trainer = Trainer(setup, method, train_set, dist, hooks)  # the last checks: a refused run writes nothing
     if cfg.overwrite_output_dir and not cfg.resume_from_checkpoint and dist.is_main:
         start_over(Path(cfg.output_dir))
-    summary = Trainer(setup, method, train_set, dist, hooks).fit()
+    write_config(setup, dist)
+    summary = trainer.fit()
     results = {**summary, "method": cfg.method, "num_train": len(setup.splits.train)}
     if method.contrastive is not None:  # learnt or fixed, the temperature the embeddings were trained at
         results["temperature"] = round(1 / float(method.contrastive.scale), 6)

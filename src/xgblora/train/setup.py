@@ -1,6 +1,7 @@
 """Everything a run needs before its first step: task and splits, model and head, what trains, the training set,
 and the packing and autocast policies. The config is resolved here once (max_length capped to the model's
-positions, the device, model-only checkpoints under FSDP) and written to config.yaml; nothing changes it after."""
+positions, the device, model-only checkpoints under FSDP); nothing changes it after. `write_config` puts it in
+config.yaml once every check has passed, so that a refused run leaves no output behind."""
 
 from __future__ import annotations
 
@@ -209,6 +210,10 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
         log.info("%s", describe_splits(task, cfg, splits))
     words = labels.label_words(task.name, splits.train, splits.dev, splits.eval) if head not in ("lm", "embed") \
         else ()
+    if head == "classifier" and cfg.label_words and dist.is_main:
+        log.warning("--label_words with a classifier head: the words only count and name the labels (%s); the head "
+                    "learns one output per label and never reads them (--head lm or mlm scores the words)",
+                    ", ".join(words))
     if head != "lm" and (cfg.sfc or cfg.icl_sfc):
         raise UserError(f"--sfc/--icl_sfc calibrate a causal LM's candidate scores; --head {head} has no surface forms")
     target = pretrained.choose_device(dist.device or cfg.device)
@@ -222,14 +227,18 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
         tokenizer.chat_template = template
     device = next(model.parameters()).device
     cfg = resolve(cfg, model, dist, head)
-    if dist.is_main:
-        config_mod.dump(cfg, Path(cfg.output_dir) / "config.yaml")
     _warn_on_emulated_bf16(cfg, device)
     if cfg.tf32:
         perf.enable_tf32(device)
     scoring = labels.build_scoring(head, tokenizer, words, cfg.pooling) if words else None
     evaluator = build_evaluator(cfg, task, tokenizer, scoring, formats.model_stop_ids(model, tokenizer))
     return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device, evaluator, generative)
+
+
+def write_config(run: RunSetup, dist: Distributed) -> None:
+    """The resolved config as config.yaml in the output folder (the main process writes it)."""
+    if dist.is_main:
+        config_mod.dump(run.cfg, Path(run.cfg.output_dir) / "config.yaml")
 
 
 def grit_examples(cfg: Config) -> list[Example]:

@@ -1,0 +1,44 @@
+"""`xgblora eval` of a trained run (--adapter RUN/final, --model_name RUN) scores it on the run's own task, model
+and head, as the run's own final evaluation did, and warns of an untrained head only where there is one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from xgblora import cli
+
+UNTRAINED = "untrained head"
+
+
+@pytest.fixture(scope="module")
+def classifier_run(shared_data, tmp_path_factory):
+    """A LoRA run of tiny-bert with a new classifier head (mean-pooled) on SST-2: the run's own accuracy."""
+    out = tmp_path_factory.mktemp("cls") / "run"
+    args = ["train", "--model_name", "tiny-bert", "--head", "classifier", "--pooling", "mean", "--task_name", "SST2",
+            "--data_dir", str(shared_data), "--num_train", "16", "--num_eval", "16", "--max_steps", "3",
+            "--max_length", "32", "--method", "lora", "--learning_rate", "1e-2", "--output_dir", str(out),
+            "--device", "cpu"]
+    assert cli.main(args) == 0
+    return out, json.loads((out / "results.json").read_text())["accuracy"]
+
+
+@pytest.mark.parametrize("given", [["--adapter", "{run}/final"], ["--model_name", "{run}"]], ids=["adapter", "run"])
+def test_eval_of_a_classifier_run_takes_its_task_and_head(classifier_run, tmp_path, xgblora_log, capsys, given):
+    run, accuracy = classifier_run
+    args = ["eval", *(a.replace("{run}", str(run)) for a in given), "--output_dir", str(tmp_path / "eval"),
+            "--device", "cpu"]
+    assert cli.main(args) == 0, capsys.readouterr().err
+    got = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert (got["task"], got["model"], got["head"], got["num_eval"]) == ("SST2", "tiny-bert", "classifier", 16)
+    assert got["accuracy"] == accuracy  # the run's own final evaluation
+    assert not [r for r in xgblora_log.records if UNTRAINED in r.getMessage()]
+
+
+def test_eval_of_a_new_classifier_head_warns_it_is_untrained(shared_data, tmp_path, xgblora_log):
+    args = ["eval", "--model_name", "tiny-bert", "--head", "classifier", "--task_name", "SST2", "--data_dir",
+            str(shared_data), "--num_eval", "4", "--max_length", "32", "--output_dir", str(tmp_path / "eval"),
+            "--device", "cpu"]
+    assert cli.main(args) == 0
+    assert len([r for r in xgblora_log.records if UNTRAINED in r.getMessage()]) == 1
