@@ -325,7 +325,7 @@ class Config(ModelOptions):
         if self.xgblora_init == "gradient" and self.trainer == "zo" and self.method == "xgblora":
             raise UserError("--xgblora_init gradient needs the gradient of each adapted weight, a backward pass: "
                             "under --trainer zo a few zeroth-order estimates cannot find its leading direction "
-                            "(README, XGBLoRA); use --xgblora_init random")
+                            "(that takes hundreds of forward pairs per layer); use --xgblora_init random")
         if self.trainer == "zo" and self.method != "ft" and self.scaling > ZO_MAX_SCALING:
             log.warning("--trainer zo with an adapter scale of %g (alpha %g, r %d%s): MeZO's change of B A per step "
                         "grows with the square of the scale, %gx that of r=8, alpha=16; lower --lora_alpha (default "
