@@ -326,7 +326,7 @@ class Config(ModelOptions):
         if self.xgblora_init == "gradient" and self.trainer == "zo" and self.method == "xgblora":
             raise UserError("--xgblora_init gradient needs the gradient of each adapted weight, a backward pass: "
                             "under --trainer zo a few zeroth-order estimates cannot find its leading direction "
-                            "(README, XGBLoRA); use --xgblora_init random")
+                            "(that takes hundreds of forward pairs per layer); use --xgblora_init random")
         if (self.grit_generative_batch_size or 0) > self.per_device_train_batch_size:
             raise UserError(f"--grit_generative_batch_size {self.grit_generative_batch_size} takes the instruction "
                             f"examples of a batch's first pairs: at most --per_device_train_batch_size "

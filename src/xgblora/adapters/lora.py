@@ -225,7 +225,7 @@ class LoRALinear(nn.Module):
         step (Eckart-Young), where a random A takes a random projection of G. LoRA-GA (arXiv 2407.05000; PEFT's
         lora_ga_init) sets B != 0 too and subtracts the initial product from the base weight; here that would
         add a second rank-r term to every booster of an XGBLoRA history (and to every export) and a side factor
-        per booster on a 4-bit base, for a start that B = 0 reaches after its first step.
+        per booster on a 4-bit base, where B = 0 already puts the first step on those directions.
         """
         _, _, vh = torch.linalg.svd(grad.float(), full_matrices=False)
         rows = vh[: self.r]
