@@ -370,3 +370,25 @@ def test_reward_functions_get_trainer_state_log_extra_and_log_metric_as_in_trl(d
     assert trl_style.SEEN == [0, 1]
     assert [r["my_metric"] for r in records] == [0.0, 2.0]
     assert [s["note"] for s in records[0]["samples"]] == ["c0", "c1", "c2", "c3"]
+
+
+def test_string_prompts_are_sent_raw_as_trl_and_conversations_get_the_template(tmp_path):
+    """TRL tokenizes a string prompt as it is (`processing_class(text=prompts)`) and renders a conversational one
+    with the chat template and a generation prompt; --raw_prompts false keeps the other way (a string as a user
+    turn)."""
+    from xgblora.models import pretrained
+
+    tokenizer = pretrained.load("tiny-llama-chat")[1]
+    question, messages = "Which is larger, 3 or 5?", [{"role": "user", "content": "Which is larger, 2 or 7?"}]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": question, "completion": "#### 5"}) + "\n"
+                                      + json.dumps({"prompt": messages, "completion": "#### 7"}) + "\n")
+    run = grpo_loop.GRPORun.__new__(grpo_loop.GRPORun)  # only _read() and what it reads
+    run.tokenizer, run.rewards = tokenizer, Rewards(["gsm8k"])
+    templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"]
+    run.cfg = GRPOConfig(train_file="x", max_length=512)
+    assert run._read(str(tmp_path / "p.jsonl")).ids == [tokenizer(text=question)["input_ids"], templated]
+    run.cfg = GRPOConfig(train_file="x", max_length=512, raw_prompts=False)
+    as_turn = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]
+    assert run._read(str(tmp_path / "p.jsonl")).ids == [as_turn, templated]

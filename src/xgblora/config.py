@@ -592,7 +592,7 @@ class GRPOConfig(Config, SamplingOptions):
     generation_batch_size: int | None = _opt(None, "Completions sampled at a time, over all processes (a multiple of the optimizer batch, per_device_train_batch_size x gradient_accumulation_steps x processes, and of G; default: one optimizer batch).")
     steps_per_generation: int | None = _opt(None, "Micro-batches per process per generation batch (TRL's; the other way to set generation_batch_size).")
     log_completions: bool = _opt(False, "Log a few completions, with their rewards, to metrics.jsonl at every logging step.")
-    raw_prompts: bool = _opt(False, "Send string prompts as they are, even when the tokenizer has a chat template.")
+    raw_prompts: bool = _opt(True, "Send string prompts as they are, as TRL does (conversational rows always get the chat template); false renders each string as a user turn of the chat template.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
