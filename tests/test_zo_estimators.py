@@ -143,10 +143,12 @@ def test_fzoo_leaves_the_weights_alone_when_all_perturbed_losses_are_equal():
     assert torch.equal(weight.detach(), torch.ones(4))
 
 
+@pytest.mark.parametrize("anchor_scale", [1.0, 3.0], ids=["one-rate", "two-rates"])
 @pytest.mark.parametrize("dual", [False, True], ids=["two-pass", "dual-batch"])
-def test_svrg_anchor_then_variance_reduced_step(tiny, dual):
-    """Gautam et al.'s MeZO-SVRG: anchor theta_a, g_a on the large batch; then on a minibatch with one shared z,
-    theta -= lr ((g(theta) - g(theta_a)) z + g_a z_a)."""
+def test_svrg_anchor_then_variance_reduced_step(tiny, dual, anchor_scale):
+    """Gautam et al.'s MeZO-SVRG with its two rates (the reference's learning_rate_aux eta_1 for the full-batch
+    step, learning_rate eta_2 for the steps between): anchor theta_a, g_a on the large batch, theta -= eta_1 g_a
+    z_a; then on a minibatch with one shared z, theta -= eta_2 ((g(theta) - g(theta_a)) z + g_a z_a)."""
     model, named, modules = lora_model(tiny)
     reference = copy.deepcopy(model)
     names, theta0 = [n for n, _ in named], state(named)
@@ -154,7 +156,7 @@ def test_svrg_anchor_then_variance_reduced_step(tiny, dual):
     anchor_batches = [random_batch(vocab, seed=10), random_batch(vocab, seed=11)]
     batch = random_batch(vocab, seed=12)
     lr, eps = 1e-2, 1e-2
-    estimator = MeZOSVRG(named, lr=lr, eps=eps, seed=8, period=3, anchor_batches=2,
+    estimator = MeZOSVRG(named, lr=lr, eps=eps, seed=8, period=3, anchor_batches=2, anchor_lr_scale=anchor_scale,
                          dual_modules=modules if dual else None)
     assert estimator.anchor_due()
     anchor_losses = estimator.anchor(ce_loss_fn(model), anchor_batches)
@@ -167,7 +169,7 @@ def test_svrg_anchor_then_variance_reduced_step(tiny, dual):
     a_minus = losses_at(reference, names, shifted(theta0, z_a, -eps), anchor_batches)
     assert anchor_losses == pytest.approx((a_plus, a_minus), abs=2e-6)
     g_a = (a_plus - a_minus) / (2 * eps)
-    theta1 = shifted(theta0, z_a, -lr * g_a)
+    theta1 = shifted(theta0, z_a, -anchor_scale * lr * g_a)
     plus = loss_at(reference, names, shifted(theta1, z, eps), batch)
     minus = loss_at(reference, names, shifted(theta1, z, -eps), batch)
     g = (plus - minus) / (2 * eps)
@@ -180,6 +182,20 @@ def test_svrg_anchor_then_variance_reduced_step(tiny, dual):
     # weight by lr / (2 eps) x 1e-7 x |z| per loss, about 1e-6 in all here (seen: 1.06e-6 on one CPU, under
     # 1e-6 on another); 5e-6 is still a thousandth of the step (5.6e-3)
     assert_params(named, expected, theta0, atol=5e-6)
+
+
+def test_svrg_anchor_learning_rate_is_eta_1_and_learning_rate_eta_2():
+    """The reference script's rates, --zo_svrg_anchor_learning_rate 1e-3 (full batch) and --learning_rate 1e-6 (the
+    steps between): the anchor steps at 1000x the scheduled rate; the option is refused off svrg."""
+    from xgblora.config import Config
+    from xgblora.errors import UserError
+    from xgblora.train.loop import estimator_options
+
+    cfg = Config(trainer="zo", zo_estimator="svrg", learning_rate=1e-6, zo_svrg_anchor_learning_rate=1e-3)
+    assert estimator_options(cfg)["anchor_lr_scale"] == pytest.approx(1000.0)
+    assert estimator_options(Config(trainer="zo", zo_estimator="svrg"))["anchor_lr_scale"] == 1.0
+    with pytest.raises(UserError, match="svrg only"):
+        Config(trainer="zo", zo_svrg_anchor_learning_rate=1e-3)
 
 
 def test_svrg_stepper_takes_an_anchor_every_period_steps(tiny):

@@ -204,6 +204,7 @@ class Config(ModelOptions):
     zo_optimizer: str = _opt("sgd", "What the ZO estimate drives: sgd (in place, no state), momentum (torch SGD, --adam_beta1 as momentum), adam (torch AdamW); the last two keep fp32 state as large as the trainable weights.", ("sgd", "momentum", "adam"))
     zo_svrg_period: int = _opt(10, "svrg: steps from one anchor step to the next.")
     zo_svrg_anchor_batches: int = _opt(8, "svrg: training batches the anchor step's large-batch estimate averages (2 forwards each).")
+    zo_svrg_anchor_learning_rate: float | None = _opt(None, "svrg: the anchor (large-batch) step's rate, MeZO-SVRG's eta_1 (its script: 1e-3), --learning_rate being the steps between, eta_2 (1e-6); scheduled as --learning_rate is (default: --learning_rate).")
     zo_stochastic_rounding: bool | None = _opt(None, "MeZO full-model update in half precision with stochastic rounding (default on in bf16/fp16).")
     per_device_train_batch_size: int = _opt(8, "Training micro-batch size per device.")
     per_device_eval_batch_size: int = _opt(8, "Evaluation batch size (in (example, candidate) pairs).")
@@ -356,6 +357,10 @@ class Config(ModelOptions):
 
     def _check_zo_estimator(self) -> None:
         """Refuse the ZO flags an estimator cannot use, with the reason."""
+        if self.zo_svrg_anchor_learning_rate is not None and (self.zo_estimator != "svrg"
+                                                               or not self.zo_svrg_anchor_learning_rate > 0):
+            raise UserError(f"--zo_svrg_anchor_learning_rate {self.zo_svrg_anchor_learning_rate}: a positive rate, "
+                            f"for --zo_estimator svrg only")
         if self.zo_queries is not None and self.zo_estimator in ("mezo", "svrg") and self.zo_queries != 1:
             raise UserError(f"--zo_queries {self.zo_queries}: --zo_estimator {self.zo_estimator} takes one "
                             f"perturbation per step; use --zo_estimator nspsa (n two-point estimates) or fzoo")

@@ -188,12 +188,15 @@ def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Dist
 ESTIMATORS = {"mezo": MeZO, "nspsa": NSPSA, "fzoo": FZOO, "svrg": MeZOSVRG}
 
 
-def estimator_options(cfg: Config) -> dict[str, int]:
-    """The estimator's own options: its queries per step, or SVRG's period and anchor batches."""
+def estimator_options(cfg: Config) -> dict[str, float]:
+    """The estimator's own options: its queries per step, or SVRG's period, anchor batches and anchor rate (as a
+    multiple of the scheduled rate, so that it follows the schedule)."""
     if cfg.zo_estimator in ("nspsa", "fzoo"):
         return {"queries": cfg.zo_queries} if cfg.zo_queries is not None else {}
     if cfg.zo_estimator == "svrg":
-        return {"period": cfg.zo_svrg_period, "anchor_batches": cfg.zo_svrg_anchor_batches}
+        anchor_rate = cfg.zo_svrg_anchor_learning_rate or cfg.learning_rate
+        return {"period": cfg.zo_svrg_period, "anchor_batches": cfg.zo_svrg_anchor_batches,
+                "anchor_lr_scale": anchor_rate / cfg.learning_rate}
     return {}
 
 
