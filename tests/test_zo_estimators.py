@@ -248,10 +248,13 @@ def test_default_estimator_is_mezo_and_its_trajectory_is_the_formula_run(tiny64)
 # ----------------------------------------------------------------------------- ZO-SGD-momentum and ZO-Adam
 
 
+@pytest.mark.parametrize("penalty", [0.0, 0.05], ids=["no-penalty", "norm-penalty"])
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
-def test_zo_momentum_and_adam_follow_torchs_update_rules_on_the_mezo_estimate(tiny64, optimizer):
+def test_zo_momentum_and_adam_follow_torchs_update_rules_on_the_mezo_estimate(tiny64, optimizer, penalty):
     """ZO-Bench's ZO-SGD-momentum / ZO-Adam: the optimizer fed g z as the gradient; written out here. Full
-    fine-tuning in float64: Adam divides by the moments' size, which fp32 rounding of a near-cancelling m upsets."""
+    fine-tuning in float64: Adam divides by the moments' size, which fp32 rounding of a near-cancelling m upsets.
+    A penalty in the loss (XGBLoRA's lambda (|A|^2 + |B|^2), gradient 2 lambda theta) enters the gradient, as it
+    does under first-order AdamW, not AdamW's decoupled decay."""
     model = copy.deepcopy(tiny64)
     named = list(model.named_parameters())
     reference = copy.deepcopy(model)
@@ -259,7 +262,7 @@ def test_zo_momentum_and_adam_follow_torchs_update_rules_on_the_mezo_estimate(ti
     start = theta
     lr, eps, wd, (b1, b2), adam_eps = 1e-2, 1e-2, 0.1, (0.8, 0.9), 1e-8
     estimator = MeZO(named, lr=lr, eps=eps, weight_decay=wd, seed=2, optimizer=optimizer, betas=(b1, b2),
-                     adam_eps=adam_eps)
+                     adam_eps=adam_eps, penalty=penalty)
     batches = [random_batch(tiny64.config.vocab_size, seed=k) for k in range(3)]
     decay = [0.0 if no_decay(name) else wd for name in names]
     m = [torch.zeros_like(t) for t in theta]
@@ -269,7 +272,8 @@ def test_zo_momentum_and_adam_follow_torchs_update_rules_on_the_mezo_estimate(ti
         z = reference_z(theta, s)
         g = (loss_at(reference, names, shifted(theta, z, eps), batch)
              - loss_at(reference, names, shifted(theta, z, -eps), batch)) / (2 * eps)
-        grads = [g * zi for zi in z]
+        grads = [g * zi + (0.0 if no_decay(name) else penalty) * t
+                 for zi, name, t in zip(z, names, theta, strict=True)]
         if optimizer == "momentum":  # torch SGD: buf = grad (first step) or b1 buf + grad; L2 decay in grad
             grads = [gr + d * t for gr, d, t in zip(grads, decay, theta, strict=True)]
             m = grads if t_step == 1 else [b1 * mi + gr for mi, gr in zip(m, grads, strict=True)]

@@ -172,10 +172,10 @@ def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Dist
     # and a +z/-z pair only, which FZOO's one-sided perturbations are not
     dual = cfg.zo_dual is not False and bool(method.modules) and len(zo_params) == len(method.trainable) \
         and not cfg.train_as_classification and cfg.zo_estimator != "fzoo"
-    # the norm penalty l(|A|^2 + |B|^2) has the exact gradient 2l*theta: under MeZO it is weight decay 2l
-    decay = cfg.weight_decay + (2 * cfg.norm_penalty if boosting is not None else 0.0)
+    # the norm penalty l(|A|^2 + |B|^2) has the exact gradient 2l*theta, added to the estimate as AdamW adds it
+    penalty = 2 * cfg.norm_penalty if boosting is not None else 0.0
     estimator = ESTIMATORS[cfg.zo_estimator](
-        zo_params, cfg.learning_rate, cfg.zo_eps, decay, cfg.zo_stochastic_rounding,
+        zo_params, cfg.learning_rate, cfg.zo_eps, cfg.weight_decay, cfg.zo_stochastic_rounding, penalty=penalty,
         dual_modules=method.modules if dual else None, seed=cfg.seed, reduce_losses=dist.all_mean,
         optimizer=cfg.zo_optimizer, betas=(cfg.adam_beta1, cfg.adam_beta2), adam_eps=cfg.adam_epsilon,
         **estimator_options(cfg))
