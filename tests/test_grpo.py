@@ -189,6 +189,21 @@ def test_a_continued_adapter_is_its_own_kl_reference(data):
     assert len(kl) == 2 and abs(kl[0]) < 1e-7 and kl[1] > 1e-6
 
 
+@pytest.mark.parametrize("options", [dict(loss_type="bnpo", importance_sampling_level="sequence"),
+                                     dict(loss_type="cispo", epsilon_high=5.0, trainer="zo")],
+                         ids=["bnpo-gspo-adamw", "cispo-mezo"])
+def test_the_newer_objectives_train_under_both_trainers(data, options):
+    """GSPO's sequence-level ratios, bnpo's micro-batch weights and cispo (its own clip statistic) in the loop:
+    two optimizer steps per generation batch, so the old log-probabilities are used; the adapter moves."""
+    accumulation = 1 if options.get("trainer") == "zo" else 2
+    run_grpo(_cfg(data, options["loss_type"], max_steps=2, generation_batch_size=16, eval_file=None,
+                  gradient_accumulation_steps=accumulation, **options))
+    weights = load_file(str(data / options["loss_type"] / "final" / "adapter_model.safetensors"))
+    assert any(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)
+    logged = [r for r in read_metrics(data / options["loss_type"] / "metrics.jsonl") if "loss" in r]
+    assert len(logged) == 2 and ("cispo_clip_ratio" in logged[0]) == (options["loss_type"] == "cispo")
+
+
 def test_mezo_trains_the_adapter(data):
     done = run_grpo(_cfg(data, "zo", trainer="zo", gradient_accumulation_steps=1, max_steps=2))
     weights = load_file(str(data / "zo" / "final" / "adapter_model.safetensors"))
