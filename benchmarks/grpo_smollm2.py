@@ -40,7 +40,7 @@ def main() -> None:
     for seed in args.seeds:
         train_file, heldout = write_questions(out, args.questions, args.heldout, seed)
         cfg = GRPOConfig(model_name=model, train_file=str(train_file), eval_file=str(heldout),
-                         columns="prompt=question,completion=answer", reward_funcs=[LAST_NUMBER],
+                         columns="prompt=question,completion=answer", reward_funcs=[LAST_NUMBER], raw_prompts=False,
                          num_return_sequences=8, temperature=0.7, max_new_tokens=args.max_new_tokens,
                          per_device_train_batch_size=8 * args.prompts_per_step, max_steps=args.max_steps,
                          method="lora", trainer=args.trainer, learning_rate=args.learning_rate, save_strategy="no",

@@ -189,6 +189,21 @@ def test_a_continued_adapter_is_its_own_kl_reference(data):
     assert len(kl) == 2 and abs(kl[0]) < 1e-7 and kl[1] > 1e-6
 
 
+@pytest.mark.parametrize("options", [dict(loss_type="bnpo", importance_sampling_level="sequence"),
+                                     dict(loss_type="cispo", epsilon_high=5.0, trainer="zo")],
+                         ids=["bnpo-gspo-adamw", "cispo-mezo"])
+def test_the_newer_objectives_train_under_both_trainers(data, options):
+    """GSPO's sequence-level ratios, bnpo's micro-batch weights and cispo (its own clip statistic) in the loop:
+    two optimizer steps per generation batch, so the old log-probabilities are used; the adapter moves."""
+    accumulation = 1 if options.get("trainer") == "zo" else 2
+    run_grpo(_cfg(data, options["loss_type"], max_steps=2, generation_batch_size=16, eval_file=None,
+                  gradient_accumulation_steps=accumulation, **options))
+    weights = load_file(str(data / options["loss_type"] / "final" / "adapter_model.safetensors"))
+    assert any(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)
+    logged = [r for r in read_metrics(data / options["loss_type"] / "metrics.jsonl") if "loss" in r]
+    assert len(logged) == 2 and ("cispo_clip_ratio" in logged[0]) == (options["loss_type"] == "cispo")
+
+
 def test_mezo_trains_the_adapter(data):
     done = run_grpo(_cfg(data, "zo", trainer="zo", gradient_accumulation_steps=1, max_steps=2))
     weights = load_file(str(data / "zo" / "final" / "adapter_model.safetensors"))
@@ -370,3 +385,25 @@ def test_reward_functions_get_trainer_state_log_extra_and_log_metric_as_in_trl(d
     assert trl_style.SEEN == [0, 1]
     assert [r["my_metric"] for r in records] == [0.0, 2.0]
     assert [s["note"] for s in records[0]["samples"]] == ["c0", "c1", "c2", "c3"]
+
+
+def test_string_prompts_are_sent_raw_as_trl_and_conversations_get_the_template(tmp_path):
+    """TRL tokenizes a string prompt as it is (`processing_class(text=prompts)`) and renders a conversational one
+    with the chat template and a generation prompt; --raw_prompts false keeps the other way (a string as a user
+    turn)."""
+    from xgblora.models import pretrained
+
+    tokenizer = pretrained.load("tiny-llama-chat")[1]
+    question, messages = "Which is larger, 3 or 5?", [{"role": "user", "content": "Which is larger, 2 or 7?"}]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": question, "completion": "#### 5"}) + "\n"
+                                      + json.dumps({"prompt": messages, "completion": "#### 7"}) + "\n")
+    run = grpo_loop.GRPORun.__new__(grpo_loop.GRPORun)  # only _read() and what it reads
+    run.tokenizer, run.rewards = tokenizer, Rewards(["gsm8k"])
+    templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"]
+    run.cfg = GRPOConfig(train_file="x", max_length=512)
+    assert run._read(str(tmp_path / "p.jsonl")).ids == [tokenizer(text=question)["input_ids"], templated]
+    run.cfg = GRPOConfig(train_file="x", max_length=512, raw_prompts=False)
+    as_turn = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]
+    assert run._read(str(tmp_path / "p.jsonl")).ids == [as_turn, templated]

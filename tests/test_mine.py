@@ -21,15 +21,15 @@ WORDS = ["film", "story", "war", "love", "time", "plot", "acting", "music", "cit
 
 
 def brute_force(queries, corpus, positives, window: Window, k: int) -> list[list[int]]:
-    """Sort every document by similarity, drop the positives, keep ranks range_min+1..range_max, drop what a margin
-    or score bound rules out, take the first k."""
+    """Sort every document by similarity, drop the positives and what a margin or score bound rules out, keep ranks
+    range_min+1..range_max of the rest, take the first k."""
     out = []
     for i, q in enumerate(queries):
         scores = [float(q @ d) for d in corpus]
         hardest = min(scores[j] for j in positives[i])
         ranked = [j for j in sorted(range(len(corpus)), key=lambda j: -scores[j]) if j not in positives[i]]
         kept = []
-        for j in ranked[window.range_min:window.range_max]:
+        for j in ranked:
             s = scores[j]
             if window.absolute_margin is not None and s > hardest - window.absolute_margin:
                 continue
@@ -38,7 +38,7 @@ def brute_force(queries, corpus, positives, window: Window, k: int) -> list[list
             if window.max_score is not None and s > window.max_score:
                 continue
             kept.append(j)
-        out.append(kept[:k])
+        out.append(kept[window.range_min:window.range_max][:k])  # ranks counted after the filters
     return out
 
 
@@ -53,6 +53,53 @@ def test_mined_negatives_equal_a_brute_force_ranking(window):
     found = mine(queries, corpus, positives, window, num_negatives=3)
     assert found == brute_force(queries, corpus, positives, window, 3)
     assert sum(map(len, found)) > 12  # most queries found negatives: the comparison is not between empty lists
+
+
+@pytest.mark.parametrize("options", [dict(range_min=0, range_max=50), dict(range_min=2, range_max=9),
+                                     dict(range_min=3, range_max=12, relative_margin=0.1),
+                                     dict(range_min=1, range_max=10, absolute_margin=0.05, max_score=0.8),
+                                     dict(range_min=2, range_max=15, relative_margin=0.05, min_score=-0.2)])
+def test_mined_negatives_equal_sentence_transformers_mine_hard_negatives(tmp_path, options):
+    """The same embeddings (handed to sentence-transformers through its embedding cache) and options: identical
+    negatives for every query, range_min counted after the margin and score filters as it counts it."""
+    datasets = pytest.importorskip("datasets")
+    st_util = pytest.importorskip("sentence_transformers.util")
+    import hashlib
+    import types
+
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(0)
+    query_texts = [f"q{i}" for i in range(16)]
+    rows = [(f"q{i}", f"d{i}") for i in range(16)] + [(f"q{i}", f"d{i + 16}") for i in range(0, 16, 3)]
+    extra = [f"e{i}" for i in range(18)]  # --corpus documents
+    corpus_texts = list(dict.fromkeys(d for _, d in rows)) + extra  # ours: the positives, then the corpus
+    queries = torch.nn.functional.normalize(torch.randn(len(query_texts), 8, generator=gen), dim=-1)
+    corpus = torch.randn(len(corpus_texts), 8, generator=gen)
+    for q, d in rows:  # positives near their query, so that margins leave negatives to find
+        corpus[corpus_texts.index(d)] += 1.5 * queries[query_texts.index(q)]
+    corpus = torch.nn.functional.normalize(corpus, dim=-1)
+    st_corpus = list(dict.fromkeys(extra + [d for _, d in rows]))  # its order: the corpus, then the positives
+    order = [corpus_texts.index(t) for t in st_corpus]
+    for name, texts, vectors in (("query", query_texts, queries), ("corpus", st_corpus, corpus[order])):
+        digest = hashlib.sha256(repr(("", None, None, texts)).encode(), usedforsecurity=False).hexdigest()
+        np.save(tmp_path / f"{name}_embeddings_{digest}.npy", vectors.numpy())
+    model = types.SimpleNamespace(device="cpu", model_card_data=types.SimpleNamespace(base_model=None),
+                                  similarity=st_util.cos_sim, similarity_pairwise=st_util.pairwise_cos_sim)
+    dataset = datasets.Dataset.from_dict({"query": [q for q, _ in rows], "positive": [d for _, d in rows]})
+    mined = st_util.mine_hard_negatives(dataset, model, corpus=extra, num_negatives=3,
+                                        output_format="labeled-pair", cache_folder=str(tmp_path), verbose=False,
+                                        **options)
+    theirs = {q: [] for q in query_texts}
+    for q, doc, label in zip(mined["query"], mined["positive"], mined["label"], strict=True):
+        if label == 0:
+            theirs[q].append(doc)
+    own = {q: [corpus_texts.index(d) for qq, d in rows if qq == q] for q in query_texts}
+    window = Window(options["range_min"], options["range_max"], options.get("absolute_margin"),
+                    options.get("relative_margin"), options.get("max_score"), options.get("min_score"))
+    ours = mine(queries, corpus, [own[q] for q in query_texts], window, num_negatives=3)
+    assert {q: [corpus_texts[i] for i in found] for q, found in zip(query_texts, ours, strict=True)} == theirs
+    assert sum(map(len, ours)) > len(query_texts)
 
 
 def pairs_file(path, n: int = 14):

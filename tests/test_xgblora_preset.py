@@ -62,6 +62,11 @@ def test_paper_preset_adds_the_norm_penalty_and_merges_with_alpha_t_one():
     zo = build_stepper(Config(method="xgblora", xgblora_preset="paper", trainer="zo"), method, TrainingLoss(model), LOCAL,
                        torch.device("cpu"))
     assert zo.mezo.weight_decay == pytest.approx(2e-3)  # d/dtheta of l |theta|^2
+    adam = build_stepper(Config(method="xgblora", xgblora_preset="paper", trainer="zo", zo_optimizer="adam"), method,
+                         TrainingLoss(model), LOCAL, torch.device("cpu"))
+    # ZO-Adam: the penalty's gradient goes with the estimate into Adam's moments, as under AdamW, not into the
+    # decoupled decay
+    assert adam.mezo.weight_decay == 0.0 and adam.mezo._grad_penalty == pytest.approx(2e-3)
 
 
 def test_num_boosters_splits_the_run_and_the_schedule_can_restart_per_booster(shared_data, tmp_path):

@@ -204,10 +204,12 @@ def test_fzoo_leaves_the_weights_alone_when_all_perturbed_losses_are_equal():
     assert torch.equal(weight.detach(), torch.ones(4))
 
 
+@pytest.mark.parametrize("anchor_scale", [1.0, 3.0], ids=["one-rate", "two-rates"])
 @pytest.mark.parametrize("dual", [False, True], ids=["two-pass", "dual-batch"])
-def test_svrg_anchor_then_variance_reduced_step(tiny, dual):
-    """Gautam et al.'s MeZO-SVRG: anchor theta_a, g_a on the large batch; then on a minibatch with one shared z,
-    theta -= lr ((g(theta) - g(theta_a)) z + g_a z_a)."""
+def test_svrg_anchor_then_variance_reduced_step(tiny, dual, anchor_scale):
+    """Gautam et al.'s MeZO-SVRG with its two rates (the reference's learning_rate_aux eta_1 for the full-batch
+    step, learning_rate eta_2 for the steps between): anchor theta_a, g_a on the large batch, theta -= eta_1 g_a
+    z_a; then on a minibatch with one shared z, theta -= eta_2 ((g(theta) - g(theta_a)) z + g_a z_a)."""
     model, named, modules = lora_model(tiny)
     reference = copy.deepcopy(model)
     names, theta0 = [n for n, _ in named], state(named)
@@ -215,7 +217,7 @@ def test_svrg_anchor_then_variance_reduced_step(tiny, dual):
     anchor_batches = [random_batch(vocab, seed=10), random_batch(vocab, seed=11)]
     batch = random_batch(vocab, seed=12)
     lr, eps = 1e-2, 1e-2
-    estimator = MeZOSVRG(named, lr=lr, eps=eps, seed=8, period=3, anchor_batches=2,
+    estimator = MeZOSVRG(named, lr=lr, eps=eps, seed=8, period=3, anchor_batches=2, anchor_lr_scale=anchor_scale,
                          dual_modules=modules if dual else None)
     assert estimator.anchor_due()
     anchor_losses = estimator.anchor(ce_loss_fn(model), anchor_batches)
@@ -228,7 +230,7 @@ def test_svrg_anchor_then_variance_reduced_step(tiny, dual):
     a_minus = losses_at(reference, names, shifted(theta0, z_a, -eps), anchor_batches)
     assert anchor_losses == pytest.approx((a_plus, a_minus), abs=2e-6)
     g_a = (a_plus - a_minus) / (2 * eps)
-    theta1 = shifted(theta0, z_a, -lr * g_a)
+    theta1 = shifted(theta0, z_a, -anchor_scale * lr * g_a)
     plus = loss_at(reference, names, shifted(theta1, z, eps), batch)
     minus = loss_at(reference, names, shifted(theta1, z, -eps), batch)
     g = (plus - minus) / (2 * eps)
@@ -241,6 +243,20 @@ def test_svrg_anchor_then_variance_reduced_step(tiny, dual):
     # weight by lr / (2 eps) x 1e-7 x |z| per loss, about 1e-6 in all here (seen: 1.06e-6 on one CPU, under
     # 1e-6 on another); 5e-6 is still a thousandth of the step (5.6e-3)
     assert_params(named, expected, theta0, atol=5e-6)
+
+
+def test_svrg_anchor_learning_rate_is_eta_1_and_learning_rate_eta_2():
+    """The reference script's rates, --zo_svrg_anchor_learning_rate 1e-3 (full batch) and --learning_rate 1e-6 (the
+    steps between): the anchor steps at 1000x the scheduled rate; the option is refused off svrg."""
+    from xgblora.config import Config
+    from xgblora.errors import UserError
+    from xgblora.train.loop import estimator_options
+
+    cfg = Config(trainer="zo", zo_estimator="svrg", learning_rate=1e-6, zo_svrg_anchor_learning_rate=1e-3)
+    assert estimator_options(cfg)["anchor_lr_scale"] == pytest.approx(1000.0)
+    assert estimator_options(Config(trainer="zo", zo_estimator="svrg"))["anchor_lr_scale"] == 1.0
+    with pytest.raises(UserError, match="svrg only"):
+        Config(trainer="zo", zo_svrg_anchor_learning_rate=1e-3)
 
 
 def test_svrg_stepper_takes_an_anchor_every_period_steps(tiny):
@@ -293,10 +309,13 @@ def test_default_estimator_is_mezo_and_its_trajectory_is_the_formula_run(tiny64)
 # ----------------------------------------------------------------------------- ZO-SGD-momentum and ZO-Adam
 
 
+@pytest.mark.parametrize("penalty", [0.0, 0.05], ids=["no-penalty", "norm-penalty"])
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
-def test_zo_momentum_and_adam_follow_torchs_update_rules_on_the_mezo_estimate(tiny64, optimizer):
+def test_zo_momentum_and_adam_follow_torchs_update_rules_on_the_mezo_estimate(tiny64, optimizer, penalty):
     """ZO-Bench's ZO-SGD-momentum / ZO-Adam: the optimizer fed g z as the gradient; written out here. Full
-    fine-tuning in float64: Adam divides by the moments' size, which fp32 rounding of a near-cancelling m upsets."""
+    fine-tuning in float64: Adam divides by the moments' size, which fp32 rounding of a near-cancelling m upsets.
+    A penalty in the loss (XGBLoRA's lambda (|A|^2 + |B|^2), gradient 2 lambda theta) enters the gradient, as it
+    does under first-order AdamW, not AdamW's decoupled decay."""
     model = copy.deepcopy(tiny64)
     named = list(model.named_parameters())
     reference = copy.deepcopy(model)
@@ -304,7 +323,7 @@ def test_zo_momentum_and_adam_follow_torchs_update_rules_on_the_mezo_estimate(ti
     start = theta
     lr, eps, wd, (b1, b2), adam_eps = 1e-2, 1e-2, 0.1, (0.8, 0.9), 1e-8
     estimator = MeZO(named, lr=lr, eps=eps, weight_decay=wd, seed=2, optimizer=optimizer, betas=(b1, b2),
-                     adam_eps=adam_eps)
+                     adam_eps=adam_eps, penalty=penalty)
     batches = [random_batch(tiny64.config.vocab_size, seed=k) for k in range(3)]
     decay = [0.0 if no_decay(name) else wd for name in names]
     m = [torch.zeros_like(t) for t in theta]
@@ -314,7 +333,8 @@ def test_zo_momentum_and_adam_follow_torchs_update_rules_on_the_mezo_estimate(ti
         z = reference_z(theta, s)
         g = (loss_at(reference, names, shifted(theta, z, eps), batch)
              - loss_at(reference, names, shifted(theta, z, -eps), batch)) / (2 * eps)
-        grads = [g * zi for zi in z]
+        grads = [g * zi + (0.0 if no_decay(name) else penalty) * t
+                 for zi, name, t in zip(z, names, theta, strict=True)]
         if optimizer == "momentum":  # torch SGD: buf = grad (first step) or b1 buf + grad; L2 decay in grad
             grads = [gr + d * t for gr, d, t in zip(grads, decay, theta, strict=True)]
             m = grads if t_step == 1 else [b1 * mi + gr for mi, gr in zip(m, grads, strict=True)]

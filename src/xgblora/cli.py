@@ -304,14 +304,15 @@ def _add_mine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus_column", "--corpus-column", default="text", help="The --corpus field holding the text.")
     p.add_argument("--num_negatives", "--num-negatives", type=int, default=1, help="Negatives per row (default 1).")
     p.add_argument("--range_min", "--range-min", type=int, default=0,
-                   help="Skip this many of the most similar documents that are not a positive (likely unlabelled "
-                        "positives).")
+                   help="Skip this many of the most similar documents left after the margins and score bounds "
+                        "(likely unlabelled positives), as mine_hard_negatives counts them.")
     p.add_argument("--range_max", "--range-max", type=int, default=50,
                    help="Draw negatives from the range_max most similar documents that are not a positive.")
     p.add_argument("--absolute_margin", "--absolute-margin", type=float, default=None,
                    help="Drop documents scoring above the positive's cosine minus this.")
     p.add_argument("--relative_margin", "--relative-margin", type=float, default=0.05,
-                   help="Drop documents scoring above (1 - this) x the positive's cosine (default 0.05).")
+                   help="Drop documents scoring above the positive's cosine minus |that cosine| x this "
+                        "(default 0.05).")
     p.add_argument("--max_score", "--max-score", type=float, default=None, help="Drop documents scoring above this.")
     p.add_argument("--min_score", "--min-score", type=float, default=None, help="Drop documents scoring below this.")
     p.add_argument("--sampling", choices=("top", "random"), default="top",

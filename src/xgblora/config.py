@@ -199,6 +199,7 @@ class Config(ModelOptions):
     zo_optimizer: str = _opt("sgd", "What the ZO estimate drives: sgd (in place, no state), momentum (torch SGD, --adam_beta1 as momentum), adam (torch AdamW); the last two keep fp32 state as large as the trainable weights.", ("sgd", "momentum", "adam"))
     zo_svrg_period: int = _opt(10, "svrg: steps from one anchor step to the next.")
     zo_svrg_anchor_batches: int = _opt(8, "svrg: training batches the anchor step's large-batch estimate averages (2 forwards each).")
+    zo_svrg_anchor_learning_rate: float | None = _opt(None, "svrg: the anchor (large-batch) step's rate, MeZO-SVRG's eta_1 (its script: 1e-3), --learning_rate being the steps between, eta_2 (1e-6); scheduled as --learning_rate is (default: --learning_rate).")
     zo_stochastic_rounding: bool | None = _opt(None, "MeZO full-model update in half precision with stochastic rounding (default on in bf16/fp16).")
     per_device_train_batch_size: int = _opt(8, "Training micro-batch size per device.")
     per_device_eval_batch_size: int = _opt(8, "Evaluation batch size (in (example, candidate) pairs).")
@@ -360,6 +361,10 @@ class Config(ModelOptions):
 
     def _check_zo_estimator(self) -> None:
         """Refuse the ZO flags an estimator cannot use, with the reason."""
+        if self.zo_svrg_anchor_learning_rate is not None and (self.zo_estimator != "svrg"
+                                                               or not self.zo_svrg_anchor_learning_rate > 0):
+            raise UserError(f"--zo_svrg_anchor_learning_rate {self.zo_svrg_anchor_learning_rate}: a positive rate, "
+                            f"for --zo_estimator svrg only")
         if self.zo_queries is not None and self.zo_estimator in ("mezo", "svrg") and self.zo_queries != 1:
             raise UserError(f"--zo_queries {self.zo_queries}: --zo_estimator {self.zo_estimator} takes one "
                             f"perturbation per step; use --zo_estimator nspsa (n two-point estimates) or fzoo")
@@ -592,7 +597,7 @@ class GRPOConfig(Config, SamplingOptions):
     generation_batch_size: int | None = _opt(None, "Completions sampled at a time, over all processes (a multiple of the optimizer batch, per_device_train_batch_size x gradient_accumulation_steps x processes, and of G; default: one optimizer batch).")
     steps_per_generation: int | None = _opt(None, "Micro-batches per process per generation batch (TRL's; the other way to set generation_batch_size).")
     log_completions: bool = _opt(False, "Log a few completions, with their rewards, to metrics.jsonl at every logging step.")
-    raw_prompts: bool = _opt(False, "Send string prompts as they are, even when the tokenizer has a chat template.")
+    raw_prompts: bool = _opt(True, "Send string prompts as they are, as TRL does (conversational rows always get the chat template); false renders each string as a user turn of the chat template.")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -3,12 +3,12 @@
 
 For each distinct query, every document of the corpus (the file's distinct positives, plus `--corpus` texts) is
 ranked by cosine similarity. A query's own positives (every row's positive for that query text) are never
-candidates. Ranks count the remaining documents from 1: the candidates are ranks range_min + 1 .. range_max (a
-window that skips the very top, where unlabelled positives sit); of those, a document scoring within a margin of
-the query's positive (`absolute_margin`: above positive - m; `relative_margin`: above positive - |positive| x m,
-the hardest positive when a query has several), above `max_score` or below `min_score` is dropped, as
-sentence-transformers' `mine_hard_negatives` drops them; the first `num_negatives` left (`top`) or a seeded random
-draw of them (`random`) are the row's negatives, most similar first. The output never replaces an existing file.
+candidates. A document scoring within a margin of the query's positive (`absolute_margin`: above positive - m;
+`relative_margin`: above positive - |positive| x m, the hardest positive when a query has several), above
+`max_score` or below `min_score` is dropped; ranks then count the documents left from 1, and the candidates are
+ranks range_min + 1 .. range_max (a window that skips the very top, where unlabelled positives sit), as
+sentence-transformers' `mine_hard_negatives` counts them; the first `num_negatives` candidates (`top`) or a seeded
+random draw of them (`random`) are the row's negatives, most similar first. The output never replaces an existing file.
 """
 
 from __future__ import annotations
@@ -76,21 +76,25 @@ class Window:
 
 def mine(queries: Tensor, corpus: Tensor, positives: Sequence[Sequence[int]], window: Window, num_negatives: int,
          sampling: str = "top", seed: int = 0) -> list[list[int]]:
-    """Corpus indices of each query's negatives, most similar first, from unit embeddings.
+    """Corpus indices of each query's negatives, most similar first, from unit embeddings, as sentence-transformers'
+    `mine_hard_negatives` picks them: of the range_max + (most positives of a query) most similar documents, the
+    query's positives and what the window's margins and score bounds rule out are dropped; ranks range_min + 1 ..
+    range_max of what is left are the candidates (so range_min counts after the filters, not before).
 
-    positives[i]: the corpus indices of query i's positives (never negatives; the hardest sets the margin).
+    positives[i]: the corpus indices of query i's positives, one per row (never negatives; the hardest sets the
+    margin).
     """
     draw = random.Random(seed)
+    pool = min(window.range_max + max(map(len, positives), default=0), corpus.shape[0])
     chosen: list[list[int]] = []
     for start in range(0, queries.shape[0], 1024):  # [1024, corpus] scores at a time
         scores = queries[start:start + 1024] @ corpus.T
         for row, own in zip(scores, positives[start:start + 1024], strict=True):
             positive = float(row[list(own)].min())
-            row[list(own)] = float("-inf")
-            top, where = row.topk(min(window.range_max, row.numel() - len(set(own))))
-            candidates = [(float(s), int(i)) for s, i in zip(top[window.range_min:], where[window.range_min:],
-                                                              strict=True)]
-            kept = [i for s, i in candidates if window.allows(s, positive)]
+            top, where = row.topk(pool)
+            left = [i for s, i in zip(top.tolist(), where.tolist(), strict=True)
+                    if i not in own and window.allows(s, positive)]
+            kept = left[:window.range_max][window.range_min:]
             if sampling == "random" and len(kept) > num_negatives:
                 kept = sorted(draw.sample(kept, num_negatives), key=kept.index)
             chosen.append(kept[:num_negatives])

@@ -113,10 +113,15 @@ class SeededZO:
                  weight_decay: float = 0.0, stochastic_rounding: bool | None = None,
                  dual_modules: dict[str, LoRALinear] | None = None, seed: int = 0,
                  reduce_losses: Callable[[Tensor], Tensor] | None = None, optimizer: str = "sgd",
-                 betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8):
+                 betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8, penalty: float = 0.0):
         if eps <= 0:
             raise ValueError(f"{type(self).__name__} eps must be positive, got {eps}")
-        self.lr, self.eps, self.weight_decay = lr, eps, weight_decay
+        # an L2 penalty in the loss (gradient penalty x theta, on the weights that decay): for plain and momentum
+        # steps it is weight decay; AdamW's decay is decoupled, so under adam it joins the estimate in .grad, as
+        # the penalty's gradient does under first-order AdamW
+        self.lr, self.eps = lr, eps
+        self.weight_decay = weight_decay if optimizer == "adam" else weight_decay + penalty
+        self._grad_penalty = penalty if optimizer == "adam" else 0.0
         self.stochastic_rounding = stochastic_rounding
         first = {id(p): (p, decays(name)) for name, p in reversed(named_params)}
         self._params: Trainable = [first.pop(id(p)) for _, p in named_params if id(p) in first]
@@ -132,7 +137,7 @@ class SeededZO:
         self._z_gens: Generators = {}
         self._round_gens: Generators = {}
         self._buffers: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # z buffers, reused by every sweep
-        self._optimizer = self._build_optimizer(optimizer, weight_decay, betas, adam_eps)
+        self._optimizer = self._build_optimizer(optimizer, self.weight_decay, betas, adam_eps)
         self.projected_grad = 0.0
         self.last_seed: int | None = None
 
@@ -251,6 +256,10 @@ class SeededZO:
                     p.grad = z.mul_(coefficient)
                 else:
                     p.grad.add_(z, alpha=coefficient)
+        if self._grad_penalty:
+            for p, decay in params:
+                if decay:
+                    p.grad.add_(p.detach(), alpha=self._grad_penalty)
         for group in self._optimizer.param_groups:
             group["lr"] = lr
         self._optimizer.step()

@@ -9,8 +9,10 @@
 * `MeZOSVRG` (Gautam et al., "Variance-reduced Zeroth-Order Methods for Fine-Tuning Language Models", ICML 2024,
   github.com/amazon-science/mezo_svrg, models/llm_module.py `training_step_MeZO_SVRG`): every `period` steps an
   anchor step takes theta_a = theta and a two-point estimate g_a z_a on a large batch (`anchor_batches` batches,
-  2 x anchor_batches forwards) and steps along it; each step between takes, on one batch and with one z shared by
-  both points, theta <- theta - lr ((g(theta) - g(theta_a)) z + g_a z_a): 4 forwards. Memory: one copy of the
+  2 x anchor_batches forwards) and steps along it at the full-batch rate eta_1, theta <- theta - eta_1 g_a z_a;
+  each step between takes, on one batch and with one z shared by both points, theta <- theta - eta_2 ((g(theta) -
+  g(theta_a)) z + g_a z_a): 4 forwards. The two rates are the paper's eta_1 and eta_2 (the reference's
+  `learning_rate_aux` and `learning_rate`; its script: 1e-3 and 1e-6); eta_1 = anchor_lr_scale x eta_2. Memory: one copy of the
   trainable weights (theta_a); g_a z_a is kept as its seed and coefficient. The reference code's memory-efficient
   path evaluates the "anchor" term at the current weights with a second z (its anchor list is a shallow copy);
   this follows the paper's algorithm instead.
@@ -140,11 +142,12 @@ class FZOO(SeededZO):
 class MeZOSVRG(SeededZO):
     """MeZO-SVRG: anchor steps on a large batch every `period` steps, variance-reduced steps between them."""
 
-    def __init__(self, *args, period: int = 10, anchor_batches: int = 8, **kwargs):
+    def __init__(self, *args, period: int = 10, anchor_batches: int = 8, anchor_lr_scale: float = 1.0, **kwargs):
         super().__init__(*args, **kwargs)
-        if period < 1 or anchor_batches < 1:
-            raise ValueError(f"MeZO-SVRG needs period >= 1 and anchor_batches >= 1, got {period}, {anchor_batches}")
-        self.period, self.anchor_batches = period, anchor_batches
+        if period < 1 or anchor_batches < 1 or not anchor_lr_scale > 0:
+            raise ValueError(f"MeZO-SVRG needs period >= 1, anchor_batches >= 1 and anchor_lr_scale > 0, got "
+                             f"{period}, {anchor_batches}, {anchor_lr_scale}")
+        self.period, self.anchor_batches, self.anchor_lr_scale = period, anchor_batches, anchor_lr_scale
         self._anchor: list[Tensor] | None = None  # theta_a of every weight in self._params, in order
         self._anchor_term: tuple[int, float] = (0, 0.0)  # g_a z_a as (seed, g_a)
         self._since_anchor = 0  # steps since the anchor step
@@ -156,8 +159,9 @@ class MeZOSVRG(SeededZO):
     @torch.no_grad()
     def anchor(self, loss_fn: Callable[[Batch], Tensor], batches: list[Batch],
                lr: float | None = None) -> tuple[float, float]:
-        """theta_a = theta, g_a from the batches together, theta <- theta - lr (g_a z_a + decay); (L+, L-)."""
-        lr = self.lr if lr is None else lr
+        """theta_a = theta, g_a from the batches together, theta <- theta - eta_1 (g_a z_a + decay), eta_1 =
+        anchor_lr_scale x lr (lr: the inner steps' rate, eta_2); (L+, L-)."""
+        lr = (self.lr if lr is None else lr) * self.anchor_lr_scale
         params = self._trainable()
         seed = self._next_seed()
         plus, minus = self._two_pass_losses(lambda bs: self._large_batch_loss(loss_fn, bs), batches, params, seed)

@@ -172,10 +172,10 @@ def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Dist
     # and a +z/-z pair only, which FZOO's one-sided perturbations are not
     dual = cfg.zo_dual is not False and bool(method.modules) and len(zo_params) == len(method.trainable) \
         and not cfg.train_as_classification and cfg.zo_estimator != "fzoo"
-    # the norm penalty l(|A|^2 + |B|^2) has the exact gradient 2l*theta: under MeZO it is weight decay 2l
-    decay = cfg.weight_decay + (2 * cfg.norm_penalty if boosting is not None else 0.0)
+    # the norm penalty l(|A|^2 + |B|^2) has the exact gradient 2l*theta, added to the estimate as AdamW adds it
+    penalty = 2 * cfg.norm_penalty if boosting is not None else 0.0
     estimator = ESTIMATORS[cfg.zo_estimator](
-        zo_params, cfg.learning_rate, cfg.zo_eps, decay, cfg.zo_stochastic_rounding,
+        zo_params, cfg.learning_rate, cfg.zo_eps, cfg.weight_decay, cfg.zo_stochastic_rounding, penalty=penalty,
         dual_modules=method.modules if dual else None, seed=cfg.seed, reduce_losses=dist.all_mean,
         optimizer=cfg.zo_optimizer, betas=(cfg.adam_beta1, cfg.adam_beta2), adam_eps=cfg.adam_epsilon,
         **estimator_options(cfg))
@@ -188,12 +188,15 @@ def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Dist
 ESTIMATORS = {"mezo": MeZO, "nspsa": NSPSA, "fzoo": FZOO, "svrg": MeZOSVRG, "es": ES}
 
 
-def estimator_options(cfg: Config) -> dict[str, int]:
-    """The estimator's own options: its queries per step, or SVRG's period and anchor batches."""
+def estimator_options(cfg: Config) -> dict[str, float]:
+    """The estimator's own options: its queries per step, or SVRG's period, anchor batches and anchor rate (as a
+    multiple of the scheduled rate, so that it follows the schedule)."""
     if cfg.zo_estimator in ("nspsa", "fzoo", "es"):
         return {"queries": cfg.zo_queries} if cfg.zo_queries is not None else {}
     if cfg.zo_estimator == "svrg":
-        return {"period": cfg.zo_svrg_period, "anchor_batches": cfg.zo_svrg_anchor_batches}
+        anchor_rate = cfg.zo_svrg_anchor_learning_rate or cfg.learning_rate
+        return {"period": cfg.zo_svrg_period, "anchor_batches": cfg.zo_svrg_anchor_batches,
+                "anchor_lr_scale": anchor_rate / cfg.learning_rate}
     return {}
 
 
