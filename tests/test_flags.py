@@ -89,12 +89,12 @@ def test_flags_rft_and_grpo_never_read_are_not_theirs(command, no_model, tmp_pat
 
 # the files a command cannot run without (never read here: the check comes first)
 REQUIRED = {"generate": {"input_file": "p.jsonl"}, "rft": {"train_file": "q.jsonl", "eval_file": "q.jsonl"},
-            "grpo": {"train_file": "q.jsonl"}}
+            "grpo": {"train_file": "q.jsonl"}, "dpo": {"train_file": "q.jsonl"}}
 
 
-@pytest.mark.parametrize("command", list(cli.OPTIONS))
+@pytest.mark.parametrize("command", [name for name, c in cli.COMMANDS.items() if c.options])
 def test_every_commands_defaults_pass(command):
     """Nothing given but a command's required files: no refusal; its dumped config (every option) passes too."""
-    cls, defaults, required = cli.OPTIONS[command], cli.COMMAND_DEFAULTS.get(command), REQUIRED.get(command, {})
+    cls, defaults, required = cli.COMMANDS[command].options, cli.COMMANDS[command].defaults, REQUIRED.get(command, {})
     cfg = config_mod.from_namespace(cls, argparse.Namespace(**required), defaults)
     config_mod.check_ignored(cls(**dataclasses.asdict(cfg)), defaults)

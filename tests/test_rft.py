@@ -273,12 +273,12 @@ def test_completions_cut_off_by_max_new_tokens_are_never_kept():
 
 
 def test_rft_temperature_is_the_sampling_one_and_greedy_is_allowed(capsys):
-    from xgblora.cli import COMMAND_DEFAULTS, build_parser
+    from xgblora.cli import RFT_DEFAULTS, build_parser
     from xgblora.config import from_namespace
 
     args = build_parser().parse_args(["rft", "--train_file", "t", "--eval_file", "e", "--temperature", "0",
                                       "--num_return_sequences", "1"])
-    cfg = from_namespace(RFTConfig, args, COMMAND_DEFAULTS["rft"])
+    cfg = from_namespace(RFTConfig, args, RFT_DEFAULTS)
     assert cfg.temperature == 0.0 and cfg.contrastive_temperature is None
     train = build_parser().parse_args(["train", "--objective", "contrastive", "--temperature", "0.1"])
     assert from_namespace(Config, train).contrastive_temperature == 0.1

@@ -10,28 +10,13 @@ import sys
 import typing
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from xgblora import config as config_mod
+from xgblora.bench.flags import add_arguments as add_bench_arguments
 from xgblora.errors import RankLostError, UserError
-
-COMMANDS = {
-    "train": "Fine-tune a model (ft, lora or xgblora) with AdamW (--trainer regular) or MeZO (--trainer zo).",
-    "compare": "Run XGBLoRA and LoRA (or any methods) side by side over seeds; write a loss figure and tables.",
-    "eval": "Zero-shot or in-context evaluation (k demonstrations with --num_train k); writes results.json.",
-    "mezo": "MeZO's run.py as it is: its flags and defaults (no training unless --trainer; result/ copy).",
-    "generate": "Sample completions of every prompt in a file (N per prompt, greedy or sampled); JSONL out, resumable.",
-    "chat": "Talk to a model in the terminal: streamed replies, multi-turn through the chat template.",
-    "rft": "Rejection-sampling fine-tuning: rounds of sample -> verify -> train -> evaluate (pass@1, pass@k).",
-    "grpo": "Online RL with verifiable rewards (GRPO, TRL's options): sample G answers per prompt, reward, update.",
-    "dpo": "Preference training on chosen/rejected pairs (DPO, IPO, hinge, robust, SimPO, ORPO; TRL's options).",
-    "bench": "Measure speed and memory against baselines.",
-    "env": "Print the environment report (versions, device, attention backends, chosen defaults).",
-    "export": "Export a run as a PEFT adapter, a merged model, or a GGUF file (llama.cpp, Ollama).",
-    "encode": "Write the embeddings of one text field of a file (a trained embedding run, or any embedding model).",
-    "mine": "Mine hard negatives for a pair file with an embedding model; write a pair file the trainer reads.",
-    "demo": "Offline demo: XGBLoRA vs LoRA under AdamW and MeZO on a built-in task, with a report.",
-}
 
 # Per-command defaults that differ from the dataclass's. MeZO's run.py evaluates zero-shot unless given --trainer
 # and --num_train k, and copies its results to result/<tag>.json; `xgblora mezo` keeps that for its command lines.
@@ -46,11 +31,7 @@ GRPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5}
 # DPO trains a LoRA adapter by default, at a learning rate for adapters (TRL's 1e-6 is for full fine-tuning), on
 # TRL's max_length of 1024 tokens.
 DPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5, "max_length": 1024}
-COMMAND_DEFAULTS = {"eval": EVAL_DEFAULTS, "mezo": MEZO_DEFAULTS, "rft": RFT_DEFAULTS, "grpo": GRPO_DEFAULTS,
-                    "dpo": DPO_DEFAULTS}
-# Options of a command's dataclass that it never reads: left out of its flags (a YAML config may still name them,
-# at their default).
-HIDDEN = {"rft": config_mod.RFT_IGNORES, "grpo": config_mod.GRPO_IGNORES, "dpo": config_mod.DPO_IGNORES}
+
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -194,19 +175,6 @@ def _env(args: argparse.Namespace) -> int:  # noqa: ARG001
     return 0
 
 
-HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "train": _train, "mezo": _mezo, "compare": _compare, "eval": _eval, "generate": _generate, "chat": _chat, "rft": _rft,
-    "grpo": _grpo,
-    "dpo": _dpo,
-    "bench": _bench, "env": _env, "export": _export, "demo": _demo, "encode": _encode,
-    "mine": _mine}
-# The options dataclass of each command that takes one (its flags, --config YAML keys and suggestions).
-OPTIONS = {"train": config_mod.Config, "eval": config_mod.Config, "mezo": config_mod.Config,
-           "compare": config_mod.CompareConfig, "generate": config_mod.GenerateConfig, "chat": config_mod.ChatConfig,
-           "rft": config_mod.RFTConfig, "grpo": config_mod.GRPOConfig,
-           "dpo": config_mod.DPOConfig}
-
-
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (no usage block of every flag), exit code 2."""
 
@@ -229,43 +197,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="xgblora", description="Fast, memory-lean fine-tuning: XGBLoRA, LoRA, full FT; "
                                                  "AdamW or MeZO.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, help_text in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False,
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help, description=command.help, allow_abbrev=False,
                            formatter_class=_Help)
-        if name in OPTIONS:
-            config_mod.add_arguments(p, OPTIONS[name], COMMAND_DEFAULTS.get(name), HIDDEN.get(name, ()))
-        elif name == "export":
-            p.add_argument("run_dir", help="A run's --output_dir (holds config.yaml, and final/ once finished).")
-            p.add_argument("--checkpoint", default=None, metavar="step-N|latest|best",
-                           help="Export this checkpoint instead of final/ (an interrupted run's too; latest: the "
-                                "newest intact one).")
-            p.add_argument("--format", choices=("peft", "merged", "gguf"), default="peft",
-                           help="peft: a PEFT LoRA adapter; merged: the full model with every delta merged; gguf: "
-                                "the merged model as one GGUF file (llama.cpp, Ollama, LM Studio).")
-            p.add_argument("--rank", type=int, default=None,
-                           help="peft only: compress each module's summed delta to this rank by truncated SVD.")
-            p.add_argument("--output_dir", "--output-dir", "--out", dest="output_dir", default=None,
-                           help="peft, merged: the folder to write (new, or empty).")
-            p.add_argument("--output_file", "--output-file", dest="output_file", default=None,
-                           help="gguf: the file to write (never over an existing one).")
-            p.add_argument("--quantization", default=None, metavar="f16|bf16|f32|q8_0|q5_1|q5_0|q4_1|q4_0",
-                           help="gguf: the weights' type (default: a GGUF-trained run's own type, else f16).")
-            p.add_argument("--ollama_modelfile", "--ollama-modelfile", default=None, metavar="FILE",
-                           help="gguf: also write an Ollama Modelfile (FROM, TEMPLATE, SYSTEM, stop tokens).")
-            p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
-                           help="merged: let the base model run its own code (only when you pass it).")
-        elif name == "encode":
-            _add_encode_arguments(p)
-        elif name == "mine":
-            _add_mine_arguments(p)
-        elif name == "bench":
-            from xgblora.bench.flags import add_arguments as add_bench_arguments
-
-            add_bench_arguments(p)
-        elif name == "demo":
-            p.add_argument("--output_root", "--output-root", default="xgblora-demo", help="Where the report goes.")
-            p.add_argument("--steps", type=int, default=300, help="AdamW steps per run (MeZO runs take 5x as many).")
+        if command.options is not None:
+            config_mod.add_arguments(p, command.options, command.defaults, command.hidden)
+        elif command.add_flags is not None:
+            command.add_flags(p)
     return parser
+
+
+def _add_export_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("run_dir", help="A run's --output_dir (holds config.yaml, and final/ once finished).")
+        p.add_argument("--checkpoint", default=None, metavar="step-N|latest|best",
+                       help="Export this checkpoint instead of final/ (an interrupted run's too; latest: the "
+                            "newest intact one).")
+        p.add_argument("--format", choices=("peft", "merged", "gguf"), default="peft",
+                       help="peft: a PEFT LoRA adapter; merged: the full model with every delta merged; gguf: "
+                            "the merged model as one GGUF file (llama.cpp, Ollama, LM Studio).")
+        p.add_argument("--rank", type=int, default=None,
+                       help="peft only: compress each module's summed delta to this rank by truncated SVD.")
+        p.add_argument("--output_dir", "--output-dir", "--out", dest="output_dir", default=None,
+                       help="peft, merged: the folder to write (new, or empty).")
+        p.add_argument("--output_file", "--output-file", dest="output_file", default=None,
+                       help="gguf: the file to write (never over an existing one).")
+        p.add_argument("--quantization", default=None, metavar="f16|bf16|f32|q8_0|q5_1|q5_0|q4_1|q4_0",
+                       help="gguf: the weights' type (default: a GGUF-trained run's own type, else f16).")
+        p.add_argument("--ollama_modelfile", "--ollama-modelfile", default=None, metavar="FILE",
+                       help="gguf: also write an Ollama Modelfile (FROM, TEMPLATE, SYSTEM, stop tokens).")
+        p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
+                       help="merged: let the base model run its own code (only when you pass it).")
+
+
+def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--output_root", "--output-root", default="xgblora-demo", help="Where the report goes.")
+        p.add_argument("--steps", type=int, default=300, help="AdamW steps per run (MeZO runs take 5x as many).")
 
 
 def _add_encode_arguments(p: argparse.ArgumentParser) -> None:
@@ -325,10 +291,56 @@ def _add_mine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true")
 
 
+@dataclass(frozen=True)
+class Command:
+    """A sub-command: its one-line help, the function that runs it, and its flags: an options dataclass (with the
+    defaults that differ from the dataclass's, and the options it never reads, left out of its flags; a YAML config
+    may still name them, at their default), or a function that adds them."""
+
+    help: str
+    run: Callable[[argparse.Namespace], int]
+    options: type | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)
+    hidden: tuple[str, ...] = ()
+    add_flags: Callable[[argparse.ArgumentParser], None] | None = None
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command("Fine-tune a model (ft, lora or xgblora) with AdamW (--trainer regular) or MeZO (--trainer zo).",
+                     _train, config_mod.Config),
+    "compare": Command("Run XGBLoRA and LoRA (or any methods) side by side over seeds; write a loss figure and tables.",
+                       _compare, config_mod.CompareConfig),
+    "eval": Command("Zero-shot or in-context evaluation (k demonstrations with --num_train k); writes results.json.",
+                    _eval, config_mod.Config, EVAL_DEFAULTS),
+    "mezo": Command("MeZO's run.py as it is: its flags and defaults (no training unless --trainer; result/ copy).",
+                    _mezo, config_mod.Config, MEZO_DEFAULTS),
+    "generate": Command("Sample completions of every prompt in a file (N per prompt, greedy or sampled); JSONL out, resumable.",
+                        _generate, config_mod.GenerateConfig),
+    "chat": Command("Talk to a model in the terminal: streamed replies, multi-turn through the chat template.",
+                    _chat, config_mod.ChatConfig),
+    "rft": Command("Rejection-sampling fine-tuning: rounds of sample -> verify -> train -> evaluate (pass@1, pass@k).",
+                   _rft, config_mod.RFTConfig, RFT_DEFAULTS, config_mod.RFT_IGNORES),
+    "grpo": Command("Online RL with verifiable rewards (GRPO, TRL's options): sample G answers per prompt, reward, update.",
+                    _grpo, config_mod.GRPOConfig, GRPO_DEFAULTS, config_mod.GRPO_IGNORES),
+    "dpo": Command("Preference training on chosen/rejected pairs (DPO, IPO, hinge, robust, SimPO, ORPO; TRL's options).",
+                   _dpo, config_mod.DPOConfig, DPO_DEFAULTS, config_mod.DPO_IGNORES),
+    "bench": Command("Measure speed and memory against baselines.", _bench, add_flags=add_bench_arguments),
+    "env": Command("Print the environment report (versions, device, attention backends, chosen defaults).", _env),
+    "export": Command("Export a run as a PEFT adapter, a merged model, or a GGUF file (llama.cpp, Ollama).", _export,
+                      add_flags=_add_export_arguments),
+    "encode": Command("Write the embeddings of one text field of a file (a trained embedding run, or any embedding model).",
+                      _encode, add_flags=_add_encode_arguments),
+    "mine": Command("Mine hard negatives for a pair file with an embedding model; write a pair file the trainer reads.",
+                    _mine, add_flags=_add_mine_arguments),
+    "demo": Command("Offline demo: XGBLoRA vs LoRA under AdamW and MeZO on a built-in task, with a report.",
+                    _demo, add_flags=_add_demo_arguments),
+}
+
+
 def _unrecognized(command: str, unknown: list[str]) -> UserError:
     """The error for flags the command does not have, suggesting the closest of its options."""
-    cls = OPTIONS.get(command)
-    names = [f.name for f in dataclasses.fields(cls) if f.name not in HIDDEN.get(command, ())] if cls else []
+    cls, hidden = COMMANDS[command].options, COMMANDS[command].hidden
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in hidden] if cls else []
     flag = next((a for a in unknown if a.startswith("--")), "")
     close = difflib.get_close_matches(flag[2:].split("=")[0].replace("-", "_"), names, n=1) if flag else []
     hint = f"; did you mean --{close[0]}?" if close else ""
@@ -352,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if unknown:
             raise _unrecognized(args.command, unknown)
-        return HANDLERS[args.command](args)
+        return COMMANDS[args.command].run(args)
     except UserError as exc:
         print(f"xgblora {args.command}: error: {exc}", file=sys.stderr)
         return 2
