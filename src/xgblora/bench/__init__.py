@@ -12,8 +12,11 @@ Modules, one concern each:
     baselines  HF Trainer + PEFT LoRA training; scoring one (example, candidate) pair per forward
     table      targets, verdicts, the printed table
     machine    the machine, library versions and date written beside every suite's figures
+    flops      model FLOPs per token from a config, and MFU against the device's peak
+    profile    the profiler summary of a workload's slowest timed step
     train_suite  the train suite: every training-step, evaluation and memory figure (`run`)
-    sft, icl, compile, gpu  the other suites (SFT vs TRL, in-context evaluation, --compile, the CUDA suite)
+    sft, icl, compile, grpo, dpo, embed, gpu  the other suites (SFT, GRPO and DPO vs TRL, in-context evaluation,
+               --compile, contrastive steps vs sentence-transformers, the CUDA suite)
     suites     the table of suites and `main` (the command)
 
 Import from the submodules: this package imports nothing, so `xgblora` builds its parser from `flags` without
