@@ -6,8 +6,8 @@ import shlex
 import pytest
 import yaml
 
-from xgblora import config
-from xgblora.config import CompareConfig, Config
+from xgblora import cli, config
+from xgblora.config import Config
 
 SEED_003 = """--model_name facebook/opt-350m --task_name SST2 --xgblora --xgblora_steps_per_iteration 1000 --trainer zo
 --learning_rate 1e-5 --zo_eps 1e-3 --per_device_train_batch_size 16 --max_steps 20000 --num_train 1000 --num_dev 500
@@ -19,39 +19,45 @@ SEED_000 = r"""--output_root E:\aOutput\MultiRC\test_200_re --loss_figure_path E
 --lora_rank 1 --lora_alpha 16"""
 
 
+
+def parse(command: str, argv: list[str]) -> Config:
+    """The command line as `xgblora COMMAND` reads it: its parser, then its options resolved."""
+    args = cli.build_parser().parse_args([command, *argv])
+    return config.from_namespace(cli.COMMANDS[command].options, args, cli.COMMANDS[command].defaults)
+
 def test_seed_run_py_command_line_parses_verbatim():
-    cfg = config.parse(Config, shlex.split(SEED_003))
+    cfg = parse("train", shlex.split(SEED_003))
     assert (cfg.method, cfg.rank, cfg.trainer, cfg.load_float16, cfg.dtype_name) == ("xgblora", 1, "zo", True, "float16")
     assert (cfg.num_train, cfg.num_dev, cfg.num_eval, cfg.eval_steps, cfg.evaluation_strategy) == (1000, 500, 1000, 4000, "steps")
     assert cfg.learning_rate == 1e-5 and cfg.per_device_train_batch_size == 16 and cfg.max_steps == 20000
 
 
 def test_seed_compare_command_line_parses_verbatim():
-    cfg = config.parse(CompareConfig, shlex.split(SEED_000, posix=False))
+    cfg = parse("compare", shlex.split(SEED_000, posix=False))
     assert cfg.seeds == [0] and cfg.lora_r == 1 and cfg.lora_alpha == 16.0 and cfg.task_name == "MultiRC"
     assert cfg.loss_figure_path.endswith("loss.png") and cfg.methods == ["xgblora", "lora"]
 
 
 def test_hyphenated_spelling_and_bool_values():
-    a = config.parse(Config, ["--model-name", "tiny-llama", "--num-train", "3", "--trainer", "zo", "--zo-dual", "false",
+    a = parse("train", ["--model-name", "tiny-llama", "--num-train", "3", "--trainer", "zo", "--zo-dual", "false",
                                "--lora"])
     assert (a.model_name, a.num_train, a.zo_dual, a.method, a.rank) == ("tiny-llama", 3, False, "lora", 8)
-    assert config.parse(Config, ["--zo_stochastic_rounding", "none"]).zo_stochastic_rounding is None
+    assert parse("train", ["--zo_stochastic_rounding", "none"]).zo_stochastic_rounding is None
     with pytest.raises(SystemExit):
-        config.parse(Config, ["--zo_dual", "maybe"])
+        parse("train", ["--zo_dual", "maybe"])
 
 
 def test_yaml_then_command_line_wins(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("task_name: RTE\nlearning_rate: 1.0e-4\nnum-train: 7\nmethod: lora\nlora_rank: 4\n")
-    cfg = config.parse(Config, ["--config", str(path), "--task_name", "CB"])
+    cfg = parse("train", ["--config", str(path), "--task_name", "CB"])
     assert (cfg.task_name, cfg.learning_rate, cfg.num_train, cfg.lora_r) == ("CB", 1e-4, 7, 4)
 
 
 def test_dumped_config_reloads_identically(tmp_path):
-    cfg = config.parse(CompareConfig, ["--xgblora", "--seeds", "1", "2", "--xgblora_layers_per_booster", "2"])
+    cfg = parse("compare", ["--xgblora", "--seeds", "1", "2", "--xgblora_layers_per_booster", "2"])
     config.dump(cfg, tmp_path / "config.yaml")
-    again = config.parse(CompareConfig, ["--config", str(tmp_path / "config.yaml")])
+    again = parse("compare", ["--config", str(tmp_path / "config.yaml")])
     assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
 
 

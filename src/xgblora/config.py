@@ -971,13 +971,6 @@ def from_namespace(cls: type, ns: argparse.Namespace, defaults: dict[str, Any] |
     return cfg
 
 
-def parse(cls: type, argv: list[str]) -> Config:
-    """Parse a list of flags (and an optional --config FILE) into a validated config of type cls."""
-    parser = argparse.ArgumentParser(prog="xgblora", allow_abbrev=False)
-    add_arguments(parser, cls)
-    return from_namespace(cls, parser.parse_args(argv))
-
-
 def dump(cfg: Config, path: Path) -> None:
     """Write the resolved config as YAML (every option, so the run can be repeated with --config)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -82,9 +82,3 @@ def keep_one_kernel(model: nn.Module) -> None:
 def _is_linear4bit(module: nn.Module) -> bool:
     """A bitsandbytes Linear4bit layer."""
     return hasattr(module, "support_avx512bf16_for_cpu") and is_quantized(module)
-
-
-def dequantized_weight(module: nn.Module) -> torch.Tensor:
-    """The (out, in) weight a 4-bit layer computes with, dequantised to fp32."""
-    bnb = require_bitsandbytes()
-    return bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float()
