@@ -142,11 +142,17 @@ def test_sft_suite_quick_compares_with_trl_on_the_same_tokens(tmp_path, request,
     cases = json.loads((tmp_path / "bench.json").read_text())["cases"]
     assert [c["variant"] for c in cases] == ["padded", "packed"]
     # per variant: xgblora stepped once on each TRL step's rows, in TRL's order (HF's step callbacks count as
-    # assumed), then the timed steps' tokens were counted
-    assert stepped == [0, 1, 2, 1, 2] * 2
+    # assumed), then the timed steps' tokens were counted, every step's padded width read (padded only), and the
+    # slowest timed step replayed under the profiler
+    padded, packed = stepped[:9], stepped[9:]
+    assert padded[:8] == [0, 1, 2, 1, 2, 0, 1, 2] and packed[:5] == [0, 1, 2, 1, 2] and len(packed) == 6
+    assert padded[8] in (1, 2) and packed[5] in (1, 2)
     for c in cases:
         assert c["steps_timed"] == 2 and _positive(c["speedup_vs_trl"]) and 0 < c["target_share"] < 1
         assert _positive(c["trl_target_tokens_per_s"]) and c["xgblora_tokens_per_s"] > c["xgblora_target_tokens_per_s"]
+        assert c["xgblora_step_stats"]["steps_s"] == c["xgblora_step_s"] and c["trl_step_stats"]["n"] == 2
+        assert c["xgblora_profile"]["step"] in (0, 1) and c["xgblora_mfu"] is None  # no peak known for a CPU
+    assert cases[0]["xgblora_widths"] == cases[0]["trl_widths"]  # the CPU pads to the longest row
 
 
 def test_sft_rows_for_trl_carry_loss_exactly_where_xgblora_does():
