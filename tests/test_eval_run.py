@@ -31,7 +31,8 @@ def test_eval_of_a_classifier_run_takes_its_task_and_head(classifier_run, tmp_pa
             "--device", "cpu"]
     assert cli.main(args) == 0, capsys.readouterr().err
     got = json.loads((tmp_path / "eval" / "results.json").read_text())
-    assert (got["task"], got["model"], got["head"], got["num_eval"]) == ("SST2", "tiny-bert", "classifier", 16)
+    model = str(run) if given[0] == "--model_name" else "tiny-bert"
+    assert (got["task"], got["model"], got["head"], got["num_eval"]) == ("SST2", model, "classifier", 16)
     assert got["accuracy"] == accuracy  # the run's own final evaluation
     assert not [r for r in xgblora_log.records if UNTRAINED in r.getMessage()]
 
@@ -42,3 +43,16 @@ def test_eval_of_a_new_classifier_head_warns_it_is_untrained(shared_data, tmp_pa
             "--device", "cpu"]
     assert cli.main(args) == 0
     assert len([r for r in xgblora_log.records if UNTRAINED in r.getMessage()]) == 1
+
+
+def test_label_words_with_a_classifier_head_are_explained_once(tmp_path, xgblora_log):
+    rows = "".join(json.dumps({"text": f"film {i}", "label": ["neg", "pos"][i % 2]}) + "\n" for i in range(4))
+    (tmp_path / "t.jsonl").write_text(rows)
+    args = ["eval", "--model_name", "tiny-bert", "--head", "classifier", "--task_name", "custom", "--eval_file",
+            str(tmp_path / "t.jsonl"), "--template", "{text} It was", "--label_words", "terrible,great",
+            "--label_names", "neg,pos", "--max_length", "16", "--output_dir", str(tmp_path / "out"), "--device", "cpu"]
+    assert cli.main(args) == 0
+    notices = [r.getMessage() for r in xgblora_log.records if "--label_words" in r.getMessage()]
+    assert notices == ["--label_words with a classifier head: the words only count and name the labels (terrible, "
+                       "great); the head learns one output per label and never reads them (--head lm or mlm scores "
+                       "the words)"]
