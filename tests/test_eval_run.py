@@ -56,3 +56,21 @@ def test_label_words_with_a_classifier_head_are_explained_once(tmp_path, xgblora
     assert notices == ["--label_words with a classifier head: the words only count and name the labels (terrible, "
                        "great); the head learns one output per label and never reads them (--head lm or mlm scores "
                        "the words)"]
+
+
+def test_eval_of_a_contrastive_run_through_its_final_adapter_embeds_and_scores_as_the_run(tmp_path):
+    from test_embedding import TOPICS, pairs_file
+
+    data, held = pairs_file(tmp_path / "pairs.jsonl"), tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"query": f"which one is {t}?", "positive": f"{t}, surely."}) + "\n"
+                            for t in TOPICS[:6]), encoding="utf-8")
+    run = tmp_path / "run"
+    assert cli.main(["train", "--model_name", "tiny-bert", "--objective", "contrastive", "--query_instruction", "q: ",
+                     "--pooling", "cls", "--max_length", "24", "--train_file", str(data), "--eval_file", str(held),
+                     "--method", "lora", "--max_steps", "2", "--per_device_train_batch_size", "4",
+                     "--save_strategy", "no", "--device", "cpu", "--output_dir", str(run)]) == 0
+    assert cli.main(["eval", "--adapter", str(run / "final"), "--device", "cpu",
+                     "--output_dir", str(tmp_path / "eval")]) == 0
+    trained, got = (json.loads((folder / "results.json").read_text()) for folder in (run, tmp_path / "eval"))
+    assert got["model"] == "tiny-bert" and got["num_eval"] == trained["num_eval"]
+    assert {k: got[k] for k in ("recall@1", "mrr")} == {k: trained[k] for k in ("recall@1", "mrr")}
