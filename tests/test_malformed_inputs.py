@@ -120,7 +120,7 @@ CASES = [
     ("unknown-model", SST2, [*SST2_RUN, "--model_name", "no-such-org/no-such-model"],
      r"cannot load model 'no-such-org/no-such-model': not a built-in .*"),
     ("lora-r-over-width", SST2, [*SST2_RUN, "--method", "lora", "--lora_r", "100000", "--max_steps", "1"],
-     r"--lora_r 100000 is larger than the adapted layer model\.decoder\.layers\.0\.self_attn\.q_proj \(64 inputs, "
+     r"--lora_r 100000 is larger than the adapted layer model\.decoder\.layers\.0\.self_attn\.v_proj \(64 inputs, "
      r"64 outputs\): B A has rank at most 64 there; pass --lora_r 64 or less"),
     ("fp16-on-cpu", SST2, [*SST2_RUN, "--trainer", "regular", "--fp16", "--max_steps", "1"],
      r"--fp16 autocast needs a CUDA device; on CPU use --bf16 \(this CPU may support it\)"),

@@ -253,7 +253,8 @@ def plain_output() -> None:
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    std_logging.getLogger("transformers.utils.loading_report").addFilter(_plain)
+    for name in ("transformers.modeling_utils", "transformers.utils.loading_report"):  # who logs the report
+        std_logging.getLogger(name).addFilter(_plain)
 
 
 def setup_console_logging(level: int = std_logging.INFO) -> std_logging.Logger:

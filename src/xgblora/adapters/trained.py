@@ -33,9 +33,10 @@ _ADAPTER_CONFIG = "adapter_config.json"
 _EMBEDDING_OPTIONS = ("objective", "pooling", "bidirectional", "instruction_format", "query_instruction",
                       "doc_instruction", "include_prompt", "max_length")
 _PAIR_OPTIONS = ("model_name", "eval_file", "columns")
-# the base model, task, data and head a run was trained on: its evaluation takes them unless told otherwise
+# the base model, task, data, evaluation sample and head a run was trained on: its evaluation takes them unless told
+# otherwise
 _TASK_OPTIONS = ("model_name", "task_name", "data_dir", "eval_file", "columns", "data_format", "template", "label_words",
-                 "label_names", "head", "pooling", "max_length")
+                 "label_names", "num_eval", "train_set_seed", "head", "pooling", "max_length")
 
 
 @dataclass(frozen=True)

@@ -213,7 +213,7 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
     if head == "classifier" and cfg.label_words and dist.is_main:
         log.warning("--label_words with a classifier head: the words only count and name the labels (%s); the head "
                     "learns one output per label and never reads them (--head lm or mlm scores the words)",
-                    ", ".join(words))
+                    ", ".join(w.strip() for w in words))
     if head != "lm" and (cfg.sfc or cfg.icl_sfc):
         raise UserError(f"--sfc/--icl_sfc calibrate a causal LM's candidate scores; --head {head} has no surface forms")
     target = pretrained.choose_device(dist.device or cfg.device)
