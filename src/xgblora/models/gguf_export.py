@@ -6,7 +6,8 @@ the chat template) and the quantisers of gguf.quants. As there, 1-D tensors and 
 do not split into the type's blocks falls back to F16, and Llama's (and Mistral's) Q and K rows are permuted into
 llama.cpp's rotary layout (Qwen2 keeps NeoX order). The 4- and 5-bit types keep the token embedding and the output
 head at Q8_0, as llama.cpp's own Q4_1 SmolLM2 file does. A model that came from a GGUF file keeps each tensor's type
-and the tokenizer's pre-tokenizer name from that file (`Origin`).
+and the tokenizer's pre-tokenizer name from that file (`Origin`); a 4/5-bit tensor that training changed is written
+at Q8_0 (see _origin_type), the ones it did not come out block for block as the file had them.
 """
 
 from __future__ import annotations
@@ -35,24 +36,23 @@ PRE_TOKENIZERS = ("llama-bpe", "qwen2", "tekken", "gpt-4o", "qwen35")
 
 @dataclass(frozen=True)
 class Origin:
-    """What a model that came from a GGUF file keeps from it: its quantisation, each tensor's type, the
-    pre-tokenizer name."""
+    """What a model that came from a GGUF file keeps from it: its quantisation, its tensors (memory-mapped: each
+    one's type and blocks), the pre-tokenizer name."""
 
     quantization: str | None
-    tensor_types: dict[str, str]
+    tensors: dict[str, Any]
     pre: str | None
 
 
 def read_origin(path: Path) -> Origin:
-    """The Origin of a GGUF file (its metadata and tensor table; no weights read)."""
+    """The Origin of a GGUF file (its metadata and tensor table; the weights stay on disk until compared)."""
     from gguf import GGUFReader, LlamaFileType
 
     reader = GGUFReader(path)
     file_type = _field(reader, "general.file_type")
     name = LlamaFileType(file_type).name if file_type is not None else None
     quantization = next((q for q, (_, _, ft) in TYPES.items() if ft == name), None)
-    return Origin(quantization, {t.name: t.tensor_type.name for t in reader.tensors},
-                  _field(reader, "tokenizer.ggml.pre"))
+    return Origin(quantization, {t.name: t for t in reader.tensors}, _field(reader, "tokenizer.ggml.pre"))
 
 
 def _field(reader: Any, key: str) -> Any:
@@ -243,13 +243,29 @@ def _quantised(name: str, tensor: torch.Tensor, quantization: str, origin: Origi
         return Q.F32, data.astype(np.float32)
     weight, edge, _ = TYPES[quantization]
     qtype = Q[edge if name in ("token_embd.weight", "output.weight") else weight]
-    if origin is not None and origin.quantization == quantization and name in origin.tensor_types:
-        kept = origin.tensor_types[name]  # a type the file had that gguf.quants cannot write (K-quants) is not kept
-        qtype = Q[kept] if kept in WRITTEN else qtype
+    if origin is not None and origin.quantization == quantization and name in origin.tensors:
+        qtype = _origin_type(origin.tensors[name], data, qtype)
     try:
         return qtype, quants.quantize(data, qtype)
     except quants.QuantError:  # rows not a whole number of blocks: F16, as llama.cpp's converter falls back
         return Q.F16, quants.quantize(data, Q.F16)
+
+
+def _origin_type(original: Any, data: np.ndarray, default: Any) -> Any:
+    """The type a tensor had in the GGUF file the model came from, except that a tensor training changed goes from
+    a 4/5-bit type to Q8_0: its weights sit on the file's 4-bit grid, and re-quantising them to that grid rounds a
+    small update back to the original values (measured: LoRA's update on SmolLM2 keeps 6-8% of itself at Q4_1,
+    all of it at Q8_0). A type gguf.quants cannot write (K-quants) gives way to the default."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    kept = original.tensor_type
+    if kept.name not in WRITTEN:
+        return default
+    if kept.name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        before = quants.dequantize(original.data, kept).reshape(data.shape)
+        return kept if np.array_equal(before, data) else Q.Q8_0
+    return kept
 
 
 def check(path: Path, written: dict[str, Any], chat_template: str | None) -> None:
