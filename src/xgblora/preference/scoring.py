@@ -10,6 +10,7 @@ gradients are those of the full rows.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
@@ -77,13 +78,23 @@ class PreferenceLoss:
             if self.reference is None:
                 raise ValueError("this objective needs the reference's log-probabilities: precompute them or give "
                                  "a reference")
-            with torch.no_grad(), self.reference():
-                ref = completion_logps(model, batch)[0]
+            with torch.no_grad(), self.reference():  # the halves of MeZO's dual batch are copies: one suffices
+                ref = completion_logps(model, first_half(batch))[0].repeat(batch.halves)
         losses = []
         for s, (lc, lr) in zip(scores(batch, logps, ref), _halves(logit_sums, batch.halves), strict=True):
             losses.append(pair_losses(self.objective, s))
             self.statistics.add(self.objective, s, (lc, lr))
         return torch.cat(losses) * batch.loss_scale
+
+
+def first_half(batch: PreferenceBatch) -> PreferenceBatch:
+    """The batch itself, or the first half of MeZO's dual batch (the second is its copy)."""
+    if batch.halves == 1:
+        return batch
+    prompts, rows = batch.prompt_ids.shape[0] // 2, batch.completion_ids.shape[0] // 2
+    return dataclasses.replace(batch, prompt_ids=batch.prompt_ids[:prompts], prompt_mask=batch.prompt_mask[:prompts],
+                               completion_ids=batch.completion_ids[:rows], completion_mask=batch.completion_mask[:rows],
+                               ref_logps=None, halves=1)
 
 
 def _halves(t: Tensor, halves: int) -> list[tuple[Tensor, Tensor]]:
