@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import random
-import statistics
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 from xgblora.bench.memory import memory_cell, peak_added, run_against_baseline, sides_in_subprocesses
 from xgblora.bench.sft import chat_tokenizer
-from xgblora.bench.timing import InterleavedSteps
+from xgblora.bench.timing import InterleavedSteps, against_trainer
 from xgblora.config import DPOConfig
 from xgblora.data.preference import read_preferences
 from xgblora.distributed import LOCAL
@@ -115,14 +114,8 @@ def compare_case(case: DPOCase) -> dict[str, Any]:
         trainer = trl_trainer(case, pairs, [timer.callback()], trl_dir)
         timer.start()
         trainer.train()
-    trl_times, our_times = timer.trainer_s, timer.ours_s
-    trl_s, our_s = sum(trl_times), sum(our_times)
     return {"model_name": case.model_name, "pairs": case.pairs, "prompt_len": case.prompt_len,
-            "completion_len": case.completion_len, "steps_timed": len(our_times),
-            "trl_step_s": trl_times, "xgblora_step_s": our_times,
-            "xgblora_steps_per_s": len(our_times) / our_s, "trl_steps_per_s": len(trl_times) / trl_s,
-            "speedup_vs_trl": trl_s / our_s,
-            "speedup_vs_trl_median_step": statistics.median(t / o for t, o in zip(trl_times, our_times, strict=True))}
+            "completion_len": case.completion_len, **against_trainer(timer.trainer_s, timer.ours_s)}
 
 
 def memory_worker(config: dict[str, Any]) -> dict[str, float]:

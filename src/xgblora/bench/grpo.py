@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -25,7 +24,7 @@ from typing import Any
 from xgblora.bench.memory import memory_cell, peak_added, run_against_baseline, sides_in_subprocesses
 from xgblora.bench.profile import profile_slowest
 from xgblora.bench.sft import chat_tokenizer, generated_conversations
-from xgblora.bench.timing import InterleavedSteps, step_stats
+from xgblora.bench.timing import InterleavedSteps, against_trainer
 from xgblora.config import GRPOConfig
 from xgblora.errors import UserError
 from xgblora.generation.grpo import GRPORun
@@ -122,16 +121,9 @@ def compare_case(case: GRPOCase) -> dict[str, Any]:
         timer.start()
         trainer.train()
         profile = profile_slowest(timer.ours_s, lambda _: ours.train_step(), ours.device)
-    trl_times, our_times = timer.trainer_s, timer.ours_s
-    trl_s, our_s = sum(trl_times), sum(our_times)
     return {"model_name": case.model_name, "prompts": case.prompts, "num_generations": case.num_generations,
-            "max_completion_length": case.max_completion_length, "steps_timed": len(our_times),
-            "trl_step_s": trl_times, "xgblora_step_s": our_times,
-            "xgblora_step_stats": step_stats(our_times), "trl_step_stats": step_stats(trl_times),
-            "xgblora_profile": profile,
-            "xgblora_steps_per_s": len(our_times) / our_s, "trl_steps_per_s": len(trl_times) / trl_s,
-            "speedup_vs_trl": trl_s / our_s,
-            "speedup_vs_trl_median_step": statistics.median(t / o for t, o in zip(trl_times, our_times, strict=True))}
+            "max_completion_length": case.max_completion_length, "xgblora_profile": profile,
+            **against_trainer(timer.trainer_s, timer.ours_s)}
 
 
 def memory_worker(config: dict[str, Any]) -> dict[str, float]:

@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from xgblora.adapters import lora
 from xgblora.bench import flops
 from xgblora.bench.memory import memory_cell, peak_added, run_against_baseline, sides_in_subprocesses
 from xgblora.bench.profile import profile_slowest
-from xgblora.bench.timing import InterleavedSteps, step_stats, sync_device
+from xgblora.bench.timing import InterleavedSteps, against_trainer, step_stats, sync_device
 from xgblora.data import formats
 from xgblora.data.collation import TokenSeq, pad_multiple
 from xgblora.data.tasks import Example
@@ -219,16 +218,12 @@ def compare_case(case: SFTCase) -> dict[str, Any]:
     per_token = flops.flops_per_token(ours.model.config, round(all_tokens / (len(timed) * case.batch_size)),
                                       "train_lora", ours.lora_params)
     return {
-        "model_name": case.model_name, "variant": case.variant, "steps_timed": len(our_times),
-        "trl_step_s": trl_times, "xgblora_step_s": our_times,
-        "xgblora_step_stats": step_stats(our_times), "trl_step_stats": step_stats(trl_times),
+        "model_name": case.model_name, "variant": case.variant, **against_trainer(trl_times, our_times),
         "flops_per_token": per_token, "xgblora_mfu": flops.mfu(all_tokens / our_s, per_token, ours.device),
         "trl_mfu": flops.mfu(all_tokens / trl_s, per_token, ours.device),
         **_widths(case, seqs, ours.pad_multiple),
         "xgblora_profile": profile_slowest(our_times, lambda i: ours.step(step_rows(case, case.warmup + i)),
                                            ours.device),
-        "speedup_vs_trl": trl_s / our_s,
-        "speedup_vs_trl_median_step": statistics.median(t / o for t, o in zip(trl_times, our_times, strict=True)),
         "xgblora_tokens_per_s": all_tokens / our_s, "trl_tokens_per_s": all_tokens / trl_s,
         "xgblora_target_tokens_per_s": target_tokens / our_s, "trl_target_tokens_per_s": target_tokens / trl_s,
         "mean_tokens_per_row": all_tokens / (len(timed) * case.batch_size),

@@ -114,6 +114,18 @@ def step_stats(xs: list[float]) -> dict[str, Any]:
             "max_s": ordered[-1], "steps_s": list(xs)}
 
 
+def against_trainer(trainer_times: list[float], our_times: list[float]) -> dict[str, Any]:
+    """A comparison's timings against a trainer's (TRL's, run step by step beside ours): both sides' per-step seconds
+    and their statistics, steps per second, and the speed-up, of the summed times and as the median per-step ratio."""
+    trainer_s, our_s = sum(trainer_times), sum(our_times)
+    return {"steps_timed": len(our_times), "trl_step_s": trainer_times, "xgblora_step_s": our_times,
+            "xgblora_step_stats": step_stats(our_times), "trl_step_stats": step_stats(trainer_times),
+            "xgblora_steps_per_s": len(our_times) / our_s, "trl_steps_per_s": len(trainer_times) / trainer_s,
+            "speedup_vs_trl": trainer_s / our_s,
+            "speedup_vs_trl_median_step": statistics.median(t / o for t, o in zip(trainer_times, our_times,
+                                                                                   strict=True))}
+
+
 def log_overhead(step_s: float, n: int = 500) -> dict[str, float]:
     """Mean cost of one MetricsLog.log (the train loop's per-step record, default buffering) over a step's time."""
     with tempfile.TemporaryDirectory() as tmp, MetricsLog(Path(tmp) / "metrics.jsonl") as metrics:

@@ -44,7 +44,7 @@ class NSPSA(SeededZO):
     def __init__(self, *args, queries: int = 4, **kwargs):
         super().__init__(*args, **kwargs)
         if queries < 1:
-            raise ValueError(f"n-SPSA needs at least one query, got {queries}")
+            raise ValueError(f"{type(self).__name__} needs at least one pair of perturbations, got {queries}")
         self.queries = queries
 
     @torch.no_grad()
@@ -56,44 +56,35 @@ class NSPSA(SeededZO):
         seeds = [self._next_seed() for _ in range(self.queries)]
         losses = [loss for seed in seeds for loss in self._pair_losses(loss_fn, batch, params, seed)]
         values = self._reduce(losses)
-        estimates = [(plus - minus) / (2 * self.eps) for plus, minus in zip(values[::2], values[1::2], strict=True)]
-        self.projected_grad = sum(estimates) / len(estimates)
+        coefficients = self._coefficients(values)
+        self.projected_grad = sum(coefficients)
         if math.isfinite(self.projected_grad):
-            self._apply(params, [(seed, g / self.queries) for seed, g in zip(seeds, estimates, strict=True)], lr)
+            self._apply(params, list(zip(seeds, coefficients, strict=True)), lr)
         return tuple(values)
 
+    def _coefficients(self, values: list[float]) -> list[float]:
+        """Each z_i's coefficient in the step: its two-point estimate over n."""
+        return [(plus - minus) / (2 * self.eps * self.queries)
+                for plus, minus in zip(values[::2], values[1::2], strict=True)]
 
-class ES(SeededZO):
+
+class ES(NSPSA):
     """Evolution strategies: `queries` antithetic pairs, member losses z-scored over the population of 2n.
 
     In a pair the z-scores differ by (L+ - L-) / std (the population mean cancels), so z_i's coefficient is
     (L+_i - L-_i) / (2n (std + 1e-8)), std the population's (ddof 0) and 1e-8 the reference's guard: equal
     losses move nothing. Unlike MeZO's estimate it has no 1 / (2 eps): the reference folds the perturbation scale
-    into the learning rate, so a step is of normalised size, as FZOO's."""
+    into the learning rate, so a step is of normalised size, as FZOO's. The pairs are n-SPSA's; only their
+    weights differ."""
 
     def __init__(self, *args, queries: int = 15, **kwargs):
-        super().__init__(*args, **kwargs)
-        if queries < 1:
-            raise ValueError(f"ES needs at least one antithetic pair, got {queries}")
-        self.queries = queries
+        super().__init__(*args, queries=queries, **kwargs)
 
-    @torch.no_grad()
-    def step(self, loss_fn: Callable[[Batch], Tensor], batch: Batch,
-             lr: float | None = None) -> tuple[float, ...]:
-        """One step on batch; returns the 2n member losses (L+_1, L-_1, ...) after one host sync."""
-        lr = self.lr if lr is None else lr
-        params = self._trainable()
-        seeds = [self._next_seed() for _ in range(self.queries)]
-        losses = [loss for seed in seeds for loss in self._pair_losses(loss_fn, batch, params, seed)]
-        values = self._reduce(losses)
+    def _coefficients(self, values: list[float]) -> list[float]:
         mean = sum(values) / len(values)
         std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-        coefficients = [(plus - minus) / (len(values) * (std + 1e-8))
-                        for plus, minus in zip(values[::2], values[1::2], strict=True)]
-        self.projected_grad = sum(coefficients)
-        if math.isfinite(self.projected_grad):
-            self._apply(params, list(zip(seeds, coefficients, strict=True)), lr)
-        return tuple(values)
+        return [(plus - minus) / (len(values) * (std + 1e-8))
+                for plus, minus in zip(values[::2], values[1::2], strict=True)]
 
 
 class FZOO(SeededZO):
