@@ -25,10 +25,10 @@ EXAMPLES = [Example(f"{w} It was", (" terrible", " great"), (i % 2,)) for i, w i
 
 def rows_over(limit: int):
     """A per_example_loss that raises CUDA's out-of-memory error on batches of more than `limit` rows."""
-    def loss(model, batch, contrastive=None):
+    def loss(model, batch, *objectives):
         if batch.input_ids.shape[0] > limit:
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {batch.input_ids.shape[0]} rows)")
-        return per_example_loss(model, batch, contrastive)
+        return per_example_loss(model, batch, *objectives)
     return loss
 
 

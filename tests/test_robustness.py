@@ -348,9 +348,9 @@ def test_mezo_skips_a_non_finite_step_like_a_zero_gradient_one_and_runs_on(share
     def run(name: str, value: float) -> list[dict]:
         calls = []
 
-        def loss_at_step_3(model, batch, contrastive=None):  # `forwards` calls per MeZO step
+        def loss_at_step_3(model, batch, *objectives):  # `forwards` calls per MeZO step
             calls.append(1)
-            loss = real(model, batch, contrastive)
+            loss = real(model, batch, *objectives)
             return torch.full_like(loss, value) if 2 * forwards < len(calls) <= 3 * forwards else loss
 
         monkeypatch.setattr(objective, "per_example_loss", loss_at_step_3)

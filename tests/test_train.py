@@ -312,9 +312,9 @@ def test_nan_loss_stops_with_a_one_line_error_naming_the_step(shared_data, tmp_p
     real = objective.per_example_loss
     calls = {"n": 0}
 
-    def poisoned(model, batch, contrastive=None):
+    def poisoned(model, batch, *objectives):
         calls["n"] += 1
-        loss = real(model, batch, contrastive)
+        loss = real(model, batch, *objectives)
         return loss * float("nan") if calls["n"] >= 3 else loss
 
     monkeypatch.setattr(objective, "per_example_loss", poisoned)
@@ -339,9 +339,9 @@ def test_nan_policy_skip_finishes_and_logs_strict_json(shared_data, tmp_path, mo
     real = objective.per_example_loss
     calls = {"n": 0}
 
-    def poisoned(model, batch, contrastive=None):  # the third loss call is NaN: one skipped step
+    def poisoned(model, batch, *objectives):  # the third loss call is NaN: one skipped step
         calls["n"] += 1
-        loss = real(model, batch, contrastive)
+        loss = real(model, batch, *objectives)
         return loss * float("nan") if calls["n"] == 3 else loss
 
     monkeypatch.setattr(objective, "per_example_loss", poisoned)
