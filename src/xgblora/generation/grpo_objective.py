@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from xgblora.data.batches import TokenBatch
-from xgblora.models.scoring import token_logprobs
+from xgblora.models.scoring import shared_prefix_logits, token_logprobs
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -186,17 +186,13 @@ def completion_logprobs(model: nn.Module, batch: CompletionBatch, temperature: f
     G completions of a P-token prompt cost P + G C tokens of forward and backward, not G (P + C). Gradients reach
     the prompt's forward through the shared cache: the values and gradients are those of the full rows."""
     lengths = batch.completion_lengths()
-    prompt_mask, cache, first_logits, row_prompt = _prompt_forward(model, batch, lengths)
+    prompt_ids, prompt_mask, row_prompt = _prompts(batch, lengths)
     longest = int(lengths.max())
     steps = torch.arange(longest, device=lengths.device)
     columns = (batch.input_ids.shape[1] - lengths)[:, None] + steps  # right-aligned completions, read left-aligned
     completion = batch.input_ids.gather(1, columns.clamp(max=batch.input_ids.shape[1] - 1))
-    logits = [first_logits[row_prompt].unsqueeze(1)]  # the prompt's last position predicts the first token
-    if longest > 1:
-        mask = torch.cat([prompt_mask[row_prompt], (steps[:-1] < lengths[:, None]).long()], dim=1)
-        position = prompt_mask.sum(1)[row_prompt, None] + steps[:-1]
-        logits.append(model(input_ids=completion[:, :-1], attention_mask=mask, position_ids=position, cache=cache,
-                            use_cache=True).logits)
+    logits = shared_prefix_logits(model, prompt_ids, prompt_mask, row_prompt, completion,
+                                  (steps < lengths[:, None]).long())
     if temperature != 1.0:
         logits = [part / temperature for part in logits]
     targets = (completion[:, :1], completion[:, 1:])  # predicted by the prompt's logits, by the completion's
@@ -207,11 +203,9 @@ def completion_logprobs(model: nn.Module, batch: CompletionBatch, temperature: f
     return logps.gather(1, window) * batch.target_mask, entropy
 
 
-def _prompt_forward(model: nn.Module, batch: CompletionBatch,
-                    lengths: Tensor) -> tuple[Tensor, object, Tensor, Tensor]:
-    """Run the batch's distinct prompts once (left-padded; lengths: each row's completion tokens); their attention
-    mask [prompts, width], their KV cache repeated to the rows, the last prompt position's logits [prompts, vocab],
-    and the prompt of each row."""
+def _prompts(batch: CompletionBatch, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The batch's distinct prompts, left-padded (lengths: each row's completion tokens), their attention mask
+    [prompts, width], and the prompt of each row."""
     ids, row_prompt = torch.unique(batch.prompt_id, return_inverse=True)
     owner = torch.empty(len(ids), dtype=torch.long, device=row_prompt.device).scatter_(
         0, row_prompt, torch.arange(len(row_prompt), device=row_prompt.device))  # a row of each prompt
@@ -220,10 +214,7 @@ def _prompt_forward(model: nn.Module, batch: CompletionBatch,
     width = int(length.max())
     columns = end[:, None] - width + torch.arange(width, device=end.device)
     mask = (columns >= (end - length)[:, None]).long()
-    out = model(input_ids=batch.input_ids[owner].gather(1, columns.clamp(min=0)), attention_mask=mask,
-                position_ids=(mask.cumsum(1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
-    out.cache.batch_select_indices(row_prompt)
-    return mask, out.cache, out.logits[:, -1], row_prompt
+    return batch.input_ids[owner].gather(1, columns.clamp(min=0)), mask, row_prompt
 
 
 @torch.no_grad()

@@ -92,6 +92,27 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def shared_prefix_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                         row_prompt: torch.Tensor, completion: torch.Tensor,
+                         completion_mask: torch.Tensor) -> list[torch.Tensor]:
+    """The logits that predict each completion token, its prompt run once: the distinct (left-padded) prompts go
+    through the model once, their KV cache is repeated to the completion rows (`row_prompt`: each row's prompt),
+    and the completions (right-padded) run on it. Returns [the prompt's last position's logits [rows, 1, vocab],
+    the completion's [rows, W - 1, vocab]] (the second only when W > 1). A prompt shared by G completions costs
+    P + G C tokens, not G (P + C); gradients reach the prompt's forward through the cache."""
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
+                position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
+    out.cache.batch_select_indices(row_prompt)
+    logits = [out.logits[:, -1][row_prompt].unsqueeze(1)]  # the prompt's last position predicts the first token
+    if completion.shape[1] > 1:
+        attention = torch.cat([prompt_mask[row_prompt], completion_mask[:, :-1]], dim=1)
+        position = prompt_mask.sum(1)[row_prompt, None] + torch.arange(completion.shape[1] - 1,
+                                                                       device=completion.device)
+        logits.append(model(input_ids=completion[:, :-1], attention_mask=attention, position_ids=position,
+                            cache=out.cache, use_cache=True).logits)
+    return logits
+
+
 def target_logprobs(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     """Log-probability of each target token, shape [B, k] (zero where target_mask is False).
 

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from xgblora.data.batches import PreferenceBatch
 from xgblora.data.preference import PreferenceSeq, collate_preferences
-from xgblora.models.scoring import eval_mode, token_logprobs
+from xgblora.models.scoring import eval_mode, shared_prefix_logits, token_logprobs
 from xgblora.preference.objective import Objective, PairScores, Statistics, pair_losses
 
 
@@ -31,18 +31,8 @@ def completion_logps(model: nn.Module, batch: PreferenceBatch,
     per_half = batch.prompt_ids.shape[0] // batch.halves  # pairs of a half
     index = torch.arange(rows, device=batch.completion_ids.device)
     row_prompt = index // (2 * per_half) * per_half + index % per_half  # half h's rows: its chosen, its rejected
-    mask = batch.prompt_mask
-    out = model(input_ids=batch.prompt_ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                use_cache=True, logits_to_keep=1)
-    cache = out.cache
-    cache.batch_select_indices(row_prompt)
     ids, cmask = batch.completion_ids, batch.completion_mask
-    logits = [out.logits[:, -1][row_prompt].unsqueeze(1)]  # the prompt's last position predicts the first token
-    if ids.shape[1] > 1:
-        attention = torch.cat([mask[row_prompt], cmask[:, :-1]], dim=1)
-        position = mask.sum(1)[row_prompt, None] + torch.arange(ids.shape[1] - 1, device=ids.device)
-        logits.append(model(input_ids=ids[:, :-1], attention_mask=attention, position_ids=position, cache=cache,
-                            use_cache=True).logits)
+    logits = shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, row_prompt, ids, cmask)
     logps = torch.cat([token_logprobs(part, t) for part, t in zip(logits, (ids[:, :1], ids[:, 1:]), strict=False)], 1)
     sums = (logps * cmask).sum(1)
     if not with_logits:
