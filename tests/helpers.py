@@ -270,3 +270,8 @@ def run_losses(tmp_path, monkeypatch, tag: str, **options) -> list[float]:
                output_dir=str(out), device="cpu", no_eval=True, save_strategy="no", **options))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under folder (hidden ones too) with its bytes."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}

@@ -77,7 +77,7 @@ def test_a_conversational_prompt_reaches_reward_functions_as_messages():
         seen.update(prompts=prompts, completions=completions)
         return [0.0] * len(completions)
 
-    run = grpo_loop.GRPORun.__new__(grpo_loop.GRPORun)  # only score() and what it reads
+    run = grpo_loop.Generations.__new__(grpo_loop.Generations)  # only score() and what it reads
     run.cfg, run.rewards = GRPOConfig(train_file="x", columns=None), Rewards(["gsm8k"])
     run.rewards.funcs = [record]
     run._trainer_state = lambda: None
@@ -106,18 +106,18 @@ def test_an_interrupted_run_resumes_exactly(data, monkeypatch):
     options = dict(generation_batch_size=16, num_iterations=2, beta=0.1, save_strategy="steps", save_steps=3,
                    epsilon_high=0.28, eval_file=None)
     whole = run_grpo(_cfg(data, "whole", **options))
-    real_step, calls = grpo_loop.GRPORun._step, []
+    real_step, calls = grpo_loop.Trainer.train_step, []
 
-    def dying(self, *args):
+    def dying(self):
         calls.append(1)
         if len(calls) == 5:
             raise KeyboardInterrupt
-        return real_step(self, *args)
+        return real_step(self)
 
-    monkeypatch.setattr(grpo_loop.GRPORun, "_step", dying)
+    monkeypatch.setattr(grpo_loop.Trainer, "train_step", dying)
     with pytest.raises(KeyboardInterrupt):
         run_grpo(_cfg(data, "parts", **options))
-    monkeypatch.setattr(grpo_loop.GRPORun, "_step", real_step)
+    monkeypatch.setattr(grpo_loop.Trainer, "train_step", real_step)
     resumed = run_grpo(_cfg(data, "parts", resume_from_checkpoint="latest", **options))
     assert resumed["resumes"] == 1 and whole["generation_batches"] == 2
     a, b = (load_file(str(data / name / "final" / "adapter_model.safetensors")) for name in ("whole", "parts"))
@@ -134,8 +134,8 @@ def test_an_interrupted_run_resumes_exactly(data, monkeypatch):
 def test_a_generation_batch_is_shuffled_by_whole_groups(data):
     """The rows of a group stay adjacent, so a micro-batch holds whole groups (and a prompt's forward serves its
     completions in the loss)."""
-    run = grpo_loop.GRPORun(_cfg(data, "groups", generation_batch_size=16, eval_file=None))
-    prompt_of_row = run.generate().batch.prompt_id.view(-1, 4)  # 4 groups of G = 4
+    _, source = grpo_loop.prepare(_cfg(data, "groups", generation_batch_size=16, eval_file=None))
+    prompt_of_row = source.generate().batch.prompt_id.view(-1, 4)  # 4 groups of G = 4
     assert (prompt_of_row == prompt_of_row[:, :1]).all() and len(set(prompt_of_row[:, 0].tolist())) == 4
 
 
@@ -309,7 +309,7 @@ def test_rewards_advantages_and_their_logs_equal_trls(aggregation, scale_rewards
     per_function = torch.tensor([[1.0, 0.5], [1.0, 0.5], [nan, nan], [1.0, 0.5],  # no spread: 0 std
                                  [0.0, 1.0], [1.0, nan], [1.0, 0.0], [0.0, 0.0],
                                  [2.0, 1.0], [0.0, 1.0], [1.0, 0.0], [3.0, 1.0]])
-    run = grpo_loop.GRPORun.__new__(grpo_loop.GRPORun)  # only _rewards() and what it reads
+    run = grpo_loop.Generations.__new__(grpo_loop.Generations)  # only _rewards() and what it reads
     run.cfg = GRPOConfig(train_file="x", scale_rewards=scale_rewards, multi_objective_aggregation=aggregation)
     run.rewards = Rewards(["gsm8k", "format:gsm8k"], [1.0, 0.5])
     run.plan, run.dist, run.device = grpo_loop.Plan(4, 12, 4, 4, 1), grpo_loop.LOCAL, torch.device("cpu")
@@ -397,7 +397,7 @@ def test_string_prompts_are_sent_raw_as_trl_and_conversations_get_the_template(t
     question, messages = "Which is larger, 3 or 5?", [{"role": "user", "content": "Which is larger, 2 or 7?"}]
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": question, "completion": "#### 5"}) + "\n"
                                       + json.dumps({"prompt": messages, "completion": "#### 7"}) + "\n")
-    run = grpo_loop.GRPORun.__new__(grpo_loop.GRPORun)  # only _read() and what it reads
+    run = grpo_loop.Generations.__new__(grpo_loop.Generations)  # only _read() and what it reads
     run.tokenizer, run.rewards = tokenizer, Rewards(["gsm8k"])
     templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                               return_dict=True)["input_ids"]
@@ -407,3 +407,30 @@ def test_string_prompts_are_sent_raw_as_trl_and_conversations_get_the_template(t
     as_turn = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                             tokenize=True, return_dict=True)["input_ids"]
     assert run._read(str(tmp_path / "p.jsonl")).ids == [as_turn, templated]
+
+
+BOOSTING = {
+    "fixed": dict(xgblora_num_boosters=3),
+    "restarted schedule": dict(xgblora_steps_per_iteration=2, xgblora_restart_schedule=True,
+                               lr_scheduler_type="cosine", warmup_steps=1),
+    # a threshold no loss meets: the EMA "stops improving" every 2 steps, whatever the losses (if the loop hands
+    # them over: without a loss the adaptive merge only merges at its cap)
+    "adaptive": dict(xgblora_adaptive=True, xgblora_adaptive_patience=2, xgblora_adaptive_threshold=1e9,
+                     xgblora_adaptive_max_steps=5),
+}
+
+
+@pytest.mark.parametrize("options", BOOSTING.values(), ids=BOOSTING.keys())
+def test_boosting_options_merge_and_schedule_as_in_train(data, options):
+    """`grpo --method xgblora` runs `train`'s loop: each boosting option merges at the same steps and gives the same
+    learning rate at every step as under `train`."""
+    common = dict(model_name="tiny-llama", method="xgblora", learning_rate=1e-2, max_steps=6, logging_steps=1,
+                  save_strategy="no", device="cpu", seed=3, **options)
+    run(Config(task_name="custom", train_file=str(data / "q.jsonl"), columns="prompt=question,completion=answer",
+               per_device_train_batch_size=2, no_eval=True, output_dir=str(data / "train"), **common))
+    run_grpo(_cfg(data, "grpo", eval_file=None, **common))
+    logs = {name: read_metrics(data / name / "metrics.jsonl") for name in ("train", "grpo")}
+    merges = {name: [r["step"] for r in log if r.get("event") == "merge"] for name, log in logs.items()}
+    rates = {name: [r["lr"] for r in log if "lr" in r] for name, log in logs.items()}
+    assert merges["grpo"] == merges["train"] and len(merges["train"]) >= 2
+    assert rates["grpo"] == rates["train"] and len(rates["train"]) == 6

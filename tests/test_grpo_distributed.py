@@ -4,7 +4,6 @@ prompts shared out), resume exactly, and refuse a generation batch that does not
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from safetensors.torch import load_file
 from xgblora.config import GRPOConfig
 from xgblora.distributed import LOCAL
 from xgblora.errors import UserError
-from xgblora.generation.grpo import GenerationBuffer, Plan, run_grpo
+from xgblora.generation.grpo import Generation, GenerationBuffer, Plan, run_grpo
 from xgblora.logs import read_metrics
 
 # One rank of a test run. Its sampler is replaced by one whose completions (of random lengths and tokens) depend
@@ -50,7 +49,7 @@ def fixed_samples(self, prompts, indices, params):
         drawn.append(group)
     return drawn
 
-grpo.GRPORun.sample = fixed_samples
+grpo.Generations.sample = fixed_samples
 sys.exit(cli.main(["grpo", *sys.argv[1:]]))
 '''
 ADAPTER = "final/adapter_model.safetensors"
@@ -149,15 +148,16 @@ def test_a_generation_batch_that_does_not_split_over_the_ranks_is_a_one_line_err
     assert "exitcode  : 2" in done.stderr and not (data / "odd" / "config.yaml").exists()
 
 
-def test_a_checkpoint_of_one_process_without_ranks_resumes_its_generation_batch():
+def test_the_generation_buffer_round_trips_its_batch_and_counters():
     buffer = GenerationBuffer(LOCAL, torch.device("cpu"))
     batch = completion_batch([(0, [5, 6], [7, 8]), (0, [5, 6], [9])], pad_id=0)
-    state = {"batch": dataclasses.asdict(batch), "metrics": {"reward": 0.5}, "samples": []}
-    buffer.load_state_dict(state)
-    assert buffer.current.metrics == {"reward": 0.5}
-    torch.testing.assert_close(buffer.current.batch.input_ids, batch.input_ids)
-    buffer.load_state_dict({})
-    assert buffer.current is None
+    buffer.current, buffer.cycle, buffer.generations = Generation(batch, {"reward": 0.5}), 3, 4
+    restored = GenerationBuffer(LOCAL, torch.device("cpu"))
+    restored.load_state_dict(buffer.state_dict())
+    assert restored.current.metrics == {"reward": 0.5} and (restored.cycle, restored.generations) == (3, 4)
+    torch.testing.assert_close(restored.current.batch.input_ids, batch.input_ids)
+    with pytest.raises(UserError, match="generation batches of 2 processes; resume it with 2 processes, not 1"):
+        restored.load_state_dict({**buffer.state_dict(), "ranks": [{}, {}]})
 
 
 def test_the_generation_batch_spans_the_processes_and_splits_into_their_optimizer_batches():

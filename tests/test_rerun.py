@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_robustness import snapshot
-from test_train import interrupt_at, make_cfg
+from helpers import interrupt_at, make_cfg, snapshot
 
 from xgblora import checkpoint, cli, train
+from xgblora.train import loop
 
 
 def one_line_error(capsys) -> str:
@@ -66,3 +66,40 @@ def test_eval_never_writes_over_an_earlier_results_json(shared_data, tmp_path, c
     assert (out / "results.json").read_text() == '{"mine": 1}\n'
     assert cli.main([*args, "--overwrite_output_dir"]) == 0
     assert "accuracy" in json.loads((out / "results.json").read_text())
+
+
+def _grpo_and_dpo_files(folder) -> dict[str, list[str]]:
+    """The flags of a tiny grpo and dpo run on files of their own rows."""
+    questions = [{"prompt": f"{a}+{a}=", "completion": f"#### {2 * a}"} for a in range(1, 9)]
+    pairs = [{"prompt": f"{a}+{a}=", "chosen": f" {2 * a}", "rejected": f" {2 * a + 1}"} for a in range(1, 9)]
+    for name, rows in (("q.jsonl", questions), ("p.jsonl", pairs)):
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--model_name", "tiny-llama", "--max_steps", "4", "--save_steps", "1", "--device", "cpu"]
+    return {"grpo": ["grpo", "--train_file", str(folder / "q.jsonl"), "--num_generations", "2",
+                     "--per_device_train_batch_size", "4", "--max_new_tokens", "4", *common],
+            "dpo": ["dpo", "--train_file", str(folder / "p.jsonl"), "--per_device_train_batch_size", "4", *common]}
+
+
+@pytest.mark.parametrize("command", ["grpo", "dpo"])
+def test_grpo_and_dpo_reruns_refuse_an_interrupted_run(tmp_path, capsys, monkeypatch, command):
+    """grpo and dpo share train's run folder: the same command on an interrupted run refuses in one line and changes
+    nothing; --resume_from_checkpoint latest finishes it."""
+    args = [*_grpo_and_dpo_files(tmp_path)[command], "--output_dir", str(tmp_path / "run")]
+    real_step, calls = loop.Trainer.train_step, []
+
+    def dying(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(loop.Trainer, "train_step", dying)
+    assert cli.main(args) == 130
+    monkeypatch.setattr(loop.Trainer, "train_step", real_step)
+    before, _ = snapshot(tmp_path / "run"), capsys.readouterr()
+    assert cli.main(args) == 2
+    assert "holds an interrupted run (last checkpoint" in one_line_error(capsys)
+    assert any(name.startswith("checkpoints/step-2/") for name in before)
+    assert snapshot(tmp_path / "run") == before
+    assert cli.main([*args, "--resume_from_checkpoint", "latest"]) == 0
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["resumes"] == 1

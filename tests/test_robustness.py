@@ -22,7 +22,7 @@ import torch
 
 # faults and test_train are helpers in tests/ (not a package, so they are imported by module name)
 from faults import KILLED, ForkServer, run_dying_on_write
-from helpers import adapter, assert_same_tensors, interrupt_at, make_cfg, records
+from helpers import adapter, assert_same_tensors, interrupt_at, make_cfg, records, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -300,11 +300,6 @@ def dying_save_run(at: int, args: list[str], stderr_path: Path) -> int:
     with open(stderr_path, "wb") as stderr:
         return subprocess.run([sys.executable, "-c", DYING_SAVE, str(at), *args], stdout=subprocess.DEVNULL,
                               stderr=stderr, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300).returncode
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    """Every file under folder (hidden ones too) with its bytes."""
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_sigkill_inside_a_checkpoint_save_keeps_the_last_whole_one_the_rerun_refuses_and_resume_is_exact(shared_data,

@@ -229,6 +229,7 @@ class Config(ModelOptions):
     evaluation_strategy: str = _opt("no", "Evaluate on dev every eval_steps (steps) or never (no).", ("no", "steps"),
                                     aliases=("eval_strategy",))
     eval_steps: int = _opt(500, "Evaluate every N steps.")
+    eval_on_start: bool = _opt(False, "Also evaluate before the first step (the dev split, else the --eval_file rows; grpo: the held-out pass@1 before training).")
     log_samples: int = _opt(0, "Instruction data: also log N of the dev generations (prompt, prediction, reference) to metrics.jsonl at each evaluation.")
     save_strategy: str = _opt("steps", "Checkpoint every save_steps (steps) or never (no).", ("no", "steps"))
     save_steps: int = _opt(500, "Checkpoint every N steps.")
@@ -597,6 +598,7 @@ class GRPOConfig(Config, SamplingOptions):
     generation_batch_size: int | None = _opt(None, "Completions sampled at a time, over all processes (a multiple of the optimizer batch, per_device_train_batch_size x gradient_accumulation_steps x processes, and of G; default: one optimizer batch).")
     steps_per_generation: int | None = _opt(None, "Micro-batches per process per generation batch (TRL's; the other way to set generation_batch_size).")
     log_completions: bool = _opt(False, "Log a few completions, with their rewards, to metrics.jsonl at every logging step.")
+    eval_on_start: bool = _opt(True, "Evaluate the held-out prompts (--eval_file) before the first step too: results.json's before_ figures.")
     raw_prompts: bool = _opt(True, "Send string prompts as they are, as TRL does (conversational rows always get the chat template); false renders each string as a user turn of the chat template.")
 
     def __post_init__(self) -> None:
@@ -707,7 +709,7 @@ TRAINING_OPTIONS = ("lora", "xgblora", "method", *ADAPTER_OPTIONS, *XGBLORA_OPTI
                     "adam_beta2", "adam_epsilon", "max_grad_norm", "fused_adamw", "gradient_checkpointing", "compile",
                     "group_by_length", "packing", "loss_mean", "only_train_option", "train_as_classification",
                     "head_init", "head_probe_l2", "contrastive_loss", "learnable_temperature", "mini_batch_size",
-                    "embed_pieces", *GRIT_OPTIONS, "logging_steps", "evaluation_strategy", "eval_steps",
+                    "embed_pieces", *GRIT_OPTIONS, "logging_steps", "evaluation_strategy", "eval_steps", "eval_on_start",
                     "log_samples", "save_strategy", "save_steps", "save_total_limit", "save_only_model",
                     "load_best_model_at_end", "resume_from_checkpoint", "report_to", "nan_policy", "no_eval")
 # What `xgblora rft` and `xgblora grpo` never read: they train on instruction rows of their own (RFT's kept samples,
@@ -719,7 +721,7 @@ SAMPLE_TRAINING_IGNORES = ("task_name", "data_dir", "num_train", "num_dev", "num
                            "mini_batch_size", "embed_pieces", "grit_train_file", *EMBEDDING_OPTIONS)
 RFT_IGNORES = (*SAMPLE_TRAINING_IGNORES, "output_dir")
 GRPO_IGNORES = (*SAMPLE_TRAINING_IGNORES, "eval_split_ratio", "loss_mean", "train_on_prompt", "log_samples",
-                "per_device_eval_batch_size", "packing", "group_by_length", "load_best_model_at_end", "compile",
+                "per_device_eval_batch_size", "packing", "group_by_length", "compile",
                 "gradient_checkpointing", "tf32")
 # `xgblora dpo` trains on preference pairs: no generation, packing or prompt loss; its forwards carry a KV cache
 # from each prompt to its two completions, which gradient checkpointing would switch off.

@@ -208,15 +208,16 @@ class ProgressLine:
         if self.enabled:
             self.tokens += batch.n_tokens()
 
-    def report(self, step: int, loss: float | None, lr: float) -> None:
-        """Log one line (when enabled)."""
+    def report(self, step: int, loss: float | None, lr: float, shown: dict[str, float] | None = None) -> None:
+        """Log one line (when enabled), with the `shown` metrics after the loss."""
         if not self.enabled:
             return
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         left = (self.max_steps - step) * elapsed / max(step - self.start_step, 1)
         loss_text = f"{loss:.4f}" if loss is not None else "nan"
-        _log.info("step %d/%d  loss %s  lr %.3g  %.0f tokens/s  ETA %s", step, self.max_steps, loss_text, lr,
-                  self.tokens / elapsed, _duration(left))
+        extra = "".join(f"  {name} {value:.4g}" for name, value in (shown or {}).items())
+        _log.info("step %d/%d  loss %s%s  lr %.3g  %.0f tokens/s  ETA %s", step, self.max_steps, loss_text, extra,
+                  lr, self.tokens / elapsed, _duration(left))
 
 
 def _duration(seconds: float) -> str:

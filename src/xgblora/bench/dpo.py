@@ -82,7 +82,7 @@ def xgblora_run(case: DPOCase, pairs: Path, output_dir: str) -> DPORun:
 def our_step(run: DPORun) -> None:
     """One optimizer step, as the loop takes it."""
     trainer = run.trainer
-    trainer.stepper.step(trainer.next_batch, LR)
+    trainer.train_step()
 
 
 def trl_trainer(case: DPOCase, pairs: Path, callbacks: list[Any], output_dir: str) -> Any:

@@ -27,8 +27,9 @@ from xgblora.bench.sft import chat_tokenizer, generated_conversations
 from xgblora.bench.timing import InterleavedSteps, against_trainer
 from xgblora.config import GRPOConfig
 from xgblora.errors import UserError
-from xgblora.generation.grpo import GRPORun
+from xgblora.generation.grpo import prepare
 from xgblora.models import pretrained
+from xgblora.train.loop import Trainer
 
 GRPO_MODELS = ("llama-100m-random",)
 LORA = dict(r=8, alpha=16.0)
@@ -77,8 +78,8 @@ def questions(case: GRPOCase) -> Path:
     return path
 
 
-def xgblora_run(case: GRPOCase, prompts: Path, output_dir: str) -> GRPORun:
-    """xgblora's GRPO run for the case, as `xgblora grpo` builds it."""
+def xgblora_run(case: GRPOCase, prompts: Path, output_dir: str) -> Trainer:
+    """xgblora's GRPO trainer for the case, as `xgblora grpo` builds it (`train_step()` takes one step)."""
     cfg = GRPOConfig(model_name=case.model_name, train_file=str(prompts), raw_prompts=True, method="lora",
                      lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_target_modules="all-linear",
                      learning_rate=LR, num_return_sequences=case.num_generations,
@@ -86,7 +87,7 @@ def xgblora_run(case: GRPOCase, prompts: Path, output_dir: str) -> GRPORun:
                      reward_funcs=[f"{__name__}:length_reward"], max_steps=case.warmup + case.steps,
                      save_strategy="no", device=case.device, load_float16=False,
                      load_bfloat16=case.dtype == "bfloat16", output_dir=output_dir, seed=0)
-    return GRPORun(cfg)
+    return prepare(cfg)[0]
 
 
 def trl_trainer(case: GRPOCase, prompts: Path, callbacks: list[Any], output_dir: str) -> Any:
@@ -116,11 +117,11 @@ def compare_case(case: GRPOCase) -> dict[str, Any]:
     prompts = questions(case)
     with tempfile.TemporaryDirectory() as ours_dir, tempfile.TemporaryDirectory() as trl_dir:
         ours = xgblora_run(case, prompts, ours_dir)
-        timer = InterleavedSteps(lambda index: ours.train_step(), ours.device, case.warmup, alternate=False)
+        timer = InterleavedSteps(lambda index: ours.train_step(), ours.run.device, case.warmup, alternate=False)
         trainer = trl_trainer(case, prompts, [timer.callback()], trl_dir)
         timer.start()
         trainer.train()
-        profile = profile_slowest(timer.ours_s, lambda _: ours.train_step(), ours.device)
+        profile = profile_slowest(timer.ours_s, lambda _: ours.train_step(), ours.run.device)
     return {"model_name": case.model_name, "prompts": case.prompts, "num_generations": case.num_generations,
             "max_completion_length": case.max_completion_length, "xgblora_profile": profile,
             **against_trainer(timer.trainer_s, timer.ours_s)}
@@ -133,7 +134,7 @@ def memory_worker(config: dict[str, Any]) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         if config["side"] == "xgblora":
             ours = xgblora_run(case, prompts, tmp)
-            with peak_added(ours.device) as mem:
+            with peak_added(ours.run.device) as mem:
                 for _ in range(MEMORY_STEPS):
                     ours.train_step()
             return mem

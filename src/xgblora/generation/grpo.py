@@ -6,9 +6,11 @@ by the shared-prefix sampler (the policy, dropout off), the reward functions sco
 become group-normalised advantages, and one pass without gradients gives what the loss needs besides: the old
 log-probabilities, when the batch serves more than one optimizer step or MeZO (whose two-point estimate needs the
 ratio's value), and the reference ones when beta > 0 (the model as it started: a new adapter switched off, a
-continued adapter's starting factors, no second model; a frozen copy under full fine-tuning). The batch is shuffled by groups and cut into optimizer batches; each optimizer step
-takes the next (AdamW: in micro-batches, accumulated; MeZO: the whole optimizer batch, two perturbed forwards), and
-after num_iterations passes a new batch is sampled. XGBLoRA merges its boosters on its schedule meanwhile.
+continued adapter's starting factors, no second model; a frozen copy under full fine-tuning). The batch is
+shuffled by groups and cut into optimizer batches; each optimizer step takes the next (AdamW: in micro-batches,
+accumulated; MeZO: the whole optimizer batch, two perturbed forwards), and after num_iterations passes a new batch is
+sampled. The loop is `xgblora train`'s (`Trainer`, with `Generations` as its source of batches and `GRPOLoss` as its
+loss), so the schedule, XGBLoRA's merges, the NaN policy, evaluation, checkpoints and resume behave as there.
 
 Under torchrun or accelerate launch the run is data-parallel: every process draws the same prompts and keeps its
 share of whole groups, samples them with its own seed, and takes per_device_train_batch_size completions per
@@ -28,30 +30,25 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import logging
-import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from tqdm.auto import tqdm
 
-from xgblora import atomic, perf
 from xgblora import config as config_mod
 from xgblora.adapters import trained
 from xgblora.adapters.lora import adapter_factors, adapter_snapshot, adapters_off
-from xgblora.checkpoint import Checkpointer, prune
 from xgblora.config import GRPOConfig
 from xgblora.data import formats
 from xgblora.data.collation import TokenSeq, collate
 from xgblora.data.order import BatchStream
 from xgblora.data.sources import parse_columns
-from xgblora.distributed import LOCAL, Distributed, SilentLog, setup
+from xgblora.data.splits import Splits
+from xgblora.distributed import LOCAL, Distributed, setup
 from xgblora.errors import UserError
 from xgblora.generation.generate import Prompts, read_prompts, sampling_params
 from xgblora.generation.grpo_objective import (
@@ -66,16 +63,13 @@ from xgblora.generation.grpo_objective import (
     row_weights,
 )
 from xgblora.generation.rewards import Rewards
-from xgblora.logs import MetricsLog
 from xgblora.models import pretrained
 from xgblora.models.sampler import Sample, Sampler, SamplingParams
-from xgblora.optim.schedule import Schedule
 from xgblora.report import write_grpo_report
-from xgblora.trackers import open_trackers, parse_report_to
-from xgblora.train.lock import run_lock
-from xgblora.train.loop import LossWindow, StopRequested, build_stepper, graceful_stop
-from xgblora.train.results import save_final, write_adapter, write_results
-from xgblora.train.setup import autocast_dtype, setup_method
+from xgblora.train.loop import Trainer
+from xgblora.train.results import write_results
+from xgblora.train.run import finished_results, run_folder, start_over
+from xgblora.train.setup import Method, RunSetup, autocast_dtype, setup_method
 
 log = logging.getLogger("xgblora")
 SAMPLES_LOGGED = 4  # completions per logging step under --log_completions
@@ -91,19 +85,22 @@ class Generation:
 
 
 class GenerationBuffer:
-    """This process's share of the generation batch in flight, saved with checkpoints (every rank's, gathered by
-    the main process) so that a resumed run continues it exactly."""
+    """This process's share of the generation batch in flight, the cycle of optimizer steps it serves, and the number
+    of generation batches so far; saved with checkpoints (every rank's batch, gathered by the main process) so that
+    a resumed run continues it exactly."""
 
     def __init__(self, dist: Distributed, device: torch.device) -> None:
         self.current: Generation | None = None
+        self.cycle, self.generations = -1, 0
         self.dist, self.device = dist, device
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's batch in flight, in rank order (every rank calls it)."""
-        return {"ranks": self.dist.gather_objects(self._own_state())}
+        """Every rank's batch in flight, in rank order, and the counters (every rank calls it)."""
+        return {"ranks": self.dist.gather_objects(self._own_state()), "cycle": self.cycle,
+                "generations": self.generations}
 
     def _own_state(self) -> dict[str, Any]:
-        """The batch's tensors (on the CPU), statistics and samples (empty between generation batches)."""
+        """The batch's tensors (on the CPU), statistics and samples (empty before the first generation batch)."""
         if self.current is None:
             return {}
         batch = {f.name: getattr(self.current.batch, f.name) for f in dataclasses.fields(self.current.batch)}
@@ -111,14 +108,15 @@ class GenerationBuffer:
         return {"batch": batch, "metrics": self.current.metrics, "samples": self.current.samples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's batch from what state_dict() returned."""
-        ranks = state.get("ranks", [state])  # a checkpoint without "ranks" holds one process's batch
+        """Restore this rank's batch and the counters from what state_dict() returned."""
+        ranks = state["ranks"]
         if len(ranks) != self.dist.world_size:
             raise UserError(f"this checkpoint holds the generation batches of {len(ranks)} processes; resume it with "
                             f"{len(ranks)} processes, not {self.dist.world_size}")
         own = ranks[self.dist.rank]
         self.current = Generation(CompletionBatch(**own["batch"]).to(self.device), own["metrics"], own["samples"]) \
             if own else None
+        self.cycle, self.generations = state["cycle"], state["generations"]
 
 
 @dataclass
@@ -199,65 +197,67 @@ def load_policy(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[GRPOConfig,
     return dataclasses.replace(cfg, max_length=max_length, device=str(device)), model, tokenizer
 
 
-class GRPORun:
-    """The state of one GRPO run (model, method, stepper, prompts, rewards, the generation batch in flight) and its
-    loop, `fit()`."""
+class Generations:
+    """GRPO's training batches (a `BatchSource` of `train/loop.py`'s Trainer): each cycle of optimizer steps samples
+    a generation batch from the policy, scores it, and serves it in optimizer batches; also the held-out evaluation
+    (greedy pass@1). See the module docstring."""
 
-    def __init__(self, cfg: GRPOConfig, dist: Distributed = LOCAL):
-        transformers.set_seed(cfg.seed)
-        self.dist = dist
+    dropout = False  # the old, new and perturbed log-probabilities come from one function
+
+    def __init__(self, cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, method: Method, rewards: Rewards,
+                 statistics: Any, dist: Distributed, reference: torch.nn.Module | None = None):
+        self.cfg, self.model, self.tokenizer, self.method, self.rewards, self.dist = \
+            cfg, model, tokenizer, method, rewards, dist
+        self.statistics = statistics  # the loss's clip ratios, KL and entropy, drained at each logging step
         self.plan = Plan.of(cfg, dist.world_size)
-        self.rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)  # its errors come first
-        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer = load_policy(cfg, dist)
         self.device = next(model.parameters()).device
-        self.out = Path(cfg.output_dir)
-        if dist.is_main:
-            config_mod.dump(cfg, self.out / "config.yaml")
-        # full fine-tuning has no adapter to switch off: its reference is a frozen copy (only when beta needs it)
-        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) \
-            if cfg.method == "ft" and cfg.beta else None
-        self.method = setup_method(self.model, cfg)
+        self.autocast = autocast_dtype(cfg, self.device)
+        self.reference = reference
         # a continued LoRA adapter is the reference itself, as TRL's frozen copy of the starting model: its factors
         # are kept (a fresh adapter is zero, so switching it off is the same reference at no cost)
-        self.reference_factors = adapter_snapshot(self.method.modules) \
+        self.reference_factors = adapter_snapshot(method.modules) \
             if cfg.beta and cfg.adapter and cfg.method == "lora" else None
-        self.model.eval()  # dropout off: the old, new and perturbed log-probabilities come from one function
-        self.autocast = autocast_dtype(cfg, self.device)
         self.prompts = self._read(cfg.train_file)
         self.heldout = self._read(cfg.eval_file) if cfg.eval_file else None
         self.max_steps = cfg.max_steps if cfg.max_steps > 0 else self.plan.cycle * max(
             1, round(cfg.num_train_epochs * len(self.prompts.ids) / self.plan.prompts))
-        objective = Objective(cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.use_bias_correction_kl, cfg.loss_type,
-                              cfg.importance_sampling_level)
-        self.loss_fn = GRPOLoss(self.model, objective, cfg.temperature, self.autocast)
-        self.stepper = build_stepper(cfg, self.method, self.loss_fn, dist, self.device)
-        boosting = self.method.boosting
-        if boosting is not None:
-            boosting.plan(cfg.booster_steps(self.max_steps), self.max_steps)
-        self.schedule = Schedule(cfg.lr_scheduler_type, cfg.learning_rate, self.max_steps,
-                                 cfg.warmup_steps or int(cfg.warmup_ratio * self.max_steps))
         self.stream = BatchStream([len(ids) for ids in self.prompts.ids], 1, cfg.seed, group_by_length=False)
         self.buffer = GenerationBuffer(dist, self.device)
-        self.window = LossWindow(self.device)
-        self.step, self.generations, self.resumes, self.earlier_s = 0, 0, 0, 0.0
+        self.components = {"generation": self.buffer}
+        self.step = 0
         self.extra_columns: dict[str, list[Any]] = {}  # reward functions' log_extra, for the logged completions
         self.reward_metrics: dict[str, list[float]] = {}  # their log_metric, until the next logging step
-        self.before: dict[str, float] = {}
-        self.checkpointer = self._checkpointer()
-        if cfg.resume_from_checkpoint:
-            path, state = self.checkpointer.restore(cfg.resume_from_checkpoint)
-            self.load_state_dict(state)
-            log.info("resumed from %s at step %d", path, self.step)
 
-    def _checkpointer(self) -> Checkpointer:
-        boosting = self.method.boosting  # merged boosters live in the base weights
-        return Checkpointer(
-            self.out / "checkpoints", model=self.model,
-            tensors=lambda: self.method.trainable_state(with_bases=boosting is not None),
-            components={"stepper": self.stepper, "generation": self.buffer},
-            model_components={"boosting": boosting} if boosting is not None else {},
-            save_only_model=self.cfg.save_only_model, is_main=self.dist.is_main,
-            write_adapter=functools.partial(write_adapter, self.cfg, self.method) if self.method.modules else None)
+    @property
+    def generations(self) -> int:
+        """Generation batches sampled so far."""
+        return self.buffer.generations
+
+    def batches(self, step: int) -> Callable[[], CompletionBatch]:
+        """The pieces of step's optimizer batch (a new generation batch first when the step starts a cycle)."""
+        self.step = step
+        cycle, position = divmod(step, self.plan.cycle)
+        if self.buffer.current is None or self.buffer.cycle != cycle:
+            self.buffer.current, self.buffer.cycle = self.generate(), cycle
+        index, size = position % self.plan.steps_per_generation, self.plan.step
+        rows = self.buffer.current.batch.split(index * size, (index + 1) * size)
+        pieces = iter([rows.split(i, i + self.plan.per_call) for i in range(0, size, self.plan.per_call)])
+        return lambda: next(pieces)
+
+    def metrics(self) -> dict[str, Any]:
+        """What a logging step adds: the current generation batch's rewards, the loss's statistics since the last
+        logging step, the reward functions' log_metric means, a few completions (--log_completions)."""
+        current = self.buffer.current
+        record = {**current.metrics, **self._loss_statistics(),
+                  **{name: sum(v) / len(v) for name, v in self.reward_metrics.items()}}
+        self.reward_metrics = {}
+        return {**record, "samples": current.samples} if current.samples else record
+
+    def _loss_statistics(self) -> dict[str, float]:
+        """The loss's statistics since the last logging step, means over the ranks."""
+        means = self.statistics.drain()
+        values = self.dist.all_mean(torch.tensor(list(means.values()), dtype=torch.float64, device=self.device))
+        return dict(zip(means, values.tolist(), strict=True))
 
     def _read(self, source: str) -> Prompts:
         """The prompts of a file; with a correctness reward, each needs a reference answer."""
@@ -270,21 +270,6 @@ class GRPORun:
                                     f"{self.rewards.names[self.rewards.accuracy_index]} (a completion, response, or "
                                     f"final assistant turn; --columns completion=answer maps yours)")
         return prompts
-
-    # ------------------------------------------------------------------ state
-
-    def state_dict(self) -> dict[str, Any]:
-        """The loop state as JSON values (the generation batch in flight is the `generation` component)."""
-        return {"step": self.step, "epoch": self.stream.epoch, "cursor": self.stream.cursor,
-                "generations": self.generations, "window": self.window.state_dict(), "before": self.before,
-                "runtime_s": self.earlier_s + time.perf_counter() - self.started, "resumes": self.resumes}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what state_dict() returned."""
-        self.step, self.generations, self.before = state["step"], state["generations"], state["before"]
-        self.stream.epoch, self.stream.cursor = state["epoch"], state["cursor"]
-        self.window.load_state_dict(state["window"])
-        self.earlier_s, self.resumes = state["runtime_s"], state["resumes"] + 1
 
     # ------------------------------------------------------------------ generation
 
@@ -340,7 +325,7 @@ class GRPORun:
         stream = iter(self.stream)
         # every rank draws the whole batch, so the streams stay in step, and keeps its own whole groups
         indices = [next(stream)[0] for _ in range(plan.prompts)][dist.rank::dist.world_size]
-        seed = (cfg.seed * 1_000_003 + self.generations) * dist.world_size + dist.rank  # one stream per rank
+        seed = (cfg.seed * 1_000_003 + self.buffer.generations) * dist.world_size + dist.rank  # one stream per rank
         params = dataclasses.replace(sampling_params(cfg), seed=seed)
         samples = [s for per_prompt in self.sample(self.prompts, indices, params) for s in per_prompt]
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
@@ -372,7 +357,7 @@ class GRPORun:
         logged = [{"prompt": self.prompts.rows[indices[j // plan.group]], "completion": texts[j],
                    "reward": float(rewards[j]), **{k: v[j] for k, v in self.extra_columns.items() if j < len(v)}}
                   for j in range(min(SAMPLES_LOGGED, len(texts)))]
-        self.generations += 1
+        self.buffer.generations += 1
         return Generation(dataclasses.replace(batch, nll_weight=weights.to(self.device)), metrics,
                           logged if cfg.log_completions else [])
 
@@ -388,7 +373,7 @@ class GRPORun:
         if torch.isnan(rewards).all():  # nothing to learn from, on any rank: the loss would be 0 to the end
             raise UserError(f"{self.prompts.examples[indices[0]].source}: every reward function "
                             f"({', '.join(self.rewards.names)}) returned None or NaN for all {len(rewards)} "
-                            f"completions of generation batch {self.generations + 1}; nothing to learn from")
+                            f"completions of generation batch {self.buffer.generations + 1}; nothing to learn from")
         mine = slice(start, start + len(texts))
         if self.cfg.multi_objective_aggregation == "normalize_then_sum":
             shaped = normalized_sum(per_function, self.rewards.weights, self.plan.group)
@@ -454,18 +439,17 @@ class GRPORun:
 
     # ------------------------------------------------------------------ evaluation
 
-    def evaluate(self) -> dict[str, float]:
-        """pass@1 of greedy completions of the held-out prompts (the first correctness reward), and their mean
-        reward; empty without --eval_file."""
-        if self.heldout is None:
-            return {}
-        indices = list(range(len(self.heldout.ids)))[self.dist.rank::self.dist.world_size]  # each rank its share
+    def evaluate(self, model: torch.nn.Module, heldout: Sequence[int],  # noqa: ARG002 (the policy samples)
+                 demos: Sequence = ()) -> tuple[dict[str, float], list]:  # noqa: ARG002
+        """pass@1 of greedy completions of the held-out prompts (the first correctness reward) and their mean reward
+        (the Trainer's evaluator: the first metric decides the best step)."""
+        indices = list(heldout)[self.dist.rank::self.dist.world_size]  # each rank its share
         per_function = self._gathered(self._greedy_scores(indices) if indices
                                       else torch.empty(0, len(self.rewards.names)))[0]  # more ranks than prompts
-        metrics = {"eval_reward": float(self.rewards.total(per_function).nanmean())}
-        if self.rewards.accuracy_index is not None:
-            metrics["eval_pass@1"] = float(per_function[:, self.rewards.accuracy_index].nanmean())
-        return metrics
+        reward = {"reward": float(self.rewards.total(per_function).nanmean())}
+        if self.rewards.accuracy_index is None:
+            return reward, []
+        return {"pass@1": float(per_function[:, self.rewards.accuracy_index].nanmean()), **reward}, []
 
     def _greedy_scores(self, indices: list[int]) -> torch.Tensor:
         """Rewards [prompts, functions] of a greedy completion of each held-out prompt in indices."""
@@ -474,137 +458,45 @@ class GRPORun:
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
         return self.score(self.heldout, indices, texts, [list(s.token_ids) for s in samples])
 
-    # ------------------------------------------------------------------ the loop
-
-    def fit(self) -> dict[str, Any]:
-        """Evaluate, train to max_steps (or a stop signal), evaluate; return the run's statistics."""
-        cfg = self.cfg
-        if self.step == 0:
-            self.before = self.evaluate()
-            if self.before:
-                log.info("held-out before training: %s", _fmt(self.before))
-        self.started = time.perf_counter()
-        with graceful_stop() as stop, self._metrics_log() as self.metrics, \
-                tqdm(total=self.max_steps, initial=self.step, desc=f"grpo {cfg.method}/{cfg.trainer}",
-                     dynamic_ncols=True, disable=None if self.dist.is_main else True) as progress:
-            if self.step == 0 and self.before:
-                self.metrics.log({"step": 0, **self.before})
-            while self.step < self.max_steps:
-                loss, lr = self.train_step()
-                self.window.add(loss)
-                self._boost()
-                if self.step % cfg.logging_steps == 0 or self.step == self.max_steps:
-                    progress.set_postfix(self._log(lr), refresh=False)
-                progress.update(1)
-                if cfg.evaluation_strategy == "steps" and self.step % cfg.eval_steps == 0:
-                    self.metrics.log({"step": self.step, **self.evaluate()})
-                if cfg.save_strategy == "steps" and self.step % cfg.save_steps == 0 and self.step < self.max_steps:
-                    self._save()
-                if self.dist.end_step(stop["stop"]):  # all ranks stop at the same step
-                    path = self._save()
-                    raise StopRequested(f"stopped at step {self.step}; checkpoint saved to {path}; resume with "
-                                        f"--resume_from_checkpoint latest")
-        runtime = self.earlier_s + time.perf_counter() - self.started
-        if self.dist.is_main:
-            save_final(cfg, self.model, self.tokenizer, self.method)
-        after = self.evaluate()
-        return {"model": cfg.model_name, "method": cfg.method, "trainer": cfg.trainer, "loss_type": cfg.loss_type,
-                "steps": self.step, "generation_batches": self.generations, "seed": cfg.seed,
-                "train_runtime_s": round(runtime, 3), "steps_per_second": round(self.step / runtime, 4),
-                "resumes": self.resumes, "peak_memory_mb": round(perf.peak_memory_mb(self.device), 1),
-                "boosters": len(self.method.boosting.history) if self.method.boosting is not None else 0,
-                **{f"before_{k}": v for k, v in self.before.items()}, **after, **self.dist.summary()}
-
-    def _metrics_log(self) -> MetricsLog | SilentLog:
-        """metrics.jsonl and the trackers, on the main process; the others' records are dropped."""
-        if not self.dist.is_main:
-            return SilentLog()
-        resume_step = self.step or None
-        trackers = open_trackers(parse_report_to(self.cfg.report_to), self.out, self.out.name,
-                                 dataclasses.asdict(self.cfg), resume_step)
-        return MetricsLog(self.out / "metrics.jsonl", trackers=trackers, resume=self.step > 0,
-                          resume_step=resume_step)
-
-    def train_step(self) -> tuple[torch.Tensor, float]:
-        """One optimizer step (a new generation batch first when the last one is used up): its loss and lr."""
-        position = self.step % self.plan.cycle
-        if position == 0 or self.buffer.current is None:
-            self.buffer.current = self.generate()
-        lr = self.schedule(self.step)
-        loss = self._step(self.buffer.current.batch, position % self.plan.steps_per_generation, lr)
-        self.step += 1
-        return loss, lr
-
-    def _step(self, batch: CompletionBatch, index: int, lr: float) -> torch.Tensor:
-        """One optimizer step on the index-th optimizer batch of the generation batch."""
-        rows = batch.split(index * self.plan.step, (index + 1) * self.plan.step)
-        pieces = iter([rows.split(i, i + self.plan.per_call) for i in range(0, self.plan.step, self.plan.per_call)])
-        return self.stepper.step(lambda: next(pieces), lr)
-
-    def _boost(self) -> None:
-        """XGBLoRA: merge the booster when its steps are done."""
-        if self.method.boosting is None:
-            return
-        event = self.method.boosting.after_step(self.step, None, self.stepper.forget)
-        if event is not None:
-            self.metrics.log({**event, "step": self.step})
-
-    def _log(self, lr: float) -> dict[str, str]:
-        """One metrics record: the loss window, the current generation batch's rewards, the loss's statistics;
-        returns the progress bar's summary."""
-        mean, skipped = self.window.drain()
-        if skipped and self.cfg.nan_policy == "stop":
-            raise UserError(f"GRPO loss is nan or inf at step {self.step}; stopping (try a lower --learning_rate, "
-                            f"or --nan_policy skip)")
-        current = self.buffer.current
-        record = {"step": self.step, "loss": mean, "lr": lr, **current.metrics, **self._loss_statistics(),
-                  **{name: sum(v) / len(v) for name, v in self.reward_metrics.items()},
-                  "elapsed_s": round(self.earlier_s + time.perf_counter() - self.started, 3)}
-        self.reward_metrics = {}
-        if current.samples:
-            record["samples"] = current.samples
-        self.metrics.log(record)
-        shown = {"reward": record["reward"], **({"acc": record["accuracy"]} if "accuracy" in record else {}),
-                 "len": record["completion_length"], **({"kl": record["kl"]} if "kl" in record else {})}
-        if not tqdm_on_terminal():
-            log.info("step %d/%d  loss %s  %s", self.step, self.max_steps,
-                     "nan" if mean is None else f"{mean:.4f}", _fmt(shown))
-        return {k: f"{v:.3g}" for k, v in shown.items()}
-
-    def _loss_statistics(self) -> dict[str, float]:
-        """The loss's statistics since the last logging step (clip ratios, KL, entropy), means over the ranks."""
-        means = self.loss_fn.statistics.drain()
-        values = self.dist.all_mean(torch.tensor(list(means.values()), dtype=torch.float64, device=self.device))
-        return dict(zip(means, values.tolist(), strict=True))
-
-    def _save(self) -> Path:
-        self.metrics.flush()
-        path = self.checkpointer.save(f"step-{self.step}", self.state_dict())
-        if self.dist.is_main:
-            prune(self.checkpointer.root, self.cfg.save_total_limit)
-        return path
-
-
-def tqdm_on_terminal() -> bool:
-    """Whether the progress bar shows (a terminal); else progress goes to the log, one line per logging step."""
-    return sys.stderr.isatty()
-
-
-def _fmt(metrics: dict[str, float]) -> str:
-    return "  ".join(f"{k} {v:.3f}" for k, v in metrics.items())
-
 
 def run_grpo(cfg: GRPOConfig) -> dict[str, Any]:
     """`xgblora grpo`: train, then write final/ and results.json (see the module docstring). Under torchrun or
     accelerate launch every process trains on its share of each generation batch; the main one owns the folder."""
     dist = setup(cfg)  # before the model loads: it picks this rank's GPU
-    out = Path(cfg.output_dir)
-    with atomic.output_folder(out, "--output_dir"), run_lock(out) if dist.is_main else contextlib.nullcontext():
-        if (out / "results.json").exists() and not cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
-            raise UserError(f"{out} already holds a finished run; pass --overwrite_output_dir to redo it, or "
-                            f"another --output_dir")
-        results = GRPORun(cfg, dist).fit()
+    if (done := finished_results(cfg, Path(cfg.output_dir))) is not None:
+        return done
+    with run_folder(cfg, dist) as out:
+        trainer, source = prepare(cfg, dist)
+        if cfg.overwrite_output_dir and not cfg.resume_from_checkpoint and dist.is_main:
+            start_over(out)
+        if dist.is_main:
+            config_mod.dump(trainer.cfg, out / "config.yaml")
+        summary = trainer.fit()
+        after = source.evaluate(trainer.run.model, trainer.run.splits.eval)[0] if source.heldout else {}
+        results = {"model": trainer.cfg.model_name, "method": cfg.method, "trainer": cfg.trainer,
+                   "loss_type": cfg.loss_type, "seed": cfg.seed, "generation_batches": source.generations, **summary,
+                   **{f"before_{k}": v for k, v in trainer.state.before.items()},
+                   **{f"eval_{k}": v for k, v in after.items()}}
         if dist.is_main:
             write_results(cfg, results)
             write_grpo_report(out, results)
     return results
+
+
+def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Generations]:
+    """The run's Trainer, on GRPO's loss and its generation batches (the reward functions checked first)."""
+    transformers.set_seed(cfg.seed)
+    rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)  # its errors come before the model
+    cfg, model, tokenizer = load_policy(cfg, dist)
+    # full fine-tuning has no adapter to switch off: its reference is a frozen copy (only when beta needs it)
+    reference = copy.deepcopy(model).eval().requires_grad_(False) if cfg.method == "ft" and cfg.beta else None
+    method = setup_method(model, cfg)
+    device = next(model.parameters()).device
+    objective = Objective(cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.use_bias_correction_kl, cfg.loss_type,
+                          cfg.importance_sampling_level)
+    loss_fn = GRPOLoss(model, objective, cfg.temperature, autocast_dtype(cfg, device))
+    source = Generations(cfg, model, tokenizer, method, rewards, loss_fn.statistics, dist, reference)
+    heldout = list(range(len(source.heldout.ids))) if source.heldout else []
+    run = RunSetup(cfg, task=None, splits=Splits(train=[], dev=[], eval=heldout, eval_is_own=True), head="lm",
+                   model=model, tokenizer=tokenizer, scoring=None, device=device, evaluate=source.evaluate)
+    return Trainer(run, method, source, dist, loss_fn=loss_fn), source

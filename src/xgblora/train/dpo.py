@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import transformers
 
-from xgblora import atomic, distributed
 from xgblora import config as config_mod
+from xgblora import distributed
 from xgblora.adapters import trained
 from xgblora.adapters.lora import adapters_off
 from xgblora.config import DPOConfig
@@ -35,16 +35,15 @@ from xgblora.data.preference import (
     read_preferences,
 )
 from xgblora.data.splits import Splits
-from xgblora.errors import UserError
 from xgblora.evaluation.evaluators import Evaluator
 from xgblora.logs import setup_console_logging
 from xgblora.models import pretrained
 from xgblora.preference.objective import Objective
 from xgblora.preference.scoring import PreferenceLoss, evaluate_pairs, reference_logps
-from xgblora.train.lock import run_lock
-from xgblora.train.loop import Trainer
+from xgblora.train.loop import ExampleBatches, Trainer
 from xgblora.train.objective import TrainingSet
 from xgblora.train.results import write_model_card, write_results
+from xgblora.train.run import finished_results, run_folder, start_over
 from xgblora.train.setup import RunSetup, _compute_dtype, resolve, setup_method
 
 log = logging.getLogger("xgblora")
@@ -57,11 +56,9 @@ def run_dpo(cfg: DPOConfig) -> dict[str, Any]:
     held_out = read_preferences(cfg.eval_file, cfg.columns, "eval") if cfg.eval_file else []
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
     dist = distributed.setup(cfg)
-    out = Path(cfg.output_dir)
-    with atomic.output_folder(out, "--output_dir"), run_lock(out) if dist.is_main else contextlib.nullcontext():
-        if (out / "results.json").exists() and not cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
-            raise UserError(f"{out} already holds a finished run; pass --overwrite_output_dir to redo it, "
-                            f"or another --output_dir")
+    if (done := finished_results(cfg, Path(cfg.output_dir))) is not None:
+        return done
+    with run_folder(cfg, dist):
         return _run(cfg, dist, train, held_out, template)
 
 
@@ -81,10 +78,7 @@ def _load(cfg: DPOConfig, dist: distributed.Distributed, template: str | None) -
                                        load_in_4bit=cfg.load_in_4bit, compute_dtype=_compute_dtype(cfg, target))
     if template is not None:
         tokenizer.chat_template = template
-    cfg = resolve(cfg, model, dist)
-    if dist.is_main:
-        config_mod.dump(cfg, Path(cfg.output_dir) / "config.yaml")
-    return cfg, model, tokenizer
+    return resolve(cfg, model, dist), model, tokenizer
 
 
 @dataclass
@@ -100,8 +94,12 @@ class DPORun:
 
 def _run(cfg: DPOConfig, dist: distributed.Distributed, train: list[PreferenceExample],
          held_out: list[PreferenceExample], template: str | None) -> dict[str, Any]:
-    run = prepare(cfg, dist, train, held_out, template)
+    run = prepare(cfg, dist, train, held_out, template)  # the last checks: a refused run writes nothing
     cfg, model = run.cfg, run.trainer.run.model
+    if dist.is_main:
+        if cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
+            start_over(Path(cfg.output_dir))
+        config_mod.dump(cfg, Path(cfg.output_dir) / "config.yaml")
     summary = run.trainer.fit()
     results = {"model": cfg.model_name, "method": cfg.method, "trainer": cfg.trainer, "seed": cfg.seed,
                "loss_type": list(cfg.loss_terms[0]), "beta": cfg.beta, "num_train": len(run.trainer.run.splits.train),
@@ -144,7 +142,8 @@ def prepare(cfg: DPOConfig, dist: distributed.Distributed, train: list[Preferenc
     splits = Splits(train=list(train_seqs), dev=[], eval=list(eval_seqs), eval_is_own=True)
     run = RunSetup(cfg, task=None, splits=splits, head="lm", model=model, tokenizer=tokenizer, scoring=None,
                    device=device, evaluate=evaluate)
-    return DPORun(cfg, Trainer(run, method, training_set(train_seqs, pad, ref_train), dist), eval_seqs, evaluate)
+    source = ExampleBatches(training_set(train_seqs, pad, ref_train), cfg, dist)
+    return DPORun(cfg, Trainer(run, method, source, dist), eval_seqs, evaluate)
 
 
 def training_set(seqs: Sequence[PreferenceSeq], pad_id: int, ref: torch.Tensor | None) -> TrainingSet:

@@ -59,6 +59,47 @@ class Stepper(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+class BatchSource(Protocol):
+    """Where a run's training batches come from: `batches(step)` is what the stepper calls for each micro-batch
+    (AdamW) or batch (ZO) of that step. Its `stream` (epoch, cursor) is saved with the loop state, its `components`
+    beside the stepper in each checkpoint; `metrics()` adds to each logged record."""
+
+    stream: BatchStream
+    max_steps: int
+    dropout: bool  # whether training forwards run in train mode (AdamW only: MeZO's forwards never do)
+    components: dict[str, Any]
+
+    def batches(self, step: int) -> Callable[[], Batch]: ...
+
+    def metrics(self) -> dict[str, Any]: ...
+
+
+class ExampleBatches:
+    """A training set's batches in BatchStream's order (seeded epochs, length-grouped where asked): this process's
+    share of each global batch; --max_steps, else --num_train_epochs over the set."""
+
+    dropout = True
+
+    def __init__(self, train_set: TrainingSet, cfg: Config, dist: Distributed):
+        self.train_set = dist.shard(train_set)  # batch(global batch) collates this rank's shard of it
+        global_batch = cfg.per_device_train_batch_size * dist.world_size
+        self.stream = BatchStream(self.train_set.lengths, global_batch, cfg.seed, cfg.groups_by_length)
+        self.max_steps = total_steps(cfg, len(self.train_set.lengths), global_batch)
+        self.components: dict[str, Any] = {}
+        self._order: Iterator[list[int]] | None = None
+
+    def batches(self, step: int) -> Callable[[], Batch]:  # noqa: ARG002 (every call draws the stream's next batch)
+        return self._next
+
+    def _next(self) -> Batch:
+        if self._order is None:  # first drawn after a resume has set the stream's cursor
+            self._order = iter(self.stream)
+        return self.train_set.batch(next(self._order))
+
+    def metrics(self) -> dict[str, Any]:
+        return {}
+
+
 class LossWindow:
     """The training losses since the last log, summed on the device: no host sync per step, one when drained."""
 
@@ -103,6 +144,7 @@ class LoopState:
     window: LossWindow
     step: int = 0
     best: dict[str, Any] | None = None
+    before: dict[str, Any] = field(default_factory=dict)  # --eval_on_start: the evaluation before the first step
     last_loss: float | None = None
     resumes: int = 0
     earlier_parts_s: float = 0.0  # training time of the parts before this one, up to the checkpoint resumed
@@ -115,11 +157,12 @@ class LoopState:
     def state_dict(self) -> dict[str, Any]:
         """The loop state as JSON values."""
         return {"step": self.step, "epoch": self.stream.epoch, "cursor": self.stream.cursor, "best": self.best,
-                "window": self.window.state_dict(), "runtime_s": self.runtime_s(), "resumes": self.resumes}
+                "before": self.before, "window": self.window.state_dict(), "runtime_s": self.runtime_s(),
+                "resumes": self.resumes}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict() returned."""
-        self.step, self.best = state["step"], state["best"]
+        self.step, self.best, self.before = state["step"], state["best"], state["before"]
         self.stream.epoch, self.stream.cursor = state["epoch"], state["cursor"]
         self.window.load_state_dict(state["window"])
         self.earlier_parts_s, self.resumes = state["runtime_s"], state["resumes"]
@@ -185,6 +228,10 @@ def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Dist
     return stepper(estimator, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
 
 
+# What the progress bar and line show of a logged record, when it holds them: the loss, and what GRPO and DPO
+# users watch.
+PROGRESS_NAMES = {"loss": "loss", "reward": "reward", "accuracy": "acc", "completion_length": "len", "kl": "kl",
+                  "rewards/accuracies": "pref_acc", "rewards/margins": "margin"}
 ESTIMATORS = {"mezo": MeZO, "nspsa": NSPSA, "fzoo": FZOO, "svrg": MeZOSVRG, "es": ES}
 
 
@@ -208,16 +255,15 @@ def total_steps(cfg: Config, n_examples: int, global_batch: int) -> int:
 
 
 class Trainer:
-    """The state of one training run and the loop over it."""
+    """The state of one training run and the loop over it: `source` hands each step its batches, `loss_fn` (default:
+    the training loss of the run's objective) turns a batch into per-example losses for the stepper."""
 
-    def __init__(self, run: RunSetup, method: Method, train_set: TrainingSet, dist: Distributed,
-                 hooks: Hooks | None = None):
+    def __init__(self, run: RunSetup, method: Method, source: BatchSource, dist: Distributed,
+                 hooks: Hooks | None = None, loss_fn: Any = None):
         cfg = self.cfg = run.cfg
-        self.run, self.method, self.dist, self.hooks = run, method, dist, hooks or Hooks()
-        train_set = dist.shard(train_set)  # batch(global batch) collates this rank's shard of it
-        global_batch = cfg.per_device_train_batch_size * dist.world_size
-        stream = BatchStream(train_set.lengths, global_batch, cfg.seed, cfg.groups_by_length)
-        self.max_steps = total_steps(cfg, len(train_set.lengths), global_batch)
+        self.run, self.method, self.source, self.dist = run, method, source, dist
+        self.hooks = hooks or Hooks()
+        self.max_steps = source.max_steps
         boosting = method.boosting
         if boosting is not None:
             boosting.plan(cfg.booster_steps(self.max_steps), self.max_steps)
@@ -227,10 +273,10 @@ class Trainer:
                                  cfg.warmup_steps or int(cfg.warmup_ratio * span))
         if cfg.gradient_checkpointing and cfg.trainer == "regular":
             run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.loss_fn = TrainingLoss(torch.compile(run.model) if cfg.compile else run.model, run.autocast,
-                                    method.contrastive, method.preference)
+        self.loss_fn = loss_fn or TrainingLoss(torch.compile(run.model) if cfg.compile else run.model, run.autocast,
+                                               method.contrastive, method.preference)
         self.stepper = build_stepper(cfg, method, self.loss_fn, dist, run.device)
-        self.state = LoopState(stream, LossWindow(run.device))
+        self.state = LoopState(source.stream, LossWindow(run.device))
         self.checkpointer = self._checkpointer()
         if cfg.resume_from_checkpoint:
             path, loop_state = self.checkpointer.restore(cfg.resume_from_checkpoint)
@@ -238,15 +284,25 @@ class Trainer:
             self.state.resumes += 1
             log.info("resumed from %s at step %d", path, self.state.step)
         self.loss_fn.model = self.stepper.prepare(self.loss_fn.model)  # FSDP wraps after loading
-        batches = iter(stream)
         self.progress_line = ProgressLine(self.max_steps, self.state.step, enabled=None if dist.is_main else False)
 
-        def next_batch() -> Batch:
-            batch = train_set.batch(next(batches))
-            self.progress_line.count(batch)
-            return batch.to(run.device)
+    def next_batches(self) -> Callable[[], Batch]:
+        """The current step's batches, on the device, counted by the progress line."""
+        draw = self.source.batches(self.state.step)
 
-        self.next_batch = next_batch
+        def next_batch() -> Batch:
+            batch = draw()
+            self.progress_line.count(batch)
+            return batch.to(self.run.device)
+
+        return next_batch
+
+    def train_step(self) -> tuple[torch.Tensor, float]:
+        """One optimizer step: its loss and learning rate."""
+        lr = self.schedule(self._schedule_step())
+        loss = self.stepper.step(self.next_batches(), lr)
+        self.state.step += 1
+        return loss, lr
 
     def _checkpointer(self) -> Checkpointer:
         boosting = self.method.boosting
@@ -257,7 +313,7 @@ class Trainer:
 
         learnt = self.method.contrastive is not None and self.method.contrastive.log_scale is not None
         return Checkpointer(Path(self.cfg.output_dir) / "checkpoints", model=self.run.model, tensors=tensors,
-                            components={"stepper": self.stepper,
+                            components={"stepper": self.stepper, **self.source.components,
                                         **({"temperature": self.method.contrastive} if learnt else {})},
                             model_components={"boosting": boosting} if boosting is not None else {},
                             save_only_model=self.cfg.save_only_model, is_main=self.dist.is_main,
@@ -270,14 +326,15 @@ class Trainer:
         """Train to max_steps (or a stop signal); return the run's statistics."""
         cfg, state = self.cfg, self.state
         state.part_started = time.perf_counter()  # set-up and resuming are not training time
-        self.run.model.train(cfg.trainer == "regular")  # MeZO's forwards run in eval mode: no dropout in L+ vs L-
-        if state.step == 0:
-            self._start_booster()
+        # MeZO's forwards run in eval mode: no dropout in L+ vs L-
+        self.run.model.train(cfg.trainer == "regular" and self.source.dropout)
         with graceful_stop() as stop, self._metrics() as self.metrics, self._progress() as self.progress:
+            if state.step == 0:
+                if cfg.eval_on_start:
+                    state.before = self._evaluate()
+                self._start_booster()
             while state.step < self.max_steps:
-                lr = self.schedule(self._schedule_step())
-                loss = self.stepper.step(self.next_batch, lr)
-                state.step += 1
+                loss, lr = self.train_step()
                 state.window.add(loss)
                 self._boost(loss)
                 if state.step % cfg.logging_steps == 0 or state.step == self.max_steps:
@@ -332,7 +389,7 @@ class Trainer:
 
         def backward(inputs: list[torch.nn.Parameter]) -> None:
             for _ in range(self.cfg.xgblora_init_batches):
-                self.loss_fn(self.next_batch()).mean().backward(inputs=inputs)
+                self.loss_fn(self.next_batches()()).mean().backward(inputs=inputs)
 
         boosting.init_from_gradients(backward, self.dist.all_mean)
 
@@ -349,27 +406,32 @@ class Trainer:
                             f"--nan_policy skip)")
         self.state.last_loss = mean
         preference = self.method.preference.statistics.drain() if self.method.preference is not None else {}
-        self.metrics.log({"step": step, "loss": mean, "lr": lr, **preference,
-                          **({"skipped": skipped} if skipped else {}), "elapsed_s": round(self.state.runtime_s(), 3)})
-        if mean is not None:
-            self.progress.set_postfix(loss=f"{mean:.4f}", refresh=False)
-        self.progress_line.report(step, mean, lr)
+        record = {"step": step, "loss": mean, "lr": lr, **preference, **self.source.metrics(),
+                  **({"skipped": skipped} if skipped else {}), "elapsed_s": round(self.state.runtime_s(), 3)}
+        self.metrics.log(record)
+        shown = {PROGRESS_NAMES[k]: record[k] for k in PROGRESS_NAMES if record.get(k) is not None}
+        self.progress.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
+        self.progress_line.report(step, mean, lr, {k: v for k, v in shown.items() if k != "loss"})
 
-    def _evaluate(self) -> None:
+    def _evaluate(self) -> dict[str, Any]:
         """Score the dev split (else the user's --eval_file); keep the best step (and its checkpoint with
-        --load_best_model_at_end).
+        --load_best_model_at_end); return the logged metrics (none without a split to score).
 
         The first metric decides: the highest accuracy or F1, the lowest loss (instruction data)."""
         state = self.state
+        if not self.run.splits.monitor:
+            return {}
         dev, predictions = self.run.evaluate(self.run.model, self.run.splits.monitor)
         samples = {"samples": predictions[:self.cfg.log_samples]} if self.cfg.log_samples and predictions else {}
-        self.metrics.log({"step": state.step, **{f"eval_{k}": v for k, v in dev.items()}, **samples})
+        logged = {f"eval_{k}": v for k, v in dev.items()}
+        self.metrics.log({"step": state.step, **logged, **samples})
         name, value = next(iter(dev.items()))
         score = -value if name in ("loss", "perplexity") else value
         if state.best is None or score > state.best["score"]:
             state.best = {"value": value, "score": score, "step": state.step}
             if self.cfg.load_best_model_at_end:
                 self._save("best")
+        return logged
 
     def _save(self, name: str) -> Path:
         self.metrics.flush()

@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from xgblora.config import Config
 from xgblora.errors import UserError
 from xgblora.logs import setup_console_logging
 from xgblora.train.lock import run_lock
-from xgblora.train.loop import Hooks, Trainer
+from xgblora.train.loop import ExampleBatches, Hooks, Trainer
 from xgblora.train.results import write_model_card, write_predictions, write_results
 from xgblora.train.setup import (
     RunSetup,
@@ -37,15 +38,23 @@ def run(cfg: Config, hooks: Hooks | None = None) -> dict[str, Any]:
     """Run what cfg asks for and return the final metrics (also written to results.json)."""
     setup_console_logging()
     dist = distributed.setup(cfg)  # before the model loads: it picks this rank's GPU
-    out = Path(cfg.output_dir)
-    if (done := finished_results(cfg, out)) is not None:
+    if (done := finished_results(cfg, Path(cfg.output_dir))) is not None:
         return done
+    with run_folder(cfg, dist) as out:
+        return _run(cfg, dist, out, hooks)
+
+
+@contextlib.contextmanager
+def run_folder(cfg: Config, dist: distributed.Distributed) -> Iterator[Path]:
+    """The run's --output_dir, checked (`check_folder`) and held by the main process's lock while the run writes
+    it; a refused or failed run that wrote nothing leaves no folder behind."""
+    out = Path(cfg.output_dir)
     check = functools.partial(check_folder, cfg, out)
     if not dist.is_main:
         check()
     with atomic.output_folder(out, "--output_dir"), \
             run_lock(out, check) if dist.is_main else contextlib.nullcontext():  # the main process owns the folder
-        return _run(cfg, dist, out, hooks)
+        yield out
 
 
 def finished_results(cfg: Config, out: Path) -> dict[str, Any] | None:
@@ -109,7 +118,7 @@ def _train(setup: RunSetup, dist: distributed.Distributed, hooks: Hooks | None) 
     train_set = training_set(setup)  # before the adapters: the packing probe runs on the plain model
     method = setup_method(setup.model, cfg, build_contrastive(setup, dist))
     init_head(setup, method)
-    trainer = Trainer(setup, method, train_set, dist, hooks)  # the last checks: a refused run writes nothing
+    trainer = Trainer(setup, method, ExampleBatches(train_set, cfg, dist), dist, hooks)  # the last checks: a refused run writes nothing
     if cfg.overwrite_output_dir and not cfg.resume_from_checkpoint and dist.is_main:
         start_over(Path(cfg.output_dir))
     write_config(setup, dist)
