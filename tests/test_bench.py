@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from xgblora import cli
 from xgblora.bench import flags, gpu, sft, suites, table, timing, workloads
 from xgblora.bench.baselines import hf_vs_xgblora
 
@@ -22,6 +23,17 @@ def _args(tmp_path, *extra: str) -> argparse.Namespace:
 
 def _positive(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.parametrize("taken", ["bench.json", "bench.md"])
+def test_bench_never_writes_over_a_file(tmp_path, capsys, taken):
+    """--json FILE (or the Markdown table beside it) that exists: one line, exit 2, before anything is measured."""
+    (tmp_path / taken).write_text("mine\n")
+    assert cli.main(["bench", "--quick", "--model_name", "tiny-opt", "--device", "cpu",
+                     "--json", str(tmp_path / "bench.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / taken} already exists" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [taken] and (tmp_path / taken).read_text() == "mine\n"
 
 
 def test_bench_quick_writes_every_key_and_prints_the_table(tmp_path, capsys):

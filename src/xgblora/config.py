@@ -719,7 +719,7 @@ SAMPLE_TRAINING_IGNORES = ("task_name", "data_dir", "num_train", "num_dev", "num
                            "data_format", "result_file", "tag", "no_eval", *CLASSIFICATION_OPTIONS,
                            "only_train_option", "head", "pooling", "head_init", "head_probe_l2", "objective",
                            "mini_batch_size", "embed_pieces", "grit_train_file", *EMBEDDING_OPTIONS)
-RFT_IGNORES = (*SAMPLE_TRAINING_IGNORES, "output_dir")
+RFT_IGNORES = (*SAMPLE_TRAINING_IGNORES, "output_dir", "eval_on_start")
 GRPO_IGNORES = (*SAMPLE_TRAINING_IGNORES, "eval_split_ratio", "loss_mean", "train_on_prompt", "log_samples",
                 "per_device_eval_batch_size", "packing", "group_by_length", "compile",
                 "gradient_checkpointing", "tf32")

@@ -18,6 +18,7 @@ from xgblora.bench import dpo, embed, gpu, grpo, icl, sft, train_suite
 from xgblora.bench.flags import apply_quick
 from xgblora.bench.machine import environment
 from xgblora.bench.table import format_table
+from xgblora.errors import UserError
 
 # suite -> (module, the JSON key of its list of results)
 LISTED_SUITES = {"sft": (sft, "cases"), "icl": (icl, "tasks"), "compile": (compile_suite, "workloads"),
@@ -30,7 +31,6 @@ def run_suite(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         res = train_suite.run(args)
         return res, format_table(res)
     if args.suite == "gpu":
-        args.json = args.json or "gpu-suite.json"
         env = environment(args)
         report = gpu.run(args, save=lambda partial: gpu.write(Path(args.json), {"suite": "gpu", "environment": env,
                                                                                 **partial}))
@@ -41,7 +41,13 @@ def run_suite(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark suite, print its table, and write the JSON when --json is given."""
+    """Run the benchmark suite, print its table, and write the JSON when --json is given (the GPU suite: always,
+    saved after each part). Neither the JSON nor its Markdown table is written over an existing file."""
+    if args.suite == "gpu":
+        args.json = args.json or "gpu-suite.json"
+    if args.json and (taken := [p for p in (Path(args.json), Path(args.json).with_suffix(".md")) if p.exists()]):
+        raise UserError(f"--json {args.json}: {taken[0]} already exists; bench never writes over a file, so name "
+                        f"another")
     with contextlib.redirect_stdout(sys.stderr):  # HF Trainer prints its summary; keep stdout for the table
         res, table = run_suite(args)
     print(table, flush=True)
