@@ -47,8 +47,10 @@ def test_help(capsys, command):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "usage: xgblora" in out
-    if command in ("train", "eval"):
+    if command == "train":
         assert "--learning_rate" in out and "--resume_from_checkpoint" in out
+    if command == "eval":
+        assert "--num_train" in out and "--learning_rate" not in out
 
 
 def test_console_script_error_exit_code(shared_data, tmp_path):

@@ -23,14 +23,6 @@ RFT = ["rft", "--train_file", "q.jsonl", "--eval_file", "q.jsonl"]
 GRPO = ["grpo", "--train_file", "q.jsonl"]
 # argv -> the flag the refusal names
 REFUSED = {
-    "eval learning rate": (["eval", "--learning_rate", "1e-3"], "learning_rate"),
-    "eval optimiser": (["eval", "--adam_beta1", "0.8"], "adam_beta1"),
-    "eval save strategy": (["eval", "--save_strategy", "no"], "save_strategy"),
-    "eval evaluation strategy": (["eval", "--evaluation_strategy", "steps"], "evaluation_strategy"),
-    "eval boosting": (["eval", "--xgblora_num_boosters", "3"], "xgblora_num_boosters"),
-    "eval method": (["eval", "--method", "lora"], "method"),
-    "eval ZO": (["eval", "--zo_eps", "1e-2"], "zo_eps"),
-    "eval no_eval": (["eval", "--no_eval"], "no_eval"),
     "mezo zero-shot with --lora": (["mezo", "--lora"], "lora"),
     "train none resume": (["train", "--trainer", "none", "--resume_from_checkpoint", "latest"],
                           "resume_from_checkpoint"),
@@ -51,13 +43,10 @@ REFUSED = {
                                  "--grit_generative_weight", "2"], "grit_generative_weight"),
     "contrastive label words": (["train", "--objective", "contrastive", "--train_file", "p.jsonl",
                                  "--label_words", "a,b"], "label_words"),
-    "compare seed": (["compare", "--seed", "3"], "seed"),
-    "compare output_dir": (["compare", "--output_dir", "x"], "output_dir"),
     "compare ZO flag with regular runs": (["compare", "--methods", "lora:regular", "--zo_eps", "1e-2"], "zo_eps"),
     "compare LoRA flag with ft runs": (["compare", "--methods", "ft", "--lora_alpha", "4"], "lora_alpha"),
     "rft ZO flag": ([*RFT, "--zo_eps", "1e-2"], "zo_eps"),
     "grpo boosters under lora": ([*GRPO, "--xgblora_shrinkage", "0.5"], "xgblora_shrinkage"),
-    "chat several replies": (["chat", "--num_return_sequences", "2", "--temperature", "1"], "num_return_sequences"),
 }
 
 
@@ -72,19 +61,55 @@ def test_an_ignored_flag_is_refused_in_one_line_naming_it(case, no_model, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("command", ["rft", "grpo"])
-def test_flags_rft_and_grpo_never_read_are_not_theirs(command, no_model, tmp_path, monkeypatch, capsys):
-    """Left out of the parser: the flag is unknown, and a YAML config (a dumped one names every option) may carry it
-    only at its default."""
+# argv -> a flag of another command: not in the command's groups, so not one of its flags
+NOT_THEIRS = {
+    "eval learning rate": ["eval", "--learning_rate", "1e-3"],
+    "eval optimiser": ["eval", "--adam_beta1", "0.8"],
+    "eval save strategy": ["eval", "--save_strategy", "no"],
+    "eval method": ["eval", "--method", "lora"],
+    "eval trainer": ["eval", "--trainer", "zo"],
+    "eval no_eval": ["eval", "--no_eval"],
+    "compare seed": ["compare", "--seed", "3"],
+    "compare output_dir": ["compare", "--output_dir", "x"],
+    "chat several replies": ["chat", "--temperature", "1", "--num_return_sequences", "2"],
+    "rft label words": [*RFT, "--label_words", "a,b"],
+    "grpo label words": [*GRPO, "--label_words", "a,b"],
+    "dpo head": ["dpo", "--train_file", "q.jsonl", "--head", "classifier"],
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_THEIRS))
+def test_a_flag_the_command_never_reads_is_not_one_of_its_flags(case, no_model, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    argv = RFT if command == "rft" else GRPO
-    assert cli.main([*argv, "--label_words", "a,b"]) == 2
-    assert "unrecognized arguments: --label_words" in capsys.readouterr().err
-    assert "--pooling" not in cli.build_parser()._subparsers._group_actions[0].choices[command].format_help()
-    (tmp_path / "c.yaml").write_text("pooling: auto\nobjective: contrastive\n")
+    argv = NOT_THEIRS[case]
+    assert cli.main(argv) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"unrecognized arguments: {argv[-2] if argv[-1][0] != '-' else argv[-1]}" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["eval", "rft", "grpo"])
+def test_a_yaml_config_may_name_another_commands_option_only_at_its_default(command, no_model, tmp_path, monkeypatch,
+                                                                              capsys):
+    """A dumped config.yaml names every option of its class: those outside the command pass at their default and
+    are refused, in one line, at any other value."""
+    monkeypatch.chdir(tmp_path)
+    argv = {"eval": ["eval"], "rft": RFT, "grpo": GRPO}[command]
+    assert "--pooling" not in cli.build_parser()._subparsers._group_actions[0].choices["grpo"].format_help()
+    (tmp_path / "c.yaml").write_text("head_init: probe\nhead_trainer: zo\n")
     assert cli.main([*argv, "--config", "c.yaml"]) == 2
-    assert re.search(rf"xgblora {command}: error: --objective 'contrastive' does nothing here",
-                     capsys.readouterr().err)
+    assert re.search(rf"xgblora {command}: error: --head_trainer 'zo' does nothing here: xgblora {command} never "
+                     rf"reads it", capsys.readouterr().err)
+
+
+def test_eval_shows_at_most_50_flags_each_of_its_groups():
+    """eval's parser holds the options of its groups only: the model, the rows, the task, the head, embeddings,
+    numerics, the run's seed and folder, MeZO's result file."""
+    parser = cli.build_parser()._subparsers._group_actions[0].choices["eval"]
+    flags = {a.dest for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+    assert flags == cli.COMMANDS["eval"].reads and len(flags) <= 50
+    assert {"learning_rate", "method", "trainer", "save_steps", "zo_eps"}.isdisjoint(flags)
+    assert {"model_name", "task_name", "num_train", "head", "objective", "per_device_eval_batch_size"} <= flags
 
 
 # the files a command cannot run without (never read here: the check comes first)
@@ -96,5 +121,6 @@ REQUIRED = {"generate": {"input_file": "p.jsonl"}, "rft": {"train_file": "q.json
 def test_every_commands_defaults_pass(command):
     """Nothing given but a command's required files: no refusal; its dumped config (every option) passes too."""
     cls, defaults, required = cli.COMMANDS[command].options, cli.COMMANDS[command].defaults, REQUIRED.get(command, {})
-    cfg = config_mod.from_namespace(cls, argparse.Namespace(**required), defaults)
-    config_mod.check_ignored(cls(**dataclasses.asdict(cfg)), defaults)
+    reads = cli.COMMANDS[command].reads
+    cfg = config_mod.from_namespace(cls, argparse.Namespace(**required, command=command), defaults, reads)
+    config_mod.check_ignored(cls(**dataclasses.asdict(cfg)), defaults, reads, command)

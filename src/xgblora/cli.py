@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import json
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from xgblora import config as config_mod
+from xgblora import options as opts
 from xgblora.bench.flags import add_arguments as add_bench_arguments
 from xgblora.errors import RankLostError, UserError
 
@@ -34,8 +34,15 @@ DPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5, 
 
 
 
+def _options(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Any:
+    """The command's options from its flags (and --config), checked before the heavy imports."""
+    command = COMMANDS[args.command]
+    return config_mod.from_namespace(command.options, args, command.defaults if defaults is None else defaults,
+                                     command.reads)
+
+
 def _train(args: argparse.Namespace) -> int:
-    cfg = config_mod.from_namespace(config_mod.Config, args)  # the options checked before the heavy imports
+    cfg = _options(args)
     from xgblora.train import run
 
     print(json.dumps(run(cfg), indent=2))
@@ -43,21 +50,19 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    if getattr(args, "trainer", "none") != "none":
-        raise UserError(f"xgblora eval does not train (--trainer {args.trainer}); use xgblora train")
-    cfg = config_mod.from_namespace(config_mod.Config, args, EVAL_DEFAULTS)
+    cfg = _options(args)
     from xgblora.adapters.trained import run_options
     from xgblora.train import run
 
     trained = run_options(cfg.model_name, cfg.adapter)  # a trained run is scored on its own task, as it was trained
     if trained:
-        cfg = config_mod.from_namespace(config_mod.Config, args, {**EVAL_DEFAULTS, **trained})
+        cfg = _options(args, {**EVAL_DEFAULTS, **trained})
     print(json.dumps(run(cfg), indent=2))
     return 0
 
 
 def _mezo(args: argparse.Namespace) -> int:
-    cfg = config_mod.from_namespace(config_mod.Config, args, MEZO_DEFAULTS)
+    cfg = _options(args)
     from xgblora.train import run
 
     print(json.dumps(run(cfg), indent=2))
@@ -65,7 +70,7 @@ def _mezo(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    cfg = config_mod.from_namespace(config_mod.GenerateConfig, args)
+    cfg = _options(args)
     from xgblora.generation.generate import generate_file
 
     print(json.dumps(generate_file(cfg), indent=2))
@@ -73,14 +78,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    cfg = config_mod.from_namespace(config_mod.ChatConfig, args)
+    cfg = _options(args)
     from xgblora.generation.chat import chat
 
     return chat(cfg)
 
 
 def _rft(args: argparse.Namespace) -> int:
-    cfg = config_mod.from_namespace(config_mod.RFTConfig, args, RFT_DEFAULTS)
+    cfg = _options(args)
     from xgblora.generation.rft import run_rft
 
     done = run_rft(cfg)
@@ -90,7 +95,7 @@ def _rft(args: argparse.Namespace) -> int:
 
 
 def _grpo(args: argparse.Namespace) -> int:
-    cfg = config_mod.from_namespace(config_mod.GRPOConfig, args, GRPO_DEFAULTS)
+    cfg = _options(args)
     from xgblora.generation.grpo import run_grpo
 
     print(json.dumps(run_grpo(cfg), indent=2))
@@ -100,12 +105,12 @@ def _grpo(args: argparse.Namespace) -> int:
 def _dpo(args: argparse.Namespace) -> int:
     from xgblora.train.dpo import run_dpo
 
-    print(json.dumps(run_dpo(config_mod.from_namespace(config_mod.DPOConfig, args, DPO_DEFAULTS)), indent=2))
+    print(json.dumps(run_dpo(_options(args)), indent=2))
     return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
-    cfg = config_mod.from_namespace(config_mod.CompareConfig, args)
+    cfg = _options(args)
     from xgblora.compare import compare
 
     done = compare(cfg)
@@ -201,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=command.help, description=command.help, allow_abbrev=False,
                            formatter_class=_Help)
         if command.options is not None:
-            config_mod.add_arguments(p, command.options, command.defaults, command.hidden)
+            config_mod.add_arguments(p, command.options, command.defaults, command.reads)
         elif command.add_flags is not None:
             command.add_flags(p)
     return parser
@@ -293,37 +298,53 @@ def _add_mine_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class Command:
-    """A sub-command: its one-line help, the function that runs it, and its flags: an options dataclass (with the
-    defaults that differ from the dataclass's, and the options it never reads, left out of its flags; a YAML config
-    may still name them, at their default), or a function that adds them."""
+    """A sub-command: its one-line help, the function that runs it, and its flags: an options dataclass with the
+    groups of it the command reads (options.GROUPS; its own classes' fields come too) and the defaults that differ
+    from the dataclass's, or a function that adds them."""
 
     help: str
     run: Callable[[argparse.Namespace], int]
     options: type | None = None
+    groups: tuple[type, ...] = ()
     defaults: dict[str, Any] = field(default_factory=dict)
-    hidden: tuple[str, ...] = ()
     add_flags: Callable[[argparse.ArgumentParser], None] | None = None
 
+    @property
+    def reads(self) -> frozenset[str] | None:
+        """The options the command reads (None: it takes no options class)."""
+        return config_mod.command_options(self.options, self.groups) if self.options is not None else None
+
+
+# What every trainer reads (the model, its rows, the method and optimiser, the loop), and what training on a task's
+# examples adds (MeZO's tasks and custom data: heads, embeddings, instruction SFT, batching).
+TRAINING = (opts.ModelOptions, opts.InputOptions, opts.AdapterOptions, opts.BoostingOptions, opts.OptimizerOptions,
+            opts.ZOOptions, opts.ComputeOptions, opts.LoopOptions)
+TASK_TRAINING = (*TRAINING, opts.TaskOptions, opts.HeadOptions, opts.EmbeddingOptions, opts.SupervisedOptions,
+                 opts.ContrastiveOptions, opts.InstructionOptions, opts.BatchOptions)
+EVALUATION = (opts.ModelOptions, opts.InputOptions, opts.TaskOptions, opts.HeadOptions, opts.EmbeddingOptions,
+              opts.ComputeOptions, opts.RunOptions, opts.OutputOptions, opts.ResultFileOptions)
+RUN_FOLDER = (opts.RunOptions, opts.OutputOptions)
 
 COMMANDS: dict[str, Command] = {
     "train": Command("Fine-tune a model (ft, lora or xgblora) with AdamW (--trainer regular) or MeZO (--trainer zo).",
-                     _train, config_mod.Config),
+                     _train, config_mod.Config, (*TASK_TRAINING, *RUN_FOLDER, opts.ResultFileOptions)),
     "compare": Command("Run XGBLoRA and LoRA (or any methods) side by side over seeds; write a loss figure and tables.",
-                       _compare, config_mod.CompareConfig),
+                       _compare, config_mod.CompareConfig, TASK_TRAINING),
     "eval": Command("Zero-shot or in-context evaluation (k demonstrations with --num_train k); writes results.json.",
-                    _eval, config_mod.Config, EVAL_DEFAULTS),
+                    _eval, config_mod.Config, EVALUATION, EVAL_DEFAULTS),
     "mezo": Command("MeZO's run.py as it is: its flags and defaults (no training unless --trainer; result/ copy).",
-                    _mezo, config_mod.Config, MEZO_DEFAULTS),
+                    _mezo, config_mod.Config, (*TASK_TRAINING, *RUN_FOLDER, opts.ResultFileOptions), MEZO_DEFAULTS),
     "generate": Command("Sample completions of every prompt in a file (N per prompt, greedy or sampled); JSONL out, resumable.",
-                        _generate, config_mod.GenerateConfig),
+                        _generate, config_mod.GenerateConfig, (opts.ModelOptions, opts.SamplingOptions)),
     "chat": Command("Talk to a model in the terminal: streamed replies, multi-turn through the chat template.",
-                    _chat, config_mod.ChatConfig),
+                    _chat, config_mod.ChatConfig, (opts.ModelOptions, opts.SamplingOptions)),
     "rft": Command("Rejection-sampling fine-tuning: rounds of sample -> verify -> train -> evaluate (pass@1, pass@k).",
-                   _rft, config_mod.RFTConfig, RFT_DEFAULTS, config_mod.RFT_IGNORES),
+                   _rft, config_mod.RFTConfig, (*TRAINING, opts.InstructionOptions, opts.BatchOptions,
+                                                opts.RunOptions, opts.SamplingOptions), RFT_DEFAULTS),
     "grpo": Command("Online RL with verifiable rewards (GRPO, TRL's options): sample G answers per prompt, reward, update.",
-                    _grpo, config_mod.GRPOConfig, GRPO_DEFAULTS, config_mod.GRPO_IGNORES),
+                    _grpo, config_mod.GRPOConfig, (*TRAINING, *RUN_FOLDER, opts.SamplingOptions), GRPO_DEFAULTS),
     "dpo": Command("Preference training on chosen/rejected pairs (DPO, IPO, hinge, robust, SimPO, ORPO; TRL's options).",
-                   _dpo, config_mod.DPOConfig, DPO_DEFAULTS, config_mod.DPO_IGNORES),
+                   _dpo, config_mod.DPOConfig, (*TRAINING, *RUN_FOLDER, opts.BatchOptions), DPO_DEFAULTS),
     "bench": Command("Measure speed and memory against baselines.", _bench, add_flags=add_bench_arguments),
     "env": Command("Print the environment report (versions, device, attention backends, chosen defaults).", _env),
     "export": Command("Export a run as a PEFT adapter, a merged model, or a GGUF file (llama.cpp, Ollama).", _export,
@@ -339,8 +360,7 @@ COMMANDS: dict[str, Command] = {
 
 def _unrecognized(command: str, unknown: list[str]) -> UserError:
     """The error for flags the command does not have, suggesting the closest of its options."""
-    cls, hidden = COMMANDS[command].options, COMMANDS[command].hidden
-    names = [f.name for f in dataclasses.fields(cls) if f.name not in hidden] if cls else []
+    names = sorted(COMMANDS[command].reads or ())
     flag = next((a for a in unknown if a.startswith("--")), "")
     close = difflib.get_close_matches(flag[2:].split("=")[0].replace("-", "_"), names, n=1) if flag else []
     hint = f"; did you mean --{close[0]}?" if close else ""

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from xgblora import checkpoint, report, train
-from xgblora.config import ZO_ESTIMATORS, CompareConfig, Config
+from xgblora.config import CompareConfig, Config
 from xgblora.errors import UserError
 from xgblora.logs import setup_console_logging
+from xgblora.options import ZO_ESTIMATORS
 
 log = logging.getLogger("xgblora")
 

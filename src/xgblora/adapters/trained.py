@@ -23,10 +23,10 @@ from xgblora import checkpoint
 from xgblora.adapters.lora import attach_factors, unwrap
 from xgblora.adapters.peft import read_adapter
 from xgblora.checkpoint import run_config
-from xgblora.config import ModelOptions
 from xgblora.data import formats
 from xgblora.errors import UserError
 from xgblora.models import pretrained
+from xgblora.options import ModelOptions
 
 _ADAPTER_CONFIG = "adapter_config.json"
 # how an embedding run's model embeds: an evaluation of the run folder embeds the same way unless told otherwise

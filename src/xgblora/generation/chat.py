@@ -44,7 +44,7 @@ def chat(cfg: ChatConfig, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout
         raise UserError(f"{cfg.model_name}: the tokenizer has no chat template; pass --chat_template FILE")
     if stdin.isatty():
         import readline  # noqa: F401 -- line editing and history for input read from a terminal
-    sampler = Sampler(model, tokenizer.pad_token_id, formats.model_stop_ids(model, tokenizer), sampling_params(cfg))
+    sampler = Sampler(model, tokenizer.pad_token_id, formats.model_stop_ids(model, tokenizer), sampling_params(cfg, 1))
     opening = [("system", cfg.system_prompt)] if cfg.system_prompt else []
     history = list(opening)
     stderr.write(f"chatting with {cfg.model_name}: /reset starts over, /exit or Ctrl-D leaves\n")

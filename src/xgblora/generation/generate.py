@@ -63,9 +63,11 @@ def read_prompt_rows(source: str, columns: str | None = None) -> tuple[list[dict
     return rows, examples
 
 
-def sampling_params(cfg: Any) -> SamplingParams:
-    """The sampler's parameters from a config holding SamplingOptions, max_new_tokens and seed."""
-    return SamplingParams(num_samples=cfg.num_return_sequences, max_new_tokens=cfg.max_new_tokens,
+def sampling_params(cfg: Any, num_samples: int | None = None) -> SamplingParams:
+    """The sampler's parameters from a config holding SamplingOptions, max_new_tokens and seed; num_samples per
+    prompt, else the config's --num_return_sequences."""
+    num_samples = cfg.num_return_sequences if num_samples is None else num_samples
+    return SamplingParams(num_samples=num_samples, max_new_tokens=cfg.max_new_tokens,
                           temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
                           max_batch_tokens=cfg.max_batch_tokens)
 

@@ -40,7 +40,6 @@ import torch
 import transformers
 
 from xgblora import config as config_mod
-from xgblora.adapters import trained
 from xgblora.adapters.lora import adapter_factors, adapter_snapshot, adapters_off
 from xgblora.config import GRPOConfig
 from xgblora.data import formats
@@ -63,13 +62,12 @@ from xgblora.generation.grpo_objective import (
     row_weights,
 )
 from xgblora.generation.rewards import Rewards
-from xgblora.models import pretrained
 from xgblora.models.sampler import Sample, Sampler, SamplingParams
 from xgblora.report import write_grpo_report
 from xgblora.train.loop import Trainer
 from xgblora.train.results import write_results
 from xgblora.train.run import finished_results, run_folder, start_over
-from xgblora.train.setup import Method, RunSetup, autocast_dtype, setup_method
+from xgblora.train.setup import Method, RunSetup, autocast_dtype, load_policy, setup_method
 
 log = logging.getLogger("xgblora")
 SAMPLES_LOGGED = 4  # completions per logging step under --log_completions
@@ -179,22 +177,6 @@ def _prompt_value(example: Any) -> Any:
 def _completion_value(prompt: Any, text: str) -> Any:
     """A completion as TRL hands it over: a string, or an assistant message after a conversational prompt."""
     return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
-
-
-def load_policy(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[GRPOConfig, torch.nn.Module, Any]:
-    """The model to train and its tokenizer (a run or adapter folder names its base), and the config resolved
-    against them (the device: this rank's GPU under torchrun; max_length within the model's positions)."""
-    source = trained.resolve(cfg.model_name, cfg.adapter)
-    cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
-    device = pretrained.choose_device(dist.device or cfg.device)
-    template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
-    model, tokenizer = pretrained.load(cfg.model_name, dtype=cfg.dtype_name,
-                                       attn_implementation=cfg.attn_implementation, device=str(device),
-                                       trust_remote_code=cfg.trust_remote_code, load_in_4bit=cfg.load_in_4bit)
-    if template is not None:
-        tokenizer.chat_template = template
-    max_length = min(cfg.max_length, getattr(model.config, "max_position_embeddings", cfg.max_length))
-    return dataclasses.replace(cfg, max_length=max_length, device=str(device)), model, tokenizer
 
 
 class Generations:
@@ -416,7 +398,7 @@ class Generations:
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: CompletionBatch) -> torch.Tensor:
-        size = self.cfg.per_device_train_batch_size
+        size = self.cfg.per_device_eval_batch_size
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             return torch.cat([completion_logprobs(model, batch.split(i, i + size), self.cfg.temperature)[0]
                               for i in range(0, batch.n_examples, size)])
@@ -485,9 +467,9 @@ def run_grpo(cfg: GRPOConfig) -> dict[str, Any]:
 
 def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Generations]:
     """The run's Trainer, on GRPO's loss and its generation batches (the reward functions checked first)."""
-    transformers.set_seed(cfg.seed)
     rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)  # its errors come before the model
-    cfg, model, tokenizer = load_policy(cfg, dist)
+    template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
+    cfg, model, tokenizer = load_policy(cfg, dist, template)
     # full fine-tuning has no adapter to switch off: its reference is a frozen copy (only when beta needs it)
     reference = copy.deepcopy(model).eval().requires_grad_(False) if cfg.method == "ft" and cfg.beta else None
     method = setup_method(model, cfg)

@@ -23,10 +23,10 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from xgblora.config import GGUF_SUFFIX, is_gguf
 from xgblora.errors import UserError
 from xgblora.models import gguf, quant
 from xgblora.models.scoring import contiguous_head_input
+from xgblora.options import GGUF_SUFFIX, is_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

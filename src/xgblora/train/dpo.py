@@ -19,11 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 from xgblora import config as config_mod
 from xgblora import distributed
-from xgblora.adapters import trained
 from xgblora.adapters.lora import adapters_off
 from xgblora.config import DPOConfig
 from xgblora.data import formats
@@ -37,14 +35,13 @@ from xgblora.data.preference import (
 from xgblora.data.splits import Splits
 from xgblora.evaluation.evaluators import Evaluator
 from xgblora.logs import setup_console_logging
-from xgblora.models import pretrained
 from xgblora.preference.objective import Objective
 from xgblora.preference.scoring import PreferenceLoss, evaluate_pairs, reference_logps
 from xgblora.train.loop import ExampleBatches, Trainer
 from xgblora.train.objective import TrainingSet
 from xgblora.train.results import write_model_card, write_results
 from xgblora.train.run import finished_results, run_folder, start_over
-from xgblora.train.setup import RunSetup, _compute_dtype, resolve, setup_method
+from xgblora.train.setup import RunSetup, load_policy, setup_method
 
 log = logging.getLogger("xgblora")
 
@@ -65,20 +62,6 @@ def run_dpo(cfg: DPOConfig) -> dict[str, Any]:
 def objective_of(cfg: DPOConfig) -> Objective:
     loss_type, weights = cfg.loss_terms
     return Objective(loss_type, weights, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma, cfg.reference_free)
-
-
-def _load(cfg: DPOConfig, dist: distributed.Distributed, template: str | None) -> tuple[DPOConfig, Any, Any]:
-    """The base model and tokenizer (an adapter or run folder names its base); the config resolved against them."""
-    transformers.set_seed(cfg.seed)
-    source = trained.resolve(cfg.model_name, cfg.adapter)
-    cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
-    target = pretrained.choose_device(dist.device or cfg.device)
-    model, tokenizer = pretrained.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation,
-                                       device=str(target), trust_remote_code=cfg.trust_remote_code,
-                                       load_in_4bit=cfg.load_in_4bit, compute_dtype=_compute_dtype(cfg, target))
-    if template is not None:
-        tokenizer.chat_template = template
-    return resolve(cfg, model, dist), model, tokenizer
 
 
 @dataclass
@@ -116,7 +99,7 @@ def _run(cfg: DPOConfig, dist: distributed.Distributed, train: list[PreferenceEx
 def prepare(cfg: DPOConfig, dist: distributed.Distributed, train: list[PreferenceExample],
             held_out: list[PreferenceExample], template: str | None = None) -> DPORun:
     """Load the model, tokenise the pairs, set up what trains and the reference (see the module docstring)."""
-    cfg, model, tokenizer = _load(cfg, dist, template)
+    cfg, model, tokenizer = load_policy(cfg, dist, template)
     device, pad = next(model.parameters()).device, tokenizer.pad_token_id
     train_seqs = encode_all(tokenizer, train, cfg.max_length, cfg.max_prompt_length)
     eval_seqs = encode_all(tokenizer, held_out, cfg.max_length, cfg.max_prompt_length) if held_out else []

@@ -293,6 +293,23 @@ def _compute_dtype(cfg: Config, device: torch.device) -> str:
     return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(autocast, cfg.dtype_name)
 
 
+def load_policy(cfg: Config, dist: Distributed, template: str | None = None) -> tuple[Config, torch.nn.Module, Any]:
+    """The language model grpo and dpo train, and its tokenizer (a run or adapter folder names its base; the adapter
+    itself is set up by setup_method), and the config resolved against them (`resolve`); TF32 on where asked."""
+    transformers.set_seed(cfg.seed)
+    source = trained.resolve(cfg.model_name, cfg.adapter)
+    cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
+    target = pretrained.choose_device(dist.device or cfg.device)
+    model, tokenizer = pretrained.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation,
+                                       device=str(target), trust_remote_code=cfg.trust_remote_code,
+                                       load_in_4bit=cfg.load_in_4bit, compute_dtype=_compute_dtype(cfg, target))
+    if template is not None:
+        tokenizer.chat_template = template
+    if cfg.tf32:
+        perf.enable_tf32(next(model.parameters()).device)
+    return resolve(cfg, model, dist), model, tokenizer
+
+
 def resolve(cfg: Config, model: torch.nn.Module, dist: Distributed, head: str = "lm") -> Config:
     """The config that runs: max_length within the model's positions, the rank's device, FSDP's checkpoints, the
     classifier's pooling (auto: the model's sentence-transformers pooling, else its own [CLS] head)."""

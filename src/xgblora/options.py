@@ -1,0 +1,315 @@
+"""The options of every command, in small groups of flat, MeZO- and TRL-named flags: each group a frozen dataclass
+whose fields carry their help and choices. A command's options class (config.py) inherits the groups it reads, and
+its parser shows those only; the rules that span groups live with the command classes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The paper's Eq. 7 adds lambda (|A|^2 + |B|^2) to each booster's loss; its value for our models is not in the text
+# we could read, so it is a small one that changes little (see README). The booster counts are ours too.
+PAPER_NORM_PENALTY = 1e-3
+# MeZO's protocol draws 1000 training examples from a task's train split; a user's own data uses every row.
+MEZO_NUM_TRAIN = 1000
+# Boosters per run when neither --xgblora_num_boosters nor --xgblora_steps_per_iteration is given, per preset. plain
+# (the default) is the measured best: more boosters on every layer beat the paper's third of the layers at equal
+# steps where rank limits and on SmolLM2, and tie on MiniLM SST-2 (BENCHMARKS.md, "XGBLoRA's preset").
+PRESET_BOOSTERS = {"paper": 5, "plain": 25}
+ZO_ESTIMATORS = ("mezo", "fzoo", "svrg", "nspsa", "es")
+GGUF_SUFFIX = ".gguf"
+
+
+def is_gguf(name_or_path: str) -> bool:
+    """Whether a model name names a GGUF file (a local path, or owner/repo/FILE.gguf on the hub)."""
+    return name_or_path.lower().endswith(GGUF_SUFFIX)
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
+    meta = {"help": help, "choices": choices, "aliases": aliases}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Which model to load and how: the options every command that loads a model shares."""
+
+    model_name: str = _opt("tiny-opt", "Hub id, local path, a GGUF file (FILE.gguf, dequantised once and cached), pkg:<package>, or a built-in random model (tiny-opt, tiny-llama, opt-125m-random, ...).")
+    gguf_file: str | None = _opt(None, "A GGUF file inside the --model_name folder (or hub repository): the same as --model_name FOLDER/FILE.gguf.")
+    load_float16: bool = _opt(False, "Load the weights in float16.")
+    load_bfloat16: bool = _opt(False, "Load the weights in bfloat16.")
+    attn_implementation: str = _opt("auto", "Attention backend: auto picks flash_attention_2 on CUDA when installed, else sdpa.",
+                                    ("auto", "sdpa", "eager", "flash_attention_2"))
+    trust_remote_code: bool = _opt(False, "Allow a hub model to run its own code (off unless you pass it).")
+    adapter: str | None = _opt(None, "A PEFT LoRA adapter folder (trained with PEFT or xgblora) or an xgblora run folder, applied on --model_name. train: continue training it (its modules, rank and scaling; XGBLoRA merges it as the first booster); eval, generate, chat: use the model with it; rft: the first round samples with it and trains it on. --model_name may also name an adapter folder or a run folder itself.")
+    load_in_4bit: bool = _opt(False, "QLoRA: the base model's linear layers in 4-bit NF4 with double quantisation (bitsandbytes), their matmuls in the autocast dtype (else the weights' dtype); the adapters stay fp32. Training: --method lora or xgblora.")
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
+
+    def resolve_gguf_file(self) -> None:
+        """Fold --gguf_file into --model_name, a local GGUF path made absolute: the one name config.yaml and a
+        trained adapter record, so eval, generate and export find the same base from any directory."""
+        if self.gguf_file is not None:  # a local folder's file by its absolute path, a hub repository's as repo/FILE
+            folder = Path(self.model_name).expanduser()
+            name = str(folder / self.gguf_file) if folder.is_dir() else f"{self.model_name.rstrip('/')}/{self.gguf_file}"
+            object.__setattr__(self, "model_name", name)  # frozen: resolved once, while the object is built
+            object.__setattr__(self, "gguf_file", None)
+        path = Path(self.model_name).expanduser()
+        if is_gguf(self.model_name) and path.is_file():
+            object.__setattr__(self, "model_name", str(path.resolve()))
+
+    @property
+    def dtype_name(self) -> str:
+        """Weight dtype as a torch dtype name."""
+        return "float16" if self.load_float16 else "bfloat16" if self.load_bfloat16 else "float32"
+
+
+@dataclass(frozen=True)
+class InputOptions:
+    """The rows a run reads: its files, how their columns map, the chat template, the length cut."""
+
+    train_file: str | None = _opt(None, "Custom task: training data: JSON/JSONL, CSV/TSV, parquet, arrow, a save_to_disk folder, or a dataset id.")
+    eval_file: str | None = _opt(None, "Your own data: the evaluation rows, in any form --train_file takes; with no dev split, also what --evaluation_strategy steps and --load_best_model_at_end watch. Without it: the rows --num_train N did not draw, or no evaluation when every row trains.")
+    columns: str | None = _opt(None, "Custom task: map your column names to ours, OURS=THEIRS,... (e.g. prompt=question,completion=answer).")
+    chat_template: str | None = _opt(None, "A Jinja chat template file, replacing the tokenizer's (conversation rows need one).")
+    max_length: int = _opt(2048, "Longest input in tokens; longer inputs are truncated from the left.")
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """Which task the rows are and how its examples are drawn and scored: MeZO's tasks, or custom classification or instruction data."""
+
+    task_name: str = _opt("SST2", "SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, DROP, or custom.")
+    data_dir: str | None = _opt(None, "Folder with <task>/{train,dev}.jsonl in GLUE/SuperGLUE field names (else HF datasets).")
+    data_format: str = _opt("auto", "Custom instruction data: messages (chat turns), prompt_completion (also prompt/response; a conversational prompt/completion is a chat), text (language modelling); auto: from each row's fields.",
+                            ("auto", "messages", "prompt_completion", "text"))
+    template: str | None = _opt(None, "Custom classification task: prompt template with {field} slots, e.g. '{text} It was'.")
+    label_words: str | None = _opt(None, "Custom classification task: comma-separated verbalizers, one per label, in label order.")
+    label_names: str | None = _opt(None, "Custom classification task: comma-separated label values as they appear in the file (default 0,1,...).")
+    num_train: int | None = _opt(None, "Training examples drawn from the train split (demonstrations when --trainer none). Default: every row of your own data (--train_file, --objective contrastive/grit); 1000 for MeZO's tasks (MeZO's protocol).")
+    num_eval: int | None = _opt(None, "Evaluation examples drawn from the validation split (all when unset).")
+    train_set_seed: int = _opt(0, "Seed of the train/dev sampling.")
+    max_new_tokens: int = _opt(50, "Generation tasks: most tokens to generate.")
+    sfc: bool = _opt(False, "Calibrate candidate scores with surface-form competition (SFC).")
+    icl_sfc: bool = _opt(False, "SFC with the demonstrations in the calibration prompt.")
+
+
+@dataclass(frozen=True)
+class HeadOptions:
+    """What scores the labels, and what a classifier head reads."""
+
+    head: str = _opt("auto", "What scores the labels: lm (a causal LM's candidate tokens), classifier (a new sequence-classification head, trained in every method), mlm (a masked LM's one-token label words at a mask, MeZO's encoder prompts); auto: lm for causal LMs, mlm for encoders saved with their MLM head, else classifier.",
+                     ("auto", "lm", "classifier", "mlm"))
+    pooling: str = _opt("auto", "What a classifier head reads: cls (the model's own head: [CLS] through its pooler, or a causal LM's last token), mean (the masked mean of the last hidden states), last (the last non-padding token); auto: what the model's sentence-transformers pooling config (1_Pooling/config.json) says, else cls. Embeddings (--objective contrastive/grit) read cls as the first token's hidden state; their auto falls back to mean for encoders and bidirectional causal LMs, last for causal ones.",
+                        ("auto", "cls", "mean", "last"))
+
+
+@dataclass(frozen=True)
+class EmbeddingOptions:
+    """What an embedding model embeds: the objective, the instructions before queries and documents, the pooling of the instruction, attention both ways."""
+
+    objective: str = _opt("lm", "What the model learns: lm (the task's own loss: answer tokens, candidates or labels), contrastive (an embedding model: InfoNCE over query/positive pairs with in-batch and hard negatives; --train_file rows of query, positive and optional negative(s)), grit (a causal LM that embeds and generates: contrastive on --train_file pairs plus the language-modelling loss on --grit_train_file instruction rows).",
+                          ("lm", "contrastive", "grit"))
+    query_instruction: str = _opt("", "Contrastive/GRIT: text put before every query (e.g. 'query: '); with --instruction_format gritlm the task instruction that GritLM's format wraps.")
+    doc_instruction: str = _opt("", "Contrastive/GRIT: text put before every document (e.g. 'passage: '); with --instruction_format gritlm wrapped the same way.")
+    instruction_format: str = _opt("plain", "Contrastive/GRIT: plain (the instructions as they are) or gritlm (GritLM's format: '<|user|>\\n{instruction}\\n<|embed|>\\n', or '<|embed|>\\n' without an instruction, for queries and documents alike).",
+                                   ("plain", "gritlm"))
+    include_prompt: bool | None = _opt(None, "Contrastive/GRIT: the instruction's tokens count in the mean pooling (sentence-transformers' Pooling include_prompt); they are always attended to. Default: off for grit (GritLM pools the text only), on for contrastive.")
+    bidirectional: bool | None = _opt(None, "Contrastive/GRIT with a causal LM: the embedding pass attends both ways (GritLM); default on for grit (the model must allow it: checked, and --attn_implementation auto picks sdpa), off for contrastive.")
+
+
+@dataclass(frozen=True)
+class SupervisedOptions:
+    """Training on a task's examples: the dev split, the loss on candidates, a new classifier head's start and optimiser, the final evaluation."""
+
+    num_dev: int | None = _opt(None, "Dev examples drawn from the train split (disjoint from the training ones); none unless given. The dev split is what --evaluation_strategy steps and --load_best_model_at_end read.")
+    dev_pool: str = _opt("any", "Which train-split examples the dev set is drawn from: any, or sentences (inputs with at least 8 words and a sentence-final . ! or ?: SST-2's train split is mostly phrases, its validation split full sentences).",
+                         ("any", "sentences"))
+    only_train_option: bool = _opt(True, "MeZO's tasks on a causal LM: the loss is on the gold candidate's tokens only (false: on every token of prompt and candidate, as MeZO's run.py). Instruction data: see --train_on_prompt.")
+    train_as_classification: bool = _opt(False, "Train with cross-entropy over the candidates.")
+    head_init: str = _opt("probe", "How a new classifier head starts: probe (a logistic regression fitted by L-BFGS on the frozen model's features of the training examples, seconds) or random.",
+                          ("probe", "random"))
+    head_probe_l2: float | None = _opt(None, "L2 strength of the --head_init probe's logistic regression (default: chosen by k-fold cross-validation on the training examples from head.PROBE_L2_GRID, 1e-3 to 3e-1, k = head.PROBE_FOLDS = 5).")
+    head_trainer: str = _opt("first-order", "Under --trainer zo, how a new classifier head trains: first-order (AdamW on the features MeZO's forwards computed, detached: inference memory, and the dual batch still applies), frozen (the head stays as initialised), or zo (perturbed with the body).",
+                             ("first-order", "frozen", "zo"))
+    head_learning_rate: float = _opt(1e-3, "AdamW learning rate of a first-order head under --trainer zo (constant).")
+    no_eval: bool = _opt(False, "Skip the final evaluation.")
+
+
+@dataclass(frozen=True)
+class ContrastiveOptions:
+    """Contrastive and GRIT training of an embedding model: temperature, loss, gradient caching, GRIT's generative loss."""
+
+    contrastive_temperature: float | None = _opt(None, "Contrastive/GRIT: softmax temperature of the cosine similarities. Default: 0.02 for grit (GritLM's), 0.05 for contrastive (sentence-transformers' scale 20).",
+                                                 aliases=("temperature",))
+    contrastive_loss: str = _opt("infonce", "Contrastive: infonce (each query against all documents: sentence-transformers' MultipleNegativesRankingLoss) or symmetric (also each positive against all queries, the two averaged: MultipleNegativesSymmetricRankingLoss).",
+                                 ("infonce", "symmetric"))
+    learnable_temperature: bool = _opt(False, "Contrastive: learn the temperature (as CLIP does, its log-scale trained by AdamW from --contrastive_temperature).")
+    mini_batch_size: int = _opt(0, "Contrastive/GRIT: gradient caching (GradCache): embed the batch this many rows at a time, without a graph, and back-propagate each mini-batch from the gradients of the whole batch's loss: every query keeps the whole batch's negatives at the memory of one mini-batch (the same loss and gradients). 0: the batch in one piece.")
+    embed_pieces: bool | None = _opt(None, "Contrastive/GRIT without gradient caching: embed a batch's queries and documents in length-sorted pieces, each padded only to its own longest row, where that saves more than a forward costs (the same embeddings, loss and gradients; fewer padding tokens). Default: on for the CPU, off on CUDA, where smaller pieces may under-fill the GPU.")
+    grit_train_file: str | None = _opt(None, "GRIT: instruction data for the generative loss, in any form --train_file takes (messages, prompt/completion, text).")
+    grit_contrastive_weight: float = _opt(1.0, "GRIT: weight of the contrastive loss.")
+    grit_generative_weight: float = _opt(1.0, "GRIT: weight of the generative loss.")
+    grit_generative_batch_size: int | None = _opt(None, "GRIT: instruction examples per batch for the generative loss (GritLM's per_device_generative_bs; default: --per_device_train_batch_size, one per pair).")
+
+
+@dataclass(frozen=True)
+class InstructionOptions:
+    """Supervised fine-tuning on instruction rows: which tokens carry loss, how the loss averages, padding-free batches, a dev split from the rows, logged generations, activation recomputation."""
+
+    train_on_prompt: bool = _opt(False, "Instruction data: the prompt (user and system turns) carries loss too, not only the answers.")
+    loss_mean: str = _opt("auto", "Loss of a batch: the mean over its target tokens (token) or of each example's mean (example); auto: token for instruction data, example for MeZO's tasks.",
+                          ("auto", "token", "example"))
+    packing: bool | None = _opt(None, "Padding-free batches: a batch's sequences end to end in one row (causal LMs, loss on the gold continuation; the model must keep packed sequences apart, which is checked). Default: on with flash attention (varlen kernels), off with sdpa/eager, where it pays only for large models (see BENCHMARKS.md).")
+    eval_split_ratio: float | None = _opt(None, "Your own data: hold out this fraction of --train_file's rows as the dev split (instead of --num_dev N).")
+    log_samples: int = _opt(0, "Instruction data: also log N of the dev generations (prompt, prediction, reference) to metrics.jsonl at each evaluation.")
+    gradient_checkpointing: bool = _opt(False, "Recompute activations in the backward pass to save memory.")
+
+
+@dataclass(frozen=True)
+class AdapterOptions:
+    """What trains: full fine-tuning, or a LoRA adapter (rank, scaling, dropout, target modules)."""
+
+    method: str = _opt("ft", "What trains: full fine-tuning, LoRA, or XGBLoRA boosters.", ("ft", "lora", "xgblora"))
+    lora: bool = _opt(False, "Same as --method lora (MeZO's flag).")
+    xgblora: bool = _opt(False, "Same as --method xgblora (the XGBLoRA fork's flag).")
+    lora_r: int | None = _opt(None, "Adapter rank (default 8 for LoRA, 1 for XGBLoRA).", aliases=("lora_rank",))
+    lora_alpha: float | None = _opt(None, "Adapter scaling numerator: delta = (alpha / r) B A. Default 2r, so alpha / r = 2 at every rank (MeZO's r=8, alpha=16); with --use_rslora 2 sqrt(8), the same scale as LoRA's at r=8.")
+    use_rslora: bool = _opt(False, "rsLoRA scaling: delta = (alpha / sqrt(r)) B A.")
+    lora_dropout: float = _opt(0.0, "Dropout on the adapter branch's input.")
+    lora_target_modules: str | None = _opt(None, "What to adapt, as PEFT's target_modules: comma-separated module-name suffixes (q_proj,v_proj), all-linear (every linear layer of the transformer blocks; never the LM head or a classifier head), or a regular expression matched against the whole module name. Default: the attention query and value (MeZO's and the LoRA paper's choice).")
+
+
+@dataclass(frozen=True)
+class BoostingOptions:
+    """XGBLoRA's boosters: how many, how long each trains, where it starts, when it merges."""
+
+    xgblora_preset: str = _opt("plain", "XGBLoRA defaults: plain (25 boosters, each on every layer, no penalty: the measured best) or paper (arXiv 2410.19694: 5 boosters, each on a random third of the layers, a norm penalty on A and B). Both merge with alpha_t = 1. Explicit flags win.",
+                               ("paper", "plain"))
+    xgblora_num_boosters: int | None = _opt(None, "Boosters T in a run: each trains max_steps / T steps (default 25 under the plain preset, 5 under paper; --xgblora_steps_per_iteration wins).")
+    xgblora_steps_per_iteration: int | None = _opt(None, "Steps per booster before it is merged and re-initialised (default max_steps / --xgblora_num_boosters).")
+    xgblora_layers_per_booster: int | None = _opt(None, "Random subset of layers that carries the booster each iteration (default: a third of them, at least 1, under the paper preset; all under plain).")
+    xgblora_shrinkage: float = _opt(1.0, "Merge step size alpha_t: W += alpha_t * delta (the paper's 1).")
+    xgblora_norm_penalty: float | None = _opt(None, "lambda in lambda * (|A|^2 + |B|^2) added to the loss (default 1e-3 under the paper preset, 0 under plain).")
+    xgblora_restart_schedule: bool = _opt(False, "Run the learning-rate schedule (warm-up and decay) anew for every booster, over its steps.")
+    xgblora_init: str = _opt("random", "Where each booster starts: random (A Kaiming-uniform, B = 0, as LoRA) or gradient (A = the leading right singular vectors of the gradient of each adapted weight over --xgblora_init_batches training batches, B = 0: its first step follows the gradient's best rank-r direction; --trainer regular only).", ("gradient", "random"))
+    xgblora_init_batches: int = _opt(1, "--xgblora_init gradient: training batches (one forward and backward each, beside the training steps) whose gradient starts each booster.")
+    xgblora_adaptive: bool = _opt(False, "The Boosting-LoRA-ZO fork's extension (not the paper's): merge when the loss EMA stops improving, at the latest after --xgblora_adaptive_max_steps.")
+    xgblora_adaptive_max_steps: int | None = _opt(None, "Adaptive merge: most steps one booster trains (default: the steps per booster of the fixed schedule).")
+    xgblora_adaptive_patience: int = _opt(50, "Adaptive merge: steps without improvement before merging.")
+    xgblora_adaptive_threshold: float = _opt(1e-3, "Adaptive merge: relative improvement of the loss EMA that counts.")
+    xgblora_adaptive_ema: float = _opt(0.9, "Adaptive merge: EMA decay of the training loss.")
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """The optimiser and its budget: the trainer, AdamW's settings, the learning-rate schedule, batch sizes and steps."""
+
+    trainer: str = _opt("regular", "regular (AdamW), zo (MeZO), or none (evaluate only: what `xgblora eval` runs).", ("none", "regular", "zo"))
+    learning_rate: float = _opt(1e-5, "Peak learning rate.")
+    per_device_train_batch_size: int = _opt(8, "Training micro-batch size per device.")
+    gradient_accumulation_steps: int = _opt(1, "Micro-batches per optimizer step (AdamW only).")
+    max_steps: int = _opt(-1, "Optimizer steps (overrides num_train_epochs when > 0).")
+    num_train_epochs: float = _opt(3.0, "Epochs when max_steps is not set.")
+    weight_decay: float = _opt(0.0, "Decoupled weight decay (not applied to biases and norms).")
+    adam_beta1: float = _opt(0.9, "AdamW beta1.")
+    adam_beta2: float = _opt(0.999, "AdamW beta2.")
+    adam_epsilon: float = _opt(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _opt(1.0, "Gradient clipping norm (0 turns it off).")
+    lr_scheduler_type: str = _opt("constant", "Learning-rate schedule.", ("constant", "linear", "cosine"))
+    warmup_steps: int = _opt(0, "Linear warm-up steps.")
+    warmup_ratio: float = _opt(0.0, "Warm-up as a fraction of max_steps (used when warmup_steps is 0).")
+    fused_adamw: bool = _opt(True, "AdamW's fused kernel where all weights sit on one CUDA or CPU device (false: torch's default).")
+
+
+@dataclass(frozen=True)
+class ZOOptions:
+    """The zeroth-order trainer (--trainer zo): the estimator, its perturbations and the update it drives."""
+
+    zo_eps: float = _opt(1e-3, "MeZO perturbation size epsilon.")
+    zo_dual: bool | None = _opt(None, "ZO with adapters: both perturbed losses of a two-point estimate from one forward over a doubled batch (default: on where it applies: adapters with mezo, nspsa, svrg or es).")
+    zo_estimator: str = _opt("mezo", "Zeroth-order gradient estimator: mezo (two-point SPSA, 2 forwards/step), nspsa (mean of --zo_queries two-point estimates), fzoo (--zo_queries one-sided Rademacher estimates over their std, queries+1 forwards), svrg (MeZO-SVRG: large-batch anchor every --zo_svrg_period steps, 4 forwards between), es (evolution strategies: --zo_queries antithetic pairs, losses z-scored over the population).", ZO_ESTIMATORS)
+    zo_queries: int | None = _opt(None, "Perturbations per step: nspsa's two-point estimates (default 4), fzoo's one-sided ones (default 8), es's antithetic pairs (default 15: a population of 30); mezo and svrg use 1.")
+    zo_optimizer: str = _opt("sgd", "What the ZO estimate drives: sgd (in place, no state), momentum (torch SGD, --adam_beta1 as momentum), adam (torch AdamW); the last two keep fp32 state as large as the trainable weights.", ("sgd", "momentum", "adam"))
+    zo_svrg_period: int = _opt(10, "svrg: steps from one anchor step to the next.")
+    zo_svrg_anchor_batches: int = _opt(8, "svrg: training batches the anchor step's large-batch estimate averages (2 forwards each).")
+    zo_svrg_anchor_learning_rate: float | None = _opt(None, "svrg: the anchor (large-batch) step's rate, MeZO-SVRG's eta_1 (its script: 1e-3), --learning_rate being the steps between, eta_2 (1e-6); scheduled as --learning_rate is (default: --learning_rate).")
+    zo_stochastic_rounding: bool | None = _opt(None, "MeZO full-model update in half precision with stochastic rounding (default on in bf16/fp16).")
+
+
+@dataclass(frozen=True)
+class ComputeOptions:
+    """Numerics and the size of gradient-free passes: autocast, TF32, the evaluation batch."""
+
+    bf16: bool | None = _opt(None, "bf16 autocast (default: on for CUDA devices that support it).")
+    fp16: bool = _opt(False, "fp16 autocast with loss scaling (CUDA only).")
+    tf32: bool = _opt(True, "TF32 matmuls on Ampere or newer GPUs (false: full fp32 matmuls).")
+    per_device_eval_batch_size: int = _opt(8, "Evaluation batch size (in (example, candidate) pairs); grpo: completions per gradient-free pass (the old and reference log-probabilities).")
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """How training batches of examples are formed and run: length grouping, torch.compile."""
+
+    group_by_length: bool | None = _opt(None, "Batch examples of similar length together (less padding). Default: on for --objective lm; off for contrastive and grit, whose in-batch negatives it would thin out (a passage's questions share its length, so they would share a batch, and a copy of a query's positive is no negative).")
+    compile: bool = _opt(False, "torch.compile the model.")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Seeds and multi-process waiting."""
+
+    seed: int = _opt(42, "Seed of everything except the train/dev sampling.")
+    ddp_timeout: int = _opt(1800, "Multi-process runs: seconds a rank waits for the others in a collective before it stops with an error.")
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """Where the run writes, and whether it may start over there."""
+
+    output_dir: str = _opt("output", "Where the run writes config.yaml, metrics.jsonl, results.json and checkpoints.")
+    overwrite_output_dir: bool = _opt(False, "Start over in an output_dir that holds a run.")
+
+
+@dataclass(frozen=True)
+class ResultFileOptions:
+    """MeZO's result file beside results.json."""
+
+    result_file: str | None = _opt(None, "Also copy results.json here, as MeZO's run.py does; 'auto': MeZO's name, result/{TASK}-{MODEL}-...-trainset{SEED}.json (what `xgblora mezo` writes). Never over an existing file.")
+    tag: str = _opt("", "Tag in the MeZO-style result file name.")
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """The training loop: logging, evaluation and checkpoint cadence, resuming, trackers, the NaN policy."""
+
+    logging_steps: int = _opt(10, "Log the training loss every N steps.")
+    evaluation_strategy: str = _opt("no", "Evaluate on dev every eval_steps (steps) or never (no).", ("no", "steps"),
+                                    aliases=("eval_strategy",))
+    eval_steps: int = _opt(500, "Evaluate every N steps.")
+    eval_on_start: bool = _opt(False, "Also evaluate before the first step (the dev split, else the --eval_file rows; grpo: the held-out pass@1 before training).")
+    save_strategy: str = _opt("steps", "Checkpoint every save_steps (steps) or never (no).", ("no", "steps"))
+    save_steps: int = _opt(500, "Checkpoint every N steps.")
+    save_total_limit: int | None = _opt(None, "Keep at most this many checkpoints.")
+    save_only_model: bool = _opt(False, "Checkpoints hold the trainable weights only (no optimizer state; not resumable exactly).")
+    load_best_model_at_end: bool = _opt(False, "Reload the best dev checkpoint at the end.")
+    resume_from_checkpoint: str | None = _opt(None, "Checkpoint folder, or 'latest'.")
+    report_to: str = _opt("none", "Also log to trackers, comma-separated: tensorboard, wandb, mlflow, trackio (through Accelerate's trackers; their files go to output_dir), or none.")
+    nan_policy: str = _opt("stop", "On a NaN/inf loss: stop (keep the last good checkpoint) or skip the step.", ("stop", "skip"))
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How completions are drawn (the sampler of chat, generate, RFT and GRPO; see models/sampler.py)."""
+
+    temperature: float = _opt(0.0, "Sampling temperature; 0 is greedy.")
+    top_p: float = _opt(1.0, "Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.")
+    max_batch_tokens: int = _opt(32768, "Memory budget of a generation batch: rows x (longest prompt + max_new_tokens) tokens of KV cache.")
+
+
+# Every group: a command's options are the fields of the groups it names and those of its own classes.
+GROUPS = (ModelOptions, InputOptions, TaskOptions, HeadOptions, EmbeddingOptions, SupervisedOptions, ContrastiveOptions,
+          InstructionOptions, AdapterOptions, BoostingOptions, OptimizerOptions, ZOOptions, ComputeOptions,
+          BatchOptions, RunOptions, OutputOptions, ResultFileOptions, LoopOptions, SamplingOptions)
