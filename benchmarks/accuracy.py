@@ -117,6 +117,7 @@ def hf_run(values: dict[str, Any], out: Path) -> dict[str, Any]:
     )
 
     from xgblora.config import Config
+    from xgblora.data.labels import label_words
     from xgblora.data.splits import sample_splits
     from xgblora.data.tasks import get_task
     from xgblora.evaluation import labels
@@ -126,7 +127,7 @@ def hf_run(values: dict[str, Any], out: Path) -> dict[str, Any]:
     cfg = Config(**values)
     task = get_task(cfg.task_name, cfg.data)
     splits = sample_splits(task, cfg.data)
-    words = labels.label_words(task.name, splits.train, splits.dev, splits.eval)
+    words = label_words(task.name, splits.train, splits.dev, splits.eval)
     transformers.set_seed(cfg.seed)
     path = pretrained.resolve_path(cfg.model_name)
     tok = AutoTokenizer.from_pretrained(path)

@@ -23,7 +23,7 @@ def test_save_load_round_trip_and_rng(tmp_path):
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
     tensors = {"a.lora_A": torch.randn(2, 3), "b": torch.arange(4)}
     path = checkpoint.save(tmp_path, "step-5", tensors, {"step": 5, "rng": state}, {"optimizer": {"x": torch.ones(2)}})
-    got, loaded_state, blobs = checkpoint.load(path)
+    got, loaded_state, blobs = checkpoint.read_checkpoint(path)
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
     assert torch.equal(blobs["optimizer"]["x"], torch.ones(2))
     checkpoint.set_rng_state(loaded_state["rng"])
@@ -62,7 +62,7 @@ def test_failed_save_keeps_earlier_checkpoints_removes_its_folder_and_says_the_s
     assert "needs about 8,000 bytes" in message and "are free on that disk" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]  # no .step-2.tmp left behind
     assert checkpoint.load_requested(tmp_path, "latest")[0].name == "step-1"
-    assert torch.equal(checkpoint.load(tmp_path / "step-1")[0]["w"], torch.zeros(2))
+    assert torch.equal(checkpoint.read_checkpoint(tmp_path / "step-1")[0]["w"], torch.zeros(2))
 
 
 def truncate(path: Path) -> None:
@@ -93,7 +93,7 @@ def test_damaged_checkpoint_is_refused_and_latest_falls_back_with_a_warning(tmp_
     do(target)
     expected = what.format(n=size - 7, m=size)
     with pytest.raises(checkpoint.DamagedCheckpoint, match=re.escape(f"{file} {expected}")):
-        checkpoint.load(tmp_path / "step-2")
+        checkpoint.read_checkpoint(tmp_path / "step-2")
     path, (tensors, state, _) = checkpoint.load_requested(tmp_path, "latest")
     assert path.name == "step-1" and state["step"] == 1 and torch.equal(tensors["w"], torch.ones(64))
     warnings = [r.getMessage() for r in xgblora_log.records if r.levelno == logging.WARNING]
@@ -104,7 +104,7 @@ def test_checkpoint_without_manifest_or_all_damaged_is_a_user_error(tmp_path):
     checkpoint.save(tmp_path, "step-1", {"w": torch.zeros(2)}, {"step": 1})
     (tmp_path / "step-1" / checkpoint.MANIFEST).unlink()
     with pytest.raises(checkpoint.DamagedCheckpoint, match="no manifest.json"):
-        checkpoint.load(tmp_path / "step-1")
+        checkpoint.read_checkpoint(tmp_path / "step-1")
     with pytest.raises(UserError, match="every checkpoint under .* is damaged \\(step-1\\)"):
         checkpoint.load_requested(tmp_path, "latest")
 
@@ -112,7 +112,7 @@ def test_checkpoint_without_manifest_or_all_damaged_is_a_user_error(tmp_path):
 def test_resave_same_name_replaces_whole(tmp_path):
     checkpoint.save(tmp_path, "best", {"w": torch.zeros(2)}, {"step": 1})
     checkpoint.save(tmp_path, "best", {"w": torch.ones(2)}, {"step": 2})
-    tensors, state, _ = checkpoint.load(tmp_path / "best")
+    tensors, state, _ = checkpoint.read_checkpoint(tmp_path / "best")
     assert state["step"] == 2 and torch.equal(tensors["w"], torch.ones(2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
 
@@ -125,4 +125,4 @@ def test_prune_keeps_newest_and_latest_needs_one(tmp_path):
     checkpoint.prune(tmp_path, 2)
     assert [p.name for p in checkpoint.step_checkpoints(tmp_path)] == ["step-10", "step-30"]
     with pytest.raises(UserError, match="not a checkpoint"):
-        checkpoint.load(tmp_path)
+        checkpoint.read_checkpoint(tmp_path)

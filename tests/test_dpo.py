@@ -51,13 +51,21 @@ def test_continued_adapter_is_its_own_reference(tmp_path, pairs):
     assert logged[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
 
 
-def test_training_raises_the_reward_accuracy(tmp_path, pairs):
+def test_training_raises_the_reward_accuracy(tmp_path, pairs, capsys):
+    """The loss falls and held-out reward accuracy reaches 1; TRL's metrics are logged, the progress line shows the
+    preference accuracy and margin, report.html draws them."""
+    capsys.readouterr()
     results, logged = dpo(tmp_path, pairs, "--max_steps", "12", "--learning_rate", "1e-2", "--beta", "0.5")
     assert logged[-1]["loss"] < logged[0]["loss"] - 0.1
     assert results["eval_rewards/accuracies"] == 1.0 and results["eval_loss"] < math.log(2) - 0.1
     for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                  "logps/rejected", "logits/chosen", "logits/rejected"):
         assert name in logged[-1]
+    line = next(line for line in capsys.readouterr().err.splitlines() if "step 12/12" in line)
+    assert f"pref_acc {logged[-1]['rewards/accuracies']:.4g}" in line and "margin" in line
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert (tmp_path / "run" / "dpo.png").is_file() and "preference accuracy" not in page  # the figure is an image
+    assert "eval_rewards/accuracies" in page
 
 
 def test_zeroth_order_runs_the_same_loss(tmp_path, pairs):

@@ -11,12 +11,14 @@ from safetensors.torch import load_file
 from xgblora import train
 from xgblora.adapters.lora import attach
 from xgblora.config import Config
+from xgblora.data.labels import collate_labels, encode_labels
 from xgblora.data.splits import sample_splits
 from xgblora.data.tasks import Example, get_task
 from xgblora.demo import sentiment_rows, write_data
 from xgblora.distributed import LOCAL
 from xgblora.evaluation import labels
 from xgblora.models import pretrained
+from xgblora.models.scoring import is_head_param
 from xgblora.train import head
 from xgblora.train.loop import build_stepper
 from xgblora.train.objective import TrainingLoss
@@ -162,12 +164,12 @@ def test_a_mezo_run_starts_from_the_probe_and_each_head_trainer_does_what_it_say
 def test_first_order_head_steps_on_the_autograd_gradient_of_detached_features():
     model, tok = pretrained.load("tiny-bert", head="classifier", num_labels=2)
     attach(model, None, r=2)
-    named = [(n, p) for n, p in model.named_parameters() if labels.is_head_param(n)]
+    named = [(n, p) for n, p in model.named_parameters() if is_head_param(n)]
     for _, p in named:
         p.requires_grad_(True)
     scoring = labels.build_scoring("classifier", tok, WORDS, "mean")
     examples = _examples(12)
-    batch = labels.collate(labels.encode(tok, examples, 64, scoring), tok.pad_token_id, scoring)
+    batch = collate_labels(encode_labels(tok, examples, 64, scoring), tok.pad_token_id, scoring)
     model.eval()
     loss = torch.nn.functional.cross_entropy(labels.label_logits(model, batch), batch.labels)
     reference = torch.autograd.grad(loss, model.classifier.weight)[0]  # through the whole forward

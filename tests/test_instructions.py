@@ -333,5 +333,5 @@ def test_the_best_checkpoint_of_instruction_data_has_the_lowest_dev_loss(shared_
     evals = [(r["step"], r["eval_loss"]) for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r]
     assert [s for s, _ in evals] == [2, 4, 6, 8] and len({v for _, v in evals}) == 4
     best_step, best_loss = min(evals, key=lambda e: e[1])
-    _, state, _ = checkpoint.load(out / "checkpoints" / "best")
+    _, state, _ = checkpoint.read_checkpoint(out / "checkpoints" / "best")
     assert state["best"] == {"value": best_loss, "score": -best_loss, "step": best_step}

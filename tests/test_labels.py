@@ -16,6 +16,7 @@ from xgblora import train
 from xgblora.adapters.lora import attach
 from xgblora.adapters.peft import to_peft
 from xgblora.config import Config
+from xgblora.data.labels import collate_labels, encode_labels, label_words
 from xgblora.data.tasks import Example
 from xgblora.demo import write_data
 from xgblora.errors import UserError
@@ -38,7 +39,7 @@ def _model(head: str, seed: int = 0):
 
 
 def _batch(tok, scoring, examples=EXAMPLES):
-    return labels.collate(labels.encode(tok, examples, 512, scoring), tok.pad_token_id, scoring)
+    return collate_labels(encode_labels(tok, examples, 512, scoring), tok.pad_token_id, scoring)
 
 
 def test_resolve_head_by_architecture():
@@ -52,12 +53,12 @@ def test_resolve_head_by_architecture():
 
 
 def test_label_words_need_one_fixed_set():
-    assert labels.label_words("SST2", EXAMPLES) == WORDS
+    assert label_words("SST2", EXAMPLES) == WORDS
     copa = [Example("p", ("a", "b"), (0,)), Example("q", ("c", "d"), (1,))]
     with pytest.raises(UserError, match="per-example answer candidates"):
-        labels.label_words("Copa", copa)
+        label_words("Copa", copa)
     with pytest.raises(UserError, match="generation task"):
-        labels.label_words("SQuAD", [Example("q", (), (), answers=("x",))])
+        label_words("SQuAD", [Example("q", (), (), answers=("x",))])
 
 
 def test_mlm_label_words_must_be_one_token():
@@ -102,7 +103,7 @@ def test_truncation_keeps_the_leading_special_token_and_the_mask_and_warns_once(
     scoring = labels.build_scoring("mlm", tok, words)
     long = Example("word " * 300 + "It was", words, (1,))
     with pytest.warns(UserWarning, match="1 of 2 inputs were longer than max_length=32"):
-        seqs = labels.encode(tok, [long, EXAMPLES[1]], 32, scoring)
+        seqs = encode_labels(tok, [long, EXAMPLES[1]], 32, scoring)
     full = tok(long.prompt.rstrip() + " " + tok.mask_token)["input_ids"]
     leading = full[:1] if full[0] == tok.cls_token_id else []  # BERT's [CLS] stays; the tiny tokenizer adds none
     assert seqs[0].ids == tuple(leading + full[len(full) - (32 - len(leading)):])
@@ -200,7 +201,7 @@ def test_merged_export_of_a_classifier_run_reproduces_its_accuracy(tmp_path):
 
     task = get_task("custom", cfg.data)
     examples = sample_splits(task, cfg.data).eval
-    scoring = labels.build_scoring("classifier", tok, labels.label_words(task.name, examples))
+    scoring = labels.build_scoring("classifier", tok, label_words(task.name, examples))
     assert labels.evaluate(model, tok, examples, scoring)["accuracy"] == result["accuracy"]
 
 

@@ -351,8 +351,8 @@ def test_rft_options_change_the_kept_set_as_documented(tmp_path, monkeypatch, fl
 
 
 def test_restart_from_base_trains_every_round_from_the_starting_model(tmp_path, monkeypatch):
-    loaded, real = [], rft.load_model
-    monkeypatch.setattr(rft, "load_model", lambda cfg, path, adapter=None: loaded.append(path) or real(cfg, path,
+    loaded, real = [], rft.load_round_model
+    monkeypatch.setattr(rft, "load_round_model", lambda cfg, path, adapter=None: loaded.append(path) or real(cfg, path,
                                                                                                          adapter))
     rounds = _arithmetic_rft(tmp_path, monkeypatch, "restart", "--restart_from_base", rounds=2)
     for number in (1, 2):

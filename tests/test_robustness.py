@@ -311,7 +311,7 @@ def test_sigkill_inside_a_checkpoint_save_keeps_the_last_whole_one_the_rerun_ref
         # saves come at steps 2, 4, ...: the 2nd (step 4) dies half-way through its weights file
         assert dying_save_run(2, args, tmp_path / "1.txt") == -signal.SIGKILL
         seen = (sorted(p.name for p in root.iterdir()), checkpoint.load_requested(root, "latest")[0].name,
-                checkpoint.load(root / "step-2")[1]["step"], (out / "metrics.jsonl").read_text())
+                checkpoint.read_checkpoint(root / "step-2")[1]["step"], (out / "metrics.jsonl").read_text())
         with pytest.raises(Exception):  # noqa: B017 - the kill did land mid-write: the weights are cut short
             load_file(str(root / ".step-4.tmp" / checkpoint.WEIGHTS))
         before = snapshot(out)

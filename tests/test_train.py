@@ -225,7 +225,7 @@ def test_save_total_limit_and_load_best_model_at_end(shared_data, tmp_path):
     assert [s for s, _ in evals] == [2, 4, 6, 8, 10, 12]
     best_value = max(v for _, v in evals)
     best_step = next(s for s, v in evals if v == best_value)  # the first step reaching the best value
-    tensors, state, _ = checkpoint.load(root / "best")
+    tensors, state, _ = checkpoint.read_checkpoint(root / "best")
     assert state["step"] == best_step and state["best"] == {"value": best_value, "score": best_value, "step": best_step}
 
     final = adapter(out)
@@ -242,10 +242,10 @@ def test_save_total_limit_counts_the_stop_checkpoint_and_never_prunes_best(share
     with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):
         train.run(cfg, hooks=interrupt_at(7))
     assert [p.name for p in checkpoint.step_checkpoints(root)] == ["step-6", "step-7"]
-    best_step = checkpoint.load(root / "best")[1]["step"]
+    best_step = checkpoint.read_checkpoint(root / "best")[1]["step"]
     train.run(dataclasses.replace(cfg, resume_from_checkpoint="latest"))
     assert [p.name for p in checkpoint.step_checkpoints(root)] == ["step-8", "step-10"]
-    assert checkpoint.load(root / "best")[1]["step"] >= best_step  # kept (or bettered), never pruned
+    assert checkpoint.read_checkpoint(root / "best")[1]["step"] >= best_step  # kept (or bettered), never pruned
 
 
 def test_a_resumed_run_counts_the_time_of_every_part_and_its_resumes(shared_data, tmp_path, monkeypatch):
@@ -260,7 +260,7 @@ def test_a_resumed_run_counts_the_time_of_every_part_and_its_resumes(shared_data
     cfg = make_cfg(shared_data, out, max_steps=14, logging_steps=1, save_strategy="no", no_eval=True)
     with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):
         train.run(cfg, hooks=train.Hooks(on_step_end=tick(10.0).on_step_end + interrupt_at(7).on_step_end))
-    saved = checkpoint.load(out / "checkpoints" / "step-7")[1]
+    saved = checkpoint.read_checkpoint(out / "checkpoints" / "step-7")[1]
     assert (saved["runtime_s"], saved["resumes"]) == (70.0, 0)
     results = train.run(dataclasses.replace(cfg, resume_from_checkpoint="latest"), hooks=tick(1.0))
     assert (results["train_runtime_s"], results["resumes"]) == (77.0, 1)
@@ -276,7 +276,7 @@ def test_load_best_model_at_end_with_xgblora_exports_the_best_model(shared_data,
                    evaluation_strategy="steps", eval_steps=2, num_dev=32, load_best_model_at_end=True,
                    learning_rate=5e-2)
     train.run(cfg)
-    _, state, blobs = checkpoint.load(out / "checkpoints" / "best")
+    _, state, blobs = checkpoint.read_checkpoint(out / "checkpoints" / "best")
     history = blobs["boosting"]["history"]
     assert len(history) == state["step"] // 2 >= 1  # a merge every 2 steps, each before that step's evaluation
     # final/ must hold the boosters of the best model (their summed delta), not boosters merged after it
@@ -326,7 +326,7 @@ def test_nan_loss_stops_with_a_one_line_error_naming_the_step(shared_data, tmp_p
     assert message == f"training loss is nan or inf at steps 3-4; stopping: the last checkpoint before it is " \
                       f"{last_good} (a learning rate too high is the usual cause: try a lower --learning_rate, or " \
                       f"--nan_policy skip)"
-    assert last_good.is_dir() and checkpoint.load(last_good)[1]["step"] == 2
+    assert last_good.is_dir() and checkpoint.read_checkpoint(last_good)[1]["step"] == 2
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [2]
 
     calls["n"] = 0

@@ -159,7 +159,7 @@ def verify(path: Path) -> None:
                                     f"after it was written)")
 
 
-def load(path: Path) -> Contents:
+def read_checkpoint(path: Path) -> Contents:
     """Verify and read a checkpoint: (tensors, loop state, blobs); blobs load with weights_only=True (no pickle
     of code)."""
     if not any((path / name).is_file() for name in (MANIFEST, WEIGHTS, STATE)):
@@ -185,15 +185,15 @@ def clear(root: Path) -> None:
 
 def load_requested(root: Path, requested: str) -> tuple[Path, Contents]:
     """Load the given folder, or for 'latest' the newest intact step checkpoint under root (warning about each
-    damaged one passed over); returns its path and what load() read."""
+    damaged one passed over); returns its path and what read_checkpoint() read."""
     if requested != "latest":
-        return Path(requested), load(Path(requested))
+        return Path(requested), read_checkpoint(Path(requested))
     found = step_checkpoints(root)
     if not found:
         raise UserError(f"--resume_from_checkpoint latest: no checkpoint under {root}")
     for path in reversed(found):
         try:
-            return path, load(path)
+            return path, read_checkpoint(path)
         except DamagedCheckpoint as exc:
             log.warning("%s; resuming from an earlier checkpoint", exc)
     raise UserError(f"--resume_from_checkpoint latest: every checkpoint under {root} is damaged "
@@ -277,9 +277,9 @@ class Checkpointer:
                 component.load_state_dict(blobs[key])
         return path, state
 
-    def load_model(self, path: Path) -> dict[str, Any]:
+    def load_weights(self, path: Path) -> dict[str, Any]:
         """Load a checkpoint's weights and model components (not the stepper); return its loop state."""
-        tensors, state, blobs = load(path)
+        tensors, state, blobs = read_checkpoint(path)
         self._into_model(tensors, blobs)
         return state
 

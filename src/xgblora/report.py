@@ -446,35 +446,42 @@ def write_rft_report(records: Sequence[dict[str, Any]], out_root: Path) -> dict[
     return {"figure": figure, "html": Path(out_root) / "report.html"}
 
 
+# The curves of a run's report.html, per command: (logged key, panel title).
 GRPO_PANELS = (("reward", "reward (total)"), ("accuracy", "accuracy (training samples)"),
                ("completion_length", "completion length (tokens)"), ("kl", "KL to the reference"),
                ("clip_ratio", "clipped fraction of tokens"), ("entropy", "entropy (nats per token)"))
+DPO_PANELS = (("loss", "loss"), ("rewards/accuracies", "preference accuracy (chosen > rejected)"),
+              ("rewards/margins", "reward margin"), ("rewards/chosen", "reward of chosen"),
+              ("rewards/rejected", "reward of rejected"))
 
 
-def write_grpo_report(run_dir: Path, results: dict[str, Any]) -> dict[str, Path]:
-    """grpo.png (the logged reward, accuracy, length, KL, clipping and entropy per step) and report.html with the
-    run's results, from a GRPO run's metrics.jsonl."""
+def write_curves_report(run_dir: Path, results: dict[str, Any], name: str,
+                        panels: Sequence[tuple[str, str]]) -> dict[str, Path]:
+    """NAME.png (the panels' metrics per logged training step) and report.html with the run's results, from the
+    run's metrics.jsonl (grpo: GRPO_PANELS, dpo: DPO_PANELS)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if "reward" in r]
-    panels = [(key, title) for key, title in GRPO_PANELS if any(key in r for r in records)]
-    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(3.2 * max(len(panels), 1), 3.2), squeeze=False)
-    for ax, (key, title) in zip(axes[0], panels, strict=False):
+    records = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if "loss" in r]
+    shown_panels = [(key, title) for key, title in panels if any(key in r for r in records)]
+    fig, axes = plt.subplots(1, max(len(shown_panels), 1), figsize=(3.2 * max(len(shown_panels), 1), 3.2),
+                             squeeze=False)
+    for ax, (key, title) in zip(axes[0], shown_panels, strict=False):
         shown = [r for r in records if r.get(key) is not None]
         ax.plot([r["step"] for r in shown], [r[key] for r in shown], color="#4c72b0")
         ax.set(xlabel="step", title=title)
     fig.tight_layout()
-    figure = Path(run_dir) / "grpo.png"
+    figure = Path(run_dir) / f"{name}.png"
     fig.savefig(figure, dpi=110)
     plt.close(fig)
     rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{_fmt_cell(v)}</td></tr>" for k, v in results.items())
     image = base64.b64encode(figure.read_bytes()).decode("ascii")
-    page = ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>xgblora GRPO report</title>\n"
-            f"<style>{_CSS}</style>\n</head>\n<body>\n<h1>xgblora GRPO report</h1>\n"
-            f'<img alt="GRPO training curves" src="data:image/png;base64,{image}">\n'
+    title = f"xgblora {name.upper()} report"
+    page = ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+            f"<title>{title}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n<h1>{title}</h1>\n"
+            f'<img alt="{name} training curves" src="data:image/png;base64,{image}">\n'
             f"<table>\n<tbody>\n{rows}\n</tbody>\n</table>\n</body>\n</html>\n")
     atomic.write_text(Path(run_dir) / "report.html", page)
     return {"figure": figure, "html": Path(run_dir) / "report.html"}

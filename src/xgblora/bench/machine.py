@@ -25,7 +25,7 @@ def _versions() -> dict[str, str | None]:
     return versions
 
 
-def environment(args: argparse.Namespace) -> dict[str, Any]:
+def machine_record(args: argparse.Namespace) -> dict[str, Any]:
     """The machine, the library versions, the date and the common sizes of a run."""
     device = choose_device(args.device)
     return {

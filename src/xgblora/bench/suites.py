@@ -16,7 +16,7 @@ from typing import Any
 from xgblora.bench import compile as compile_suite
 from xgblora.bench import dpo, embed, gpu, grpo, icl, sft, train_suite
 from xgblora.bench.flags import apply_quick
-from xgblora.bench.machine import environment
+from xgblora.bench.machine import machine_record
 from xgblora.bench.table import format_table
 from xgblora.errors import UserError
 
@@ -31,13 +31,13 @@ def run_suite(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         res = train_suite.run(args)
         return res, format_table(res)
     if args.suite == "gpu":
-        env = environment(args)
+        env = machine_record(args)
         report = gpu.run(args, save=lambda partial: gpu.write(Path(args.json), {"suite": "gpu", "environment": env,
                                                                                 **partial}))
         return {"suite": "gpu", "environment": env, **report}, gpu.format_table(report)
     module, key = LISTED_SUITES[args.suite]
     results = module.run(apply_quick(args))
-    return {"suite": args.suite, "environment": environment(args), key: results}, module.format_table(results)
+    return {"suite": args.suite, "environment": machine_record(args), key: results}, module.format_table(results)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import torch
 from xgblora.bench import flops
 from xgblora.bench.baselines import eval_comparison, hf_vs_xgblora
 from xgblora.bench.flags import apply_quick
-from xgblora.bench.machine import environment
+from xgblora.bench.machine import machine_record
 from xgblora.bench.memory import measure_memory
 from xgblora.bench.profile import profile_slowest
 from xgblora.bench.timing import log_overhead, median, step_stats, time_interleaved
@@ -30,7 +30,7 @@ PROFILED = ("zo_step", "adamw_lora_step", "zo_full_step")  # xgblora's own steps
 def _sizes_and_environment(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
     """The run's sizes, the machine, the library versions and the date."""
     return {
-        **environment(args), "model_name": args.model_name, "seq_len": args.seq_len, "target_len": bench.n_target,
+        **machine_record(args), "model_name": args.model_name, "seq_len": args.seq_len, "target_len": bench.n_target,
         "total_params": sum(p.numel() for p in bench.plain.parameters()),
         "lora_trainable_params": bench.lora_report.trainable_params,
     }

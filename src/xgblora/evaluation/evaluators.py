@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from xgblora.data.labels import LabelScoring
 from xgblora.data.pairs import Prefixes
 from xgblora.data.tasks import Example, Task
 from xgblora.evaluation import candidates, labels, retrieval
@@ -61,7 +62,7 @@ class Candidates:
 @dataclass(frozen=True)
 class Labels:
     tokenizer: PreTrainedTokenizerBase
-    scoring: labels.LabelScoring
+    scoring: LabelScoring
     sizes: EvalSizes
 
     def __call__(self, model: nn.Module, examples: Sequence[Example], demos: Sequence[Example] = ()

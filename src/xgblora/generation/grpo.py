@@ -63,7 +63,7 @@ from xgblora.generation.grpo_objective import (
 )
 from xgblora.generation.rewards import Rewards
 from xgblora.models.sampler import Sample, Sampler, SamplingParams
-from xgblora.report import write_grpo_report
+from xgblora.report import GRPO_PANELS, write_curves_report
 from xgblora.train.loop import Trainer
 from xgblora.train.results import write_results
 from xgblora.train.run import finished_results, run_folder, start_over
@@ -461,7 +461,7 @@ def run_grpo(cfg: GRPOConfig) -> dict[str, Any]:
                    **{f"eval_{k}": v for k, v in after.items()}}
         if dist.is_main:
             write_results(cfg, results)
-            write_grpo_report(out, results)
+            write_curves_report(out, results, "grpo", GRPO_PANELS)
     return results
 
 

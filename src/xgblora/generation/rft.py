@@ -99,7 +99,7 @@ class LoadedModel:
     tokenizer: Any
 
 
-def load_model(cfg: RFTConfig, path: str, adapter: str | None = None) -> LoadedModel:
+def load_round_model(cfg: RFTConfig, path: str, adapter: str | None = None) -> LoadedModel:
     """A model for sampling (with an adapter applied), with --chat_template applied to its tokenizer."""
     model, tokenizer = load_with_options(cfg, path, adapter, cfg.chat_template)
     return LoadedModel(path, model, tokenizer)
@@ -200,7 +200,7 @@ def evaluate_model(cfg: RFTConfig, model_path: str, adapter: str | None, verifie
     at temperature 0 (every sample would be the greedy one)."""
     if (round_dir / "eval.json").exists():
         return json.loads((round_dir / "eval.json").read_text(encoding="utf-8"))
-    loaded = load_model(cfg, model_path, adapter)
+    loaded = load_round_model(cfg, model_path, adapter)
     questions = read_questions(cfg, cfg.eval_file, loaded.tokenizer)
     examples = questions.prompts.examples
     greedy = dataclasses.replace(sampling_params(cfg), num_samples=1, temperature=0.0)
@@ -275,7 +275,7 @@ def _rounds(cfg: RFTConfig, root: Path, verifier: Verifier | MathVerifier) -> di
                 **evaluate_model(cfg, model_path, adapter, verifier, root / "round-0")}]
     for number in range(1, cfg.rounds + 1):
         round_dir = root / f"round-{number}"
-        sampler = load_model(cfg, cfg.sampler_model) if cfg.sampler_model else load_model(cfg, model_path, adapter)
+        sampler = load_round_model(cfg, cfg.sampler_model) if cfg.sampler_model else load_round_model(cfg, model_path, adapter)
         questions = read_questions(cfg, cfg.train_file, sampler.tokenizer)
         rows = sample_questions(sampler, questions, sampling_params(cfg), round_dir / "samples.jsonl")
         kept = keep_all(cfg, verifier, questions, rows)

@@ -158,6 +158,14 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> to
     raise ValueError(f"pool() reads 'mean' or 'last', got {pooling!r} ('cls' is the model's own head)")
 
 
+CLASSIFIER_MODULES = ("classifier", "score", "pre_classifier")  # PEFT's names for SEQ_CLS heads, plus DistilBERT's
+
+
+def is_head_param(name: str) -> bool:
+    """Whether a parameter belongs to a new classification head (trained in every method, saved beside adapters)."""
+    return name.split(".")[0] in CLASSIFIER_MODULES
+
+
 def head_module(model: nn.Module) -> nn.Module:
     """A sequence classifier's new head: `classifier` (encoders) or `score` (causal LMs)."""
     head = getattr(model, "classifier", None)

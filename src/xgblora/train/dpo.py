@@ -37,6 +37,7 @@ from xgblora.evaluation.evaluators import Evaluator
 from xgblora.logs import setup_console_logging
 from xgblora.preference.objective import Objective
 from xgblora.preference.scoring import PreferenceLoss, evaluate_pairs, reference_logps
+from xgblora.report import DPO_PANELS, write_curves_report
 from xgblora.train.loop import ExampleBatches, Trainer
 from xgblora.train.objective import TrainingSet
 from xgblora.train.results import write_model_card, write_results
@@ -92,6 +93,7 @@ def _run(cfg: DPOConfig, dist: distributed.Distributed, train: list[PreferenceEx
         results.update({f"eval_{k}": v for k, v in run.evaluate(model, run.eval_seqs)[0].items()})
     if dist.is_main:
         write_model_card(cfg, results)
+        write_curves_report(Path(cfg.output_dir), results, "dpo", DPO_PANELS)
         write_results(cfg, results)  # last: results.json marks a finished run
     return results
 

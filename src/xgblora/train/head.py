@@ -18,8 +18,9 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from xgblora.data.batches import LabelBatch
+from xgblora.data.labels import LabelScoring
 from xgblora.data.tasks import Example
-from xgblora.evaluation.labels import LabelScoring, logits_by_batch
+from xgblora.evaluation.labels import logits_by_batch
 from xgblora.models.scoring import head_module
 from xgblora.optim.fo import build_optimizer
 

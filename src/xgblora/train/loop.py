@@ -457,7 +457,7 @@ class Trainer:
         self.dist.wait_for_main()  # its checkpoints are written before any rank reads "best"
         best_dir = self.checkpointer.root / "best"
         if cfg.load_best_model_at_end and state.best is not None and best_dir.is_dir():
-            self.checkpointer.load_model(best_dir)  # the boosters merged up to the best step, not after it
+            self.checkpointer.load_weights(best_dir)  # the boosters merged up to the best step, not after it
             log.info("loaded the best dev checkpoint (step %d, %.4f)", state.best["step"], state.best["value"])
         final_state = self.dist.model_state(self.loss_fn.model)  # FSDP: the full weights (every rank takes part)
         if self.dist.is_main:

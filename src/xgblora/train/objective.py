@@ -22,10 +22,10 @@ from xgblora.data.batches import (
     TokenBatch,
 )
 from xgblora.data.collation import TokenSeq, collate, collate_packed, training_seqs
+from xgblora.data.labels import LabelScoring, collate_labels, encode_labels
 from xgblora.data.pairs import PairSeq, collate_pairs
 from xgblora.data.tasks import Example
 from xgblora.embeddings.contrastive import Contrastive
-from xgblora.evaluation import labels
 from xgblora.models.scoring import label_logits, packed_mean_logprobs, target_logprobs
 from xgblora.preference.scoring import PreferenceLoss
 
@@ -78,11 +78,11 @@ def sequence_training_set(seqs: Sequence[TokenSeq], pad_id: int, packed: bool = 
 
 
 def label_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
-                       scoring: labels.LabelScoring) -> TrainingSet:
+                       scoring: LabelScoring) -> TrainingSet:
     """A classifier's or masked LM's training set: each example's prompt and gold label."""
-    seqs = labels.encode(tokenizer, examples, max_length, scoring)
+    seqs = encode_labels(tokenizer, examples, max_length, scoring)
     return TrainingSet([len(s.ids) for s in seqs],
-                       lambda idx: labels.collate([seqs[i] for i in idx], tokenizer.pad_token_id, scoring))
+                       lambda idx: collate_labels([seqs[i] for i in idx], tokenizer.pad_token_id, scoring))
 
 
 def pair_training_set(seqs: Sequence[PairSeq], pad_id: int) -> TrainingSet:

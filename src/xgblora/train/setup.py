@@ -31,6 +31,7 @@ from xgblora.adapters.peft import read_adapter
 from xgblora.config import Config
 from xgblora.data import formats
 from xgblora.data.collation import pad_multiple
+from xgblora.data.labels import LabelScoring, label_words
 from xgblora.data.pairs import PairTask, Prefixes, embedding_prefixes, held_apart, pair_seqs, prefix_length
 from xgblora.data.splits import Splits, load_rows, sample_splits
 from xgblora.data.tasks import CustomTask, Example, Task, get_task
@@ -43,7 +44,7 @@ from xgblora.evaluation import labels
 from xgblora.evaluation.evaluators import Candidates, EvalSizes, Evaluator, Instructions, Labels, Retrieval
 from xgblora.models import pretrained
 from xgblora.models.quant import is_quantized
-from xgblora.models.scoring import packing_supported
+from xgblora.models.scoring import is_head_param, packing_supported
 from xgblora.preference.scoring import PreferenceLoss
 from xgblora.train.head import fit_probe
 from xgblora.train.objective import (
@@ -118,8 +119,8 @@ def setup_method(model: torch.nn.Module, cfg: Config, contrastive: Contrastive |
         count = prepare_full_ft(model)
         log.info("full fine-tuning: %s trainable parameters", f"{count:,}")
         named = list(model.named_parameters())
-        return Method([(n, p) for n, p in named if not labels.is_head_param(n)],
-                      [(n, p) for n, p in named if labels.is_head_param(n)], contrastive=contrastive)
+        return Method([(n, p) for n, p in named if not is_head_param(n)],
+                      [(n, p) for n, p in named if is_head_param(n)], contrastive=contrastive)
     factors, adapter_head = read_adapter(Path(cfg.adapter)) if cfg.adapter else ({}, {})
     model.load_state_dict(adapter_head, strict=False)  # a trained classification head (modules_to_save)
     targets = cfg.lora_target_modules or (exact_targets(factors) if factors else None)
@@ -130,7 +131,7 @@ def setup_method(model: torch.nn.Module, cfg: Config, contrastive: Contrastive |
     if cfg.trainer == "zo":
         _warn_on_large_zo_scale(report.modules)
     adapters = adapter_params(model)
-    head = [(n, p) for n, p in model.named_parameters() if labels.is_head_param(n)]
+    head = [(n, p) for n, p in model.named_parameters() if is_head_param(n)]
     for _, p in head:  # a new classification head trains in every method (or stays frozen: see zo_params)
         p.requires_grad_(True)
     boosting = None
@@ -167,7 +168,7 @@ class RunSetup:
     head: str
     model: torch.nn.Module
     tokenizer: Any
-    scoring: labels.LabelScoring | None
+    scoring: LabelScoring | None
     device: torch.device
     evaluate: Evaluator
     generative: Sequence[Example] = ()  # GRIT: --grit_train_file's instruction examples
@@ -208,7 +209,7 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
     if dist.is_main:
         log.info("%s", describe_splits(task, cfg, splits))
-    words = labels.label_words(task.name, splits.train, splits.dev, splits.eval) if head not in ("lm", "embed") \
+    words = label_words(task.name, splits.train, splits.dev, splits.eval) if head not in ("lm", "embed") \
         else ()
     if head == "classifier" and cfg.label_words and dist.is_main:
         log.warning("--label_words with a classifier head: the words only count and name the labels (%s); the head "
@@ -226,7 +227,7 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
     if template is not None:
         tokenizer.chat_template = template
     device = next(model.parameters()).device
-    cfg = resolve(cfg, model, dist, head)
+    cfg = resolve_config(cfg, model, dist, head)
     _warn_on_emulated_bf16(cfg, device)
     if cfg.tf32:
         perf.enable_tf32(device)
@@ -249,7 +250,7 @@ def grit_examples(cfg: Config) -> list[Example]:
     return load_rows(task, "train", None)
 
 
-def build_evaluator(cfg: Config, task: Task, tokenizer: Any, scoring: labels.LabelScoring | None,
+def build_evaluator(cfg: Config, task: Task, tokenizer: Any, scoring: LabelScoring | None,
                     stop_ids: Sequence[int]) -> Evaluator:
     """The run's evaluator, from its objective and task: retrieval for embeddings, instructions for instruction
     data, labels for a classifier or masked-LM head, else MeZO's candidate scoring."""
@@ -295,7 +296,7 @@ def _compute_dtype(cfg: Config, device: torch.device) -> str:
 
 def load_policy(cfg: Config, dist: Distributed, template: str | None = None) -> tuple[Config, torch.nn.Module, Any]:
     """The language model grpo and dpo train, and its tokenizer (a run or adapter folder names its base; the adapter
-    itself is set up by setup_method), and the config resolved against them (`resolve`); TF32 on where asked."""
+    itself is set up by setup_method), and the config resolved against them (`resolve_config`); TF32 on where asked."""
     transformers.set_seed(cfg.seed)
     source = trained.resolve(cfg.model_name, cfg.adapter)
     cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
@@ -307,10 +308,10 @@ def load_policy(cfg: Config, dist: Distributed, template: str | None = None) -> 
         tokenizer.chat_template = template
     if cfg.tf32:
         perf.enable_tf32(next(model.parameters()).device)
-    return resolve(cfg, model, dist), model, tokenizer
+    return resolve_config(cfg, model, dist), model, tokenizer
 
 
-def resolve(cfg: Config, model: torch.nn.Module, dist: Distributed, head: str = "lm") -> Config:
+def resolve_config(cfg: Config, model: torch.nn.Module, dist: Distributed, head: str = "lm") -> Config:
     """The config that runs: max_length within the model's positions, the rank's device, FSDP's checkpoints, the
     classifier's pooling (auto: the model's sentence-transformers pooling, else its own [CLS] head)."""
     positions = getattr(model.config, "max_position_embeddings", None)
