@@ -98,6 +98,10 @@ def rewrite(command: str, data: dict[str, str]) -> list[str]:
             word = str(REPO / word)
         out.append(word)
     if "--config" in out:  # a config's own sizes are capped by flags, which win over it
+        config = yaml.safe_load(Path(out[out.index("--config") + 1]).read_text(encoding="utf-8"))
+        for key, value in config.items():
+            if f"--{key}" in CAPS and f"--{key}" not in out and isinstance(value, int | float):
+                out += [f"--{key}", str(min(value, CAPS[f"--{key}"]))]
         out += ["--max_new_tokens", str(CAPS["--max_new_tokens"]), "--num_train_epochs", "1"]
     elif out[:2] in (["xgblora", "train"], ["xgblora", "eval"]) and "--max_new_tokens" not in out:
         out += ["--max_new_tokens", str(CAPS["--max_new_tokens"])]  # the default's generations, capped too

@@ -241,7 +241,7 @@ def test_warnings_are_one_plain_line_and_library_renames_are_silenced(monkeypatc
 
 
 @pytest.mark.parametrize(("command", "flag", "default"), [
-    ("train", "--trainer", "regular"), ("eval", "--trainer", "none"), ("mezo", "--trainer", "none"),
+    ("train", "--trainer", "regular"), ("eval", "--num_train", "0"), ("mezo", "--trainer", "none"),
     ("mezo", "--result_file", "auto"), ("rft", "--method", "lora"), ("train", "--method", "ft"),
     ("encode", "--batch_size", "32"), ("demo", "--steps", None)])
 def test_help_shows_each_commands_own_default(command, flag, default, capsys):
