@@ -479,11 +479,15 @@ class DPOConfig(Config):
     max_prompt_length: int | None = _opt(None, "Keep each prompt's last N tokens (before --max_length cuts prompt + completion at the end).")
     precompute_ref_log_probs: bool = _opt(False, "Compute the reference's log-probabilities of every pair once before training (always so for XGBLoRA, full fine-tuning and a continued --adapter).")
     precompute_ref_batch_size: int | None = _opt(None, "Pairs per forward while precomputing (default: per_device_eval_batch_size).")
+    verifier: str | None = _opt(None, "Also score one greedy completion of each --eval_file prompt against its row's reference field: gsm8k, math, answer_tags, regex:PATTERN or module:function; eval_pass@1.")
+    max_new_tokens: int = _opt(256, "--verifier: most tokens per greedy completion.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.train_file:
             raise UserError("xgblora dpo needs --train_file (preference pairs: prompt, chosen, rejected)")
+        if self.verifier and not self.eval_file:
+            raise UserError("--verifier checks greedy completions of the --eval_file prompts: give --eval_file")
         unknown = [t for t in self.loss_type if t not in DPO_LOSS_TYPES]
         if unknown or not self.loss_type:
             raise UserError(f"--loss_type {' '.join(unknown)}: choose from {', '.join(DPO_LOSS_TYPES)}")
@@ -495,7 +499,7 @@ class DPOConfig(Config):
             raise UserError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.rpo_alpha is not None and "sft" in self.loss_type:
             raise UserError("--rpo_alpha adds the sft loss type; give it or --loss_type sft, not both")
-        _check_positive(self, "max_prompt_length", "precompute_ref_batch_size")
+        _check_positive(self, "max_prompt_length", "precompute_ref_batch_size", "max_new_tokens")
 
     @property
     def loss_terms(self) -> tuple[tuple[str, ...], tuple[float, ...]]:
