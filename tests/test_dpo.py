@@ -4,6 +4,7 @@ DPO's log 2), training raises the held-out reward accuracy, TRL's metrics reach 
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,7 +82,7 @@ def test_verifier_scores_the_greedy_completions_generate_gives(tmp_path, pairs, 
     from xgblora.models import pretrained
 
     model, tokenizer = pretrained.load("tiny-llama")
-    examples, rows = read_preferences(pairs), [json.loads(line) for line in open(pairs)]
+    examples, rows = read_preferences(pairs), [json.loads(line) for line in Path(pairs).read_text().splitlines()]
     for i, (ex, row) in enumerate(zip(examples, rows, strict=True)):
         ids = torch.tensor([encode(tokenizer, ex).prompt])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
