@@ -4,6 +4,7 @@ DPO's log 2), training raises the held-out reward accuracy, TRL's metrics reach 
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,6 +73,39 @@ def test_zeroth_order_runs_the_same_loss(tmp_path, pairs):
     results, logged = dpo(tmp_path, pairs, "--trainer", "zo", "--max_steps", "2", "--learning_rate", "1e-4")
     assert all(math.isfinite(m["loss"]) for m in logged) and abs(logged[0]["loss"] - math.log(2)) < 0.05
     assert results["steps"] == 2
+
+
+def test_verifier_scores_the_greedy_completions_generate_gives(tmp_path, pairs, monkeypatch):
+    """--verifier: held-out pass@1 before training (--eval_on_start) is the share of prompts whose greedy completion,
+    as transformers' generate decodes it, the verifier accepts: references equal to it on half the rows."""
+    from xgblora.data.preference import encode, read_preferences
+    from xgblora.models import pretrained
+
+    model, tokenizer = pretrained.load("tiny-llama")
+    examples, rows = read_preferences(pairs), [json.loads(line) for line in Path(pairs).read_text().splitlines()]
+    for i, (ex, row) in enumerate(zip(examples, rows, strict=True)):
+        ids = torch.tensor([encode(tokenizer, ex).prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        row["reference"] = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True) if i % 2 else "none of it"
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "whole.py").write_text("def answer(text):\n    return text.strip()\n")
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["dpo", "--model_name", "tiny-llama", "--train_file", pairs, "--eval_file", str(held_out),
+                     "--verifier", "whole:answer", "--max_new_tokens", "4",
+                     "--eval_on_start", "--max_steps", "1", "--output_dir", "run"])
+    assert code == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["before_eval_pass@1"] == 0.5 and 0 <= results["eval_pass@1"] <= 1
+
+
+def test_verifier_needs_a_reference_in_every_held_out_row(tmp_path, pairs, capsys):
+    assert cli.main(["dpo", "--train_file", pairs, "--eval_file", pairs, "--verifier", "gsm8k",
+                     "--output_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "field \"reference\": missing" in err and "pairs.jsonl" in err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(("flags", "message"), [

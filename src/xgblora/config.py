@@ -360,13 +360,13 @@ class RFTConfig(Config, SamplingOptions):
     rounds: int = _opt(1, "Rounds of sample -> verify -> train -> evaluate; each samples from and trains on the last round's model.")
     sampler_model: str | None = _opt(None, "A model (e.g. a larger one) that samples every round, instead of the model being trained.")
     keep_per_prompt: int | None = _opt(None, "Most correct, distinct completions kept per question (default: all, as RFT's reference keeps them).")
-    distinct: str = _opt("equations", "Which correct completions count as the same: equations (the same list of <<a*b=c>> calculator annotations, the most different one kept: RFT's reference; completions without annotations by their text) or text.",
+    distinct: str = _opt("equations", "Which correct completions count as the same: equations (the same <<a*b=c>> annotations; the most different is kept) or text (exact copies).",
                          ("equations", "text"))
     check_equations: bool = _opt(True, "Reject a correct completion whose calculator annotations <<lhs=rhs>> do not hold (lhs evaluated, within 1e-3 of rhs), as RFT's reference does.")
     include_gold: bool = _opt(False, "Also train on each question's reference solution (RFT trains on the SFT data plus the samples; off here as --model_name has usually been fine-tuned on it already).")
-    restart_from_base: bool = _opt(False, "Each round fine-tunes the starting model (--model_name with its --adapter) on that round's samples (STaR, ReST-EM), instead of continuing from the last round's model; samples still come from the last round's model.")
+    restart_from_base: bool = _opt(False, "Each round trains the starting model (--model_name with its --adapter) anew, as STaR and ReST-EM; sampling still uses the last round's model.")
     rationalize: bool = _opt(False, "STaR's rationalisation: questions with no correct sample are sampled again with the reference answer as a hint; correct hinted completions are trained on under the original question.")
-    verifier: str = _opt("gsm8k", "How an answer is read: gsm8k (the first number after the first ####), math (math-verify: LaTeX, \\boxed{}, equivalent forms; pip install math-verify), answer_tags (<answer>...</answer>), regex:PATTERN, or module:function.")
+    verifier: str = _opt("gsm8k", "How an answer is read: gsm8k (the first number after the first ####), math (math-verify), answer_tags (<answer>...</answer>), regex:PATTERN, or module:function.")
     answer_tolerance: float = _opt(1e-6, "Numbers agree within this relative tolerance.")
     pass_k: int = _opt(8, "Held-out evaluation: pass@k at --temperature (besides greedy pass@1); 0 for pass@1 only.")
     pass_n: int | None = _opt(None, "Held-out evaluation: samples drawn per question for pass@k, n >= k (the unbiased estimator 1 - C(n-c, k) / C(n, k) of Chen et al. 2021; default k).")
@@ -396,15 +396,15 @@ class GRPOConfig(Config, SamplingOptions):
     max_new_tokens: int = _opt(256, "Most tokens per completion (TRL's max_completion_length; dr_grpo's normaliser).",
                                aliases=("max_completion_length",))
     temperature: float = _opt(1.0, "Sampling temperature (the log-probabilities of the loss are taken at it too, as TRL does).")
-    reward_funcs: list[str] = _opt(["gsm8k"], "Reward functions: gsm8k, math, answer_tags, regex:PATTERN (1 when the answer agrees with the row's reference, else 0), format:<one of those> (1 when an answer is found at all), or module:function (TRL's signature: f(prompts, completions, completion_ids, **columns) -> list of floats; also given trainer_state, log_extra, log_metric).")
+    reward_funcs: list[str] = _opt(["gsm8k"], "Reward functions: gsm8k, math, answer_tags, regex:PATTERN (1 if the answer is right), format:<one of those> (1 if there is an answer), module:function.")
     reward_weights: list[float] | None = _opt(None, "Weight of each reward function in the total reward (default: 1 each).")
-    multi_objective_aggregation: str = _opt("sum_then_normalize", "Several reward functions: weigh and sum them, then form advantages (sum_then_normalize), or normalise each within its group first, then weigh, sum and normalise over the batch (normalize_then_sum: GDPO), as TRL.",
+    multi_objective_aggregation: str = _opt("sum_then_normalize", "Several reward functions: sum the weighted rewards, then form advantages (sum_then_normalize), or normalise each in its group first (normalize_then_sum: GDPO).",
                                             ("sum_then_normalize", "normalize_then_sum"))
     answer_tolerance: float = _opt(1e-6, "Correctness rewards: numbers agree within this relative tolerance.")
-    beta: float = _opt(0.0, "KL coefficient to the reference policy (TRL's default 0: no reference pass). The reference is the model as it started: a new adapter switched off, an --adapter continued from kept frozen; under --method ft a frozen copy.")
+    beta: float = _opt(0.0, "KL coefficient to the reference policy, the model as it started (0, TRL's default: no reference pass).")
     epsilon: float = _opt(0.2, "Clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high].")
     epsilon_high: float | None = _opt(None, "Upper clipping epsilon (default: epsilon; DAPO uses 0.28).")
-    loss_type: str = _opt("dapo", "How token losses add up: grpo (each completion's mean, then the mean), bnpo (each micro-batch's token mean), dr_grpo (sum over max_completion_length per completion), dapo (the mean over the generation batch's tokens: TRL's default), cispo (dapo's mean of the ratio-clipped policy gradient, MiniMax-M1; clips at --epsilon_high, about 5).",
+    loss_type: str = _opt("dapo", "How token losses add up: grpo, bnpo, dr_grpo, dapo (TRL's: the mean over the generation batch's tokens) or cispo (MiniMax-M1; set --epsilon_high about 5).",
                           ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"))
     importance_sampling_level: str = _opt("token", "Importance ratios per token, or one per completion from its tokens' mean log-ratio (sequence: GSPO).",
                                           ("token", "sequence"))
@@ -479,11 +479,15 @@ class DPOConfig(Config):
     max_prompt_length: int | None = _opt(None, "Keep each prompt's last N tokens (before --max_length cuts prompt + completion at the end).")
     precompute_ref_log_probs: bool = _opt(False, "Compute the reference's log-probabilities of every pair once before training (always so for XGBLoRA, full fine-tuning and a continued --adapter).")
     precompute_ref_batch_size: int | None = _opt(None, "Pairs per forward while precomputing (default: per_device_eval_batch_size).")
+    verifier: str | None = _opt(None, "Also score one greedy completion of each --eval_file prompt against its row's reference field: gsm8k, math, answer_tags, regex:PATTERN or module:function; eval_pass@1.")
+    max_new_tokens: int = _opt(256, "--verifier: most tokens per greedy completion.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.train_file:
             raise UserError("xgblora dpo needs --train_file (preference pairs: prompt, chosen, rejected)")
+        if self.verifier and not self.eval_file:
+            raise UserError("--verifier checks greedy completions of the --eval_file prompts: give --eval_file")
         unknown = [t for t in self.loss_type if t not in DPO_LOSS_TYPES]
         if unknown or not self.loss_type:
             raise UserError(f"--loss_type {' '.join(unknown)}: choose from {', '.join(DPO_LOSS_TYPES)}")
@@ -495,7 +499,7 @@ class DPOConfig(Config):
             raise UserError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.rpo_alpha is not None and "sft" in self.loss_type:
             raise UserError("--rpo_alpha adds the sft loss type; give it or --loss_type sft, not both")
-        _check_positive(self, "max_prompt_length", "precompute_ref_batch_size")
+        _check_positive(self, "max_prompt_length", "precompute_ref_batch_size", "max_new_tokens")
 
     @property
     def loss_terms(self) -> tuple[tuple[str, ...], tuple[float, ...]]:

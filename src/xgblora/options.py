@@ -44,8 +44,8 @@ class ModelOptions:
     attn_implementation: str = _opt("auto", "Attention backend: auto picks flash_attention_2 on CUDA when installed, else sdpa.",
                                     ("auto", "sdpa", "eager", "flash_attention_2"))
     trust_remote_code: bool = _opt(False, "Allow a hub model to run its own code (off unless you pass it).")
-    adapter: str | None = _opt(None, "A PEFT LoRA adapter folder (trained with PEFT or xgblora) or an xgblora run folder, applied on --model_name. train: continue training it (its modules, rank and scaling; XGBLoRA merges it as the first booster); eval, generate, chat: use the model with it; rft: the first round samples with it and trains it on. --model_name may also name an adapter folder or a run folder itself.")
-    load_in_4bit: bool = _opt(False, "QLoRA: the base model's linear layers in 4-bit NF4 with double quantisation (bitsandbytes), their matmuls in the autocast dtype (else the weights' dtype); the adapters stay fp32. Training: --method lora or xgblora.")
+    adapter: str | None = _opt(None, "A PEFT LoRA adapter folder or an xgblora run folder, applied on --model_name; train and rft continue training it (XGBLoRA merges it as booster 1).")
+    load_in_4bit: bool = _opt(False, "QLoRA: the base model's linear layers in 4-bit NF4 (bitsandbytes); the adapters stay fp32. Training: --method lora or xgblora.")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
 
     def resolve_gguf_file(self) -> None:
@@ -71,7 +71,7 @@ class InputOptions:
     """The rows a run reads: its files, how their columns map, the chat template, the length cut."""
 
     train_file: str | None = _opt(None, "Custom task: training data: JSON/JSONL, CSV/TSV, parquet, arrow, a save_to_disk folder, or a dataset id.")
-    eval_file: str | None = _opt(None, "Your own data: the evaluation rows, in any form --train_file takes; with no dev split, also what --evaluation_strategy steps and --load_best_model_at_end watch. Without it: the rows --num_train N did not draw, or no evaluation when every row trains.")
+    eval_file: str | None = _opt(None, "Your own data: the evaluation rows, in any form --train_file takes. Without it: the rows --num_train N did not draw, or no evaluation.")
     columns: str | None = _opt(None, "Custom task: map your column names to ours, OURS=THEIRS,... (e.g. prompt=question,completion=answer).")
     chat_template: str | None = _opt(None, "A Jinja chat template file, replacing the tokenizer's (conversation rows need one).")
     max_length: int = _opt(2048, "Longest input in tokens; longer inputs are truncated from the left.")
@@ -88,7 +88,7 @@ class TaskOptions:
     template: str | None = _opt(None, "Custom classification task: prompt template with {field} slots, e.g. '{text} It was'.")
     label_words: str | None = _opt(None, "Custom classification task: comma-separated verbalizers, one per label, in label order.")
     label_names: str | None = _opt(None, "Custom classification task: comma-separated label values as they appear in the file (default 0,1,...).")
-    num_train: int | None = _opt(None, "Training examples drawn from the train split (demonstrations when --trainer none). Default: every row of your own data (--train_file, --objective contrastive/grit); 1000 for MeZO's tasks (MeZO's protocol).")
+    num_train: int | None = _opt(None, "Training examples drawn from the train split (demonstrations when --trainer none). Default: every row of your own data; 1000 for MeZO's tasks.")
     num_eval: int | None = _opt(None, "Evaluation examples drawn from the validation split (all when unset).")
     train_set_seed: int = _opt(0, "Seed of the train/dev sampling.")
     max_new_tokens: int = _opt(50, "Generation tasks: most tokens to generate.")
@@ -100,9 +100,9 @@ class TaskOptions:
 class HeadOptions:
     """What scores the labels, and what a classifier head reads."""
 
-    head: str = _opt("auto", "What scores the labels: lm (a causal LM's candidate tokens), classifier (a new sequence-classification head, trained in every method), mlm (a masked LM's one-token label words at a mask, MeZO's encoder prompts); auto: lm for causal LMs, mlm for encoders saved with their MLM head, else classifier.",
+    head: str = _opt("auto", "What scores the labels: lm (candidate tokens), classifier (a new head), mlm (label words at a mask); auto: lm for causal LMs, else mlm with an MLM head, else classifier.",
                      ("auto", "lm", "classifier", "mlm"))
-    pooling: str = _opt("auto", "What a classifier head reads: cls (the model's own head: [CLS] through its pooler, or a causal LM's last token), mean (the masked mean of the last hidden states), last (the last non-padding token); auto: what the model's sentence-transformers pooling config (1_Pooling/config.json) says, else cls. Embeddings (--objective contrastive/grit) read cls as the first token's hidden state; their auto falls back to mean for encoders and bidirectional causal LMs, last for causal ones.",
+    pooling: str = _opt("auto", "What a classifier head or an embedding pools: cls, mean or last token; auto: the model's sentence-transformers pooling, else cls (embeddings: mean or last).",
                         ("auto", "cls", "mean", "last"))
 
 
@@ -110,14 +110,14 @@ class HeadOptions:
 class EmbeddingOptions:
     """What an embedding model embeds: the objective, the instructions before queries and documents, the pooling of the instruction, attention both ways."""
 
-    objective: str = _opt("lm", "What the model learns: lm (the task's own loss: answer tokens, candidates or labels), contrastive (an embedding model: InfoNCE over query/positive pairs with in-batch and hard negatives; --train_file rows of query, positive and optional negative(s)), grit (a causal LM that embeds and generates: contrastive on --train_file pairs plus the language-modelling loss on --grit_train_file instruction rows).",
+    objective: str = _opt("lm", "What the model learns: lm (the task's own loss), contrastive (an embedding model on query/positive pairs) or grit (a causal LM that embeds and generates).",
                           ("lm", "contrastive", "grit"))
     query_instruction: str = _opt("", "Contrastive/GRIT: text put before every query (e.g. 'query: '); with --instruction_format gritlm the task instruction that GritLM's format wraps.")
     doc_instruction: str = _opt("", "Contrastive/GRIT: text put before every document (e.g. 'passage: '); with --instruction_format gritlm wrapped the same way.")
     instruction_format: str = _opt("plain", "Contrastive/GRIT: plain (the instructions as they are) or gritlm (GritLM's format: '<|user|>\\n{instruction}\\n<|embed|>\\n', or '<|embed|>\\n' without an instruction, for queries and documents alike).",
                                    ("plain", "gritlm"))
-    include_prompt: bool | None = _opt(None, "Contrastive/GRIT: the instruction's tokens count in the mean pooling (sentence-transformers' Pooling include_prompt); they are always attended to. Default: off for grit (GritLM pools the text only), on for contrastive.")
-    bidirectional: bool | None = _opt(None, "Contrastive/GRIT with a causal LM: the embedding pass attends both ways (GritLM); default on for grit (the model must allow it: checked, and --attn_implementation auto picks sdpa), off for contrastive.")
+    include_prompt: bool | None = _opt(None, "Contrastive/GRIT: the instruction's tokens count in the mean pooling (they are always attended to). Default: off for grit, on for contrastive.")
+    bidirectional: bool | None = _opt(None, "Contrastive/GRIT with a causal LM: the embedding pass attends both ways (GritLM; checked). Default: on for grit, off for contrastive.")
 
 
 @dataclass(frozen=True)
@@ -125,14 +125,14 @@ class SupervisedOptions:
     """Training on a task's examples: the dev split, the loss on candidates, a new classifier head's start and optimiser, the final evaluation."""
 
     num_dev: int | None = _opt(None, "Dev examples drawn from the train split (disjoint from the training ones); none unless given. The dev split is what --evaluation_strategy steps and --load_best_model_at_end read.")
-    dev_pool: str = _opt("any", "Which train-split examples the dev set is drawn from: any, or sentences (inputs with at least 8 words and a sentence-final . ! or ?: SST-2's train split is mostly phrases, its validation split full sentences).",
+    dev_pool: str = _opt("any", "Which train-split examples the dev set is drawn from: any, or sentences (8+ words ending in . ! or ?, like SST-2's validation split).",
                          ("any", "sentences"))
     only_train_option: bool = _opt(True, "MeZO's tasks on a causal LM: the loss is on the gold candidate's tokens only (false: on every token of prompt and candidate, as MeZO's run.py). Instruction data: see --train_on_prompt.")
     train_as_classification: bool = _opt(False, "Train with cross-entropy over the candidates.")
     head_init: str = _opt("probe", "How a new classifier head starts: probe (a logistic regression fitted by L-BFGS on the frozen model's features of the training examples, seconds) or random.",
                           ("probe", "random"))
     head_probe_l2: float | None = _opt(None, "L2 strength of the --head_init probe's logistic regression (default: chosen by k-fold cross-validation on the training examples from head.PROBE_L2_GRID, 1e-3 to 3e-1, k = head.PROBE_FOLDS = 5).")
-    head_trainer: str = _opt("first-order", "Under --trainer zo, how a new classifier head trains: first-order (AdamW on the features MeZO's forwards computed, detached: inference memory, and the dual batch still applies), frozen (the head stays as initialised), or zo (perturbed with the body).",
+    head_trainer: str = _opt("first-order", "Under --trainer zo, how a new classifier head trains: first-order (AdamW on MeZO's detached features), frozen, or zo (perturbed with the body).",
                              ("first-order", "frozen", "zo"))
     head_learning_rate: float = _opt(1e-3, "AdamW learning rate of a first-order head under --trainer zo (constant).")
     no_eval: bool = _opt(False, "Skip the final evaluation.")
@@ -144,11 +144,11 @@ class ContrastiveOptions:
 
     contrastive_temperature: float | None = _opt(None, "Contrastive/GRIT: softmax temperature of the cosine similarities. Default: 0.02 for grit (GritLM's), 0.05 for contrastive (sentence-transformers' scale 20).",
                                                  aliases=("temperature",))
-    contrastive_loss: str = _opt("infonce", "Contrastive: infonce (each query against all documents: sentence-transformers' MultipleNegativesRankingLoss) or symmetric (also each positive against all queries, the two averaged: MultipleNegativesSymmetricRankingLoss).",
+    contrastive_loss: str = _opt("infonce", "Contrastive: infonce (sentence-transformers' MultipleNegativesRankingLoss) or symmetric (also each positive against all queries: its Symmetric variant).",
                                  ("infonce", "symmetric"))
     learnable_temperature: bool = _opt(False, "Contrastive: learn the temperature (as CLIP does, its log-scale trained by AdamW from --contrastive_temperature).")
-    mini_batch_size: int = _opt(0, "Contrastive/GRIT: gradient caching (GradCache): embed the batch this many rows at a time, without a graph, and back-propagate each mini-batch from the gradients of the whole batch's loss: every query keeps the whole batch's negatives at the memory of one mini-batch (the same loss and gradients). 0: the batch in one piece.")
-    embed_pieces: bool | None = _opt(None, "Contrastive/GRIT without gradient caching: embed a batch's queries and documents in length-sorted pieces, each padded only to its own longest row, where that saves more than a forward costs (the same embeddings, loss and gradients; fewer padding tokens). Default: on for the CPU, off on CUDA, where smaller pieces may under-fill the GPU.")
+    mini_batch_size: int = _opt(0, "Contrastive/GRIT gradient caching (GradCache): embed this many rows at a time, keeping every in-batch negative at one mini-batch's memory; 0: off.")
+    embed_pieces: bool | None = _opt(None, "Contrastive/GRIT without gradient caching: embed in length-sorted pieces, each padded to its own longest row. Default: on for the CPU, off on CUDA.")
     grit_train_file: str | None = _opt(None, "GRIT: instruction data for the generative loss, in any form --train_file takes (messages, prompt/completion, text).")
     grit_contrastive_weight: float = _opt(1.0, "GRIT: weight of the contrastive loss.")
     grit_generative_weight: float = _opt(1.0, "GRIT: weight of the generative loss.")
@@ -162,7 +162,7 @@ class InstructionOptions:
     train_on_prompt: bool = _opt(False, "Instruction data: the prompt (user and system turns) carries loss too, not only the answers.")
     loss_mean: str = _opt("auto", "Loss of a batch: the mean over its target tokens (token) or of each example's mean (example); auto: token for instruction data, example for MeZO's tasks.",
                           ("auto", "token", "example"))
-    packing: bool | None = _opt(None, "Padding-free batches: a batch's sequences end to end in one row (causal LMs, loss on the gold continuation; the model must keep packed sequences apart, which is checked). Default: on with flash attention (varlen kernels), off with sdpa/eager, where it pays only for large models (see BENCHMARKS.md).")
+    packing: bool | None = _opt(None, "Padding-free batches: a batch's sequences end to end in one row (causal LMs; checked). Default: on with flash attention, off with sdpa/eager.")
     eval_split_ratio: float | None = _opt(None, "Your own data: hold out this fraction of --train_file's rows as the dev split (instead of --num_dev N).")
     log_samples: int = _opt(0, "Instruction data: also log N of the dev generations (prompt, prediction, reference) to metrics.jsonl at each evaluation.")
     gradient_checkpointing: bool = _opt(False, "Recompute activations in the backward pass to save memory.")
@@ -179,14 +179,14 @@ class AdapterOptions:
     lora_alpha: float | None = _opt(None, "Adapter scaling numerator: delta = (alpha / r) B A. Default 2r, so alpha / r = 2 at every rank (MeZO's r=8, alpha=16); with --use_rslora 2 sqrt(8), the same scale as LoRA's at r=8.")
     use_rslora: bool = _opt(False, "rsLoRA scaling: delta = (alpha / sqrt(r)) B A.")
     lora_dropout: float = _opt(0.0, "Dropout on the adapter branch's input.")
-    lora_target_modules: str | None = _opt(None, "What to adapt, as PEFT's target_modules: comma-separated module-name suffixes (q_proj,v_proj), all-linear (every linear layer of the transformer blocks; never the LM head or a classifier head), or a regular expression matched against the whole module name. Default: the attention query and value (MeZO's and the LoRA paper's choice).")
+    lora_target_modules: str | None = _opt(None, "Modules to adapt, as PEFT's target_modules: name suffixes (q_proj,v_proj), all-linear, or a regex over the full name. Default: attention query and value.")
 
 
 @dataclass(frozen=True)
 class BoostingOptions:
     """XGBLoRA's boosters: how many, how long each trains, where it starts, when it merges."""
 
-    xgblora_preset: str = _opt("plain", "XGBLoRA defaults: plain (25 boosters, each on every layer, no penalty: the measured best) or paper (arXiv 2410.19694: 5 boosters, each on a random third of the layers, a norm penalty on A and B). Both merge with alpha_t = 1. Explicit flags win.",
+    xgblora_preset: str = _opt("plain", "XGBLoRA defaults: plain (25 boosters on every layer, no penalty) or paper (5 boosters on a random third of the layers, a norm penalty); explicit flags win.",
                                ("paper", "plain"))
     xgblora_num_boosters: int | None = _opt(None, "Boosters T in a run: each trains max_steps / T steps (default 25 under the plain preset, 5 under paper; --xgblora_steps_per_iteration wins).")
     xgblora_steps_per_iteration: int | None = _opt(None, "Steps per booster before it is merged and re-initialised (default max_steps / --xgblora_num_boosters).")
@@ -194,7 +194,7 @@ class BoostingOptions:
     xgblora_shrinkage: float = _opt(1.0, "Merge step size alpha_t: W += alpha_t * delta (the paper's 1).")
     xgblora_norm_penalty: float | None = _opt(None, "lambda in lambda * (|A|^2 + |B|^2) added to the loss (default 1e-3 under the paper preset, 0 under plain).")
     xgblora_restart_schedule: bool = _opt(False, "Run the learning-rate schedule (warm-up and decay) anew for every booster, over its steps.")
-    xgblora_init: str = _opt("random", "Where each booster starts: random (A Kaiming-uniform, B = 0, as LoRA) or gradient (A = the leading right singular vectors of the gradient of each adapted weight over --xgblora_init_batches training batches, B = 0: its first step follows the gradient's best rank-r direction; --trainer regular only).", ("gradient", "random"))
+    xgblora_init: str = _opt("random", "Where each booster starts: random (as LoRA) or gradient (A from the gradient's top singular vectors over --xgblora_init_batches batches; --trainer regular only).", ("gradient", "random"))
     xgblora_init_batches: int = _opt(1, "--xgblora_init gradient: training batches (one forward and backward each, beside the training steps) whose gradient starts each booster.")
     xgblora_adaptive: bool = _opt(False, "The Boosting-LoRA-ZO fork's extension (not the paper's): merge when the loss EMA stops improving, at the latest after --xgblora_adaptive_max_steps.")
     xgblora_adaptive_max_steps: int | None = _opt(None, "Adaptive merge: most steps one booster trains (default: the steps per booster of the fixed schedule).")
@@ -230,7 +230,7 @@ class ZOOptions:
 
     zo_eps: float = _opt(1e-3, "MeZO perturbation size epsilon.")
     zo_dual: bool | None = _opt(None, "ZO with adapters: both perturbed losses of a two-point estimate from one forward over a doubled batch (default: on where it applies: adapters with mezo, nspsa, svrg or es).")
-    zo_estimator: str = _opt("mezo", "Zeroth-order gradient estimator: mezo (two-point SPSA, 2 forwards/step), nspsa (mean of --zo_queries two-point estimates), fzoo (--zo_queries one-sided Rademacher estimates over their std, queries+1 forwards), svrg (MeZO-SVRG: large-batch anchor every --zo_svrg_period steps, 4 forwards between), es (evolution strategies: --zo_queries antithetic pairs, losses z-scored over the population).", ZO_ESTIMATORS)
+    zo_estimator: str = _opt("mezo", "Zeroth-order gradient estimator: mezo (two-point SPSA), nspsa (n two-point), fzoo (one-sided Rademacher), svrg (MeZO-SVRG), es (evolution strategies).", ZO_ESTIMATORS)
     zo_queries: int | None = _opt(None, "Perturbations per step: nspsa's two-point estimates (default 4), fzoo's one-sided ones (default 8), es's antithetic pairs (default 15: a population of 30); mezo and svrg use 1.")
     zo_optimizer: str = _opt("sgd", "What the ZO estimate drives: sgd (in place, no state), momentum (torch SGD, --adam_beta1 as momentum), adam (torch AdamW); the last two keep fp32 state as large as the trainable weights.", ("sgd", "momentum", "adam"))
     zo_svrg_period: int = _opt(10, "svrg: steps from one anchor step to the next.")
@@ -253,7 +253,7 @@ class ComputeOptions:
 class BatchOptions:
     """How training batches of examples are formed and run: length grouping, torch.compile."""
 
-    group_by_length: bool | None = _opt(None, "Batch examples of similar length together (less padding). Default: on for --objective lm; off for contrastive and grit, whose in-batch negatives it would thin out (a passage's questions share its length, so they would share a batch, and a copy of a query's positive is no negative).")
+    group_by_length: bool | None = _opt(None, "Batch examples of similar length together (less padding). Default: on for --objective lm, off for contrastive and grit (it would thin out in-batch negatives).")
     compile: bool = _opt(False, "torch.compile the model.")
 
 

@@ -36,6 +36,7 @@ class PreferenceExample:
     chosen: Text
     rejected: Text
     where: Where
+    reference: str | None = None  # the answer a --verifier checks the prompt's greedy completion against
 
     @property
     def conversational(self) -> bool:
@@ -85,7 +86,10 @@ def check_row(where: Where, row: dict) -> PreferenceExample:
                                                          "taken off"))
     if chosen == rejected:
         raise bad("rejected", "is the same as chosen: a preference pair needs two different completions")
-    return PreferenceExample(prompt, chosen, rejected, where)
+    reference = row.get("reference")
+    if reference is not None and not isinstance(reference, str | int | float):
+        raise bad("reference", f"expected the answer as a string or number, got {type(reference).__name__}")
+    return PreferenceExample(prompt, chosen, rejected, where, None if reference is None else str(reference))
 
 
 def _text(value: object, bad, name: str) -> Text:

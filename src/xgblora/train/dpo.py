@@ -29,12 +29,16 @@ from xgblora.data.preference import (
     PreferenceExample,
     PreferenceSeq,
     collate_preferences,
+    encode,
     encode_all,
     read_preferences,
 )
 from xgblora.data.splits import Splits
+from xgblora.errors import located
+from xgblora.evaluation.answers import make_verifier
 from xgblora.evaluation.evaluators import Evaluator
 from xgblora.logs import setup_console_logging
+from xgblora.models.sampler import greedy_continuations
 from xgblora.preference.objective import Objective
 from xgblora.preference.scoring import PreferenceLoss, evaluate_pairs, reference_logps
 from xgblora.report import DPO_PANELS, write_curves_report
@@ -52,6 +56,11 @@ def run_dpo(cfg: DPOConfig) -> dict[str, Any]:
     setup_console_logging()
     train = read_preferences(cfg.train_file, cfg.columns)
     held_out = read_preferences(cfg.eval_file, cfg.columns, "eval") if cfg.eval_file else []
+    if cfg.verifier:
+        make_verifier(cfg.verifier)  # a bad spec fails before the model loads
+        if missing := next((ex for ex in held_out if ex.reference is None), None):
+            raise located(*missing.where, "reference", "missing: --verifier checks each --eval_file prompt's greedy "
+                                                       "completion against its row's reference answer")
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
     dist = distributed.setup(cfg)
     if (done := finished_results(cfg, Path(cfg.output_dir))) is not None:
@@ -85,10 +94,11 @@ def _run(cfg: DPOConfig, dist: distributed.Distributed, train: list[PreferenceEx
             start_over(Path(cfg.output_dir))
         config_mod.dump(cfg, Path(cfg.output_dir) / "config.yaml")
     summary = run.trainer.fit()
+    before = {f"before_{k}": v for k, v in run.trainer.state.before.items()}
     results = {"model": cfg.model_name, "method": cfg.method, "trainer": cfg.trainer, "seed": cfg.seed,
                "loss_type": list(cfg.loss_terms[0]), "beta": cfg.beta, "num_train": len(run.trainer.run.splits.train),
                "num_eval": len(run.eval_seqs), "device": str(run.trainer.run.device), "torch": torch.__version__,
-               **summary}
+               **summary, **before}
     if run.eval_seqs:
         results.update({f"eval_{k}": v for k, v in run.evaluate(model, run.eval_seqs)[0].items()})
     if dist.is_main:
@@ -121,8 +131,19 @@ def prepare(cfg: DPOConfig, dist: distributed.Distributed, train: list[Preferenc
     ref_eval = starting_logps(eval_seqs)
     method = dataclasses.replace(method, preference=PreferenceLoss(objective, reference))
 
+    verifier = make_verifier(cfg.verifier) if cfg.verifier else None
+    prompts = [encode(tokenizer, ex).prompt for ex in held_out] if verifier is not None else []
+    stop_ids = formats.model_stop_ids(model, tokenizer)
+
     def evaluate(model: torch.nn.Module, seqs: Sequence[PreferenceSeq], demos: Sequence = ()) -> tuple[dict, list]:  # noqa: ARG001
-        return evaluate_pairs(model, seqs, ref_eval, objective, pad, cfg.per_device_eval_batch_size, device), []
+        """Reward accuracy on the held-out pairs; with --verifier, also greedy pass@1 of their prompts."""
+        metrics = evaluate_pairs(model, seqs, ref_eval, objective, pad, cfg.per_device_eval_batch_size, device)
+        if verifier is not None:
+            texts = greedy_continuations(model, tokenizer, prompts, stop_ids, batch_size=cfg.per_device_eval_batch_size,
+                                         max_length=cfg.max_length, max_new_tokens=cfg.max_new_tokens)
+            metrics["pass@1"] = sum(verifier.judge([text], ex.reference)[0]
+                                    for text, ex in zip(texts, held_out, strict=True)) / len(held_out)
+        return metrics, []
 
     splits = Splits(train=list(train_seqs), dev=[], eval=list(eval_seqs), eval_is_own=True)
     run = RunSetup(cfg, task=None, splits=splits, head="lm", model=model, tokenizer=tokenizer, scoring=None,
