@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -275,3 +276,24 @@ def run_losses(tmp_path, monkeypatch, tag: str, **options) -> list[float]:
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file under folder (hidden ones too) with its bytes."""
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@contextlib.contextmanager
+def killed_at_step(monkeypatch, call: int):
+    """Within the block, the call-th optimizer step of any Trainer raises KeyboardInterrupt (a kill before the
+    step, after the checkpoints of the steps before it)."""
+    from xgblora.train import loop
+
+    real_step, calls = loop.Trainer.train_step, []
+
+    def dying(self):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(loop.Trainer, "train_step", dying)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(loop.Trainer, "train_step", real_step)

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 from conftest import completion_batch
+from helpers import killed_at_step
 from safetensors.torch import load_file
 
 from xgblora.adapters.lora import attach
@@ -106,18 +107,8 @@ def test_an_interrupted_run_resumes_exactly(data, monkeypatch):
     options = dict(generation_batch_size=16, num_iterations=2, beta=0.1, save_strategy="steps", save_steps=3,
                    epsilon_high=0.28, eval_file=None)
     whole = run_grpo(_cfg(data, "whole", **options))
-    real_step, calls = grpo_loop.Trainer.train_step, []
-
-    def dying(self):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        return real_step(self)
-
-    monkeypatch.setattr(grpo_loop.Trainer, "train_step", dying)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_step(monkeypatch, 5), pytest.raises(KeyboardInterrupt):
         run_grpo(_cfg(data, "parts", **options))
-    monkeypatch.setattr(grpo_loop.Trainer, "train_step", real_step)
     resumed = run_grpo(_cfg(data, "parts", resume_from_checkpoint="latest", **options))
     assert resumed["resumes"] == 1 and whole["generation_batches"] == 2
     a, b = (load_file(str(data / name / "final" / "adapter_model.safetensors")) for name in ("whole", "parts"))

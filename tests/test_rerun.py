@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import interrupt_at, make_cfg, snapshot
+from helpers import interrupt_at, killed_at_step, make_cfg, snapshot
 
 from xgblora import checkpoint, cli, train
-from xgblora.train import loop
 
 
 def one_line_error(capsys) -> str:
@@ -85,17 +84,8 @@ def test_grpo_and_dpo_reruns_refuse_an_interrupted_run(tmp_path, capsys, monkeyp
     """grpo and dpo share train's run folder: the same command on an interrupted run refuses in one line and changes
     nothing; --resume_from_checkpoint latest finishes it."""
     args = [*_grpo_and_dpo_files(tmp_path)[command], "--output_dir", str(tmp_path / "run")]
-    real_step, calls = loop.Trainer.train_step, []
-
-    def dying(self):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_step(self)
-
-    monkeypatch.setattr(loop.Trainer, "train_step", dying)
-    assert cli.main(args) == 130
-    monkeypatch.setattr(loop.Trainer, "train_step", real_step)
+    with killed_at_step(monkeypatch, 3):
+        assert cli.main(args) == 130
     before, _ = snapshot(tmp_path / "run"), capsys.readouterr()
     assert cli.main(args) == 2
     assert "holds an interrupted run (last checkpoint" in one_line_error(capsys)
