@@ -247,11 +247,11 @@ def test_warnings_are_one_plain_line_and_library_renames_are_silenced(monkeypatc
 def test_help_shows_each_commands_own_default(command, flag, default, capsys):
     with pytest.raises(SystemExit):
         cli.main([command, "--help"])
-    entries, lines = [], capsys.readouterr().out.split("options:")[1].splitlines()
+    entries, lines = [], capsys.readouterr().out.split("options:", 1)[1].splitlines()
     for line in lines:  # one entry per flag: its first line starts with two spaces and a dash
         if line.startswith("  -"):
             entries.append(line)
-        elif entries:
+        elif entries and line.startswith("   "):  # the entry's help goes on (a section's title and text do not)
             entries[-1] += " " + line.strip()
     (entry,) = [e for e in entries if flag in e.split()[0].rstrip(",").split(",") or e.split()[0].rstrip(",") == flag]
     entry = " ".join(entry.split())

@@ -110,6 +110,8 @@ def test_eval_shows_at_most_50_flags_each_of_its_groups():
     assert flags == cli.COMMANDS["eval"].reads and len(flags) <= 50
     assert {"learning_rate", "method", "trainer", "save_steps", "zo_eps"}.isdisjoint(flags)
     assert {"model_name", "task_name", "num_train", "head", "objective", "per_device_eval_batch_size"} <= flags
+    sections = [g.title for g in parser._action_groups]
+    assert sections[2:] == [f"{g.__name__.removesuffix('Options')} options" for g in cli.COMMANDS["eval"].groups]
 
 
 # the files a command cannot run without (never read here: the check comes first)

@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=command.help, description=command.help, allow_abbrev=False,
                            formatter_class=_Help)
         if command.options is not None:
-            config_mod.add_arguments(p, command.options, command.defaults, command.reads)
+            config_mod.add_arguments(p, command.options, command.defaults, command.groups)
         elif command.add_flags is not None:
             command.add_flags(p)
     return parser

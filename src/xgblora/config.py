@@ -581,11 +581,15 @@ IGNORED = (
 
 def command_options(cls: type, groups: tuple[type, ...]) -> frozenset[str]:
     """The options a command reads: the fields of its groups, and those its options classes declare themselves."""
-    names = {f.name for group in groups for f in dataclasses.fields(group)}
-    for c in cls.__mro__:
-        if dataclasses.is_dataclass(c) and c not in GROUPS:
-            names |= set(vars(c).get("__annotations__", {}))
-    return frozenset(names)
+    return frozenset({f.name for group in groups for f in dataclasses.fields(group)} | set(_own_options(cls)))
+
+
+def _own_options(cls: type) -> list[str]:
+    """The fields cls and its bases other than the groups declare themselves (a command's own options), in the
+    order they are declared, the most derived class first."""
+    names = [name for c in cls.__mro__ if dataclasses.is_dataclass(c) and c not in GROUPS
+             for name in vars(c).get("__annotations__", {})]
+    return list(dict.fromkeys(names))
 
 
 def check_ignored(cfg: Any, defaults: dict[str, Any] | None = None, reads: frozenset[str] | None = None,
@@ -695,33 +699,44 @@ def _aliases(cls: type, f: dataclasses.Field) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, defaults: dict[str, Any] | None = None,
-                  reads: frozenset[str] | None = None) -> None:
-    """Add one flag per dataclass field the command reads (`reads`, else every field), in underscore and hyphen
-    spelling plus aliases; defaults are suppressed (the help shows the command's own: `defaults` first, then the
-    dataclass's)."""
-    for f in dataclasses.fields(cls):
-        if reads is not None and f.name not in reads:
-            continue
-        base, optional, is_list = _field_type(cls, f)
-        names = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
-        for alias in _aliases(cls, f):
-            names |= {f"--{alias}", f"--{alias.replace('_', '-')}"}
-        default = (defaults or {}).get(f.name, _default(f))
-        text = f.metadata.get("help", "")
-        if default is not None or "default" not in text.lower():  # else the help says what unset means
-            text += f" (default: {'unset' if default is None else default})"
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text}
-        if base is bool:
-            kwargs.update(nargs="?", const=True, type=_converter(bool, optional), metavar="BOOL")
-        elif is_list:
-            kwargs.update(nargs="+", type=base)
-        else:
-            kwargs.update(type=_converter(base, optional))
-            if f.metadata.get("choices"):
-                kwargs["choices"] = f.metadata["choices"]
-        parser.add_argument(*sorted(names, key=lambda n: ("-" in n[2:], n)), **kwargs)
+                  groups: tuple[type, ...] | None = None) -> None:
+    """Add one flag per option the command reads: with `groups`, a help section for the command's own options, then
+    one per group in their order; else every field of cls. Each flag in underscore and hyphen spelling plus aliases;
+    defaults are suppressed (the help shows the command's own: `defaults` first, then the dataclass's)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if groups is None:
+        sections = [(None, None, list(fields))]
+    else:
+        own = _own_options(cls)
+        sections = [(f"{cls.__name__.removesuffix('Config') or 'these'} options", None, own)] * bool(own) + [
+            (f"{group.__name__.removesuffix('Options')} options", group.__doc__,
+             [f.name for f in dataclasses.fields(group) if f.name not in own]) for group in groups]
+    for title, description, names in sections:
+        target = parser.add_argument_group(title, description) if title else parser
+        for name in names:
+            _add_flag(target, cls, fields[name], (defaults or {}).get(name, _default(fields[name])))
     parser.add_argument("--config", dest="config", default=argparse.SUPPRESS, metavar="FILE.yaml",
                         help="Read options from a YAML file; flags on the command line win.")
+
+
+def _add_flag(parser: Any, cls: type, f: dataclasses.Field, default: Any) -> None:
+    base, optional, is_list = _field_type(cls, f)
+    names = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
+    for alias in _aliases(cls, f):
+        names |= {f"--{alias}", f"--{alias.replace('_', '-')}"}
+    text = f.metadata.get("help", "")
+    if default is not None or "default" not in text.lower():  # else the help says what unset means
+        text += f" (default: {'unset' if default is None else default})"
+    kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text}
+    if base is bool:
+        kwargs.update(nargs="?", const=True, type=_converter(bool, optional), metavar="BOOL")
+    elif is_list:
+        kwargs.update(nargs="+", type=base)
+    else:
+        kwargs.update(type=_converter(base, optional))
+        if f.metadata.get("choices"):
+            kwargs["choices"] = f.metadata["choices"]
+    parser.add_argument(*sorted(names, key=lambda n: ("-" in n[2:], n)), **kwargs)
 
 
 def _check_yaml_value(cls: type, f: dataclasses.Field, value: Any, path: str) -> Any:
