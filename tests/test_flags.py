@@ -85,6 +85,7 @@ def test_a_flag_the_command_never_reads_is_not_one_of_its_flags(case, no_model, 
     assert cli.main(argv) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and f"unrecognized arguments: {argv[-2] if argv[-1][0] != '-' else argv[-1]}" in lines[0]
+    assert f"xgblora {argv[0]} never reads it (an option of xgblora " in lines[0]  # whose option it is
     assert list(tmp_path.iterdir()) == []
 
 

@@ -362,8 +362,11 @@ def _unrecognized(command: str, unknown: list[str]) -> UserError:
     """The error for flags the command does not have, suggesting the closest of its options."""
     names = sorted(COMMANDS[command].reads or ())
     flag = next((a for a in unknown if a.startswith("--")), "")
-    close = difflib.get_close_matches(flag[2:].split("=")[0].replace("-", "_"), names, n=1) if flag else []
-    hint = f"; did you mean --{close[0]}?" if close else ""
+    name = flag[2:].split("=")[0].replace("-", "_")
+    elsewhere = [other for other, c in COMMANDS.items() if name in (c.reads or ())]
+    close = difflib.get_close_matches(name, names, n=1) if flag else []
+    hint = f"; xgblora {command} never reads it (an option of xgblora {', '.join(elsewhere[:3])})" if elsewhere else ""
+    hint += f"; did you mean --{close[0]}?" if close else ""
     return UserError(f"unrecognized arguments: {' '.join(unknown)}{hint} (see xgblora {command} --help)")
 
 
