@@ -59,6 +59,14 @@ class Stepper(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+class Loss(Protocol):
+    """What the steppers call: per-example losses of a batch, from `model` (which a stepper may wrap, e.g. FSDP)."""
+
+    model: torch.nn.Module
+
+    def __call__(self, batch: Batch) -> torch.Tensor: ...
+
+
 class BatchSource(Protocol):
     """Where a run's training batches come from: `batches(step)` is what the stepper calls for each micro-batch
     (AdamW) or batch (ZO) of that step. Its `stream` (epoch, cursor) is saved with the loop state, its `components`
@@ -259,7 +267,7 @@ class Trainer:
     the training loss of the run's objective) turns a batch into per-example losses for the stepper."""
 
     def __init__(self, run: RunSetup, method: Method, source: BatchSource, dist: Distributed,
-                 hooks: Hooks | None = None, loss_fn: Any = None):
+                 hooks: Hooks | None = None, loss_fn: Loss | None = None):
         cfg = self.cfg = run.cfg
         self.run, self.method, self.source, self.dist = run, method, source, dist
         self.hooks = hooks or Hooks()
