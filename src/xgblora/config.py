@@ -1,4 +1,5 @@
-"""Every option of a run as dataclasses; command-line and YAML parsing with MeZO's flag names; validation."""
+"""Each command's options class (the groups of options.py it inherits, its own fields, the rules that span groups);
+command-line and YAML parsing with MeZO's flag names; validation."""
 
 from __future__ import annotations
 
