@@ -21,7 +21,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from xgblora.bench.memory import memory_cell, peak_added, run_against_baseline, sides_in_subprocesses
+from xgblora.bench.memory import (
+    first_steps_memory,
+    memory_cell,
+    run_against_baseline,
+    sides_in_subprocesses,
+)
 from xgblora.bench.sft import chat_tokenizer
 from xgblora.bench.timing import InterleavedSteps, against_trainer
 from xgblora.config import DPOConfig
@@ -123,16 +128,9 @@ def memory_worker(config: dict[str, Any]) -> dict[str, float]:
     case = dataclasses.replace(DPOCase(**config["case"]), warmup=0, steps=MEMORY_STEPS)
     pairs = pair_file(case, case.pairs * MEMORY_STEPS)
     with tempfile.TemporaryDirectory() as tmp:
-        if config["side"] == "xgblora":
-            ours = xgblora_run(case, pairs, tmp)
-            with peak_added(ours.trainer.run.device) as mem:
-                for _ in range(MEMORY_STEPS):
-                    our_step(ours)
-            return mem
-        trainer = trl_trainer(case, pairs, [], tmp)
-        with peak_added(pretrained.choose_device(case.device)) as mem:
-            trainer.train()
-        return mem
+        return first_steps_memory(config["side"], lambda: xgblora_run(case, pairs, tmp).trainer,
+                                  lambda: trl_trainer(case, pairs, [], tmp), MEMORY_STEPS,
+                                  pretrained.choose_device(case.device))
 
 
 def measure_case_memory(case: DPOCase) -> dict[str, Any]:

@@ -21,7 +21,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from xgblora.bench.memory import memory_cell, peak_added, run_against_baseline, sides_in_subprocesses
+from xgblora.bench.memory import (
+    first_steps_memory,
+    memory_cell,
+    run_against_baseline,
+    sides_in_subprocesses,
+)
 from xgblora.bench.profile import profile_slowest
 from xgblora.bench.sft import chat_tokenizer, generated_conversations
 from xgblora.bench.timing import InterleavedSteps, against_trainer
@@ -132,16 +137,9 @@ def memory_worker(config: dict[str, Any]) -> dict[str, float]:
     case = dataclasses.replace(GRPOCase(**config["case"]), warmup=0, steps=MEMORY_STEPS)
     prompts = questions(case)
     with tempfile.TemporaryDirectory() as tmp:
-        if config["side"] == "xgblora":
-            ours = xgblora_run(case, prompts, tmp)
-            with peak_added(ours.run.device) as mem:
-                for _ in range(MEMORY_STEPS):
-                    ours.train_step()
-            return mem
-        trainer = trl_trainer(case, prompts, [], tmp)
-        with peak_added(pretrained.choose_device(case.device)) as mem:
-            trainer.train()
-        return mem
+        return first_steps_memory(config["side"], lambda: xgblora_run(case, prompts, tmp),
+                                  lambda: trl_trainer(case, prompts, [], tmp), MEMORY_STEPS,
+                                  pretrained.choose_device(case.device))
 
 
 def measure_case_memory(case: GRPOCase) -> dict[str, Any]:

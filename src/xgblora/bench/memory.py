@@ -145,6 +145,22 @@ def peak_added(device: torch.device) -> Iterator[dict[str, float]]:
     out["added"] = out["peak"] - out["before"]
 
 
+def first_steps_memory(side: str, ours: Callable[[], Any], baseline: Callable[[], Any], steps: int,
+                       device: torch.device) -> dict[str, float]:
+    """The memory one side's first steps add (MiB): `steps` train_step() calls of xgblora's Trainer, or the baseline
+    trainer's train() (its own max_steps); each side built inside, so its set-up is not counted."""
+    if side == "xgblora":
+        trainer = ours()
+        with peak_added(trainer.run.device) as mem:
+            for _ in range(steps):
+                trainer.train_step()
+        return mem
+    theirs = baseline()
+    with peak_added(device) as mem:
+        theirs.train()
+    return mem
+
+
 def sides_in_subprocesses(module: str, case: dict[str, Any], what: str, baseline: str = "trl") -> dict[str, Any]:
     """The memory each side (the baseline library, then xgblora) adds in a fresh process of its own: `module`'s
     memory_worker({"case": case, "side": side}) -> {'before', 'peak', 'added'} MiB; and xgblora's over the
