@@ -4,10 +4,14 @@ on the task, questions and sampling of `benchmarks/rft_smollm2.py` (so the two c
 "What is a + b? Reply with the number only." (a, b in 10..99; the same seeded training and held-out questions as
 the RFT benchmark), the reward 1 when the reply's last number is the sum (`regex:`, the RFT verifier), G = 8
 completions of at most 32 tokens at temperature 0.7, LoRA r=8 on q/v, loss dapo, beta 0, 4 prompts a step: 50 steps
-sample 1,600 completions, one RFT round's worth. A row is appended to OUT/table.md as each run lands.
+sample 1,600 completions, one RFT round's worth. Variants: `--importance_sampling_level sequence` (GSPO),
+`--lora_target_modules all-linear`, and `--sft_steps N` (SFT on the training questions' answers first, then GRPO
+continues that adapter; with `--beta` its KL reference is the SFT adapter). Each run checkpoints every 10 steps and
+a rerun resumes it (`--resume_from_checkpoint latest`); a row is appended to OUT/table.md as each run lands.
 
     python benchmarks/grpo_smollm2.py --out bench-grpo --trainer regular --seeds 0 1 2
-    python benchmarks/grpo_smollm2.py --out bench-grpo --trainer zo --learning_rate 1e-4 --seeds 0
+    python benchmarks/grpo_smollm2.py --out bench-gspo --importance_sampling_level sequence --seeds 0 1 2
+    python benchmarks/grpo_smollm2.py --out bench-sft-grpo --sft_steps 10 --beta 0.04 --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from pathlib import Path
 
 from rft_smollm2 import LAST_NUMBER, prepare, write_questions
 
-from xgblora.config import GRPOConfig
+from xgblora import train
+from xgblora.checkpoint import step_checkpoints
+from xgblora.config import Config, GRPOConfig
 from xgblora.generation.grpo import run_grpo
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench-grpo-smollm2")
     parser.add_argument("--trainer", choices=("regular", "zo"), default="regular")
@@ -33,22 +39,60 @@ def main() -> None:
     parser.add_argument("--prompts_per_step", type=int, default=4)
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--learning_rate", type=float, default=2e-4)
+    parser.add_argument("--beta", type=float, default=0.0)
+    parser.add_argument("--importance_sampling_level", choices=("token", "sequence"), default="token")
+    parser.add_argument("--lora_target_modules", default=None, help="default: q/v")
+    parser.add_argument("--sft_steps", type=int, default=0, help="SFT steps (batch 8, lr 1e-3) before GRPO")
     parser.add_argument("--device", default="auto")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def resume(folder: Path) -> str | None:
+    """'latest' where an earlier run of this folder left checkpoints or finished (a rerun picks it up)."""
+    return "latest" if (folder / "results.json").exists() or step_checkpoints(folder / "checkpoints") else None
+
+
+def sft_adapter(args: argparse.Namespace, model: str, train_file: Path, seed: int, out: Path) -> str:
+    """A LoRA adapter from --sft_steps of SFT on the training questions' answers, as chat turns."""
+    rows = [json.loads(line) for line in train_file.open(encoding="utf-8")]
+    chat = out / f"sft-seed{seed}.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["question"]},
+                                                     {"role": "assistant", "content": r["answer"]}]}) + "\n"
+                            for r in rows), encoding="utf-8")
+    folder = out / f"sft-seed{seed}"
+    if not (folder / "results.json").exists():
+        train.run(Config(model_name=model, task_name="custom", train_file=str(chat), method="lora",
+                         lora_target_modules=args.lora_target_modules, max_steps=args.sft_steps,
+                         per_device_train_batch_size=8, learning_rate=1e-3, seed=seed, no_eval=True,
+                         save_strategy="no", device=args.device, output_dir=str(folder), overwrite_output_dir=True))
+    return str(folder / "final")
+
+
+def main() -> None:
+    args = parse_args()
     out = Path(args.out)
-    model, table = prepare(out, "| seed | trainer | lr | steps | pass@1 before | pass@1 after | train s |")
+    model, table = prepare(out, "| seed | trainer | lr | steps | beta | IS level | targets | SFT steps | "
+                                "pass@1 before | pass@1 after | KL at step 1 | train s |")
     for seed in args.seeds:
         train_file, heldout = write_questions(out, args.questions, args.heldout, seed)
-        cfg = GRPOConfig(model_name=model, train_file=str(train_file), eval_file=str(heldout),
+        adapter = sft_adapter(args, model, train_file, seed, out) if args.sft_steps else None
+        folder = out / f"grpo-{args.trainer}-lr{args.learning_rate:g}-seed{seed}"
+        cfg = GRPOConfig(model_name=model, adapter=adapter, train_file=str(train_file), eval_file=str(heldout),
                          columns="prompt=question,completion=answer", reward_funcs=[LAST_NUMBER], raw_prompts=False,
                          num_return_sequences=8, temperature=0.7, max_new_tokens=args.max_new_tokens,
                          per_device_train_batch_size=8 * args.prompts_per_step, max_steps=args.max_steps,
-                         method="lora", trainer=args.trainer, learning_rate=args.learning_rate, save_strategy="no",
-                         logging_steps=5, seed=seed, device=args.device,
-                         output_dir=str(out / f"grpo-{args.trainer}-lr{args.learning_rate:g}-seed{seed}"))
+                         method="lora", lora_target_modules=args.lora_target_modules, trainer=args.trainer,
+                         learning_rate=args.learning_rate, beta=args.beta,
+                         importance_sampling_level=args.importance_sampling_level, save_strategy="steps",
+                         save_steps=10, save_total_limit=1, logging_steps=1, seed=seed, device=args.device,
+                         resume_from_checkpoint=resume(folder), output_dir=str(folder))
         done = run_grpo(cfg)
-        row = (f"| {seed} | {args.trainer} | {args.learning_rate:g} | {done['steps']} | "
-               f"{done['before_eval_pass@1']:.3f} | {done['eval_pass@1']:.3f} | {done['train_runtime_s']:.0f} |\n")
+        first = next(row for line in (folder / "metrics.jsonl").open(encoding="utf-8")
+                     if (row := json.loads(line)).get("step") == 1 and "loss" in row)
+        row = (f"| {seed} | {args.trainer} | {args.learning_rate:g} | {done['steps']} | {args.beta:g} | "
+               f"{args.importance_sampling_level} | {args.lora_target_modules or 'q,v'} | {args.sft_steps} | "
+               f"{done['before_eval_pass@1']:.3f} | {done['eval_pass@1']:.3f} | {first.get('kl', 0.0):.2g} | "
+               f"{done['train_runtime_s']:.0f} |\n")
         print(json.dumps(done), flush=True)
         with table.open("a", encoding="utf-8") as f:
             f.write(row)
