@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,12 @@ RUNS: dict[str, tuple[dict[str, Any], tuple[float, ...]]] = {
     "XGBLoRA r=1, plain, 4 boosters (AdamW)": (dict(method="xgblora", xgblora_num_boosters=4), (3e-3, 1e-2, 3e-2)),
     "XGBLoRA r=1, plain, 4 boosters, gradient init (AdamW)": (dict(method="xgblora", xgblora_num_boosters=4,
                                                                    xgblora_init="gradient"), (3e-3, 1e-2, 3e-2)),
+    # the booster regime at a fixed length per booster, whatever --steps (10 to 200 of them); a fresh warm-up each
+    **{f"XGBLoRA r=1, plain, {n} steps per booster{init}{warm} (AdamW)": (
+        dict(method="xgblora", xgblora_steps_per_iteration=n, **extra, **rewarm), (3e-3, 1e-2, 3e-2))
+       for n in (10, 25, 50, 100, 200)
+       for init, extra in (("", {}), (", gradient init", dict(xgblora_init="gradient")))
+       for warm, rewarm in (("", {}), (", re-warm-up", dict(xgblora_restart_schedule=True)))},
 }
 
 
@@ -84,7 +91,7 @@ def run_config(args: argparse.Namespace, name: str, seed: int, lr: float) -> dic
     return dict(model_name=args.model_name, task_name="custom", **args.task_fields, num_dev=args.num_dev,
                 train_set_seed=seed, seed=seed, trainer="regular", max_steps=args.steps,
                 per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=32,
-                lr_scheduler_type="linear", warmup_ratio=0.06, save_strategy="no",
+                lr_scheduler_type="linear", warmup_ratio=0.06,
                 logging_steps=max(1, args.steps // 10), evaluation_strategy="steps",
                 eval_steps=max(1, args.steps // 5), load_best_model_at_end=True, **RUNS[name][0], learning_rate=lr)
 
@@ -92,6 +99,7 @@ def run_config(args: argparse.Namespace, name: str, seed: int, lr: float) -> dic
 def run_one(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[str, Any]:
     """One (row, seed, learning rate), reused from --out when finished with the same settings and protocol."""
     from xgblora import train
+    from xgblora.checkpoint import step_checkpoints
     from xgblora.config import Config
 
     path = Path(args.out) / f"{slug(name)}-lr{lr:g}-seed{seed}.json"
@@ -100,7 +108,14 @@ def run_one(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[s
         saved = json.loads(path.read_text())
         if saved.get("config") == config and saved.get("protocol") == PROTOCOL_VERSION:
             return saved
-    result = train.run(Config(**config, output_dir=str(path.with_suffix("")), overwrite_output_dir=True))
+    folder = path.with_suffix("")
+    # checkpoints every evaluation: a rerun of an interrupted run resumes it (they are not part of the protocol)
+    resume = "latest" if step_checkpoints(folder / "checkpoints") else None
+    result = train.run(Config(**config, save_strategy="steps", save_steps=config["eval_steps"], save_total_limit=1,
+                              resume_from_checkpoint=resume, overwrite_output_dir=resume is None,
+                              output_dir=str(folder)))
+    for weights in ("checkpoints", "final"):  # a merged XGBLoRA base is a whole model: the row and curves are kept
+        shutil.rmtree(folder / weights, ignore_errors=True)
     saved = {"run": name, "seed": seed, "lr": lr, "config": config, "protocol": PROTOCOL_VERSION,
              "dev_loss": result["dev_loss"], "test_loss": result["loss"], "test_em": result.get("em"),
              "train_loss": result["train_loss"],
