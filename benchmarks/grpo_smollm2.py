@@ -4,13 +4,16 @@ on the task, questions and sampling of `benchmarks/rft_smollm2.py` (so the two c
 "What is a + b? Reply with the number only." (a, b in 10..99; the same seeded training and held-out questions as
 the RFT benchmark), the reward 1 when the reply's last number is the sum (`regex:`, the RFT verifier), G = 8
 completions of at most 32 tokens at temperature 0.7, LoRA r=8 on q/v, loss dapo, beta 0, 4 prompts a step: 50 steps
-sample 1,600 completions, one RFT round's worth. Variants: `--importance_sampling_level sequence` (GSPO),
+sample 1,600 completions, one RFT round's worth. Variants: `--importance_sampling_level sequence` (GSPO; with one
+optimizer step per generation batch every importance ratio is 1 and its gradient is GRPO's, so compare the two with
+`--steps_per_generation 4 --max_steps 200`: the same completions, each batch in 4 optimizer steps),
 `--lora_target_modules all-linear`, and `--sft_steps N` (SFT on the training questions' answers first, then GRPO
 continues that adapter; with `--beta` its KL reference is the SFT adapter). Each run checkpoints every 10 steps and
 a rerun resumes it (`--resume_from_checkpoint latest`); a row is appended to OUT/table.md as each run lands.
 
     python benchmarks/grpo_smollm2.py --out bench-grpo --trainer regular --seeds 0 1 2
-    python benchmarks/grpo_smollm2.py --out bench-gspo --importance_sampling_level sequence --seeds 0 1 2
+    python benchmarks/grpo_smollm2.py --out bench-gspo --importance_sampling_level sequence --steps_per_generation 4 \
+        --max_steps 200 --seeds 0 1 2
     python benchmarks/grpo_smollm2.py --out bench-sft-grpo --sft_steps 10 --beta 0.04 --seeds 0 1 2
 """
 
@@ -35,7 +38,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--questions", type=int, default=200)
     parser.add_argument("--heldout", type=int, default=100)
-    parser.add_argument("--max_steps", type=int, default=50)
+    parser.add_argument("--max_steps", type=int, default=50, help="optimizer steps")
+    parser.add_argument("--steps_per_generation", type=int, default=1,
+                        help="optimizer steps per generation batch (off-policy past the first: GSPO's case)")
     parser.add_argument("--prompts_per_step", type=int, default=4)
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--learning_rate", type=float, default=2e-4)
@@ -71,8 +76,8 @@ def sft_adapter(args: argparse.Namespace, model: str, train_file: Path, seed: in
 def main() -> None:
     args = parse_args()
     out = Path(args.out)
-    model, table = prepare(out, "| seed | trainer | lr | steps | beta | IS level | targets | SFT steps | "
-                                "pass@1 before | pass@1 after | KL at step 1 | train s |")
+    model, table = prepare(out, "| seed | trainer | lr | steps | steps per generation | beta | IS level | targets | "
+                                "SFT steps | pass@1 before | pass@1 after | KL at step 1 | train s |")
     for seed in args.seeds:
         train_file, heldout = write_questions(out, args.questions, args.heldout, seed)
         adapter = sft_adapter(args, model, train_file, seed, out) if args.sft_steps else None
@@ -80,7 +85,8 @@ def main() -> None:
         cfg = GRPOConfig(model_name=model, adapter=adapter, train_file=str(train_file), eval_file=str(heldout),
                          columns="prompt=question,completion=answer", reward_funcs=[LAST_NUMBER], raw_prompts=False,
                          num_return_sequences=8, temperature=0.7, max_new_tokens=args.max_new_tokens,
-                         per_device_train_batch_size=8 * args.prompts_per_step, max_steps=args.max_steps,
+                         per_device_train_batch_size=8 * args.prompts_per_step // args.steps_per_generation,
+                         steps_per_generation=args.steps_per_generation, max_steps=args.max_steps,
                          method="lora", lora_target_modules=args.lora_target_modules, trainer=args.trainer,
                          learning_rate=args.learning_rate, beta=args.beta,
                          importance_sampling_level=args.importance_sampling_level, save_strategy="steps",
@@ -89,7 +95,8 @@ def main() -> None:
         done = run_grpo(cfg)
         first = next(row for line in (folder / "metrics.jsonl").open(encoding="utf-8")
                      if (row := json.loads(line)).get("step") == 1 and "loss" in row)
-        row = (f"| {seed} | {args.trainer} | {args.learning_rate:g} | {done['steps']} | {args.beta:g} | "
+        row = (f"| {seed} | {args.trainer} | {args.learning_rate:g} | {done['steps']} | {args.steps_per_generation} | "
+               f"{args.beta:g} | "
                f"{args.importance_sampling_level} | {args.lora_target_modules or 'q,v'} | {args.sft_steps} | "
                f"{done['before_eval_pass@1']:.3f} | {done['eval_pass@1']:.3f} | {first.get('kl', 0.0):.2g} | "
                f"{done['train_runtime_s']:.0f} |\n")
