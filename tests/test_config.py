@@ -6,7 +6,7 @@ import shlex
 import pytest
 import yaml
 
-from xgblora import cli, config
+from xgblora import cli, parsing
 from xgblora.config import Config
 
 SEED_003 = """--model_name facebook/opt-350m --task_name SST2 --xgblora --xgblora_steps_per_iteration 1000 --trainer zo
@@ -23,7 +23,7 @@ SEED_000 = r"""--output_root E:\aOutput\MultiRC\test_200_re --loss_figure_path E
 def parse(command: str, argv: list[str]) -> Config:
     """The command line as `xgblora COMMAND` reads it: its parser, then its options resolved."""
     args = cli.build_parser().parse_args([command, *argv])
-    return config.from_namespace(cli.COMMANDS[command].options, args, cli.COMMANDS[command].defaults)
+    return parsing.from_namespace(cli.COMMANDS[command].options, args, cli.COMMANDS[command].defaults)
 
 def test_seed_run_py_command_line_parses_verbatim():
     cfg = parse("train", shlex.split(SEED_003))
@@ -56,7 +56,7 @@ def test_yaml_then_command_line_wins(tmp_path):
 
 def test_dumped_config_reloads_identically(tmp_path):
     cfg = parse("compare", ["--xgblora", "--seeds", "1", "2", "--xgblora_layers_per_booster", "2"])
-    config.dump(cfg, tmp_path / "config.yaml")
+    parsing.dump(cfg, tmp_path / "config.yaml")
     again = parse("compare", ["--config", str(tmp_path / "config.yaml")])
     assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
 
@@ -65,6 +65,6 @@ def test_dumped_config_reloads_identically(tmp_path):
 
 
 def test_yaml_file_is_plain_mapping_of_every_option(tmp_path):
-    config.dump(Config(), tmp_path / "c.yaml")
+    parsing.dump(Config(), tmp_path / "c.yaml")
     data = yaml.safe_load((tmp_path / "c.yaml").read_text())
     assert set(data) == {f.name for f in dataclasses.fields(Config)}

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from xgblora import cli
+from xgblora import cli, parsing
 from xgblora import config as config_mod
 from xgblora.models import pretrained
 
@@ -125,5 +125,5 @@ def test_every_commands_defaults_pass(command):
     """Nothing given but a command's required files: no refusal; its dumped config (every option) passes too."""
     cls, defaults, required = cli.COMMANDS[command].options, cli.COMMANDS[command].defaults, REQUIRED.get(command, {})
     reads = cli.COMMANDS[command].reads
-    cfg = config_mod.from_namespace(cls, argparse.Namespace(**required, command=command), defaults, reads)
+    cfg = parsing.from_namespace(cls, argparse.Namespace(**required, command=command), defaults, reads)
     config_mod.check_ignored(cls(**dataclasses.asdict(cfg)), defaults, reads, command)

@@ -15,8 +15,7 @@ from peft import PeftModel
 from tokenizers import processors
 from transformers import AutoTokenizer
 
-from xgblora import config as config_mod
-from xgblora import train
+from xgblora import parsing, train
 from xgblora.config import Config
 from xgblora.data import formats
 from xgblora.data.collation import collate, collate_packed
@@ -309,7 +308,7 @@ def test_a_chat_model_trains_on_gsm8k_as_messages_prompt_completion_and_renamed_
 def test_the_example_configs_run(shared_data, tmp_path, monkeypatch, name):
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(root)  # the examples' paths are relative to the checkout, as their commands are run
-    values = config_mod.read_yaml(Config, str(root / "examples" / "sft" / name))
+    values = parsing.read_yaml(Config, str(root / "examples" / "sft" / name))
     if "gsm8k" in values["train_file"]:
         values.update(train_file=str(shared_data / "gsm8k" / "train.jsonl"),
                       eval_file=str(shared_data / "gsm8k" / "test.jsonl"), num_train=16, num_dev=2, num_eval=2)

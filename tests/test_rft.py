@@ -274,7 +274,7 @@ def test_completions_cut_off_by_max_new_tokens_are_never_kept():
 
 def test_rft_temperature_is_the_sampling_one_and_greedy_is_allowed(capsys):
     from xgblora.cli import RFT_DEFAULTS, build_parser
-    from xgblora.config import from_namespace
+    from xgblora.parsing import from_namespace
 
     args = build_parser().parse_args(["rft", "--train_file", "t", "--eval_file", "e", "--temperature", "0",
                                       "--num_return_sequences", "1"])

@@ -17,8 +17,7 @@ import pytest
 import torch
 from helpers import adapter, assert_same_tensors, interrupt_at, make_cfg, records
 
-from xgblora import checkpoint, cli, perf, train
-from xgblora import config as config_mod
+from xgblora import checkpoint, cli, parsing, perf, train
 from xgblora.adapters.boosting import Boosting
 from xgblora.config import Config
 from xgblora.data.splits import sample_splits
@@ -181,7 +180,7 @@ def test_metrics_results_and_config_of_a_run(shared_data, tmp_path):
     assert saved["trainable_params"] == sum(t.numel() for k, t in adapter_params(out).items())
     assert json.loads(Path(cfg.result_file).read_text()) == saved
 
-    reread = Config(**config_mod.read_yaml(Config, str(out / "config.yaml")))
+    reread = Config(**parsing.read_yaml(Config, str(out / "config.yaml")))
     assert reread == asked
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from xgblora import config as config_mod
 from xgblora import options as opts
+from xgblora import parsing
 from xgblora.bench.flags import add_arguments as add_bench_arguments
 from xgblora.errors import RankLostError, UserError
 
@@ -37,7 +38,7 @@ DPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5, 
 def _options(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Any:
     """The command's options from its flags (and --config), checked before the heavy imports."""
     command = COMMANDS[args.command]
-    return config_mod.from_namespace(command.options, args, command.defaults if defaults is None else defaults,
+    return parsing.from_namespace(command.options, args, command.defaults if defaults is None else defaults,
                                      command.reads)
 
 
@@ -206,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=command.help, description=command.help, allow_abbrev=False,
                            formatter_class=_Help)
         if command.options is not None:
-            config_mod.add_arguments(p, command.options, command.defaults, command.groups)
+            parsing.add_arguments(p, command.options, command.defaults, command.groups)
         elif command.add_flags is not None:
             command.add_flags(p)
     return parser
@@ -255,7 +256,7 @@ def _add_encode_arguments(p: argparse.ArgumentParser) -> None:
                    help="Default: the run's, or the model's sentence-transformers pooling, else mean (last for causal LMs).")
     p.add_argument("--max_length", "--max-length", type=int, default=None,
                    help="Tokens per input (default: the run's, or the model's max_seq_length, else 512).")
-    p.add_argument("--bidirectional", type=config_mod.parse_bool, default=None, metavar="BOOL",
+    p.add_argument("--bidirectional", type=parsing.parse_bool, default=None, metavar="BOOL",
                    help="A causal LM attends both ways (default: as the run was trained).")
     p.add_argument("--batch_size", "--batch-size", type=int, default=32, help="Texts per forward.")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available).")

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import transformers
 
-from xgblora import config as config_mod
+from xgblora import parsing
 from xgblora.adapters.lora import adapter_factors, adapter_snapshot, adapters_off
 from xgblora.config import GRPOConfig
 from xgblora.data import formats
@@ -452,7 +452,7 @@ def run_grpo(cfg: GRPOConfig) -> dict[str, Any]:
         if cfg.overwrite_output_dir and not cfg.resume_from_checkpoint and dist.is_main:
             start_over(out)
         if dist.is_main:
-            config_mod.dump(trainer.cfg, out / "config.yaml")
+            parsing.dump(trainer.cfg, out / "config.yaml")
         summary = trainer.fit()
         after = source.evaluate(trainer.run.model, trainer.run.splits.eval)[0] if source.heldout else {}
         results = {"model": trainer.cfg.model_name, "method": cfg.method, "trainer": cfg.trainer,

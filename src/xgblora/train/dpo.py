@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from xgblora import config as config_mod
-from xgblora import distributed
+from xgblora import distributed, parsing
 from xgblora.adapters.lora import adapters_off
 from xgblora.config import DPOConfig
 from xgblora.data import formats
@@ -92,7 +91,7 @@ def _run(cfg: DPOConfig, dist: distributed.Distributed, train: list[PreferenceEx
     if dist.is_main:
         if cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
             start_over(Path(cfg.output_dir))
-        config_mod.dump(cfg, Path(cfg.output_dir) / "config.yaml")
+        parsing.dump(cfg, Path(cfg.output_dir) / "config.yaml")
     summary = run.trainer.fit()
     before = {f"before_{k}": v for k, v in run.trainer.state.before.items()}
     results = {"model": cfg.model_name, "method": cfg.method, "trainer": cfg.trainer, "seed": cfg.seed,

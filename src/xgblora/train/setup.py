@@ -15,8 +15,7 @@ from typing import Any
 import torch
 import transformers
 
-from xgblora import config as config_mod
-from xgblora import perf
+from xgblora import parsing, perf
 from xgblora.adapters import trained
 from xgblora.adapters.boosting import Boosting
 from xgblora.adapters.lora import (
@@ -239,7 +238,7 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
 def write_config(run: RunSetup, dist: Distributed) -> None:
     """The resolved config as config.yaml in the output folder (the main process writes it)."""
     if dist.is_main:
-        config_mod.dump(run.cfg, Path(run.cfg.output_dir) / "config.yaml")
+        parsing.dump(run.cfg, Path(run.cfg.output_dir) / "config.yaml")
 
 
 def grit_examples(cfg: Config) -> list[Example]:

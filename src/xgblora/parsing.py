@@ -1,0 +1,184 @@
+"""A command's options class to command-line flags and back: argparse flags with MeZO's and HF's names (underscore
+and hyphen spellings, aliases, help in one section per option group), YAML config files (checked key by key, paths
+relative to the file), and the run's config.yaml."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from xgblora.config import Config, check_ignored, field_default, own_options
+from xgblora.errors import UserError
+
+
+def parse_bool(text: str | bool) -> bool:
+    """Parse a boolean flag value the way HF's argument parser does (true/false, yes/no, 1/0)."""
+    if isinstance(text, bool):
+        return text
+    lowered = str(text).strip().lower()
+    if lowered in ("true", "yes", "y", "1", "on"):
+        return True
+    if lowered in ("false", "no", "n", "0", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _field_type(cls: type, f: dataclasses.Field) -> tuple[type, bool, bool]:
+    """(base type, optional, is_list) of a dataclass field."""
+    hint = typing.get_type_hints(cls)[f.name]
+    optional = False
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional, hint = True, args[0]
+    if typing.get_origin(hint) is list:
+        return typing.get_args(hint)[0], optional, True
+    return hint, optional, False
+
+
+def _converter(base: type, optional: bool):
+    convert = parse_bool if base is bool else base
+
+    def parse(text: str):
+        if optional and isinstance(text, str) and text.strip().lower() in ("none", "null"):
+            return None
+        return convert(text)
+
+    parse.__name__ = base.__name__  # argparse names the type in its error messages
+    return parse
+
+
+def _aliases(cls: type, f: dataclasses.Field) -> tuple[str, ...]:
+    """A field's other names, less those that are a field of the class themselves (`xgblora rft --temperature` is
+    the sampling temperature; in `xgblora train` it names --contrastive_temperature)."""
+    names = {other.name for other in dataclasses.fields(cls)}
+    return tuple(a for a in f.metadata.get("aliases", ()) if a not in names)
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, defaults: dict[str, Any] | None = None,
+                  groups: tuple[type, ...] | None = None) -> None:
+    """Add one flag per option the command reads: with `groups`, a help section for the command's own options, then
+    one per group in their order; else every field of cls. Each flag in underscore and hyphen spelling plus aliases;
+    defaults are suppressed (the help shows the command's own: `defaults` first, then the dataclass's)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if groups is None:
+        sections = [(None, None, list(fields))]
+    else:
+        own = own_options(cls)
+        sections = [(f"{cls.__name__.removesuffix('Config') or 'these'} options", None, own)] * bool(own) + [
+            (f"{group.__name__.removesuffix('Options')} options", group.__doc__,
+             [f.name for f in dataclasses.fields(group) if f.name not in own]) for group in groups]
+    for title, description, names in sections:
+        target = parser.add_argument_group(title, description) if title else parser
+        for name in names:
+            _add_flag(target, cls, fields[name], (defaults or {}).get(name, field_default(fields[name])))
+    parser.add_argument("--config", dest="config", default=argparse.SUPPRESS, metavar="FILE.yaml",
+                        help="Read options from a YAML file; flags on the command line win.")
+
+
+def _add_flag(parser: Any, cls: type, f: dataclasses.Field, default: Any) -> None:
+    base, optional, is_list = _field_type(cls, f)
+    names = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
+    for alias in _aliases(cls, f):
+        names |= {f"--{alias}", f"--{alias.replace('_', '-')}"}
+    text = f.metadata.get("help", "")
+    if default is not None or "default" not in text.lower():  # else the help says what unset means
+        text += f" (default: {'unset' if default is None else default})"
+    kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text}
+    if base is bool:
+        kwargs.update(nargs="?", const=True, type=_converter(bool, optional), metavar="BOOL")
+    elif is_list:
+        kwargs.update(nargs="+", type=base)
+    else:
+        kwargs.update(type=_converter(base, optional))
+        if f.metadata.get("choices"):
+            kwargs["choices"] = f.metadata["choices"]
+    parser.add_argument(*sorted(names, key=lambda n: ("-" in n[2:], n)), **kwargs)
+
+
+def _check_yaml_value(cls: type, f: dataclasses.Field, value: Any, path: str) -> Any:
+    base, optional, is_list = _field_type(cls, f)
+    where = f"{path}: key {f.name!r}"
+    if value is None:
+        if optional:
+            return None
+        raise UserError(f"{where}: expected {base.__name__}, got null")
+    items = value if isinstance(value, list) and is_list else [value]
+    accepted = {bool: (bool,), float: (int, float), int: (int,), str: (str,)}[base]
+    out = []
+    for item in items:
+        if not isinstance(item, accepted) or (isinstance(item, bool) and base is not bool):  # YAML true is no int
+            raise UserError(f"{where}: expected {base.__name__}, got {type(item).__name__} {item!r}")
+        choices = f.metadata.get("choices")
+        if choices and item not in choices:
+            raise UserError(f"{where}: {item!r} is not one of {', '.join(choices)}")
+        out.append(float(item) if base is float else item)
+    return out if is_list else out[0]
+
+
+def read_yaml(cls: type, path: str) -> dict[str, Any]:
+    """Read a YAML config into validated field values; unknown keys get the closest valid key suggested."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read config file ({exc.__class__.__name__}: {exc})") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    aliases = {a: f.name for f in fields.values() for a in _aliases(cls, f)}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        name = aliases.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
+        if name not in fields:
+            close = difflib.get_close_matches(name, list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UserError(f"{path}: unknown key {key!r}{hint}")
+        values[name] = _check_yaml_value(cls, fields[name], value, path)
+    return {k: _beside(Path(path).parent, v) if k in INPUT_PATHS and isinstance(v, str) else v
+            for k, v in values.items()}
+
+
+# Options naming files or folders a run reads: in a YAML config they are relative to the config's own folder
+# (outputs stay relative to where the command runs).
+INPUT_PATHS = ("train_file", "eval_file", "grit_train_file", "chat_template", "data_dir", "input_file", "adapter",
+               "model_name", "sampler_model", "resume_from_checkpoint")
+
+
+def _beside(folder: Path, value: str) -> str:
+    """A relative path in a YAML config, read from the config's folder: when it exists there or is written as a
+    path (./x, ../x); anything else (a hub id, a built-in model, 'latest') is left as it is."""
+    if Path(value).is_absolute() or value.startswith(("~", "pkg:")):
+        return value
+    candidate = folder / value
+    return str(candidate) if candidate.exists() or value.startswith(("./", "../")) else value
+
+
+def from_namespace(cls: type, ns: argparse.Namespace, defaults: dict[str, Any] | None = None,
+                   reads: frozenset[str] | None = None) -> Config:
+    """Build a config from parsed flags: defaults (the command's own first), then --config FILE, then the command
+    line; `reads`: the options the command reads (see check_ignored)."""
+    given = {k: v for k, v in vars(ns).items() if k in {f.name for f in dataclasses.fields(cls)}}
+    values = dict(defaults or {})
+    values.update(read_yaml(cls, ns.config) if getattr(ns, "config", None) else {})
+    values.update(given)
+    cfg = cls(**values)
+    check_ignored(cfg, defaults, reads, getattr(ns, "command", ""))
+    return cfg
+
+
+def dump(cfg: Config, path: Path) -> None:
+    """Write the resolved config as YAML (every option, so the run can be repeated with --config)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), encoding="utf-8")
