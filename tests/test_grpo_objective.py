@@ -97,6 +97,38 @@ def test_loss_and_gradient_equal_trls_on_one_step(loss_type, beta, epsilon_high,
     assert ours_in.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_on_policy_gspo_has_grpos_gradient(loss_type):
+    """With one optimizer step per generation batch every ratio is 1: a sequence's ratio exp(mean log-ratio) has the
+    derivative 1/L along each of its L tokens, and every loss type weights a sequence's tokens alike, so GSPO's
+    gradient is the token-level one (in TRL's loss as in ours) at beta 0; they part off-policy, and with a KL term
+    (TRL's bias correction weights each token's KL by its ratio, whose gradient differs between the two)."""
+    logps, _, ref, mask, adv = _fixed_batch()
+    grads = {}
+    for level in ("token", "sequence"):
+        for name, loss in (("trl", _trl_loss), ("ours", None)):
+            policy = logps.clone().requires_grad_()
+            if loss is None:
+                objective = Objective(epsilon=0.2, epsilon_high=0.28, beta=0.0, importance_sampling_level=level)
+                value = _ours(policy, logps, ref, adv, mask, loss_type, objective, 9)
+            else:
+                value = loss(policy, logps, ref, adv, mask, loss_type, 0.0, 0.2, 0.28, max_completion_length=9,
+                             level=level)
+            value.backward()
+            grads[level, name] = policy.grad
+    assert torch.allclose(grads["sequence", "ours"], grads["token", "ours"], atol=1e-12, rtol=0)
+    assert torch.allclose(grads["sequence", "trl"], grads["token", "trl"], atol=1e-12, rtol=0)
+    assert grads["token", "ours"].abs().sum() > 0
+    _, old, *_ = _fixed_batch()  # off-policy: per-token ratios on both sides of 1, and the gradients part
+    off = {}
+    for level in ("token", "sequence"):
+        policy = logps.clone().requires_grad_()  # epsilon_high 1.2: cispo's cap (a ratio) clips some ratios only
+        objective = Objective(epsilon=0.2, epsilon_high=1.2, beta=0.0, importance_sampling_level=level)
+        _ours(policy, old, ref, adv, mask, loss_type, objective, 9).backward()
+        off[level] = policy.grad
+    assert not torch.allclose(off["sequence"], off["token"], atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_a_generation_batch_split_into_steps_and_micro_batches_matches_trl(loss_type, level):
