@@ -47,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--importance_sampling_level", choices=("token", "sequence"), default="token")
     parser.add_argument("--lora_target_modules", default=None, help="default: q/v")
+    parser.add_argument("--lora_r", type=int, default=8)
+    parser.add_argument("--zo_estimator", default="mezo", help="--trainer zo: mezo, nspsa, fzoo, es")
+    parser.add_argument("--zo_queries", type=int, default=None, help="--trainer zo: perturbations per step")
     parser.add_argument("--sft_steps", type=int, default=0, help="SFT steps (batch 8, lr 1e-3) before GRPO")
     parser.add_argument("--device", default="auto")
     return parser.parse_args()
@@ -87,7 +90,8 @@ def main() -> None:
                          num_return_sequences=8, temperature=0.7, max_new_tokens=args.max_new_tokens,
                          per_device_train_batch_size=8 * args.prompts_per_step // args.steps_per_generation,
                          steps_per_generation=args.steps_per_generation, max_steps=args.max_steps,
-                         method="lora", lora_target_modules=args.lora_target_modules, trainer=args.trainer,
+                         method="lora", lora_r=args.lora_r, lora_target_modules=args.lora_target_modules,
+                         trainer=args.trainer, zo_estimator=args.zo_estimator, zo_queries=args.zo_queries,
                          learning_rate=args.learning_rate, beta=args.beta,
                          importance_sampling_level=args.importance_sampling_level, save_strategy="steps",
                          save_steps=10, save_total_limit=1, logging_steps=1, seed=seed, device=args.device,
@@ -95,9 +99,10 @@ def main() -> None:
         done = run_grpo(cfg)
         first = next(row for line in (folder / "metrics.jsonl").open(encoding="utf-8")
                      if (row := json.loads(line)).get("step") == 1 and "loss" in row)
-        row = (f"| {seed} | {args.trainer} | {args.learning_rate:g} | {done['steps']} | {args.steps_per_generation} | "
-               f"{args.beta:g} | "
-               f"{args.importance_sampling_level} | {args.lora_target_modules or 'q,v'} | {args.sft_steps} | "
+        trainer = args.trainer if args.trainer == "regular" else f"zo: {args.zo_estimator} x{args.zo_queries or 1}"
+        row = (f"| {seed} | {trainer} | {args.learning_rate:g} | {done['steps']} | {args.steps_per_generation} | "
+               f"{args.beta:g} | {args.importance_sampling_level} | "
+               f"{args.lora_target_modules or 'q,v'} r{args.lora_r} | {args.sft_steps} | "
                f"{done['before_eval_pass@1']:.3f} | {done['eval_pass@1']:.3f} | {first.get('kl', 0.0):.2g} | "
                f"{done['train_runtime_s']:.0f} |\n")
         print(json.dumps(done), flush=True)
