@@ -46,7 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--learning_rate", type=float, default=2e-4)
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--importance_sampling_level", choices=("token", "sequence"), default="token")
-    parser.add_argument("--lora_target_modules", default=None, help="default: q/v")
+    parser.add_argument("--lora_target_modules", default="q_proj,v_proj", help="all-linear: grpo's own default")
     parser.add_argument("--lora_r", type=int, default=8)
     parser.add_argument("--zo_estimator", default="mezo", help="--trainer zo: mezo, nspsa, fzoo, es")
     parser.add_argument("--zo_queries", type=int, default=None, help="--trainer zo: perturbations per step")
@@ -102,7 +102,7 @@ def main() -> None:
         trainer = args.trainer if args.trainer == "regular" else f"zo: {args.zo_estimator} x{args.zo_queries or 1}"
         row = (f"| {seed} | {trainer} | {args.learning_rate:g} | {done['steps']} | {args.steps_per_generation} | "
                f"{args.beta:g} | {args.importance_sampling_level} | "
-               f"{args.lora_target_modules or 'q,v'} r{args.lora_r} | {args.sft_steps} | "
+               f"{args.lora_target_modules} r{args.lora_r} | {args.sft_steps} | "
                f"{done['before_eval_pass@1']:.3f} | {done['eval_pass@1']:.3f} | {first.get('kl', 0.0):.2g} | "
                f"{done['train_runtime_s']:.0f} |\n")
         print(json.dumps(done), flush=True)

@@ -180,6 +180,32 @@ def test_a_continued_adapter_is_its_own_kl_reference(data):
     assert len(kl) == 2 and abs(kl[0]) < 1e-7 and kl[1] > 1e-6
 
 
+def _adapted(folder) -> set[str]:
+    """The module names a saved PEFT adapter adapts."""
+    names = load_file(str(folder / "adapter_model.safetensors"))
+    return {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in names}
+
+
+def test_lora_adapts_every_linear_layer_by_default_and_a_continued_adapter_its_own(data):
+    """GRPO's default targets are PEFT's all-linear (every linear layer of the blocks, not the LM head); a continued
+    adapter keeps its modules (as TRL trains a PEFT model's own); method ft has none to choose."""
+    from peft import LoraConfig, get_peft_model
+
+    from xgblora.models import pretrained
+
+    peft = get_peft_model(pretrained.load("tiny-llama")[0], LoraConfig(r=4, target_modules="all-linear"))
+    expected = {name.removeprefix("base_model.model.") for name, module in peft.named_modules()
+                if hasattr(module, "lora_A") and "base_model.model." in name}
+    assert len(expected) == 7 * 2  # seven linear layers in each of tiny-llama's two blocks
+    run_grpo(_cfg(data, "default", max_steps=1, eval_file=None))
+    assert _adapted(data / "default" / "final") == expected
+    peft = get_peft_model(pretrained.load("tiny-llama")[0], LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    peft.save_pretrained(data / "sft")
+    run_grpo(_cfg(data, "continued", adapter=str(data / "sft"), max_steps=1, eval_file=None))
+    assert _adapted(data / "continued" / "final") == _adapted(data / "sft")
+    assert _cfg(data, "ft", method="ft").lora_target_modules is None
+
+
 @pytest.mark.parametrize("options", [dict(loss_type="bnpo", importance_sampling_level="sequence"),
                                      dict(loss_type="cispo", epsilon_high=5.0, trainer="zo")],
                          ids=["bnpo-gspo-adamw", "cispo-mezo"])

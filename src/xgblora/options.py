@@ -179,7 +179,7 @@ class AdapterOptions:
     lora_alpha: float | None = _opt(None, "Adapter scaling numerator: delta = (alpha / r) B A. Default 2r, so alpha / r = 2 at every rank (MeZO's r=8, alpha=16); with --use_rslora 2 sqrt(8), the same scale as LoRA's at r=8.")
     use_rslora: bool = _opt(False, "rsLoRA scaling: delta = (alpha / sqrt(r)) B A.")
     lora_dropout: float = _opt(0.0, "Dropout on the adapter branch's input.")
-    lora_target_modules: str | None = _opt(None, "Modules to adapt, as PEFT's target_modules: name suffixes (q_proj,v_proj), all-linear, or a regex over the full name. Default: attention query and value.")
+    lora_target_modules: str | None = _opt(None, "Modules to adapt, as PEFT's target_modules: name suffixes (q_proj,v_proj), all-linear, or a regex over the full name. Default: attention query and value (grpo: every linear layer, unless continuing an --adapter).")
 
 
 @dataclass(frozen=True)
