@@ -417,8 +417,8 @@ class GRPOConfig(Config, SamplingOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.method == "lora" and self.lora_target_modules is None and self.adapter is None:
-            # RL's small updates gain from coverage more than from rank ("LoRA without regret"); measured on SmolLM2
-            # addition (BENCHMARKS.md, GRPO): every linear layer beat q/v at the same rank and steps
+            # RL's small updates gain from coverage more than from rank ("LoRA without regret"); on SmolLM2 addition
+            # (BENCHMARKS.md, GRPO) every linear layer did as well as q/v or better, and learned sooner
             object.__setattr__(self, "lora_target_modules", "all-linear")
         check_sampling(self, self.num_return_sequences)
         _check_positive(self, "max_new_tokens", "num_iterations", "generation_batch_size", "steps_per_generation")
