@@ -14,6 +14,8 @@ a rerun resumes it (`--resume_from_checkpoint latest`); a row is appended to OUT
     python benchmarks/grpo_smollm2.py --out bench-grpo --trainer regular --seeds 0 1 2
     python benchmarks/grpo_smollm2.py --out bench-gspo --importance_sampling_level sequence --steps_per_generation 4 \
         --max_steps 200 --seeds 0 1 2
+    python benchmarks/grpo_smollm2.py --out bench-gspo-paper --importance_sampling_level sequence --loss_type grpo \
+        --epsilon 3e-4 --epsilon_high 4e-4 --steps_per_generation 4 --max_steps 200 --seeds 0 1 2   # GSPO's own clip
     python benchmarks/grpo_smollm2.py --out bench-sft-grpo --sft_steps 10 --beta 0.04 --seeds 0 1 2
 """
 
@@ -46,6 +48,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--learning_rate", type=float, default=2e-4)
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--importance_sampling_level", choices=("token", "sequence"), default="token")
+    parser.add_argument("--loss_type", default="dapo")
+    parser.add_argument("--epsilon", type=float, default=0.2)
+    parser.add_argument("--epsilon_high", type=float, default=None)
     parser.add_argument("--lora_target_modules", default="q_proj,v_proj", help="all-linear: grpo's own default")
     parser.add_argument("--lora_r", type=int, default=8)
     parser.add_argument("--zo_estimator", default="mezo", help="--trainer zo: mezo, nspsa, fzoo, es")
@@ -79,8 +84,8 @@ def sft_adapter(args: argparse.Namespace, model: str, train_file: Path, seed: in
 def main() -> None:
     args = parse_args()
     out = Path(args.out)
-    model, table = prepare(out, "| seed | trainer | lr | steps | steps per generation | beta | IS level | targets | "
-                                "SFT steps | pass@1 before | pass@1 after | KL at step 1 | train s |")
+    model, table = prepare(out, "| seed | trainer | lr | steps | steps per generation | beta | IS level | loss | "
+                                "epsilon | targets | SFT steps | pass@1 before | pass@1 after | KL at step 1 | train s |")
     for seed in args.seeds:
         train_file, heldout = write_questions(out, args.questions, args.heldout, seed)
         adapter = sft_adapter(args, model, train_file, seed, out) if args.sft_steps else None
@@ -93,7 +98,8 @@ def main() -> None:
                          method="lora", lora_r=args.lora_r, lora_target_modules=args.lora_target_modules,
                          trainer=args.trainer, zo_estimator=args.zo_estimator, zo_queries=args.zo_queries,
                          learning_rate=args.learning_rate, beta=args.beta,
-                         importance_sampling_level=args.importance_sampling_level, save_strategy="steps",
+                         importance_sampling_level=args.importance_sampling_level, loss_type=args.loss_type,
+                         epsilon=args.epsilon, epsilon_high=args.epsilon_high, save_strategy="steps",
                          save_steps=10, save_total_limit=1, logging_steps=1, seed=seed, device=args.device,
                          resume_from_checkpoint=resume(folder), output_dir=str(folder))
         done = run_grpo(cfg)
@@ -101,7 +107,8 @@ def main() -> None:
                      if (row := json.loads(line)).get("step") == 1 and "loss" in row)
         trainer = args.trainer if args.trainer == "regular" else f"zo: {args.zo_estimator} x{args.zo_queries or 1}"
         row = (f"| {seed} | {trainer} | {args.learning_rate:g} | {done['steps']} | {args.steps_per_generation} | "
-               f"{args.beta:g} | {args.importance_sampling_level} | "
+               f"{args.beta:g} | {args.importance_sampling_level} | {args.loss_type} | "
+               f"{args.epsilon:g}/{args.epsilon if args.epsilon_high is None else args.epsilon_high:g} | "
                f"{args.lora_target_modules} r{args.lora_r} | {args.sft_steps} | "
                f"{done['before_eval_pass@1']:.3f} | {done['eval_pass@1']:.3f} | {first.get('kl', 0.0):.2g} | "
                f"{done['train_runtime_s']:.0f} |\n")
