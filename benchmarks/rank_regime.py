@@ -59,7 +59,8 @@ RUNS: dict[str, tuple[dict[str, Any], tuple[float, ...]]] = {
     "XGBLoRA r=1, plain, 4 boosters (AdamW)": (dict(method="xgblora", xgblora_num_boosters=4), (3e-3, 1e-2, 3e-2)),
     "XGBLoRA r=1, plain, 4 boosters, gradient init (AdamW)": (dict(method="xgblora", xgblora_num_boosters=4,
                                                                    xgblora_init="gradient"), (3e-3, 1e-2, 3e-2)),
-    # the booster regime at a fixed length per booster, whatever --steps (10 to 200 of them); a fresh warm-up each
+    # the booster regime: a fixed length per booster whatever --steps (10 to 200 steps), from a random or gradient
+    # start, on the run's schedule or a fresh warm-up and decay per booster (re-warm-up)
     **{f"XGBLoRA r=1, plain, {n} steps per booster{init}{warm} (AdamW)": (
         dict(method="xgblora", xgblora_steps_per_iteration=n, **extra, **rewarm), (3e-3, 1e-2, 3e-2))
        for n in (10, 25, 50, 100, 200)
