@@ -7,9 +7,10 @@ completions of at most 32 tokens at temperature 0.7, LoRA r=8 on q/v, loss dapo,
 sample 1,600 completions, one RFT round's worth. Variants: `--importance_sampling_level sequence` (GSPO; with one
 optimizer step per generation batch every importance ratio is 1 and its gradient is GRPO's, so compare the two with
 `--steps_per_generation 4 --max_steps 200`: the same completions, each batch in 4 optimizer steps),
-`--lora_target_modules all-linear`, and `--sft_steps N` (SFT on the training questions' answers first, then GRPO
+`--lora_target_modules all-linear` (grpo's own default), and `--sft_steps N` (SFT on the training questions' answers first, then GRPO
 continues that adapter; with `--beta` its KL reference is the SFT adapter). Each run checkpoints every 10 steps and
-a rerun resumes it (`--resume_from_checkpoint latest`); a row is appended to OUT/table.md as each run lands.
+a rerun resumes it (`--resume_from_checkpoint latest`); a row is appended to OUT/table.md as each run lands. The
+seed's questions are written into OUT, so run one process per OUT.
 
     python benchmarks/grpo_smollm2.py --out bench-grpo --trainer regular --seeds 0 1 2
     python benchmarks/grpo_smollm2.py --out bench-gspo --importance_sampling_level sequence --steps_per_generation 4 \
