@@ -26,7 +26,7 @@ import argparse
 import json
 from pathlib import Path
 
-from rft_smollm2 import LAST_NUMBER, prepare, write_questions
+from rft_smollm2 import LAST_NUMBER, prepare, write_chat_turns, write_questions
 
 from xgblora import train
 from xgblora.checkpoint import step_checkpoints
@@ -68,11 +68,7 @@ def resume(folder: Path) -> str | None:
 
 def sft_adapter(args: argparse.Namespace, model: str, train_file: Path, seed: int, out: Path) -> str:
     """A LoRA adapter from --sft_steps of SFT on the training questions' answers, as chat turns."""
-    rows = [json.loads(line) for line in train_file.open(encoding="utf-8")]
-    chat = out / f"sft-seed{seed}.jsonl"
-    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["question"]},
-                                                     {"role": "assistant", "content": r["answer"]}]}) + "\n"
-                            for r in rows), encoding="utf-8")
+    chat = write_chat_turns(train_file, out / f"sft-seed{seed}.jsonl")
     folder = out / f"sft-seed{seed}"
     if not (folder / "results.json").exists():
         train.run(Config(model_name=model, task_name="custom", train_file=str(chat), method="lora",

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from common import DEV_SEED, best_rate, mean_std, slug
-from rft_smollm2 import write_questions
+from rft_smollm2 import write_chat_turns, write_questions
 
 # Bump when this protocol or an xgblora default it runs on changes: a finished run of another version in --out is
 # run again rather than mixed into the table.
@@ -80,10 +80,7 @@ def task_config(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     files = write_questions(out, args.num_train + args.num_dev, args.num_eval, seed=0)
     for path in files:  # as chat turns, in the model's own template
-        rows = [json.loads(line) for line in path.open()]
-        path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["question"]},
-                                                         {"role": "assistant", "content": r["answer"]}]}) + "\n"
-                                for r in rows), encoding="utf-8")
+        write_chat_turns(path, path)
     return dict(train_file=str(files[0]), eval_file=str(files[1]), max_length=128, max_new_tokens=8)
 
 

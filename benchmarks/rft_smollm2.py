@@ -69,6 +69,16 @@ def write_questions(out: Path, n_train: int, n_heldout: int, seed: int) -> tuple
     return write("questions.jsonl", pairs[:n_train]), write("heldout.jsonl", pairs[n_train:n_train + n_heldout])
 
 
+def write_chat_turns(source: Path, target: Path) -> Path:
+    """The questions of `source` (write_questions' rows) written to `target` as chat turns, user question and
+    assistant answer, for SFT in the model's own template; target may be source."""
+    rows = [json.loads(line) for line in source.open(encoding="utf-8")]
+    target.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["question"]},
+                                                       {"role": "assistant", "content": r["answer"]}]}) + "\n"
+                              for r in rows), encoding="utf-8")
+    return target
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench-rft-smollm2")

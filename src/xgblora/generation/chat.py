@@ -1,7 +1,7 @@
 """`xgblora chat`: talk to a model in the terminal. Each reply streams token by token as it is sampled; the whole
 conversation goes through the chat template every turn. `/reset` starts over, `/exit` or end of input leaves.
 
-Replies go to stdout, one line break after each; the `>>> ` prompt and notices go to stderr, so a piped session's
+Replies go to stdout, one line break after each; the `>>> ` prompt and notices go to stderr, so a piped conversation's
 stdout holds the replies only.
 """
 
