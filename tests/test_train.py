@@ -82,9 +82,11 @@ def test_sigint_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path, m
         assert got[key] == expected[key], key
 
 
-def test_gradient_init_starts_every_booster_and_only_those(shared_data, tmp_path, monkeypatch):
-    """--xgblora_init gradient: the first booster and each one after a merge start from the gradient (not one
-    merged at the last step); --trainer zo refuses it with the reason."""
+@pytest.mark.parametrize("init", [{}, dict(xgblora_init="gradient")], ids=["default", "asked"])
+def test_gradient_init_starts_every_booster_and_only_those(shared_data, tmp_path, monkeypatch, init):
+    """Under AdamW, by default or when asked, the first booster and each one after a merge start from the gradient
+    (not one merged at the last step); --xgblora_init random and --trainer zo start none there, and zo refuses
+    --xgblora_init gradient with the reason."""
     started = []
     original = Boosting.init_from_gradients
 
@@ -94,8 +96,12 @@ def test_gradient_init_starts_every_booster_and_only_those(shared_data, tmp_path
 
     monkeypatch.setattr(Boosting, "init_from_gradients", spy)
     train.run(make_cfg(shared_data, tmp_path / "run", method="xgblora", max_steps=12, xgblora_steps_per_iteration=4,
-                       xgblora_init="gradient", xgblora_init_batches=1))
+                       xgblora_init_batches=1, **init))
     assert started == [0, 1, 2]  # boosters merged at 4 and 8 are followed by a new one; the one at 12 is not
+    for trainer, other in (("regular", dict(xgblora_init="random")), ("zo", {})):
+        train.run(make_cfg(shared_data, tmp_path / trainer, method="xgblora", trainer=trainer, max_steps=8,
+                           xgblora_steps_per_iteration=4, **other))
+    assert started == [0, 1, 2]
     with pytest.raises(UserError, match="needs the gradient of each adapted weight"):
         make_cfg(shared_data, tmp_path / "zo", method="xgblora", trainer="zo", xgblora_init="gradient")
 

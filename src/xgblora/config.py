@@ -266,6 +266,14 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         return PAPER_NORM_PENALTY if self.xgblora_preset == "paper" else 0.0
 
     @property
+    def booster_init(self) -> str:
+        """Where a booster starts: --xgblora_init, else from the gradient where there is a backward pass (measured:
+        BENCHMARKS.md, "The booster regime"), at random under --trainer zo."""
+        if self.xgblora_init is not None:
+            return self.xgblora_init
+        return "random" if self.trainer == "zo" else "gradient"
+
+    @property
     def layer_share(self) -> float:
         """The share of layers a booster is drawn on when --xgblora_layers_per_booster is unset."""
         return 1 / 3 if self.xgblora_preset == "paper" else 1.0
@@ -620,10 +628,11 @@ def check_finite(cfg: Any) -> None:
 
 
 def check_choices(cfg: Any) -> None:
-    """One-line errors for options outside their choices, for any options dataclass."""
+    """One-line errors for options outside their choices, for any options dataclass (None where it is the default:
+    the option's value then depends on others)."""
     for f in dataclasses.fields(cfg):
-        choices = f.metadata.get("choices")
-        if choices and getattr(cfg, f.name) not in choices:
+        choices, value = f.metadata.get("choices"), getattr(cfg, f.name)
+        if choices and value not in choices and not (value is None and f.default is None):
             raise UserError(f"--{f.name} {getattr(cfg, f.name)!r}: choose one of {', '.join(choices)}")
 
 

@@ -389,10 +389,10 @@ class Trainer:
             self.metrics.log({**event, "step": self.state.step})
 
     def _start_booster(self) -> None:
-        """--xgblora_init gradient: the new booster's A from the gradient of the next --xgblora_init_batches
-        training batches (drawn from the run's stream, so a resumed run draws the same ones)."""
+        """Where Config.booster_init is gradient: the new booster's A from the gradient of the next
+        --xgblora_init_batches training batches (drawn from the run's stream, so a resumed run draws the same ones)."""
         boosting = self.method.boosting
-        if boosting is None or self.cfg.xgblora_init != "gradient":
+        if boosting is None or self.cfg.booster_init != "gradient":
             return
 
         def backward(inputs: list[torch.nn.Parameter]) -> None:
