@@ -39,33 +39,37 @@ from rft_smollm2 import write_chat_turns, write_questions
 # run again rather than mixed into the table.
 PROTOCOL_VERSION = 1
 
-# name -> (Config overrides, learning-rate grid). An XGBLoRA row starts its boosters at random unless its name says
-# gradient init (xgblora's default under AdamW), so that a row keeps its meaning whatever the default.
+def _xgblora(**overrides: Any) -> dict[str, Any]:
+    """An XGBLoRA row's overrides: its boosters start at random unless its name says gradient init (xgblora's
+    default under AdamW), so that a row keeps its meaning whatever the default."""
+    return {"method": "xgblora", "xgblora_init": "random", **overrides}
+
+
+GRID = (3e-3, 1e-2, 3e-2)
+# name -> (Config overrides, learning-rate grid)
 RUNS: dict[str, tuple[dict[str, Any], tuple[float, ...]]] = {
     "FT (AdamW)": (dict(method="ft"), (1e-3, 3e-3)),
-    "LoRA r=8 (AdamW)": (dict(method="lora", lora_r=8), (3e-3, 1e-2, 3e-2)),
-    "LoRA r=1 (AdamW)": (dict(method="lora", lora_r=1), (3e-3, 1e-2, 3e-2)),
-    "XGBLoRA r=1, paper preset (AdamW)": (dict(method="xgblora", xgblora_preset="paper", xgblora_init="random"), (3e-3, 1e-2, 3e-2)),
+    "LoRA r=8 (AdamW)": (dict(method="lora", lora_r=8), GRID),
+    "LoRA r=1 (AdamW)": (dict(method="lora", lora_r=1), GRID),
+    "XGBLoRA r=1, paper preset (AdamW)": (_xgblora(xgblora_preset="paper"), GRID),
     # more boosters: the paper preset's layer sampling, then every layer (the most total rank XGBLoRA can build)
-    "XGBLoRA r=1, paper preset, 25 boosters (AdamW)": (dict(method="xgblora", xgblora_preset="paper",
-                                                            xgblora_num_boosters=25, xgblora_init="random"), (3e-3, 1e-2, 3e-2)),
-    "XGBLoRA r=1, plain, 25 boosters (AdamW)": (dict(method="xgblora", xgblora_preset="plain",
-                                                     xgblora_num_boosters=25, xgblora_init="random"), (3e-3, 1e-2, 3e-2)),
+    "XGBLoRA r=1, paper preset, 25 boosters (AdamW)": (_xgblora(xgblora_preset="paper", xgblora_num_boosters=25), GRID),
+    "XGBLoRA r=1, plain, 25 boosters (AdamW)": (_xgblora(xgblora_preset="plain", xgblora_num_boosters=25), GRID),
     # steps per booster (80 steps: 3, 10, 20), and boosters that start from the gradient of one batch
-    "XGBLoRA r=1, plain, 25 boosters, gradient init (AdamW)": (dict(method="xgblora", xgblora_num_boosters=25,
-                                                                    xgblora_init="gradient"), (3e-3, 1e-2, 3e-2)),
-    "XGBLoRA r=1, plain, 8 boosters (AdamW)": (dict(method="xgblora", xgblora_num_boosters=8, xgblora_init="random"), (3e-3, 1e-2, 3e-2)),
-    "XGBLoRA r=1, plain, 8 boosters, gradient init (AdamW)": (dict(method="xgblora", xgblora_num_boosters=8,
-                                                                   xgblora_init="gradient"), (3e-3, 1e-2, 3e-2)),
-    "XGBLoRA r=1, plain, 4 boosters (AdamW)": (dict(method="xgblora", xgblora_num_boosters=4, xgblora_init="random"), (3e-3, 1e-2, 3e-2)),
-    "XGBLoRA r=1, plain, 4 boosters, gradient init (AdamW)": (dict(method="xgblora", xgblora_num_boosters=4,
-                                                                   xgblora_init="gradient"), (3e-3, 1e-2, 3e-2)),
+    "XGBLoRA r=1, plain, 25 boosters, gradient init (AdamW)": (_xgblora(xgblora_num_boosters=25,
+                                                                        xgblora_init="gradient"), GRID),
+    "XGBLoRA r=1, plain, 8 boosters (AdamW)": (_xgblora(xgblora_num_boosters=8), GRID),
+    "XGBLoRA r=1, plain, 8 boosters, gradient init (AdamW)": (_xgblora(xgblora_num_boosters=8,
+                                                                       xgblora_init="gradient"), GRID),
+    "XGBLoRA r=1, plain, 4 boosters (AdamW)": (_xgblora(xgblora_num_boosters=4), GRID),
+    "XGBLoRA r=1, plain, 4 boosters, gradient init (AdamW)": (_xgblora(xgblora_num_boosters=4,
+                                                                       xgblora_init="gradient"), GRID),
     # the booster regime: a fixed length per booster whatever --steps (10 to 200 steps), from a random or gradient
     # start, on the run's schedule or a fresh warm-up and decay per booster (re-warm-up)
     **{f"XGBLoRA r=1, plain, {n} steps per booster{init}{warm} (AdamW)": (
-        dict(method="xgblora", xgblora_steps_per_iteration=n, **extra, **rewarm), (3e-3, 1e-2, 3e-2))
+        _xgblora(xgblora_steps_per_iteration=n, **extra, **rewarm), GRID)
        for n in (10, 25, 50, 100, 200)
-       for init, extra in (("", dict(xgblora_init="random")), (", gradient init", dict(xgblora_init="gradient")))
+       for init, extra in (("", {}), (", gradient init", dict(xgblora_init="gradient")))
        for warm, rewarm in (("", {}), (", re-warm-up", dict(xgblora_restart_schedule=True)))},
 }
 

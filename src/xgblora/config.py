@@ -633,7 +633,7 @@ def check_choices(cfg: Any) -> None:
     for f in dataclasses.fields(cfg):
         choices, value = f.metadata.get("choices"), getattr(cfg, f.name)
         if choices and value not in choices and not (value is None and f.default is None):
-            raise UserError(f"--{f.name} {getattr(cfg, f.name)!r}: choose one of {', '.join(choices)}")
+            raise UserError(f"--{f.name} {value!r}: choose one of {', '.join(choices)}")
 
 
 def check_sampling(cfg: SamplingOptions, samples: int = 1) -> None:
