@@ -56,6 +56,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lora_r", type=int, default=8)
     parser.add_argument("--zo_estimator", default="mezo", help="--trainer zo: mezo, nspsa, fzoo, es")
     parser.add_argument("--zo_queries", type=int, default=None, help="--trainer zo: perturbations per step")
+    parser.add_argument("--zo_objective", choices=("loss", "reward"), default="loss",
+                        help="--trainer zo: GRPO's loss, or each perturbed policy's own reward (evolution strategies)")
+    parser.add_argument("--zo_eps", type=float, default=1e-3, help="--trainer zo: the perturbation scale")
+    parser.add_argument("--num_generations", type=int, default=8, help="completions per prompt, G")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy, G = 1)")
     parser.add_argument("--sft_steps", type=int, default=0, help="SFT steps (batch 8, lr 1e-3) before GRPO")
     parser.add_argument("--device", default="auto")
     return parser.parse_args()
@@ -89,11 +94,14 @@ def main() -> None:
         folder = out / f"grpo-{args.trainer}-lr{args.learning_rate:g}-seed{seed}"
         cfg = GRPOConfig(model_name=model, adapter=adapter, train_file=str(train_file), eval_file=str(heldout),
                          columns="prompt=question,completion=answer", reward_funcs=[LAST_NUMBER], raw_prompts=False,
-                         num_return_sequences=8, temperature=0.7, max_new_tokens=args.max_new_tokens,
-                         per_device_train_batch_size=8 * args.prompts_per_step // args.steps_per_generation,
+                         num_return_sequences=args.num_generations, temperature=args.temperature,
+                         max_new_tokens=args.max_new_tokens,
+                         per_device_train_batch_size=args.num_generations * args.prompts_per_step
+                         // args.steps_per_generation,
                          steps_per_generation=args.steps_per_generation, max_steps=args.max_steps,
                          method="lora", lora_r=args.lora_r, lora_target_modules=args.lora_target_modules,
                          trainer=args.trainer, zo_estimator=args.zo_estimator, zo_queries=args.zo_queries,
+                         zo_objective=args.zo_objective, zo_eps=args.zo_eps,
                          learning_rate=args.learning_rate, beta=args.beta,
                          importance_sampling_level=args.importance_sampling_level, loss_type=args.loss_type,
                          epsilon=args.epsilon, epsilon_high=args.epsilon_high, save_strategy="steps",
@@ -102,7 +110,8 @@ def main() -> None:
         done = run_grpo(cfg)
         first = next(row for line in (folder / "metrics.jsonl").open(encoding="utf-8")
                      if (row := json.loads(line)).get("step") == 1 and "loss" in row)
-        trainer = args.trainer if args.trainer == "regular" else f"zo: {args.zo_estimator} x{args.zo_queries or 1}"
+        trainer = args.trainer if args.trainer == "regular" else \
+            f"zo: {args.zo_estimator} x{args.zo_queries or 1} on the {args.zo_objective}, eps {args.zo_eps:g}"
         row = (f"| {seed} | {trainer} | {args.learning_rate:g} | {done['steps']} | {args.steps_per_generation} | "
                f"{args.beta:g} | {args.importance_sampling_level} | {args.loss_type} | "
                f"{args.epsilon:g}/{args.epsilon if args.epsilon_high is None else args.epsilon_high:g} | "

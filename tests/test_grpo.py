@@ -1,6 +1,7 @@
 """`xgblora grpo`: reward functions with TRL's interface, an interrupted run resumed exactly, MeZO's dual batch of
 completions, XGBLoRA's merges during RL, option errors, and GRPO raising held-out accuracy after a short SFT."""
 
+import copy
 import dataclasses
 import json
 import random
@@ -8,7 +9,7 @@ import random
 import pytest
 import torch
 from conftest import completion_batch
-from helpers import killed_at_step
+from helpers import killed_at_step, reference_z, step_seeds
 from safetensors.torch import load_file
 
 from xgblora.adapters.lora import attach
@@ -122,6 +123,20 @@ def test_an_interrupted_run_resumes_exactly(data, monkeypatch):
     assert {"reward", "rewards/gsm8k", "rewards/parity_reward:odd_first", "accuracy", "completion_length", "clip_ratio", "kl", "entropy"} <= set(logs[0][1])
 
 
+def test_an_interrupted_es_run_on_rewards_resumes_exactly(data, monkeypatch):
+    """--zo_objective reward: the prompts of each step, the members' sampling seed and the estimator's seeds come
+    back with the checkpoint, so a run killed after step 2 and resumed ends with the uninterrupted run's adapter."""
+    options = dict(trainer="zo", zo_objective="reward", zo_estimator="es", zo_queries=2, zo_eps=0.05,
+                   gradient_accumulation_steps=1, max_steps=4, save_strategy="steps", save_steps=2, eval_file=None)
+    run_grpo(_cfg(data, "whole", **options))
+    with killed_at_step(monkeypatch, 3), pytest.raises(KeyboardInterrupt):
+        run_grpo(_cfg(data, "parts", **options))
+    resumed = run_grpo(_cfg(data, "parts", resume_from_checkpoint="latest", **options))
+    a, b = (load_file(str(data / name / "final" / "adapter_model.safetensors")) for name in ("whole", "parts"))
+    assert resumed["resumes"] == 1 and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
+
+
 def test_a_generation_batch_is_shuffled_by_whole_groups(data):
     """The rows of a group stay adjacent, so a micro-batch holds whole groups (and a prompt's forward serves its
     completions in the loss)."""
@@ -227,6 +242,48 @@ def test_mezo_trains_the_adapter(data):
     assert done["steps"] == 2 and any(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)
 
 
+def test_es_on_rewards_steps_by_each_perturbed_policys_own_z_scored_rewards(data):
+    """--zo_objective reward, --zo_estimator es (Qiu et al., es_ops.apply_update on z-scored rewards): each member
+    theta +- eps z_i answers the step's prompts greedily, here by transformers' generate on a copy of the model, and
+    is scored; theta -= lr / N sum_m zscore(L_m) e_m over the N = 2n members, L_m minus the member's mean reward."""
+    (data / "graded_reward.py").write_text(
+        "def first_mod7(completion_ids, **kwargs):\n    return [float(ids[0] % 7) for ids in completion_ids]\n")
+    lr, eps, n = 0.1, 0.05, 3
+    cfg = _cfg(data, "es", trainer="zo", zo_objective="reward", zo_estimator="es", zo_queries=n, zo_eps=eps,
+               learning_rate=lr, temperature=0.0, num_return_sequences=1, gradient_accumulation_steps=1, max_steps=1,
+               reward_funcs=["graded_reward:first_mod7"], eval_file=None)
+    trainer, source = grpo_loop.prepare(cfg)
+    named = [(name, p) for name, p in trainer.run.model.named_parameters() if p.requires_grad]
+    theta = [p.detach().clone() for _, p in named]
+    reference = copy.deepcopy(trainer.run.model)
+    batches = []
+    sampled = source.policy_rewards
+    source.policy_rewards = lambda batch: batches.append(batch) or sampled(batch)
+    trainer.fit()
+
+    prompts = [torch.tensor([source.prompts.ids[i]]) for i in batches[0].indices]
+    params = dict(reference.named_parameters())
+
+    def mean_reward(values: list[torch.Tensor]) -> float:
+        with torch.no_grad():
+            for (name, _), value in zip(named, values, strict=True):
+                params[name].copy_(value)
+        answers = [reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
+                                      do_sample=False)[0, ids.shape[1]:] for ids in prompts]
+        return sum(float(int(a[0]) % 7) for a in answers) / len(answers)
+
+    members = [(sign, reference_z(theta, s)) for s in step_seeds(cfg.seed, n) for sign in (1.0, -1.0)]
+    losses = torch.tensor([-mean_reward([t + sign * eps * zi for t, zi in zip(theta, z, strict=True)])
+                           for sign, z in members], dtype=torch.float64)
+    assert len(batches) == 2 * n and len(set(losses.tolist())) > 1  # the members answered differently
+    shaped = (losses - losses.mean()) / (losses.std(unbiased=False) + 1e-8)
+    for k, (_, p) in enumerate(named):
+        expected = theta[k] - lr / len(members) * sum(float(a) * sign * z[k]
+                                                      for a, (sign, z) in zip(shaped, members, strict=True))
+        torch.testing.assert_close(p.detach(), expected, atol=1e-6, rtol=0)
+    assert any(not torch.equal(p.detach(), t) for (_, p), t in zip(named, theta, strict=True))
+
+
 def test_a_prompt_without_a_reference_is_a_one_line_error_naming_its_row(data, capsys):
     (data / "noref.jsonl").write_text('{"prompt": "1 or 2?", "completion": "#### 2"}\n{"prompt": "3 or 4?"}\n')
     code = main(["grpo", "--model_name", "tiny-llama", "--train_file", str(data / "noref.jsonl"),
@@ -241,6 +298,10 @@ def test_a_prompt_without_a_reference_is_a_one_line_error_naming_its_row(data, c
     (["--temperature", "0"], "temperature"),
     (["--num_generations", "1", "--per_device_train_batch_size", "1"], "at least 2"),
     (["--reward_funcs", "gsm8k", "format:gsm8k", "--reward_weights", "1"], "--reward_weights"),
+    (["--zo_objective", "reward"], "needs --trainer zo"),
+    (["--trainer", "zo", "--zo_objective", "reward", "--beta", "0.1"], "drop --beta"),
+    (["--trainer", "zo", "--zo_objective", "reward", "--num_iterations", "2"], "anew"),
+    (["--trainer", "zo", "--zo_objective", "reward", "--zo_dual", "true"], "drop --zo_dual"),
 ])
 def test_bad_options_are_one_line_errors(data, capsys, flags, message):
     code = main(["grpo", "--model_name", "tiny-llama", "--train_file", str(data / "q.jsonl"), "--columns",

@@ -421,6 +421,8 @@ class GRPOConfig(Config, SamplingOptions):
     log_completions: bool = _opt(False, "Log a few completions, with their rewards, to metrics.jsonl at every logging step.")
     eval_on_start: bool = _opt(True, "Evaluate the held-out prompts (--eval_file) before the first step too: results.json's before_ figures.")
     raw_prompts: bool = _opt(True, "Send string prompts as they are, as TRL does (conversational rows always get the chat template); false renders each string as a user turn of the chat template.")
+    zo_objective: str = _opt("loss", "--trainer zo: what a perturbation is scored by: GRPO's loss on the step's completions (loss), or the mean reward of the completions the perturbed policy samples itself (reward: evolution strategies, with --zo_estimator es; --temperature 0 --num_generations 1 scores greedy answers).",
+                             ("loss", "reward"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -430,9 +432,11 @@ class GRPOConfig(Config, SamplingOptions):
             object.__setattr__(self, "lora_target_modules", "all-linear")
         check_sampling(self, self.num_return_sequences)
         _check_positive(self, "max_new_tokens", "num_iterations", "generation_batch_size", "steps_per_generation")
-        if self.temperature == 0:
+        if self.zo_objective == "reward":
+            self._check_reward_objective()
+        elif self.temperature == 0:
             raise UserError("--temperature 0 samples one greedy completion G times: GRPO needs a temperature above 0")
-        if self.num_return_sequences < 2:
+        elif self.num_return_sequences < 2:
             raise UserError(f"--num_generations {self.num_return_sequences}: GRPO's advantages compare the completions "
                             f"of a prompt, so it needs at least 2 (as TRL)")
         if not self.train_file:
@@ -450,6 +454,22 @@ class GRPOConfig(Config, SamplingOptions):
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise UserError(f"--reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} "
                             f"--reward_funcs")
+
+    def _check_reward_objective(self) -> None:
+        """--zo_objective reward: every perturbed policy samples the step's prompts itself, so there is no sampled batch
+        to reuse, no log-probability to compare with a reference, and no doubled batch to carry two policies."""
+        if self.trainer != "zo":
+            raise UserError("--zo_objective reward scores perturbed policies: it needs --trainer zo")
+        if self.beta:
+            raise UserError(f"--beta {self.beta}: --zo_objective reward maximises the reward alone (no log-probabilities "
+                            f"to hold to a reference); drop --beta")
+        if self.num_iterations != 1 or self.generation_batch() != self.optimizer_batch:
+            raise UserError("--zo_objective reward samples the prompts of each step anew: drop --num_iterations, "
+                            "--generation_batch_size and --steps_per_generation")
+        if self.zo_dual:
+            raise UserError("--zo_dual: under --zo_objective reward each perturbed policy samples its own completions, "
+                            "which one forward over a doubled batch cannot do; drop --zo_dual")
+        object.__setattr__(self, "zo_dual", False)
 
     @property
     def optimizer_batch(self) -> int:

@@ -9,7 +9,9 @@ ratio's value), and the reference ones when beta > 0 (the model as it started: a
 continued adapter's starting factors, no second model; a frozen copy under full fine-tuning). The batch is
 shuffled by groups and cut into optimizer batches; each optimizer step takes the next (AdamW: in micro-batches,
 accumulated; MeZO: the whole optimizer batch, two perturbed forwards), and after num_iterations passes a new batch is
-sampled. The loop is `xgblora train`'s (`Trainer`, with `Generations` as its source of batches and `GRPOLoss` as its
+sampled. Under --zo_objective reward (evolution strategies) there is no generation batch: each step's batch is its
+prompts and a sampling seed, and the loss of a perturbed policy is minus the rewards of the completions it samples
+itself (`PolicyReward`). The loop is `xgblora train`'s (`Trainer`, with `Generations` as its source of batches and `GRPOLoss` as its
 loss), so the schedule, XGBLoRA's merges, the NaN policy, evaluation, checkpoints and resume behave as there.
 
 Under torchrun or accelerate launch the run is data-parallel: every process draws the same prompts and keeps its
@@ -80,6 +82,38 @@ class Generation:
     batch: CompletionBatch
     metrics: dict[str, float]
     samples: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class PromptBatch:
+    """A step's batch under --zo_objective reward: this process's prompts and the sampling seed that every member of
+    the population samples them with (common random numbers: two members differ by their weights, not their luck)."""
+
+    indices: list[int]
+    seed: int
+    prompt_tokens: int
+
+    @property
+    def n_examples(self) -> int:
+        return len(self.indices)
+
+    def n_tokens(self) -> int:
+        return self.prompt_tokens
+
+    def to(self, device: torch.device) -> PromptBatch:  # noqa: ARG002 (the prompts are read where they are sampled)
+        return self
+
+
+class PolicyReward:
+    """--zo_objective reward's loss: minus the rewards of the completions that the policy, as it is now (one member
+    of the population, perturbed in place by the estimator), samples for the batch's prompts. Evolution strategies
+    as Qiu et al. fine-tune LLMs ("Evolution Strategies at Scale", arXiv 2509.24372): perturb, sample, score."""
+
+    def __init__(self, source: Generations):
+        self.source, self.model = source, source.model
+
+    def __call__(self, batch: PromptBatch) -> torch.Tensor:
+        return -self.source.policy_rewards(batch)
 
 
 class GenerationBuffer:
@@ -209,6 +243,7 @@ class Generations:
         self.step = 0
         self.extra_columns: dict[str, list[Any]] = {}  # reward functions' log_extra, for the logged completions
         self.reward_metrics: dict[str, list[float]] = {}  # their log_metric, until the next logging step
+        self.population: list[dict[str, float]] = []  # --zo_objective reward: each member's statistics since the log
 
     @property
     def generations(self) -> int:
@@ -218,6 +253,10 @@ class Generations:
     def batches(self, step: int) -> Callable[[], CompletionBatch]:
         """The pieces of step's optimizer batch (a new generation batch first when the step starts a cycle)."""
         self.step = step
+        if self.cfg.zo_objective == "reward":
+            indices = self._next_prompts()
+            batch = PromptBatch(indices, self._sampling_seed(step), sum(len(self.prompts.ids[i]) for i in indices))
+            return lambda: batch
         cycle, position = divmod(step, self.plan.cycle)
         if self.buffer.current is None or self.buffer.cycle != cycle:
             self.buffer.current, self.buffer.cycle = self.generate(), cycle
@@ -229,11 +268,26 @@ class Generations:
     def metrics(self) -> dict[str, Any]:
         """What a logging step adds: the current generation batch's rewards, the loss's statistics since the last
         logging step, the reward functions' log_metric means, a few completions (--log_completions)."""
+        if self.cfg.zo_objective == "reward":
+            return {**self._population_metrics(), **self._reward_function_metrics()}
         current = self.buffer.current
-        record = {**current.metrics, **self._loss_statistics(),
-                  **{name: sum(v) / len(v) for name, v in self.reward_metrics.items()}}
-        self.reward_metrics = {}
+        record = {**current.metrics, **self._loss_statistics(), **self._reward_function_metrics()}
         return {**record, "samples": current.samples} if current.samples else record
+
+    def _population_metrics(self) -> dict[str, float]:
+        """--zo_objective reward: the mean of each statistic over the members since the last logging step, and
+        member_reward_std, the std of the members' mean rewards (0: the perturbations changed no answer's reward, so
+        the step moved nothing; a larger --zo_eps makes them differ)."""
+        members = self.population
+        self.population = []
+        record = {name: sum(m[name] for m in members) / len(members) for name in members[0]}
+        return {**record, "member_reward_std": float(torch.tensor([m["reward"] for m in members]).std(correction=0))}
+
+    def _reward_function_metrics(self) -> dict[str, float]:
+        """The reward functions' log_metric means since the last logging step."""
+        means = {name: sum(v) / len(v) for name, v in self.reward_metrics.items()}
+        self.reward_metrics = {}
+        return means
 
     def _loss_statistics(self) -> dict[str, float]:
         """The loss's statistics since the last logging step, means over the ranks."""
@@ -304,15 +358,9 @@ class Generations:
         """Sample, score and prepare this process's share of the next generation batch (see the module
         docstring)."""
         cfg, plan, dist = self.cfg, self.plan, self.dist
-        stream = iter(self.stream)
-        # every rank draws the whole batch, so the streams stay in step, and keeps its own whole groups
-        indices = [next(stream)[0] for _ in range(plan.prompts)][dist.rank::dist.world_size]
-        seed = (cfg.seed * 1_000_003 + self.buffer.generations) * dist.world_size + dist.rank  # one stream per rank
-        params = dataclasses.replace(sampling_params(cfg), seed=seed)
-        samples = [s for per_prompt in self.sample(self.prompts, indices, params) for s in per_prompt]
-        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        ids = [list(s.token_ids) + ([s.stop_id] if s.stop_id is not None else []) for s in samples]
-        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        indices = self._next_prompts()
+        params = dataclasses.replace(sampling_params(cfg), seed=self._sampling_seed(self.buffer.generations))
+        texts, ids, truncated = self._completions(indices, params)
         self.extra_columns = {}
         rewards, advantage, metrics = self._rewards(indices, texts, ids, truncated)
         row_prompts = [i for i in indices for _ in range(plan.group)]
@@ -342,6 +390,33 @@ class Generations:
         self.buffer.generations += 1
         return Generation(dataclasses.replace(batch, nll_weight=weights.to(self.device)), metrics,
                           logged if cfg.log_completions else [])
+
+    def policy_rewards(self, batch: PromptBatch) -> torch.Tensor:
+        """The total rewards of G completions of each of batch's prompts, sampled now with batch's seed (see
+        PolicyReward); the statistics join the population's for the next logging step."""
+        params = dataclasses.replace(sampling_params(self.cfg), seed=batch.seed)
+        texts, ids, truncated = self._completions(batch.indices, params)
+        rewards, _, metrics = self._rewards(batch.indices, texts, ids, truncated)
+        self.population.append(metrics)
+        return rewards.to(self.device)
+
+    def _next_prompts(self) -> list[int]:
+        """This rank's share of the next generation batch's prompts: every rank draws the whole batch, so the streams
+        stay in step, and keeps its own whole groups."""
+        stream = iter(self.stream)
+        return [next(stream)[0] for _ in range(self.plan.prompts)][self.dist.rank::self.dist.world_size]
+
+    def _sampling_seed(self, draw: int) -> int:
+        """The sampling seed of the draw-th generation batch (--zo_objective reward: of step draw), one per rank."""
+        return (self.cfg.seed * 1_000_003 + draw) * self.dist.world_size + self.dist.rank
+
+    def _completions(self, indices: list[int],
+                     params: SamplingParams) -> tuple[list[str], list[list[int]], torch.Tensor]:
+        """Samples of the prompts in indices: their texts, token ids (the stop token included) and which were cut."""
+        samples = [s for per_prompt in self.sample(self.prompts, indices, params) for s in per_prompt]
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        ids = [list(s.token_ids) + ([s.stop_id] if s.stop_id is not None else []) for s in samples]
+        return texts, ids, torch.tensor([s.finish_reason == "length" for s in samples])
 
     def _rewards(self, indices: list[int], texts: list[str], ids: list[list[int]],
                  truncated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -476,8 +551,9 @@ def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Genera
     device = next(model.parameters()).device
     objective = Objective(cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.use_bias_correction_kl, cfg.loss_type,
                           cfg.importance_sampling_level)
-    loss_fn = GRPOLoss(model, objective, cfg.temperature, autocast_dtype(cfg, device))
-    source = Generations(cfg, model, tokenizer, method, rewards, loss_fn.statistics, dist, reference)
+    grpo_loss = GRPOLoss(model, objective, cfg.temperature, autocast_dtype(cfg, device))
+    source = Generations(cfg, model, tokenizer, method, rewards, grpo_loss.statistics, dist, reference)
+    loss_fn = PolicyReward(source) if cfg.zo_objective == "reward" else grpo_loss
     heldout = list(range(len(source.heldout.ids))) if source.heldout else []
     run = RunSetup(cfg, task=None, splits=Splits(train=[], dev=[], eval=heldout, eval_is_own=True), head="lm",
                    model=model, tokenizer=tokenizer, scoring=None, device=device, evaluate=source.evaluate)
