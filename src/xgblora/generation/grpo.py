@@ -12,7 +12,8 @@ accumulated; MeZO: the whole optimizer batch, two perturbed forwards), and after
 sampled. Under --zo_objective reward (evolution strategies) there is no generation batch: each step's batch is its
 prompts and a sampling seed, and the loss of a perturbed policy is minus the rewards of the completions it samples
 itself (`PolicyReward`). The loop is `xgblora train`'s (`Trainer`, with `Generations` as its source of batches
-and `GRPOLoss` as its loss), so the schedule, XGBLoRA's merges, the NaN policy, evaluation, checkpoints and resume behave as there.
+and `GRPOLoss` as its loss), so the schedule, XGBLoRA's merges, the NaN policy, evaluation, checkpoints and resume
+behave as there.
 
 Under torchrun or accelerate launch the run is data-parallel: every process draws the same prompts and keeps its
 share of whole groups, samples them with its own seed, and takes per_device_train_batch_size completions per
