@@ -282,6 +282,9 @@ def test_es_on_rewards_steps_by_each_perturbed_policys_own_z_scored_rewards(data
                                                       for a, (sign, z) in zip(shaped, members, strict=True))
         torch.testing.assert_close(p.detach(), expected, atol=1e-6, rtol=0)
     assert any(not torch.equal(p.detach(), t) for (_, p), t in zip(named, theta, strict=True))
+    logged = next(r for r in read_metrics(data / "es" / "metrics.jsonl") if "loss" in r)
+    assert logged["reward"] == pytest.approx(-float(losses.mean()))
+    assert logged["member_reward_std"] == pytest.approx(float(losses.std(unbiased=False)))
 
 
 def test_a_prompt_without_a_reference_is_a_one_line_error_naming_its_row(data, capsys):
