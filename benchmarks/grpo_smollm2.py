@@ -19,8 +19,8 @@ seed's questions are written into OUT, so run one process per OUT.
         --epsilon 3e-4 --epsilon_high 4e-4 --steps_per_generation 4 --max_steps 200 --seeds 0 1 2   # GSPO's own clip
     python benchmarks/grpo_smollm2.py --out bench-sft-grpo --sft_steps 10 --beta 0.04 --seeds 0 1 2
     python benchmarks/grpo_smollm2.py --out bench-es --trainer zo --zo_objective reward --zo_estimator es \
-        --zo_queries 4 --zo_eps 5e-2 --learning_rate 5e-2 --temperature 0 --num_generations 1 --prompts_per_step 8 \
-        --max_steps 100 --lora_r 1 --seeds 0   # evolution strategies on greedy answers' rewards, LoRA r=1 on q/v
+        --zo_queries 4 --zo_eps 5e-2 --learning_rate 2.5e-2 --temperature 0 --num_generations 1 --prompts_per_step 8 \
+        --max_steps 100 --lora_r 1 --seeds 0 1 2   # evolution strategies on greedy answers' rewards, LoRA r=1 on q/v
 """
 
 from __future__ import annotations
