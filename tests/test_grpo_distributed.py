@@ -146,6 +146,7 @@ def test_a_generation_batch_that_does_not_split_over_the_ranks_is_a_one_line_err
                       "--num_generations 4) do not split evenly over 2 processes; make the prompt count a multiple "
                       "of 2"] * 2
     assert "exitcode  : 2" in done.stderr and not (data / "odd" / "config.yaml").exists()
+    assert "trainable parameters" not in done.stderr  # refused before either process set up the model
 
 
 def test_the_generation_buffer_round_trips_its_batch_and_counters():

@@ -378,6 +378,13 @@ def plain_warnings() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|transformers)(\.|$)")
 
 
+def _error_line(text: str) -> None:
+    """One write of the line and its newline: print() writes them apart, and under torchrun another process's log
+    line can land between them on the shared stderr."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `xgblora` console script; returns the exit code (2 for a user error)."""
     from xgblora.logs import setup_console_logging
@@ -390,13 +397,13 @@ def main(argv: list[str] | None = None) -> int:
             raise _unrecognized(args.command, unknown)
         return COMMANDS[args.command].run(args)
     except UserError as exc:
-        print(f"xgblora {args.command}: error: {exc}", file=sys.stderr)
+        _error_line(f"xgblora {args.command}: error: {exc}")
         return 2
     except RankLostError as exc:
-        print(f"xgblora {args.command}: error: {exc}", file=sys.stderr)
+        _error_line(f"xgblora {args.command}: error: {exc}")
         return 1
     except KeyboardInterrupt as exc:
-        print(f"xgblora {args.command}: interrupted" + (f": {exc}" if str(exc) else ""), file=sys.stderr)
+        _error_line(f"xgblora {args.command}: interrupted" + (f": {exc}" if str(exc) else ""))
         return 130
 
 

@@ -221,12 +221,11 @@ class Generations:
 
     dropout = False  # the old, new and perturbed log-probabilities come from one function
 
-    def __init__(self, cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, method: Method, rewards: Rewards,
-                 statistics: Any, dist: Distributed, reference: torch.nn.Module | None = None):
-        self.cfg, self.model, self.tokenizer, self.method, self.rewards, self.dist = \
-            cfg, model, tokenizer, method, rewards, dist
+    def __init__(self, cfg: GRPOConfig, plan: Plan, model: torch.nn.Module, tokenizer: Any, method: Method,
+                 rewards: Rewards, statistics: Any, dist: Distributed, reference: torch.nn.Module | None = None):
+        self.cfg, self.plan, self.model, self.tokenizer, self.method, self.rewards, self.dist = \
+            cfg, plan, model, tokenizer, method, rewards, dist
         self.statistics = statistics  # the loss's clip ratios, KL and entropy, drained at each logging step
-        self.plan = Plan.of(cfg, dist.world_size)
         self.device = next(model.parameters()).device
         self.autocast = autocast_dtype(cfg, self.device)
         self.reference = reference
@@ -543,7 +542,9 @@ def run_grpo(cfg: GRPOConfig) -> dict[str, Any]:
 
 def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Generations]:
     """The run's Trainer, on GRPO's loss and its generation batches (the reward functions checked first)."""
-    rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)  # its errors come before the model
+    # the reward functions' and the batch plan's one-line errors come before the model loads
+    rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)
+    plan = Plan.of(cfg, dist.world_size)
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
     cfg, model, tokenizer = load_policy(cfg, dist, template)
     # full fine-tuning has no adapter to switch off: its reference is a frozen copy (only when beta needs it)
@@ -553,7 +554,7 @@ def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Genera
     objective = Objective(cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.use_bias_correction_kl, cfg.loss_type,
                           cfg.importance_sampling_level)
     grpo_loss = GRPOLoss(model, objective, cfg.temperature, autocast_dtype(cfg, device))
-    source = Generations(cfg, model, tokenizer, method, rewards, grpo_loss.statistics, dist, reference)
+    source = Generations(cfg, plan, model, tokenizer, method, rewards, grpo_loss.statistics, dist, reference)
     loss_fn = PolicyReward(source) if cfg.zo_objective == "reward" else grpo_loss
     heldout = list(range(len(source.heldout.ids))) if source.heldout else []
     run = RunSetup(cfg, task=None, splits=Splits(train=[], dev=[], eval=heldout, eval_is_own=True), head="lm",
