@@ -39,6 +39,8 @@ TRAINED: dict[str, tuple[list[str], tuple[float, ...], str]] = {
     "LoRA r=8 (AdamW)": (["--trainer", "regular", "--method", "lora"], (3e-4, 1e-3), "fo"),
     "LoRA r=1 (AdamW)": (["--trainer", "regular", "--method", "lora", "--lora_r", "1"], (3e-3, 1e-2), "fo"),
     "XGBLoRA r=1 (AdamW)": (["--trainer", "regular", "--method", "xgblora"], (3e-3, 1e-2), "fo"),
+    "XGBLoRA r=1, random start (AdamW)": (["--trainer", "regular", "--method", "xgblora", "--xgblora_init", "random"],
+                                          (3e-3, 1e-2), "fo"),
     "XGBLoRA r=1, 50 steps per booster (AdamW)": (["--trainer", "regular", "--method", "xgblora",
                                                    "--xgblora_steps_per_iteration", "50"], (3e-3, 1e-2), "fo"),
     "FT (AdamW)": (["--trainer", "regular", "--method", "ft"], (1e-5, 3e-5), "fo"),
