@@ -93,9 +93,8 @@ def train(args: argparse.Namespace, row: str, lr: float, seed: int) -> dict:
 
 
 def choose_lr(args: argparse.Namespace, row: str) -> float:
-    """The grid's rate (--lrs, else the row's own) with the best dev accuracy at DEV_SEED (the smaller on a tie)."""
-    grid = args.lrs or TRAINED[row][1]
-    return best_rate({lr: train(args, row, lr, DEV_SEED)["dev_accuracy"] for lr in sorted(grid)})
+    """The grid's rate with the best dev accuracy at DEV_SEED (the smaller one on a tie)."""
+    return best_rate({lr: train(args, row, lr, DEV_SEED)["dev_accuracy"] for lr in sorted(TRAINED[row][1])})
 
 
 def table(results: dict[str, list[dict]], rates: dict[str, float], args: argparse.Namespace) -> str:
@@ -126,8 +125,6 @@ def main() -> None:
                         choices=["zero-shot", "ICL", *TRAINED], metavar="ROW")
     parser.add_argument("--zo_steps", type=int, default=400, help="Steps of the zeroth-order rows (MeZO's 20,000).")
     parser.add_argument("--fo_steps", type=int, default=100, help="Steps of the AdamW rows (MeZO's 5 epochs: 313).")
-    parser.add_argument("--lrs", type=float, nargs="+", help="One learning-rate grid for every trained row "
-                        "(default: each row's own).")
     args = parser.parse_args()
     args.out = args.out or f"smollm2-{args.task.lower()}"
     Path(args.out).mkdir(parents=True, exist_ok=True)
