@@ -542,8 +542,7 @@ def run_grpo(cfg: GRPOConfig) -> dict[str, Any]:
 
 def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Generations]:
     """The run's Trainer, on GRPO's loss and its generation batches (the reward functions and the batch plan
-    checked first)."""
-    # the reward functions' and the batch plan's one-line errors come before the model loads
+    checked before the model loads)."""
     rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)
     plan = Plan.of(cfg, dist.world_size)
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
