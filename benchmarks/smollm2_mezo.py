@@ -43,6 +43,9 @@ TRAINED: dict[str, tuple[list[str], tuple[float, ...], str]] = {
                                           (3e-3, 1e-2), "fo"),
     "XGBLoRA r=1, 50 steps per booster (AdamW)": (["--trainer", "regular", "--method", "xgblora",
                                                    "--xgblora_steps_per_iteration", "50"], (3e-3, 1e-2), "fo"),
+    "XGBLoRA r=1, 50 steps per booster, random start (AdamW)": (["--trainer", "regular", "--method", "xgblora",
+                                                                 "--xgblora_steps_per_iteration", "50",
+                                                                 "--xgblora_init", "random"], (3e-3, 1e-2), "fo"),
     "FT (AdamW)": (["--trainer", "regular", "--method", "ft"], (1e-5, 3e-5), "fo"),
 }
 
