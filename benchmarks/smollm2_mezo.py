@@ -38,9 +38,9 @@ TRAINED: dict[str, tuple[list[str], tuple[float, ...], str]] = {
     "MeZO-LoRA r=8": (["--trainer", "zo", "--method", "lora", "--zo_eps", "1e-2"], (1e-4, 1e-3), "zo"),
     "MeZO-XGBLoRA r=1": (["--trainer", "zo", "--method", "xgblora", "--zo_eps", "1e-2"], (1e-3, 1e-2), "zo"),
     "LoRA r=8 (AdamW)": (["--trainer", "regular", "--method", "lora"], (3e-4, 1e-3), "fo"),
-    "LoRA r=1 (AdamW)": (["--trainer", "regular", "--method", "lora", "--lora_r", "1"], (1e-3, 3e-3, 1e-2), "fo"),
-    "XGBLoRA r=1 (AdamW)": (ADAMW_XGBLORA, (1e-3, 3e-3, 1e-2), "fo"),
-    "XGBLoRA r=1, random start (AdamW)": ([*ADAMW_XGBLORA, "--xgblora_init", "random"], (3e-3, 1e-2), "fo"),
+    "LoRA r=1 (AdamW)": (["--trainer", "regular", "--method", "lora", "--lora_r", "1"], (3e-4, 1e-3, 3e-3, 1e-2), "fo"),
+    "XGBLoRA r=1 (AdamW)": (ADAMW_XGBLORA, (3e-4, 1e-3, 3e-3, 1e-2), "fo"),
+    "XGBLoRA r=1, random start (AdamW)": ([*ADAMW_XGBLORA, "--xgblora_init", "random"], (1e-3, 3e-3, 1e-2), "fo"),
     "XGBLoRA r=1, 50 steps per booster (AdamW)": ([*ADAMW_XGBLORA, "--xgblora_steps_per_iteration", "50"],
                                                   (3e-3, 1e-2), "fo"),
     "XGBLoRA r=1, 50 steps per booster, random start (AdamW)": (
