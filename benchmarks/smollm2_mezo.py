@@ -42,9 +42,9 @@ TRAINED: dict[str, tuple[list[str], tuple[float, ...], str]] = {
     "XGBLoRA r=1 (AdamW)": (ADAMW_XGBLORA, (3e-4, 1e-3, 3e-3, 1e-2), "fo"),
     "XGBLoRA r=1, random start (AdamW)": ([*ADAMW_XGBLORA, "--xgblora_init", "random"], (1e-3, 3e-3, 1e-2), "fo"),
     "XGBLoRA r=1, 50 steps per booster (AdamW)": ([*ADAMW_XGBLORA, "--xgblora_steps_per_iteration", "50"],
-                                                  (3e-3, 1e-2), "fo"),
+                                                  (1e-3, 3e-3, 1e-2), "fo"),
     "XGBLoRA r=1, 50 steps per booster, random start (AdamW)": (
-        [*ADAMW_XGBLORA, "--xgblora_steps_per_iteration", "50", "--xgblora_init", "random"], (3e-3, 1e-2), "fo"),
+        [*ADAMW_XGBLORA, "--xgblora_steps_per_iteration", "50", "--xgblora_init", "random"], (1e-3, 3e-3, 1e-2), "fo"),
     "FT (AdamW)": (["--trainer", "regular", "--method", "ft"], (1e-5, 3e-5), "fo"),
 }
 
