@@ -68,7 +68,7 @@ RUNS: dict[str, tuple[dict[str, Any], tuple[float, ...]]] = {
     # start, on the run's schedule or a fresh warm-up and decay per booster (re-warm-up)
     **{f"XGBLoRA r=1, plain, {n} steps per booster{init}{warm} (AdamW)": (
         _xgblora(xgblora_steps_per_iteration=n, **extra, **rewarm), GRID)
-       for n in (10, 25, 50, 100, 200)
+       for n in (10, 16, 25, 50, 100, 200)
        for init, extra in (("", {}), (", gradient init", dict(xgblora_init="gradient")))
        for warm, rewarm in (("", {}), (", re-warm-up", dict(xgblora_restart_schedule=True)))},
 }

@@ -434,6 +434,7 @@ class GRPOConfig(Config, SamplingOptions):
         _check_positive(self, "max_new_tokens", "num_iterations", "generation_batch_size", "steps_per_generation")
         if self.zo_objective == "reward":
             self._check_reward_objective()
+            object.__setattr__(self, "zo_dual", False)  # the default (on where it applies) never applies here
         elif self.temperature == 0:
             raise UserError("--temperature 0 samples one greedy completion G times: GRPO needs a temperature above 0")
         elif self.num_return_sequences < 2:
@@ -469,7 +470,6 @@ class GRPOConfig(Config, SamplingOptions):
         if self.zo_dual:
             raise UserError("--zo_dual: under --zo_objective reward each perturbed policy samples its own completions, "
                             "which one forward over a doubled batch cannot do; drop --zo_dual")
-        object.__setattr__(self, "zo_dual", False)
 
     @property
     def optimizer_batch(self) -> int:
