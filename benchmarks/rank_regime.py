@@ -58,6 +58,9 @@ RUNS: dict[str, tuple[dict[str, Any], tuple[float, ...]]] = {
     # steps per booster (80 steps: 3, 10, 20), and boosters that start from the gradient of one batch
     "XGBLoRA r=1, plain, 25 boosters, gradient init (AdamW)": (_xgblora(xgblora_num_boosters=25,
                                                                         xgblora_init="gradient"), GRID),
+    # ... each started off the input directions earlier boosters of its layer took, so that boosters build rank
+    "XGBLoRA r=1, plain, 25 boosters, gradient-orthogonal init (AdamW)": (
+        _xgblora(xgblora_num_boosters=25, xgblora_init="gradient-orthogonal"), GRID),
     "XGBLoRA r=1, plain, 8 boosters (AdamW)": (_xgblora(xgblora_num_boosters=8), GRID),
     "XGBLoRA r=1, plain, 8 boosters, gradient init (AdamW)": (_xgblora(xgblora_num_boosters=8,
                                                                        xgblora_init="gradient"), GRID),

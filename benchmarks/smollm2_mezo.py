@@ -41,6 +41,8 @@ TRAINED: dict[str, tuple[list[str], tuple[float, ...], str]] = {
     "LoRA r=1 (AdamW)": (["--trainer", "regular", "--method", "lora", "--lora_r", "1"], (3e-4, 1e-3, 3e-3, 1e-2), "fo"),
     "XGBLoRA r=1 (AdamW)": (ADAMW_XGBLORA, (3e-4, 1e-3, 3e-3, 1e-2), "fo"),
     "XGBLoRA r=1, random start (AdamW)": ([*ADAMW_XGBLORA, "--xgblora_init", "random"], (1e-3, 3e-3, 1e-2), "fo"),
+    "XGBLoRA r=1, gradient-orthogonal start (AdamW)": (
+        [*ADAMW_XGBLORA, "--xgblora_init", "gradient-orthogonal"], (3e-4, 1e-3, 3e-3), "fo"),
     "XGBLoRA r=1, 50 steps per booster (AdamW)": ([*ADAMW_XGBLORA, "--xgblora_steps_per_iteration", "50"],
                                                   (1e-3, 3e-3, 1e-2), "fo"),
     "XGBLoRA r=1, 100 steps per booster (AdamW)": ([*ADAMW_XGBLORA, "--xgblora_steps_per_iteration", "100"],

@@ -154,6 +154,34 @@ def test_a_booster_started_from_the_gradient_after_a_merge():
         torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
 
 
+def test_an_orthogonal_gradient_start_avoids_every_earlier_boosters_directions():
+    """orthogonal=True: after two merges each layer's new A is the leading right singular vector of autograd's
+    gradient with the A rows of that layer's merged boosters (from the history) projected off, so it is orthogonal
+    to each of them; B = 0 keeps the logits."""
+    model, mods, boosting, opt = _setup(steps_per_iteration=3)
+    _train(model, opt, boosting, 1, 6)  # two boosters merged on every layer
+    ids = _batch(model, 78)
+    reference = copy.deepcopy(model)
+    unwrap(reference)
+    for name in mods:
+        reference.get_submodule(name).weight.requires_grad_(True)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    boosting.init_from_gradients(lambda inputs: model(input_ids=ids, labels=ids).loss.backward(inputs=inputs),
+                                 orthogonal=True)
+    for name, m in mods.items():
+        earlier = torch.cat([h["modules"][name]["A"] for h in boosting.history])
+        assert earlier.shape[0] == 2
+        q = torch.linalg.qr(earlier.T)[0]  # (in, 2)
+        grad = reference.get_submodule(name).weight.grad
+        v = torch.linalg.svd(grad - grad @ q @ q.T)[2][0]
+        torch.testing.assert_close(float((m.lora_A.detach()[0] @ v).abs()), 1 / math.sqrt(3), atol=1e-5, rtol=0)
+        torch.testing.assert_close(m.lora_A.detach() @ earlier.T, torch.zeros(1, 2), atol=1e-6, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
+
+
 def test_fixed_schedule_with_several_merges():
     model, mods, boosting, opt = _setup(steps_per_iteration=3, layers_per_booster=1)
     losses, events = _train(model, opt, boosting, 1, 10)

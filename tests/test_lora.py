@@ -411,6 +411,27 @@ def test_init_from_gradient_starts_on_the_gradients_leading_singular_directions(
                                    rtol=1e-3, atol=1e-7)
 
 
+@pytest.mark.parametrize("r", [1, 2])
+def test_init_from_gradient_off_taken_directions(r):
+    """With taken directions (orthonormal rows Q), A = the leading right singular vectors of G (I - Q^T Q),
+    computed here from autograd's G: orthogonal to every taken row, at reset()'s row norm; B = 0. Once fewer than
+    r directions would be left, the full gradient's."""
+    model = pretrained.load("tiny-opt")[0].eval()
+    modules = attach(model, r=r, alpha=2.0 * r).modules
+    grads = _autograd_weight_grads(model, list(modules), seeds=[5])
+    for name, m in modules.items():
+        taken = torch.linalg.qr(torch.randn(m.in_features, 3, generator=torch.Generator().manual_seed(1)))[0].T
+        m.init_from_gradient(grads[name], taken)
+        vh = torch.linalg.svd(grads[name] - grads[name] @ taken.T @ taken)[2]
+        torch.testing.assert_close((m.lora_A @ vh[:r].T).abs(), torch.eye(r) / math.sqrt(3), atol=1e-5, rtol=0)
+        torch.testing.assert_close(m.lora_A @ taken.T, torch.zeros(r, 3), atol=1e-6, rtol=0)
+        assert torch.count_nonzero(m.lora_B) == 0
+        full = torch.linalg.qr(torch.randn(m.in_features, m.in_features - r + 1))[0].T
+        m.init_from_gradient(grads[name], full)
+        vh = torch.linalg.svd(grads[name])[2]
+        torch.testing.assert_close((m.lora_A @ vh[:r].T).abs(), torch.eye(r) / math.sqrt(3), atol=1e-5, rtol=0)
+
+
 def test_prepare_full_ft():
     model, _ = pretrained.load("tiny-opt")
     for p in model.parameters():

@@ -82,23 +82,27 @@ def test_sigint_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path, m
         assert got[key] == expected[key], key
 
 
-@pytest.mark.parametrize("options, started_at", [({}, [0, 1, 2]), (dict(xgblora_init="gradient"), [0, 1, 2]),
-                                                 (dict(xgblora_init="random"), []), (dict(trainer="zo"), [])],
-                         ids=["default", "asked", "random", "zo"])
-def test_gradient_init_starts_every_booster_and_only_those(shared_data, tmp_path, monkeypatch, options, started_at):
+@pytest.mark.parametrize("options, started_at, orthogonal", [
+    ({}, [0, 1, 2], False), (dict(xgblora_init="gradient"), [0, 1, 2], False),
+    (dict(xgblora_init="gradient-orthogonal"), [0, 1, 2], True), (dict(xgblora_init="random"), [], None),
+    (dict(trainer="zo"), [], None)], ids=["default", "asked", "orthogonal", "random", "zo"])
+def test_gradient_init_starts_every_booster_and_only_those(shared_data, tmp_path, monkeypatch, options, started_at,
+                                                           orthogonal):
     """Under AdamW, by default or when asked, the first booster and each one after a merge start from the gradient
-    (not one merged at the last step); --xgblora_init random and --trainer zo start none."""
+    (not one merged at the last step), off earlier boosters' directions only under gradient-orthogonal;
+    --xgblora_init random and --trainer zo start none."""
     started = []
     original = Boosting.init_from_gradients
 
-    def spy(self, backward, reduce=None):
-        started.append(len(self.history))
-        original(self, backward, reduce)
+    def spy(self, backward, reduce=None, orthogonal=False):
+        started.append((len(self.history), orthogonal))
+        original(self, backward, reduce, orthogonal)
 
     monkeypatch.setattr(Boosting, "init_from_gradients", spy)
     train.run(make_cfg(shared_data, tmp_path / "run", method="xgblora", max_steps=12, xgblora_steps_per_iteration=4,
                        xgblora_init_batches=1, **options))
-    assert started == started_at  # boosters merged at 4 and 8 are followed by a new one; the one at 12 is not
+    # boosters merged at 4 and 8 are followed by a new one; the one at 12 is not
+    assert started == [(booster, orthogonal) for booster in started_at]
 
 
 def test_zo_refuses_the_gradient_init_with_the_reason(shared_data, tmp_path):

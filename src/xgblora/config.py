@@ -154,8 +154,8 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
             raise UserError(f"--xgblora_layers_per_booster must be at least 1, got {self.xgblora_layers_per_booster}")
         if self.xgblora_init_batches < 1:
             raise UserError(f"--xgblora_init_batches must be at least 1, got {self.xgblora_init_batches}")
-        if self.xgblora_init == "gradient" and self.trainer == "zo" and self.method == "xgblora":
-            raise UserError("--xgblora_init gradient needs the gradient of each adapted weight, a backward pass: "
+        if self.xgblora_init not in (None, "random") and self.trainer == "zo" and self.method == "xgblora":
+            raise UserError(f"--xgblora_init {self.xgblora_init} needs the gradient of each adapted weight, a backward pass: "
                             "under --trainer zo a few zeroth-order estimates cannot find its leading direction "
                             "(that takes hundreds of forward pairs per layer); use --xgblora_init random")
         if (self.grit_generative_batch_size or 0) > self.per_device_train_batch_size:

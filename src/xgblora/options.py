@@ -194,7 +194,7 @@ class BoostingOptions:
     xgblora_shrinkage: float = _opt(1.0, "Merge step size alpha_t: W += alpha_t * delta (the paper's 1).")
     xgblora_norm_penalty: float | None = _opt(None, "lambda in lambda * (|A|^2 + |B|^2) added to the loss (default 1e-3 under the paper preset, 0 under plain).")
     xgblora_restart_schedule: bool = _opt(False, "Run the learning-rate schedule (warm-up and decay) anew for every booster, over its steps.")
-    xgblora_init: str | None = _opt(None, "Where each booster starts: gradient (A from the gradient's top singular vectors over --xgblora_init_batches batches; the default with a backward pass) or random (as LoRA; the default under --trainer zo).", ("gradient", "random"))
+    xgblora_init: str | None = _opt(None, "Where each booster starts: gradient (A from the gradient's top singular vectors over --xgblora_init_batches batches; the default with a backward pass), gradient-orthogonal (the same among the input directions no earlier booster of the layer took, so that boosters build rank), or random (as LoRA; the default under --trainer zo).", ("gradient", "gradient-orthogonal", "random"))
     xgblora_init_batches: int = _opt(1, "--xgblora_init gradient: training batches (one forward and backward each, beside the training steps) whose gradient starts each booster.")
     xgblora_adaptive: bool = _opt(False, "The Boosting-LoRA-ZO fork's extension (not the paper's): merge when the loss EMA stops improving, at the latest after --xgblora_adaptive_max_steps.")
     xgblora_adaptive_max_steps: int | None = _opt(None, "Adaptive merge: most steps one booster trains (default: the steps per booster of the fixed schedule).")

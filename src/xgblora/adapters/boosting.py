@@ -98,12 +98,15 @@ class Boosting:
         log.info("XGBLoRA: the adapter's %d modules merged as booster %d", len(record), len(self.history))
 
     def init_from_gradients(self, backward: Callable[[list[torch.nn.Parameter]], None],
-                            reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                            reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                            orthogonal: bool = False) -> None:
         """Start the current booster where the gradient points (--xgblora_init gradient): backward(inputs) runs the
         loss's backward over a few batches (into inputs, the active lora_B, only), every active layer accumulates
         the gradient of its weight meanwhile, and its A becomes that gradient's leading right singular vectors
         (LoRALinear.init_from_gradient). reduce averages a gradient over data-parallel ranks, so that every rank
-        starts the same booster.
+        starts the same booster. orthogonal (--xgblora_init gradient-orthogonal): among the input directions that no
+        merged booster of the layer took, so that the boosters build rank; from the full gradient, successive
+        boosters start on much the same direction (BENCHMARKS.md, the rank-limited task).
 
         Zeroth-order training has no such start: the mean of n two-point estimates of a layer's (out, in) gradient G
         is G plus noise of about iid entries of std |g| / sqrt(n) (g the gradient of everything perturbed together),
@@ -120,9 +123,18 @@ class Boosting:
         finally:
             grads = {name: m.take_weight_grad() for name, m in active.items()}
         for name, m in active.items():
-            m.init_from_gradient(grads[name] if reduce is None else reduce(grads[name]))
+            m.init_from_gradient(grads[name] if reduce is None else reduce(grads[name]),
+                                 self.taken_directions(name) if orthogonal else None)
             m.lora_A.grad = m.lora_B.grad = None
         self._start_tracking()  # the adaptive merge rolls back to this start, not to the random one
+
+    def taken_directions(self, name: str) -> torch.Tensor | None:
+        """Orthonormal rows (k, in) spanning the A rows of every merged booster of module `name` (None before any)."""
+        rows = [record["modules"][name]["A"] for record in self.history if name in record["modules"]]
+        if not rows:
+            return None
+        u, s, _ = torch.linalg.svd(torch.cat(rows).double().T, full_matrices=False)
+        return u[:, s > s[0] * 1e-6].T.float()
 
     # ------------------------------------------------------------------ schedule
 

@@ -216,9 +216,11 @@ class LoRALinear(nn.Module):
                                  x.reshape(-1, self.in_features).float())
 
     @torch.no_grad()
-    def init_from_gradient(self, grad: torch.Tensor) -> None:
+    def init_from_gradient(self, grad: torch.Tensor, taken: torch.Tensor | None = None) -> None:
         """Start the branch where grad (dL/dW, (out, in)) points: A = its r leading right singular vectors (rows of
-        the norm reset() draws, 1/sqrt(3), so learning rates carry over), B = 0.
+        the norm reset() draws, 1/sqrt(3), so learning rates carry over), B = 0. With taken (orthonormal rows, (k,
+        in)), the leading singular vectors of grad with those input directions projected off: the best rank-r step
+        among directions no earlier booster took (kept only while at least r directions are left).
 
         With B = 0 the output is unchanged, and the first gradient of B is scaling G A^T = scaling U_r S_r /
         sqrt(3): the first step moves B A along the leading singular directions of -G, the best rank-r descent
@@ -227,7 +229,11 @@ class LoRALinear(nn.Module):
         add a second rank-r term to every booster of an XGBLoRA history (and to every export) and a side factor
         per booster on a 4-bit base, where B = 0 already puts the first step on those directions.
         """
-        _, _, vh = torch.linalg.svd(grad.float(), full_matrices=False)
+        grad = grad.float()
+        if taken is not None and taken.shape[0] <= self.in_features - self.r:
+            taken = taken.to(grad)
+            grad = grad - (grad @ taken.T) @ taken
+        _, _, vh = torch.linalg.svd(grad, full_matrices=False)
         rows = vh[: self.r]
         signs = rows.gather(1, rows.abs().argmax(dim=1, keepdim=True)).sign()  # an SVD's signs are arbitrary
         self.lora_A.copy_(rows * signs / math.sqrt(3.0))

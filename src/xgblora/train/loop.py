@@ -389,17 +389,17 @@ class Trainer:
             self.metrics.log({**event, "step": self.state.step})
 
     def _start_booster(self) -> None:
-        """Where Config.booster_init is gradient: the new booster's A from the gradient of the next
+        """Where Config.booster_init is gradient(-orthogonal): the new booster's A from the gradient of the next
         --xgblora_init_batches training batches (drawn from the run's stream, so a resumed run draws the same ones)."""
         boosting = self.method.boosting
-        if boosting is None or self.cfg.booster_init != "gradient":
+        if boosting is None or self.cfg.booster_init == "random":
             return
 
         def backward(inputs: list[torch.nn.Parameter]) -> None:
             for _ in range(self.cfg.xgblora_init_batches):
                 self.loss_fn(self.next_batches()()).mean().backward(inputs=inputs)
 
-        boosting.init_from_gradients(backward, self.dist.all_mean)
+        boosting.init_from_gradients(backward, self.dist.all_mean, self.cfg.booster_init == "gradient-orthogonal")
 
     def _log(self, lr: float) -> None:
         """Drain the loss window into metrics.jsonl; a non-finite loss stops the run under --nan_policy stop."""
