@@ -102,6 +102,32 @@ def run_config(args: argparse.Namespace, name: str, seed: int, lr: float) -> dic
                 eval_steps=max(1, args.steps // 5), load_best_model_at_end=True, **RUNS[name][0], learning_rate=lr)
 
 
+def adapter_geometry(adapter: Path) -> dict[str, float]:
+    """What an adapter built, from its PEFT file (an XGBLoRA run's holds every booster side by side), as means over
+    modules: the effective rank of its update B A (exp of the entropy of its normalised singular values; Roy and
+    Vetterli 2007) and, with several rows (boosters, or rank > 1), the mean |cosine| between two of its A rows (near
+    1/sqrt(in) for random directions, 1 for one direction taken again and again). Empty for a full fine-tune."""
+    if not adapter.is_file():
+        return {}
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(adapter))
+    ranks, cosines = [], []
+    for name in (key for key in tensors if key.endswith("lora_A.weight")):
+        A, B = tensors[name].double(), tensors[name.replace("lora_A", "lora_B")].double()
+        s = torch.linalg.svdvals(B @ A)
+        s = s[s > s[0] * 1e-9]  # the rest is rounding
+        p = s / s.sum()
+        ranks.append(float(torch.exp(-(p * p.log()).sum())))
+        if len(A) > 1:
+            rows = torch.nn.functional.normalize(A, dim=1)
+            cosine = (rows @ rows.T).abs()
+            cosines.append(float(cosine[~torch.eye(len(A), dtype=torch.bool)].mean()))
+    geometry = {"effective_rank": sum(ranks) / len(ranks)}
+    return geometry | ({"a_cosine": sum(cosines) / len(cosines)} if cosines else {})
+
+
 def run_one(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[str, Any]:
     """One (row, seed, learning rate), reused from --out when finished with the same settings and protocol."""
     from xgblora import train
@@ -120,12 +146,13 @@ def run_one(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[s
     result = train.run(Config(**config, save_strategy="steps", save_steps=config["eval_steps"], save_total_limit=1,
                               resume_from_checkpoint=resume, overwrite_output_dir=resume is None,
                               output_dir=str(folder)))
+    geometry = adapter_geometry(folder / "final" / "adapter_model.safetensors")
     for weights in ("checkpoints", "final"):  # a merged XGBLoRA base is a whole model: the row and curves are kept
         shutil.rmtree(folder / weights, ignore_errors=True)
     saved = {"run": name, "seed": seed, "lr": lr, "config": config, "protocol": PROTOCOL_VERSION,
              "dev_loss": result["dev_loss"], "test_loss": result["loss"], "test_em": result.get("em"),
              "train_loss": result["train_loss"],
-             "trainable_params": result["trainable_params"], "train_s": result["train_runtime_s"]}
+             "trainable_params": result["trainable_params"], "train_s": result["train_runtime_s"], **geometry}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(saved, indent=2) + "\n")
     print(f"  {name} lr {lr:g} seed {seed}: dev loss {saved['dev_loss']:.3f}, test loss {saved['test_loss']:.3f}, "
@@ -141,17 +168,20 @@ def choose_lr(args: argparse.Namespace, name: str) -> float:
 
 def table(results: list[dict[str, Any]]) -> str:
     """Markdown: per row, the chosen lr, dev and test loss (mean ± std over seeds), the test exact match (%) where
-    the test answers are generated, parameters, steps."""
-    lines = ["| run | lr (dev) | test loss | test EM (%) | dev loss | train loss | trainable params | steps |",
-             "|---|---|---|---|---|---|---|---|"]
+    the test answers are generated, what the adapter built (effective rank of its update, mean |cos| between two of its
+    A rows), parameters, steps."""
+    lines = ["| run | lr (dev) | test loss | test EM (%) | dev loss | train loss | effective rank | A rows' |cos| | "
+             "trainable params | steps |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in RUNS:
         rows = [r for r in results if r["run"] == name]
         if rows:
             em = [100 * r["test_em"] for r in rows if r.get("test_em") is not None]
+            geometry = [mean_std([r[key] for r in rows if key in r], digits=2) if any(key in r for r in rows) else "-"
+                        for key in ("effective_rank", "a_cosine")]
             lines.append(f"| {name} | {rows[0]['lr']:g} | {mean_std([r['test_loss'] for r in rows], digits=3)} | "
                          f"{mean_std(em) if em else '-'} | "
                          f"{mean_std([r['dev_loss'] for r in rows], digits=3)} | {mean_std([r['train_loss'] for r in rows], digits=3)} | "
-                         f"{rows[0]['trainable_params']:,} | {rows[0]['config']['max_steps']} |")
+                         f"{geometry[0]} | {geometry[1]} | {rows[0]['trainable_params']:,} | {rows[0]['config']['max_steps']} |")
     return "\n".join(lines)
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import load_benchmark
+from safetensors.torch import save_file
 
 
 @pytest.mark.slow
@@ -34,3 +36,26 @@ def test_toy_rank_regime_chooses_on_dev_and_reuses_runs(tmp_path, shared_data):
     bench.PROTOCOL_VERSION += 1
     bench.main([*argv[:-2], runs[1]])
     assert all(p.stat().st_mtime > mtimes[p] for p in tmp_path.glob("xgblora*.json"))  # a new protocol runs again
+
+
+def test_adapter_geometry_against_updates_of_known_rank(tmp_path):
+    """Effective rank: k for k orthogonal rank-1 terms of equal size, exp(entropy) of (2, 1, 1)/4 for unequal ones,
+    1 for one direction taken k times, whose A rows then have |cos| 1 (orthogonal rows: 0)."""
+    bench = load_benchmark("rank_regime")
+    eye = torch.eye(6)
+
+    def geometry(A: torch.Tensor, B: torch.Tensor) -> dict[str, float]:
+        path = tmp_path / "adapter_model.safetensors"
+        save_file({"base_model.model.q.lora_A.weight": A.contiguous(), "base_model.model.q.lora_B.weight": B.contiguous()},
+                  str(path))
+        return bench.adapter_geometry(path)
+
+    got = geometry(eye[:4], eye[:, :4])  # 4 orthogonal unit terms
+    assert got["effective_rank"] == pytest.approx(4.0) and got["a_cosine"] == pytest.approx(0.0, abs=1e-12)
+    p = torch.tensor([0.5, 0.25, 0.25])
+    got = geometry(eye[:3], eye[:, :3] * torch.tensor([2.0, 1.0, 1.0]))
+    assert got["effective_rank"] == pytest.approx(float(torch.exp(-(p * p.log()).sum())))
+    same = eye[:1].repeat(3, 1) * torch.tensor([[1.0], [-2.0], [0.5]])  # one direction, three boosters
+    got = geometry(same, torch.randn(6, 3))
+    assert got["effective_rank"] == pytest.approx(1.0) and got["a_cosine"] == pytest.approx(1.0)
+    assert bench.adapter_geometry(tmp_path / "none.safetensors") == {}  # a full fine-tune writes no adapter
