@@ -102,21 +102,21 @@ def run_config(args: argparse.Namespace, name: str, seed: int, lr: float) -> dic
                 eval_steps=max(1, args.steps // 5), load_best_model_at_end=True, **RUNS[name][0], learning_rate=lr)
 
 
-def adapter_geometry(adapter: Path) -> dict[str, float]:
-    """What an adapter built, from its PEFT file (an XGBLoRA run's holds every booster side by side), as means over
+def adapter_geometry(folder: Path) -> dict[str, float]:
+    """What an adapter built, from its PEFT folder (an XGBLoRA run's holds every booster side by side), as means over
     modules: the effective rank of its update B A (exp of the entropy of its normalised singular values; Roy and
     Vetterli 2007) and, with several rows (boosters, or rank > 1), the mean |cosine| between two of its A rows (near
     1/sqrt(in) for random directions, 1 for one direction taken again and again). Empty for a full fine-tune."""
-    if not adapter.is_file():
+    if not (folder / "adapter_model.safetensors").is_file():
         return {}
     import torch
-    from safetensors.torch import load_file
 
-    tensors = load_file(str(adapter))
+    from xgblora.adapters.peft import read_adapter
+
     ranks, cosines = [], []
-    for name in (key for key in tensors if key.endswith("lora_A.weight")):
-        A, B = tensors[name].double(), tensors[name.replace("lora_A", "lora_B")].double()
-        s = torch.linalg.svdvals(B @ A)
+    for A, B, scaling in read_adapter(folder)[0].values():
+        A = A.double()
+        s = torch.linalg.svdvals(scaling * B.double() @ A)
         s = s[s > s[0] * 1e-9]  # the rest is rounding
         p = s / s.sum()
         ranks.append(float(torch.exp(-(p * p.log()).sum())))
@@ -146,7 +146,7 @@ def run_one(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[s
     result = train.run(Config(**config, save_strategy="steps", save_steps=config["eval_steps"], save_total_limit=1,
                               resume_from_checkpoint=resume, overwrite_output_dir=resume is None,
                               output_dir=str(folder)))
-    geometry = adapter_geometry(folder / "final" / "adapter_model.safetensors")
+    geometry = adapter_geometry(folder / "final")
     for weights in ("checkpoints", "final"):  # a merged XGBLoRA base is a whole model: the row and curves are kept
         shutil.rmtree(folder / weights, ignore_errors=True)
     saved = {"run": name, "seed": seed, "lr": lr, "config": config, "protocol": PROTOCOL_VERSION,

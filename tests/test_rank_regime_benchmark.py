@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 from conftest import load_benchmark
-from safetensors.torch import save_file
+
+from xgblora.adapters.peft import write_peft
 
 
 @pytest.mark.slow
@@ -45,10 +46,8 @@ def test_adapter_geometry_against_updates_of_known_rank(tmp_path):
     eye = torch.eye(6)
 
     def geometry(A: torch.Tensor, B: torch.Tensor) -> dict[str, float]:
-        path = tmp_path / "adapter_model.safetensors"
-        save_file({"base_model.model.q.lora_A.weight": A.contiguous(), "base_model.model.q.lora_B.weight": B.contiguous()},
-                  str(path))
-        return bench.adapter_geometry(path)
+        write_peft({"q": (A, B, len(A), float(len(A)))}, tmp_path, "tiny-llama")  # scaling 1, as boosters are saved
+        return bench.adapter_geometry(tmp_path)
 
     got = geometry(eye[:4], eye[:, :4])  # 4 orthogonal unit terms
     assert got["effective_rank"] == pytest.approx(4.0) and got["a_cosine"] == pytest.approx(0.0, abs=1e-12)
@@ -58,4 +57,4 @@ def test_adapter_geometry_against_updates_of_known_rank(tmp_path):
     same = eye[:1].repeat(3, 1) * torch.tensor([[1.0], [-2.0], [0.5]])  # one direction, three boosters
     got = geometry(same, torch.randn(6, 3))
     assert got["effective_rank"] == pytest.approx(1.0) and got["a_cosine"] == pytest.approx(1.0)
-    assert bench.adapter_geometry(tmp_path / "none.safetensors") == {}  # a full fine-tune writes no adapter
+    assert bench.adapter_geometry(tmp_path / "none") == {}  # a full fine-tune writes no adapter
