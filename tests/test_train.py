@@ -105,9 +105,10 @@ def test_gradient_init_starts_every_booster_and_only_those(shared_data, tmp_path
     assert started == [(booster, orthogonal) for booster in started_at]
 
 
-def test_zo_refuses_the_gradient_init_with_the_reason(shared_data, tmp_path):
-    with pytest.raises(UserError, match="needs the gradient of each adapted weight"):
-        make_cfg(shared_data, tmp_path / "zo", method="xgblora", trainer="zo", xgblora_init="gradient")
+@pytest.mark.parametrize("init", ["gradient", "gradient-orthogonal"])
+def test_zo_refuses_the_gradient_init_with_the_reason(shared_data, tmp_path, init):
+    with pytest.raises(UserError, match=f"--xgblora_init {init} needs the gradient of each adapted weight"):
+        make_cfg(shared_data, tmp_path / "zo", method="xgblora", trainer="zo", xgblora_init=init)
 
 
 def test_crash_after_a_periodic_checkpoint_resumes_exactly(shared_data, tmp_path, monkeypatch):
