@@ -67,12 +67,13 @@ RUNS: dict[str, tuple[dict[str, Any], tuple[float, ...]]] = {
     "XGBLoRA r=1, plain, 4 boosters (AdamW)": (_xgblora(xgblora_num_boosters=4), GRID),
     "XGBLoRA r=1, plain, 4 boosters, gradient init (AdamW)": (_xgblora(xgblora_num_boosters=4,
                                                                        xgblora_init="gradient"), GRID),
-    # the booster regime: a fixed length per booster whatever --steps (10 to 200 steps), from a random or gradient
-    # start, on the run's schedule or a fresh warm-up and decay per booster (re-warm-up)
+    # the booster regime: a fixed length per booster whatever --steps (10 to 200 steps), from a random, gradient or
+    # gradient-orthogonal start, on the run's schedule or a fresh warm-up and decay per booster (re-warm-up)
     **{f"XGBLoRA r=1, plain, {n} steps per booster{init}{warm} (AdamW)": (
         _xgblora(xgblora_steps_per_iteration=n, **extra, **rewarm), GRID)
        for n in (10, 16, 25, 50, 100, 200)
-       for init, extra in (("", {}), (", gradient init", dict(xgblora_init="gradient")))
+       for init, extra in (("", {}), (", gradient init", dict(xgblora_init="gradient")),
+                           (", gradient-orthogonal init", dict(xgblora_init="gradient-orthogonal")))
        for warm, rewarm in (("", {}), (", re-warm-up", dict(xgblora_restart_schedule=True)))},
 }
 
