@@ -43,10 +43,13 @@ TRAINED: dict[str, tuple[list[str], tuple[float, ...], str]] = {
     "XGBLoRA r=1, random start (AdamW)": ([*ADAMW_XGBLORA, "--xgblora_init", "random"], (1e-3, 3e-3, 1e-2), "fo"),
     "XGBLoRA r=1, gradient-orthogonal start (AdamW)": (
         [*ADAMW_XGBLORA, "--xgblora_init", "gradient-orthogonal"], (3e-4, 1e-3, 3e-3), "fo"),
-    "XGBLoRA r=1, 50 steps per booster (AdamW)": ([*ADAMW_XGBLORA, "--xgblora_steps_per_iteration", "50"],
-                                                  (1e-3, 3e-3, 1e-2), "fo"),
-    "XGBLoRA r=1, 100 steps per booster (AdamW)": ([*ADAMW_XGBLORA, "--xgblora_steps_per_iteration", "100"],
-                                                   (3e-4, 1e-3, 3e-3), "fo"),
+    "XGBLoRA r=1, 50 steps per booster (AdamW)": (
+        [*ADAMW_XGBLORA, "--xgblora_steps_per_iteration", "50", "--xgblora_init", "gradient"], (3e-4, 1e-3, 3e-3), "fo"),
+    "XGBLoRA r=1, 100 steps per booster (AdamW)": (
+        [*ADAMW_XGBLORA, "--xgblora_steps_per_iteration", "100", "--xgblora_init", "gradient"], (3e-4, 1e-3, 3e-3), "fo"),
+    "XGBLoRA r=1, 50 steps per booster, gradient-orthogonal start (AdamW)": (
+        [*ADAMW_XGBLORA, "--xgblora_steps_per_iteration", "50", "--xgblora_init", "gradient-orthogonal"],
+        (3e-4, 1e-3, 3e-3), "fo"),
     "XGBLoRA r=1, 50 steps per booster, random start (AdamW)": (
         [*ADAMW_XGBLORA, "--xgblora_steps_per_iteration", "50", "--xgblora_init", "random"], (1e-3, 3e-3, 1e-2), "fo"),
     "FT (AdamW)": (["--trainer", "regular", "--method", "ft"], (1e-5, 3e-5), "fo"),
