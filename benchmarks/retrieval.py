@@ -137,7 +137,8 @@ def plan(args: argparse.Namespace) -> list[tuple[str, Any]]:
         ("xgblora full FT (AdamW)", lambda s, f: xgblora_run(args, f, s, "ft", method="ft", trainer="regular",
                                                             learning_rate=args.ft_lr)),
         ("xgblora XGBLoRA r=1 (AdamW)", lambda s, f: xgblora_run(args, f, s, "xgblora", method="xgblora",
-                                                                trainer="regular", learning_rate=args.xgb_lr)),
+                                                                xgblora_preset="paper", trainer="regular",
+                                                                learning_rate=args.xgb_lr)),
         ("xgblora LoRA r=8 (MeZO)", lambda s, f: xgblora_run(args, f, s, "mezo", method="lora", lora_r=8,
                                                             trainer="zo", learning_rate=args.mezo_lr)),
     ]

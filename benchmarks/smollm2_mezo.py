@@ -36,13 +36,18 @@ ADAMW_XGBLORA = ["--trainer", "regular", "--method", "xgblora"]
 TRAINED: dict[str, tuple[list[str], tuple[float, ...], str]] = {
     "MeZO full": (["--trainer", "zo", "--method", "ft", "--zo_eps", "1e-3"], (1e-6, 1e-5), "zo"),
     "MeZO-LoRA r=8": (["--trainer", "zo", "--method", "lora", "--zo_eps", "1e-2"], (1e-4, 1e-3), "zo"),
-    "MeZO-XGBLoRA r=1": (["--trainer", "zo", "--method", "xgblora", "--zo_eps", "1e-2"], (1e-3, 1e-2), "zo"),
+    "MeZO-XGBLoRA r=1": (["--trainer", "zo", "--method", "xgblora", "--zo_eps", "1e-2", "--xgblora_num_boosters", "25"],
+                         (1e-3, 1e-2), "zo"),
     "LoRA r=8 (AdamW)": (["--trainer", "regular", "--method", "lora"], (3e-4, 1e-3), "fo"),
     "LoRA r=1 (AdamW)": (["--trainer", "regular", "--method", "lora", "--lora_r", "1"], (3e-4, 1e-3, 3e-3, 1e-2), "fo"),
-    "XGBLoRA r=1 (AdamW)": (ADAMW_XGBLORA, (3e-4, 1e-3, 3e-3, 1e-2), "fo"),
-    "XGBLoRA r=1, random start (AdamW)": ([*ADAMW_XGBLORA, "--xgblora_init", "random"], (1e-3, 3e-3, 1e-2), "fo"),
+    "XGBLoRA r=1 (AdamW)": (ADAMW_XGBLORA, (3e-4, 1e-3, 3e-3, 1e-2), "fo"),  # whatever the defaults are
+    "XGBLoRA r=1, 25 boosters (AdamW)": (
+        [*ADAMW_XGBLORA, "--xgblora_num_boosters", "25", "--xgblora_init", "gradient"], (3e-4, 1e-3, 3e-3, 1e-2), "fo"),
+    "XGBLoRA r=1, random start (AdamW)": (
+        [*ADAMW_XGBLORA, "--xgblora_num_boosters", "25", "--xgblora_init", "random"], (1e-3, 3e-3, 1e-2), "fo"),
     "XGBLoRA r=1, gradient-orthogonal start (AdamW)": (
-        [*ADAMW_XGBLORA, "--xgblora_init", "gradient-orthogonal"], (3e-4, 1e-3, 3e-3), "fo"),
+        [*ADAMW_XGBLORA, "--xgblora_num_boosters", "25", "--xgblora_init", "gradient-orthogonal"], (3e-4, 1e-3, 3e-3),
+        "fo"),
     "XGBLoRA r=1, 50 steps per booster (AdamW)": (
         [*ADAMW_XGBLORA, "--xgblora_steps_per_iteration", "50", "--xgblora_init", "gradient"], (3e-4, 1e-3, 3e-3), "fo"),
     "XGBLoRA r=1, 100 steps per booster (AdamW)": (
