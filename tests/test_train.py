@@ -83,13 +83,13 @@ def test_sigint_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path, m
 
 
 @pytest.mark.parametrize("options, started_at, orthogonal", [
-    ({}, [0, 1, 2], False), (dict(xgblora_init="gradient"), [0, 1, 2], False),
+    ({}, [0, 1, 2], True), (dict(xgblora_init="gradient"), [0, 1, 2], False),
     (dict(xgblora_init="gradient-orthogonal"), [0, 1, 2], True), (dict(xgblora_init="random"), [], None),
     (dict(trainer="zo"), [], None)], ids=["default", "asked", "orthogonal", "random", "zo"])
 def test_gradient_init_starts_every_booster_and_only_those(shared_data, tmp_path, monkeypatch, options, started_at,
                                                            orthogonal):
     """Under AdamW, by default or when asked, the first booster and each one after a merge start from the gradient
-    (not one merged at the last step), off earlier boosters' directions only under gradient-orthogonal;
+    (not one merged at the last step), off earlier boosters' directions under gradient-orthogonal (the default);
     --xgblora_init random and --trainer zo start none."""
     started = []
     original = Boosting.init_from_gradients

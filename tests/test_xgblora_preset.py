@@ -1,4 +1,4 @@
-"""XGBLoRA's presets: plain (the default: 25 boosters on every layer, no penalty) and paper (5 boosters, each on a
+"""XGBLoRA's presets: plain (the default: 25 boosters of at least 50 steps on every layer, no penalty) and paper (5 boosters, each on a
 third of the layers, the norm penalty), alpha_t = 1, T boosters over the run, a warning when nothing would merge,
 and the per-booster learning-rate restart."""
 
@@ -24,13 +24,17 @@ def _six_layer_method(**overrides):
     return model, cfg, setup_method(model, cfg)
 
 
-def test_the_default_is_the_plain_preset_with_25_boosters():
+def test_the_default_is_the_plain_preset_with_25_boosters_of_at_least_50_steps():
     _, cfg, method = _six_layer_method()
-    assert (cfg.xgblora_preset, cfg.norm_penalty, cfg.booster_steps(100)) == ("plain", 0.0, 4)
+    assert (cfg.xgblora_preset, cfg.norm_penalty) == ("plain", 0.0)
+    # 25 boosters where the run is long enough (max_steps >= 25 x 50), else as many of at least 50 steps as fit
+    assert {n: cfg.booster_steps(n) for n in (10, 80, 100, 400, 1250, 5000)} == {
+        10: 10, 80: 80, 100: 50, 400: 50, 1250: 50, 5000: 200}
     assert method.boosting.layers_per_booster == 6
     paper = Config(method="xgblora", xgblora_preset="paper")
     assert (paper.norm_penalty, paper.booster_steps(100)) == (1e-3, 20)
     assert Config(method="xgblora", xgblora_num_boosters=10).booster_steps(100) == 10  # explicit flags win
+    assert Config(method="xgblora", xgblora_steps_per_iteration=3).booster_steps(100) == 3
 
 
 def test_paper_preset_puts_each_booster_on_a_random_third_of_the_layers():
@@ -79,11 +83,14 @@ def test_num_boosters_splits_the_run_and_the_schedule_can_restart_per_booster(sh
     assert lrs == pytest.approx([cfg.learning_rate * f for f in (1, 0.75, 0.5, 0.25)] * 3)
 
 
-def test_a_run_that_would_merge_fewer_than_two_boosters_warns(shared_data, tmp_path, caplog):
-    with caplog.at_level("WARNING", logger="xgblora"):
+def test_a_run_that_would_merge_fewer_than_two_boosters_says_so(shared_data, tmp_path, caplog):
+    with caplog.at_level("INFO", logger="xgblora"):  # the default's one booster in a short run: said, not warned
         train.run(make_cfg(shared_data, tmp_path / "a", method="xgblora", max_steps=6, save_strategy="no"))
-    assert "plain rank-1" not in caplog.text  # 25 boosters by default: a merge every step
+    said = [r for r in caplog.records if "this run is rank-1 LoRA" in r.message]
+    assert [(r.levelname, r.message[:55]) for r in said] == [
+        ("INFO", "XGBLoRA: 6 steps at 6 steps per booster merge 1 booster")]
+    caplog.clear()
     with caplog.at_level("WARNING", logger="xgblora"):
         train.run(make_cfg(shared_data, tmp_path / "b", method="xgblora", max_steps=6, save_strategy="no",
                            xgblora_steps_per_iteration=10))
-    assert "6 steps at 10 steps per booster merge 0 booster(s): this run is plain rank-1 LoRA" in caplog.text
+    assert "6 steps at 10 steps per booster merge 0 booster(s): this run is rank-1 LoRA" in caplog.text

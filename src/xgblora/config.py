@@ -14,6 +14,7 @@ from xgblora.errors import UserError
 from xgblora.options import (
     GROUPS,
     MEZO_NUM_TRAIN,
+    MIN_BOOSTER_STEPS,
     PAPER_NORM_PENALTY,
     PRESET_BOOSTERS,
     ZO_ESTIMATORS,
@@ -267,11 +268,11 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
 
     @property
     def booster_init(self) -> str:
-        """Where a booster starts: --xgblora_init, else from the gradient where there is a backward pass (measured:
-        BENCHMARKS.md, "The booster regime"), at random under --trainer zo."""
+        """Where a booster starts: --xgblora_init, else from the gradient off earlier boosters' directions where there
+        is a backward pass (measured: BENCHMARKS.md, "The booster regime"), at random under --trainer zo."""
         if self.xgblora_init is not None:
             return self.xgblora_init
-        return "random" if self.trainer == "zo" else "gradient"
+        return "random" if self.trainer == "zo" else "gradient-orthogonal"
 
     @property
     def layer_share(self) -> float:
@@ -279,11 +280,16 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         return 1 / 3 if self.xgblora_preset == "paper" else 1.0
 
     def booster_steps(self, max_steps: int) -> int:
-        """Steps per booster: --xgblora_steps_per_iteration, else max_steps / --xgblora_num_boosters (default: the
-        preset's count)."""
+        """Steps per booster: --xgblora_steps_per_iteration, else max_steps / --xgblora_num_boosters, else max_steps /
+        the preset's count, which under plain falls so that each booster trains at least MIN_BOOSTER_STEPS."""
         if self.xgblora_steps_per_iteration is not None:
             return self.xgblora_steps_per_iteration
-        return max(1, max_steps // (self.xgblora_num_boosters or PRESET_BOOSTERS[self.xgblora_preset]))
+        boosters = self.xgblora_num_boosters
+        if boosters is None:
+            boosters = PRESET_BOOSTERS[self.xgblora_preset]
+            if self.xgblora_preset == "plain":
+                boosters = max(1, min(boosters, max_steps // MIN_BOOSTER_STEPS))
+        return max(1, max_steps // boosters)
 
     @property
     def alpha(self) -> float:

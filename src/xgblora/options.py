@@ -17,6 +17,9 @@ MEZO_NUM_TRAIN = 1000
 # (the default) is the measured best: more boosters on every layer beat the paper's third of the layers at equal
 # steps where rank limits and on SmolLM2, and tie on MiniLM SST-2 (BENCHMARKS.md, "XGBLoRA's preset").
 PRESET_BOOSTERS = {"paper": 5, "plain": 25}
+# ... but a plain booster trains at least this many steps, so a short run has fewer boosters: on a pretrained model
+# boosters of 3 to 16 steps trail LoRA r=1, boosters of 50 do not (BENCHMARKS.md, "The booster regime").
+MIN_BOOSTER_STEPS = 50
 ZO_ESTIMATORS = ("mezo", "fzoo", "svrg", "nspsa", "es")
 GGUF_SUFFIX = ".gguf"
 
@@ -186,16 +189,16 @@ class AdapterOptions:
 class BoostingOptions:
     """XGBLoRA's boosters: how many, how long each trains, where it starts, when it merges."""
 
-    xgblora_preset: str = _opt("plain", "XGBLoRA defaults: plain (25 boosters on every layer, no penalty) or paper (5 boosters on a random third of the layers, a norm penalty); explicit flags win.",
+    xgblora_preset: str = _opt("plain", "XGBLoRA defaults: plain (25 boosters of at least 50 steps, fewer in a shorter run, on every layer, no penalty) or paper (5 boosters on a random third of the layers, a norm penalty); explicit flags win.",
                                ("paper", "plain"))
-    xgblora_num_boosters: int | None = _opt(None, "Boosters T in a run: each trains max_steps / T steps (default 25 under the plain preset, 5 under paper; --xgblora_steps_per_iteration wins).")
-    xgblora_steps_per_iteration: int | None = _opt(None, "Steps per booster before it is merged and re-initialised (default max_steps / --xgblora_num_boosters).")
+    xgblora_num_boosters: int | None = _opt(None, "Boosters T in a run: each trains max_steps / T steps (default 25 under the plain preset, fewer where that would leave a booster under 50 steps; 5 under paper; --xgblora_steps_per_iteration wins).")
+    xgblora_steps_per_iteration: int | None = _opt(None, "Steps per booster before it is merged and re-initialised (default max_steps / the number of boosters).")
     xgblora_layers_per_booster: int | None = _opt(None, "Random subset of layers that carries the booster each iteration (default: a third of them, at least 1, under the paper preset; all under plain).")
     xgblora_shrinkage: float = _opt(1.0, "Merge step size alpha_t: W += alpha_t * delta (the paper's 1).")
     xgblora_norm_penalty: float | None = _opt(None, "lambda in lambda * (|A|^2 + |B|^2) added to the loss (default 1e-3 under the paper preset, 0 under plain).")
     xgblora_restart_schedule: bool = _opt(False, "Run the learning-rate schedule (warm-up and decay) anew for every booster, over its steps.")
-    xgblora_init: str | None = _opt(None, "Where each booster starts: gradient (A from the gradient's top singular vectors over --xgblora_init_batches batches; the default with a backward pass), gradient-orthogonal (the same among the input directions no earlier booster of the layer took, so that boosters build rank), or random (as LoRA; the default under --trainer zo).", ("gradient", "gradient-orthogonal", "random"))
-    xgblora_init_batches: int = _opt(1, "--xgblora_init gradient: training batches (one forward and backward each, beside the training steps) whose gradient starts each booster.")
+    xgblora_init: str | None = _opt(None, "Where each booster starts: gradient-orthogonal (A from the gradient's top singular vectors over --xgblora_init_batches batches, among the input directions no earlier booster of the layer took, so that boosters build rank; the default with a backward pass), gradient (the same without that projection), or random (as LoRA; the default under --trainer zo).", ("gradient", "gradient-orthogonal", "random"))
+    xgblora_init_batches: int = _opt(1, "--xgblora_init gradient(-orthogonal): training batches (one forward and backward each, beside the training steps) whose gradient starts each booster.")
     xgblora_adaptive: bool = _opt(False, "The Boosting-LoRA-ZO fork's extension (not the paper's): merge when the loss EMA stops improving, at the latest after --xgblora_adaptive_max_steps.")
     xgblora_adaptive_max_steps: int | None = _opt(None, "Adaptive merge: most steps one booster trains (default: the steps per booster of the fixed schedule).")
     xgblora_adaptive_patience: int = _opt(50, "Adaptive merge: steps without improvement before merging.")

@@ -138,14 +138,16 @@ class Boosting:
 
     # ------------------------------------------------------------------ schedule
 
-    def plan(self, steps_per_iteration: int, max_steps: int) -> None:
-        """Fix the steps per booster for a run of max_steps; warn when the run would merge fewer than 2 boosters."""
+    def plan(self, steps_per_iteration: int, max_steps: int, chosen: bool = True) -> None:
+        """Fix the steps per booster for a run of max_steps; say so when the run would merge fewer than 2 boosters,
+        as a warning when the user's flags (`chosen`) rather than the defaults set the length."""
         self.steps_per_iteration = steps_per_iteration
         merges = max_steps // steps_per_iteration
         if merges < 2 and not self.adaptive:
-            log.warning("XGBLoRA: %d steps at %d steps per booster merge %d booster(s): this run is plain rank-%d "
-                        "LoRA; set --xgblora_num_boosters (or a smaller --xgblora_steps_per_iteration)", max_steps,
-                        steps_per_iteration, merges, next(iter(self.modules.values())).r)
+            (log.warning if chosen else log.info)(
+                "XGBLoRA: %d steps at %d steps per booster merge %d booster(s): this run is rank-%d LoRA; set "
+                "--xgblora_num_boosters (or a smaller --xgblora_steps_per_iteration)", max_steps, steps_per_iteration,
+                merges, next(iter(self.modules.values())).r)
 
     @property
     def booster_start(self) -> int:

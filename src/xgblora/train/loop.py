@@ -274,7 +274,8 @@ class Trainer:
         self.max_steps = source.max_steps
         boosting = method.boosting
         if boosting is not None:
-            boosting.plan(cfg.booster_steps(self.max_steps), self.max_steps)
+            chosen = cfg.xgblora_steps_per_iteration is not None or cfg.xgblora_num_boosters is not None
+            boosting.plan(cfg.booster_steps(self.max_steps), self.max_steps, chosen)
         # --xgblora_restart_schedule: the schedule spans one booster and starts over at every merge
         span = boosting.steps_per_iteration if boosting is not None and cfg.xgblora_restart_schedule else self.max_steps
         self.schedule = Schedule(cfg.lr_scheduler_type, cfg.learning_rate, span,
