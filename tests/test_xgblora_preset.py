@@ -1,6 +1,6 @@
-"""XGBLoRA's presets: plain (the default: 25 boosters of at least 50 steps on every layer, no penalty) and paper (5 boosters, each on a
-third of the layers, the norm penalty), alpha_t = 1, T boosters over the run, a warning when nothing would merge,
-and the per-booster learning-rate restart."""
+"""XGBLoRA's presets: plain (the default: 25 boosters of at least 50 steps on every layer, no penalty) and paper
+(5 boosters, each on a third of the layers, the norm penalty), alpha_t = 1, T boosters over the run, a warning when
+the user's flags leave nothing to merge, and the per-booster learning-rate restart."""
 
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ def test_num_boosters_splits_the_run_and_the_schedule_can_restart_per_booster(sh
 def test_a_run_that_would_merge_fewer_than_two_boosters_says_so(shared_data, tmp_path, caplog):
     with caplog.at_level("INFO", logger="xgblora"):  # the default's one booster in a short run: said, not warned
         train.run(make_cfg(shared_data, tmp_path / "a", method="xgblora", max_steps=6, save_strategy="no"))
-    said = [r for r in caplog.records if "this run is rank-1 LoRA" in r.message]
-    assert [(r.levelname, r.message[:55]) for r in said] == [
+    said = [r for r in caplog.records if "this run is rank-1 LoRA" in r.getMessage()]
+    assert [(r.levelname, r.getMessage()[:55]) for r in said] == [
         ("INFO", "XGBLoRA: 6 steps at 6 steps per booster merge 1 booster")]
     caplog.clear()
     with caplog.at_level("WARNING", logger="xgblora"):
