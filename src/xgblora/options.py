@@ -52,15 +52,15 @@ class ModelOptions:
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
 
     def resolve_gguf_file(self) -> None:
-        """Fold --gguf_file into --model_name, a local GGUF path made absolute: the one name config.yaml and a
-        trained adapter record, so eval, generate and export find the same base from any directory."""
+        """Fold --gguf_file into --model_name, a local GGUF file or folder made absolute: the one name config.yaml
+        and a trained adapter record, so eval, generate and export find the same base from any directory."""
         if self.gguf_file is not None:  # a local folder's file by its absolute path, a hub repository's as repo/FILE
             folder = Path(self.model_name).expanduser()
             name = str(folder / self.gguf_file) if folder.is_dir() else f"{self.model_name.rstrip('/')}/{self.gguf_file}"
             object.__setattr__(self, "model_name", name)  # frozen: resolved once, while the object is built
             object.__setattr__(self, "gguf_file", None)
         path = Path(self.model_name).expanduser()
-        if is_gguf(self.model_name) and path.is_file():
+        if (is_gguf(self.model_name) and path.is_file()) or path.is_dir():
             object.__setattr__(self, "model_name", str(path.resolve()))
 
     @property

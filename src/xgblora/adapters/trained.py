@@ -104,6 +104,17 @@ def run_folder(path: str | None) -> Path | None:
     return None
 
 
+def recorded_base(adapter: str) -> str | None:
+    """The base model an adapter was trained on, as it records it: its run's config.yaml (a run folder, its final/
+    or a checkpoint of it), else a PEFT folder's adapter_config.json; None for anything else (full fine-tuning's
+    final/ is a whole model and needs no base)."""
+    run = run_folder(adapter)
+    if run is not None:
+        return run_config(run)["model_name"]
+    folder = Path(adapter)
+    return _adapter_base(folder) if (folder / _ADAPTER_CONFIG).is_file() else None
+
+
 def run_options(model_name: str, adapter: str | None = None) -> dict[str, Any]:
     """What an evaluation of a trained run (--model_name RUN, or --adapter RUN, RUN/final or a checkpoint of it)
     takes from the run unless told otherwise: an embedding run's embedding options and evaluation pairs, another
