@@ -192,3 +192,25 @@ def test_only_a_zo_trained_head_keeps_mezo_off_the_dual_batch(tmp_path):
         assert (stepper.mezo._dual is not None) == dual
         assert (id(model.classifier.weight) in mezo_params) == in_mezo
         assert (stepper.head is not None) == (head_trainer == "first-order")
+
+
+def test_a_classifier_on_the_users_text_and_labels_needs_no_template_or_label_words(tmp_path):
+    """--head classifier with --columns and --label_names trains as the explicit '{text}' prompt with the label
+    names as its classes: the same weights and accuracy."""
+    import csv
+
+    with open(tmp_path / "reviews.csv", "w", newline="") as f:
+        rows = csv.writer(f)
+        rows.writerow(["review", "sentiment"])
+        for i in range(12):
+            rows.writerow([("good fine great " if i % 2 else "bad awful poor ") + str(i), "pos" if i % 2 else "neg"])
+    common = dict(model_name="tiny-bert", task_name="custom", train_file=str(tmp_path / "reviews.csv"),
+                  eval_file=str(tmp_path / "reviews.csv"), head="classifier", columns="text=review,label=sentiment",
+                  label_names="neg,pos", method="lora", max_steps=2, device="cpu", save_strategy="no")
+    results = {}
+    for name, extra in {"bare": {}, "explicit": {"template": "{text}", "label_words": "neg,pos"}}.items():
+        results[name] = train.run(Config(**common, **extra, output_dir=str(tmp_path / name)))
+        assert Config(**common, **extra).template == "{text}"
+    assert results["bare"]["accuracy"] == results["explicit"]["accuracy"]
+    bare, explicit = (load_file(tmp_path / n / "final" / "adapter_model.safetensors") for n in ("bare", "explicit"))
+    assert bare.keys() == explicit.keys() and all(torch.equal(bare[k], explicit[k]) for k in bare)

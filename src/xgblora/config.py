@@ -82,8 +82,12 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
 
     def _resolve_shortcuts(self) -> None:
         """Fill what depends on other options: the GGUF file into the model name, MeZO's --num_train for its tasks,
-        the method --lora / --xgblora name; check the dev split's sizing."""
+        the method --lora / --xgblora name, a classifier's prompt and classes; check the dev split's sizing."""
         self.resolve_gguf_file()
+        if self.head == "classifier" and self.task_name == "custom" and not (self.template or self.label_words):
+            # a classifier scores class indices, not words: the text is the prompt and the label names the classes
+            object.__setattr__(self, "template", "{text}")
+            object.__setattr__(self, "label_words", self.label_names or "0,1")
         if self.num_train is None and not self.own_data:
             object.__setattr__(self, "num_train", MEZO_NUM_TRAIN)
         if self.eval_split_ratio is not None:
