@@ -93,3 +93,21 @@ def test_grpo_and_dpo_reruns_refuse_an_interrupted_run(tmp_path, capsys, monkeyp
     assert snapshot(tmp_path / "run") == before
     assert cli.main([*args, "--resume_from_checkpoint", "latest"]) == 0
     assert json.loads((tmp_path / "run" / "results.json").read_text())["resumes"] == 1
+
+
+@pytest.mark.parametrize("longer", [["--max_steps", "6"], ["--max_steps", "-1", "--num_train_epochs", "3"]])
+def test_resuming_a_finished_run_for_longer_refuses_with_the_way_on_and_that_way_works(tmp_path, capsys, longer):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {w}", "completion": w}) + "\n" for w in ["yes", "no"] * 4))
+    common = ["train", "--model_name", "tiny-llama-chat", "--task_name", "custom", "--train_file", str(data),
+              "--method", "lora", "--per_device_train_batch_size", "4", "--device", "cpu", "--no_eval"]
+    out = tmp_path / "run"
+    first = ["--max_steps", "4"] if longer[1] == "6" else ["--max_steps", "-1", "--num_train_epochs", "2"]
+    assert cli.main([*common, *first, "--output_dir", str(out)]) == 0
+    capsys.readouterr()
+    before = snapshot(out)
+    assert cli.main([*common, *longer, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]) == 2
+    error = one_line_error(capsys)
+    assert "holds a finished run of 4 steps" in error and f"--model_name {out} --output_dir" in error
+    assert snapshot(out) == before
+    assert cli.main([*common, "--max_steps", "2", "--model_name", str(out), "--output_dir", str(tmp_path / "more")]) == 0

@@ -58,13 +58,27 @@ def run_folder(cfg: Config, dist: distributed.Distributed) -> Iterator[Path]:
 
 
 def finished_results(cfg: Config, out: Path) -> dict[str, Any] | None:
-    """A finished run asked to resume has nothing left to do: its results (None for any other run)."""
-    results = out / "results.json"
-    if not cfg.resume_from_checkpoint or cfg.overwrite_output_dir or not results.is_file():
+    """A finished run asked to resume has nothing left to do: its results (None for any other run). Asked to
+    train longer than it did, it refuses: its schedule ended, so the model is trained on in a new run."""
+    path = out / "results.json"
+    if not cfg.resume_from_checkpoint or cfg.overwrite_output_dir or not path.is_file():
         return None
+    results = json.loads(path.read_text(encoding="utf-8"))
+    if _asks_for_more(cfg, out, results):
+        raise UserError(f"{out} holds a finished run of {results['steps']} steps, and a finished run does not "
+                        f"resume; train its model further in a new folder with --model_name {out} --output_dir "
+                        f"NEW_DIR (a new optimizer state and schedule), or redo it with --overwrite_output_dir")
     log.warning("%s holds a finished run (results.json): nothing to resume; pass --overwrite_output_dir to train "
                 "it again", out)
-    return json.loads(results.read_text(encoding="utf-8"))
+    return results
+
+
+def _asks_for_more(cfg: Config, out: Path, results: dict[str, Any]) -> bool:
+    """Whether cfg trains longer than the finished run in out did: more --max_steps, or more epochs."""
+    if cfg.max_steps > 0:
+        return "steps" in results and cfg.max_steps > results["steps"]
+    earlier = checkpoint.run_config(out)
+    return earlier.get("max_steps") == -1 and cfg.num_train_epochs > earlier.get("num_train_epochs", 0)
 
 
 def check_folder(cfg: Config, out: Path) -> None:
