@@ -432,6 +432,18 @@ def test_init_from_gradient_off_taken_directions(r):
         torch.testing.assert_close((m.lora_A @ vh[:r].T).abs(), torch.eye(r) / math.sqrt(3), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("r", [1, 2])
+def test_init_from_gradient_inside_the_taken_span_falls_back_to_the_plain_start(r):
+    """A gradient whose rows lie in the taken span has nothing outside it but rounding noise: A is then the
+    plain gradient start (the leading right singular vectors of G), not a noise direction."""
+    m = LoRALinear(nn.Linear(16, 8, bias=False), r=r, alpha=2.0 * r)
+    taken = torch.linalg.qr(torch.randn(16, 4, generator=torch.Generator().manual_seed(2)))[0].T
+    grad = torch.randn(8, 4, generator=torch.Generator().manual_seed(3)) @ taken
+    m.init_from_gradient(grad, taken)
+    vh = torch.linalg.svd(grad.double())[2].float()
+    torch.testing.assert_close((m.lora_A @ vh[:r].T).abs(), torch.eye(r) / math.sqrt(3), atol=1e-5, rtol=0)
+
+
 def test_prepare_full_ft():
     model, _ = pretrained.load("tiny-opt")
     for p in model.parameters():

@@ -220,7 +220,8 @@ class LoRALinear(nn.Module):
         """Start the branch where grad (dL/dW, (out, in)) points: A = its r leading right singular vectors (rows of
         the norm reset() draws, 1/sqrt(3), so learning rates carry over), B = 0. With taken (orthonormal rows, (k,
         in)), the leading singular vectors of grad with those input directions projected off: the best rank-r step
-        among directions no earlier booster took (kept only while at least r directions are left).
+        among directions no earlier booster took (kept only while at least r directions are left, and while grad
+        has r directions outside taken above float32's rounding: else the plain start, as without taken).
 
         With B = 0 the output is unchanged, and the first gradient of B is scaling G A^T = scaling U_r S_r /
         sqrt(3): the first step moves B A along the leading singular directions of -G, the best rank-r descent
@@ -230,10 +231,13 @@ class LoRALinear(nn.Module):
         per booster on a 4-bit base, where B = 0 already puts the first step on those directions.
         """
         grad = grad.float()
+        _, s, vh = torch.linalg.svd(grad, full_matrices=False)
         if taken is not None and taken.shape[0] <= self.in_features - self.r:
             taken = taken.to(grad)
-            grad = grad - (grad @ taken.T) @ taken
-        _, _, vh = torch.linalg.svd(grad, full_matrices=False)
+            _, s_off, vh_off = torch.linalg.svd(grad - (grad @ taken.T) @ taken, full_matrices=False)
+            # inside the taken span the projection leaves rounding noise, whose directions are arbitrary
+            if s_off[self.r - 1] > torch.finfo(grad.dtype).eps ** 0.5 * s[0]:
+                vh = vh_off
         rows = vh[: self.r]
         signs = rows.gather(1, rows.abs().argmax(dim=1, keepdim=True)).sign()  # an SVD's signs are arbitrary
         self.lora_A.copy_(rows * signs / math.sqrt(3.0))
