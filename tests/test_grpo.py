@@ -4,6 +4,7 @@ completions, XGBLoRA's merges during RL, option errors, and GRPO raising held-ou
 import copy
 import dataclasses
 import json
+import math
 import random
 
 import pytest
@@ -515,3 +516,32 @@ def test_boosting_options_merge_and_schedule_as_in_train(data, options):
     rates = {name: [r["lr"] for r in log if "lr" in r] for name, log in logs.items()}
     assert merges["grpo"] == merges["train"] and len(merges["train"]) >= 2
     assert rates["grpo"] == rates["train"] and len(rates["train"]) == 6
+
+
+def test_es_on_rewards_trains_when_a_reward_function_leaves_some_completions_unscored(data):
+    """TRL's None ("not scored") for some completions: each member is scored by the mean over its scored ones, so
+    the run trains on instead of stopping at a NaN loss."""
+    (data / "some_reward.py").write_text(
+        "def some(completion_ids, **kwargs):  # the first prompt's completions unscored, as a reference unparsed\n"
+        "    half = len(completion_ids) // 2\n"
+        "    return [None] * half + [float(ids[0] % 2) for ids in completion_ids[half:]]\n")
+    cfg = _cfg(data, "es-none", trainer="zo", zo_objective="reward", zo_estimator="es", zo_queries=2, zo_eps=0.05,
+               learning_rate=0.1, num_return_sequences=4, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+               max_steps=3, reward_funcs=["some_reward:some"], eval_file=None)
+    calls = []
+    real = grpo_loop.PolicyReward.__call__
+
+    def spy(self, batch):
+        rewards = self.source.policy_rewards
+        self.source.policy_rewards = lambda b: calls.append(t := rewards(b)) or t
+        try:
+            return real(self, batch)
+        finally:
+            self.source.policy_rewards = rewards
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grpo_loop.PolicyReward, "__call__", spy)
+        run_grpo(cfg)
+    assert any(torch.isnan(r).any() and not torch.isnan(r).all() for r in calls)  # some unscored, some scored
+    losses = [r["loss"] for r in read_metrics(data / "es-none" / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)

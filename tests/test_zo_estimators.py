@@ -496,3 +496,34 @@ def test_compare_accepts_estimators_as_trainers():
     assert parse_method("lora", "zo") == ("lora", "zo", None)
     with pytest.raises(UserError, match="nspsa"):
         parse_method("lora:spsa", "zo")
+
+
+def test_es_leaves_members_without_a_finite_loss_out_of_the_population():
+    """A member whose loss is NaN (a policy none of whose completions was scored) is left out: the update is the
+    reference's z-scored sum over the other members, divided by their count; with none left, no step."""
+    a, b, start = quadratic_terms()
+    theta = nn.Parameter(start.clone())
+    lr, eps, n = 0.05, 1e-3, 3
+    calls = []
+
+    def loss(batch) -> torch.Tensor:  # the third member (the second pair's +) is unscored
+        calls.append(None)
+        value = 0.5 * theta @ a @ theta + b @ theta
+        return (value * math.nan if len(calls) == 3 else value).reshape(1)
+
+    reported = ES([("theta", theta)], lr=lr, eps=eps, seed=5, queries=n).step(loss, {})
+    zs = [reference_z([start], s)[0] for s in step_seeds(5, n)]
+    members = [(sign, z) for z in zs for sign in (1.0, -1.0)]
+    values = torch.tensor([float(0.5 * (start + sign * eps * z) @ a @ (start + sign * eps * z)
+                                 + b @ (start + sign * eps * z)) for sign, z in members], dtype=torch.float64)
+    scored = [m for m in range(2 * n) if m != 2]
+    shaped = (values[scored] - values[scored].mean()) / (values[scored].std(unbiased=False) + 1e-8)
+    expected = start - lr / len(scored) * sum(float(s) * members[m][0] * members[m][1]
+                                              for s, m in zip(shaped, scored, strict=True))
+    assert reported == pytest.approx(values[scored].tolist(), rel=1e-9)
+    torch.testing.assert_close(theta.detach(), expected.to(theta), atol=1e-12, rtol=0)
+
+    nothing = ES([("theta", theta)], lr=lr, eps=eps, seed=5, queries=n)
+    before = theta.detach().clone()
+    assert nothing.step(lambda batch: (theta.sum() * math.nan).reshape(1), {}) == ()
+    torch.testing.assert_close(theta.detach(), before, atol=1e-12, rtol=0)  # perturbed and restored only

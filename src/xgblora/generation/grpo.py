@@ -114,7 +114,9 @@ class PolicyReward:
         self.source, self.model = source, source.model
 
     def __call__(self, batch: PromptBatch) -> torch.Tensor:
-        return -self.source.policy_rewards(batch)
+        """Minus the mean reward of the completions that were scored (a reward function's None leaves one out);
+        NaN when none was."""
+        return -self.source.policy_rewards(batch).nanmean().reshape(1)
 
 
 class GenerationBuffer:

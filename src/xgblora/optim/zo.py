@@ -423,7 +423,7 @@ class ZOStepper:
         self.mezo = mezo  # the estimator: MeZO, or one of optim.zo_estimators
         self.loss_fn, self.nan_policy, self.device, self.head = loss_fn, nan_policy, torch.device(device), head
 
-    def step(self, next_batch: Callable[[], Batch], lr: float) -> Tensor:
+    def step(self, next_batch: Callable[[], Batch], lr: float) -> Tensor | None:
         """One estimator step on the next batch (and the head's first-order step); returns the mean loss."""
         batch = next_batch()
         if self.head is None:
@@ -432,8 +432,13 @@ class ZOStepper:
             losses = self.head.train_on(lambda: self.mezo.step(self.loss_fn, batch, lr=lr), batch)
         return self._report(losses)
 
-    def _report(self, losses: tuple[float, ...]) -> Tensor:
-        """The mean of the step's losses as a device tensor; a non-finite one is said at once under skip."""
+    def _report(self, losses: tuple[float, ...]) -> Tensor | None:
+        """The mean of the step's losses as a device tensor; a non-finite one is said at once under skip. None,
+        said at once, for a step that measured no loss (evolution strategies with no member scored)."""
+        if not losses:
+            log.warning("no member of the population has a finite loss (under --zo_objective reward: none of its "
+                        "completions was scored); the step leaves the weights as they were")
+            return None
         total = sum(losses)
         if not math.isfinite(total) and self.nan_policy == "skip":
             log.warning("non-finite zeroth-order loss; update skipped (--nan_policy skip)")

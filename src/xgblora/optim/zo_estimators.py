@@ -80,11 +80,24 @@ class ES(NSPSA):
     def __init__(self, *args, queries: int = 15, **kwargs):
         super().__init__(*args, queries=queries, **kwargs)
 
+    @torch.no_grad()
+    def step(self, loss_fn: Callable[[Batch], Tensor], batch: Batch,
+             lr: float | None = None) -> tuple[float, ...]:
+        """n-SPSA's step with ES's coefficients; returns the losses of the members that have one (a member whose
+        loss is not finite, such as a policy with no scored completion, is left out of the population)."""
+        return tuple(v for v in super().step(loss_fn, batch, lr) if math.isfinite(v))
+
     def _coefficients(self, values: list[float]) -> list[float]:
-        mean = sum(values) / len(values)
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-        return [(plus - minus) / (len(values) * (std + 1e-8))
-                for plus, minus in zip(values[::2], values[1::2], strict=True)]
+        """A member without a finite loss takes the population's mean (a z-score of 0) and is not counted; with
+        none left, NaN: no step."""
+        scored = [v for v in values if math.isfinite(v)]
+        if not scored:
+            return [math.nan] * (len(values) // 2)
+        mean = sum(scored) / len(scored)
+        std = math.sqrt(sum((v - mean) ** 2 for v in scored) / len(scored))
+        filled = [v if math.isfinite(v) else mean for v in values]
+        return [(plus - minus) / (len(scored) * (std + 1e-8))
+                for plus, minus in zip(filled[::2], filled[1::2], strict=True)]
 
 
 class FZOO(SeededZO):

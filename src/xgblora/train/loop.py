@@ -116,8 +116,11 @@ class LossWindow:
         self.finite = torch.zeros((), device=device)
         self.steps = 0
 
-    def add(self, loss: torch.Tensor) -> None:
-        """Count one step's loss (a non-finite one counts as a skipped step)."""
+    def add(self, loss: torch.Tensor | None) -> None:
+        """Count one step's loss (a non-finite one counts as a skipped step; None, a step that measured no loss and
+        said so, neither)."""
+        if loss is None:
+            return
         ok = torch.isfinite(loss.detach())
         self.total += torch.where(ok, loss.detach(), 0.0)
         self.finite += ok
