@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from xgblora import train
 from xgblora.adapters.lora import LoRALinear, attach, is_adapter_param
@@ -297,3 +298,31 @@ def killed_at_step(monkeypatch, call: int):
         yield
     finally:
         monkeypatch.setattr(loop.Trainer, "train_step", real_step)
+
+
+# tiny causal LMs saved as model folders (the GGUF export's input)
+
+
+def tiny_causal_folder(tmp: Path, model_type: str, **shape) -> Path:
+    """A tiny model of the type; Qwen2's with Qwen2's own pre-tokenizer split (before byte-level BPE)."""
+    tokenizer = pretrained.tiny_tokenizer()
+    if model_type == "qwen2":
+        from tokenizers import Regex, pre_tokenizers
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    config = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2, **shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # non-zero biases, so that a misplaced one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    folder = tmp / f"tiny-{model_type}"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

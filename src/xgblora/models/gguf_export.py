@@ -68,6 +68,11 @@ def check_architecture(config: dict[str, Any], where: str) -> str:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", "linear"):
         raise UserError(f"{where}: GGUF export writes default or linear RoPE; this model's is {rope.get('rope_type')}")
+    heads, head_dim = config.get("num_attention_heads"), config.get("head_dim")
+    if config["model_type"] == "qwen2" and head_dim is not None and head_dim * heads != config["hidden_size"]:
+        # llama.cpp's Qwen2 sizes Q and the attention output as hidden_size: such a file would not load
+        raise UserError(f"{where}: llama.cpp's Qwen2 needs head_dim x heads = hidden_size; this model has "
+                        f"{head_dim} x {heads} and {config['hidden_size']}")
     return ARCHITECTURES[config["model_type"]]
 
 
@@ -113,6 +118,12 @@ def _add_hparams(writer: Any, config: dict[str, Any], arch: str) -> None:
     if scaling.get("rope_type", scaling.get("type")) == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(scaling["factor"])
+    # As the converter, whenever the config names head_dim: without them llama.cpp takes hidden_size / heads as
+    # the head size, and refuses a Llama whose head_dim differs (Mistral-Nemo: 5120 / 32 = 160, head_dim 128) as
+    # "invalid n_rot"
+    if config.get("head_dim") is not None:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
     if arch == "llama":
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(config.get("head_dim")
