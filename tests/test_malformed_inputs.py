@@ -113,6 +113,9 @@ CASES = [
     ("accumulation-with-mezo", {}, ["--trainer", "zo", "--gradient_accumulation_steps", "4"],
      r"--gradient_accumulation_steps does not apply to --trainer zo \(MeZO has no gradients to accumulate\); "
      r"raise --per_device_train_batch_size instead"),
+    ("unknown-device", {}, ["--device", "gpu"], r"--device 'gpu': choose cpu, cuda, cuda:N \(the N-th GPU\), mps or auto"),
+    ("negative-seed", {}, ["--seed", "-1"], r"--seed must be between 0 and 2\*\*32 - 1, got -1"),
+    ("seed-over-32-bits", {}, ["--seed", str(2**32)], r"--seed must be between 0 and 2\*\*32 - 1, got 4294967296"),
     ("negative-num-train", SST2, [*SST2_RUN, "--num_train", "-1"], r"--num_train must be 0 or more, got -1"),
     ("negative-num-eval", SST2, [*SST2_RUN, "--num_eval", "-5"], r"--num_eval must be 0 or more, got -5"),
     ("negative-train-set-seed", SST2, [*SST2_RUN, "--train_set_seed", "-1"],
@@ -187,3 +190,44 @@ def test_malformed_input_is_one_line_and_exit_code_2(tmp_path, monkeypatch, caps
     assert all(re.match(r"\d\d:\d\d:\d\d (INFO|WARNING) ", line) for line in logged), err  # no traceback
     assert not (tmp_path / "out").exists()  # a refused run leaves nothing behind (no bare config.yaml)
 
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ("mps", r"--device mps: no MPS device \(an Apple silicon GPU, with a torch built for it\) is available on this "
+            r"machine; use cpu"),
+    ("cuda", r"--device cuda: no CUDA device is available on this machine"),
+    ("cuda:1", r"--device cuda:1: no CUDA device is available on this machine"),
+])
+def test_a_device_the_machine_lacks_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys, device,
+                                                                        message):
+    import torch
+
+    from xgblora.models import pretrained
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the device was checked")
+    monkeypatch.setattr(pretrained, "load", refuse)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    folder = tmp_path / "in"
+    for name, content in SST2.items():
+        write(folder / name, content)
+    argv = ["train", *(a.replace("{d}", str(folder)) for a in SST2_RUN), "--device", device, "--output_dir",
+            str(tmp_path / "out")]
+    assert cli.main(argv) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert re.fullmatch(r"xgblora train: error: " + message, last), last
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_cuda_index_past_the_last_gpu_is_one_line(monkeypatch):
+    import torch
+
+    from xgblora.errors import UserError
+    from xgblora.models import pretrained
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(UserError, match=r"^--device cuda:2: this machine has 2 CUDA device\(s\), cuda:0 to cuda:1$"):
+        pretrained.choose_device("cuda:2")
+    assert pretrained.choose_device("cuda:1") == torch.device("cuda:1")

@@ -38,6 +38,7 @@ from xgblora.options import (
     TaskOptions,
     ZOOptions,
     _opt,
+    check_device_name,
 )
 from xgblora.trackers import parse_report_to
 
@@ -122,8 +123,8 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         for flag in ("num_train", "num_dev", "num_eval"):
             if getattr(self, flag) is not None and getattr(self, flag) < 0:
                 raise UserError(f"--{flag} must be 0 or more, got {getattr(self, flag)}")
-        if not 0 <= self.train_set_seed < 2**32:
-            raise UserError(f"--train_set_seed must be between 0 and 2**32 - 1, got {self.train_set_seed}")
+        check_seeds(self, "seed", "train_set_seed")
+        check_device_name(self.device)
         if self.max_steps == 0 or self.max_steps < -1:
             raise UserError(f"--max_steps must be positive (or -1: train --num_train_epochs epochs), got {self.max_steps}")
         if self.max_steps == -1 and self.num_train_epochs <= 0:
@@ -311,6 +312,10 @@ class CompareConfig(Config):
     methods: list[str] = _opt(["xgblora", "lora"], "Methods to compare: ft, lora, xgblora, optionally as method:trainer (e.g. lora:regular), the trainer also a ZO estimator (lora:fzoo, lora:svrg, lora:nspsa, lora:mezo).")
     overwrite: bool = _opt(False, "Redo runs that already finished.")
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_seeds(self, "seeds")
+
     @property
     def methods_used(self) -> set[str]:
         return {spec.partition(":")[0] for spec in self.methods}
@@ -338,6 +343,8 @@ class ChatConfig(SamplingOptions, ModelOptions):
         check_choices(self)
         check_sampling(self)
         _check_positive(self, "max_new_tokens", "max_length")
+        check_seeds(self, "seed")
+        check_device_name(self.device)
 
 
 @dataclass(frozen=True)
@@ -674,6 +681,15 @@ def check_sampling(cfg: SamplingOptions, samples: int = 1) -> None:
     if samples > 1 and cfg.temperature == 0:
         raise UserError(f"--num_return_sequences {samples} with --temperature 0 would return the same greedy "
                         f"completion {samples} times; set a temperature")
+
+
+def check_seeds(cfg: Any, *names: str) -> None:
+    """One-line errors for seeds outside what torch and numpy take, [0, 2**32 - 1] (a list: each of its values)."""
+    for name in names:
+        value = getattr(cfg, name)
+        for seed in value if isinstance(value, list) else [value]:
+            if not 0 <= seed < 2**32:
+                raise UserError(f"--{name} must be between 0 and 2**32 - 1, got {seed}")
 
 
 def _check_positive(cfg: Any, *names: str) -> None:

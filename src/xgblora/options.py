@@ -4,9 +4,12 @@ its parser shows those only; the rules that span groups live with the command cl
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from xgblora.errors import UserError
 
 # The paper's Eq. 7 adds lambda (|A|^2 + |B|^2) to each booster's loss; its value for our models is not in the text
 # we could read, so it is a small one that changes little (see README). The booster counts are ours too.
@@ -22,11 +25,20 @@ PRESET_BOOSTERS = {"paper": 5, "plain": 25}
 MIN_BOOSTER_STEPS = 50
 ZO_ESTIMATORS = ("mezo", "fzoo", "svrg", "nspsa", "es")
 GGUF_SUFFIX = ".gguf"
+# The devices --device names: torch's names of the CPU, a CUDA GPU and Apple's MPS, or auto. Checked by name here,
+# where torch is not imported yet; whether this machine has the device is checked where the model is placed.
+DEVICE_NAME = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
 def is_gguf(name_or_path: str) -> bool:
     """Whether a model name names a GGUF file (a local path, or owner/repo/FILE.gguf on the hub)."""
     return name_or_path.lower().endswith(GGUF_SUFFIX)
+
+
+def check_device_name(name: str) -> None:
+    """A one-line UserError for a --device value that names no device (torch's own error is a traceback)."""
+    if not DEVICE_NAME.fullmatch(name):
+        raise UserError(f"--device {name!r}: choose cpu, cuda, cuda:N (the N-th GPU), mps or auto")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -49,7 +61,7 @@ class ModelOptions:
     trust_remote_code: bool = _opt(False, "Allow a hub model to run its own code (off unless you pass it).")
     adapter: str | None = _opt(None, "A PEFT LoRA adapter folder or an xgblora run folder, applied on --model_name; train and rft continue training it (XGBLoRA merges it as booster 1).")
     load_in_4bit: bool = _opt(False, "QLoRA: the base model's linear layers in 4-bit NF4 (bitsandbytes); the adapters stay fp32. Training: --method lora or xgblora.")
-    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
+    device: str = _opt("auto", "cpu, cuda, cuda:N, mps (Apple silicon), or auto (cuda when available); a device this machine lacks is refused before the model loads.")
 
     def resolve_gguf_file(self) -> None:
         """Fold --gguf_file into --model_name, a local GGUF path made absolute: the one name config.yaml and a
