@@ -231,3 +231,49 @@ def test_a_cuda_index_past_the_last_gpu_is_one_line(monkeypatch):
     with pytest.raises(UserError, match=r"^--device cuda:2: this machine has 2 CUDA device\(s\), cuda:0 to cuda:1$"):
         pretrained.choose_device("cuda:2")
     assert pretrained.choose_device("cuda:1") == torch.device("cuda:1")
+
+
+# (name, the command, its arguments, the message): options that are out of range or contradict each other, refused
+# as the options are read (no file is opened, no model loads). grpo and dpo get a --train_file name to get that far.
+OPTION_CASES = [
+    ("grpo-negative-beta", "grpo", ["--beta", "-1"], r"--beta must be 0 \(no KL term\) or more, got -1\.0"),
+    ("grpo-epsilon-high-below-epsilon", "grpo", ["--epsilon_high", "0.1", "--epsilon", "0.2"],
+     r"--epsilon_high 0\.1 is below --epsilon 0\.2: the ratio is kept within \[1 - epsilon, 1 \+ epsilon_high\], "
+     r"and epsilon_high widens the upper side \(DAPO: 0\.28 with 0\.2\); pass at least --epsilon, or leave it unset "
+     r"\(= --epsilon\)"),
+    ("grpo-cispo-cap-below-1", "grpo", ["--loss_type", "cispo", "--epsilon_high", "0.1", "--epsilon", "0.2"],
+     r"--loss_type cispo caps each token's importance ratio at --epsilon_high: 0\.1 is below 1, the ratio of every "
+     r"token of the sampling policy, so it would clip them all; pass --epsilon_high 5 \(ScaleRL's epsilon_max, "
+     r"TRL's advice\)"),
+    ("grpo-cispo-cap-unset", "grpo", ["--loss_type", "cispo"],
+     r"--loss_type cispo caps each token's importance ratio at --epsilon_high \(unset, it is --epsilon\): 0\.2 is "
+     r"below 1, .*"),
+]
+
+
+@pytest.mark.parametrize(("command", "args", "message"), [case[1:] for case in OPTION_CASES],
+                         ids=[case[0] for case in OPTION_CASES])
+def test_options_out_of_range_or_at_odds_are_refused_as_they_are_read(command, args, message):
+    from xgblora import parsing
+    from xgblora.errors import UserError
+
+    files = ["--train_file", "rows.jsonl"] if command in ("grpo", "dpo") else []
+    namespace = cli.build_parser().parse_args([command, *files, *args])
+    spec = cli.COMMANDS[command]
+    with pytest.raises(UserError) as error:
+        parsing.from_namespace(spec.options, namespace, spec.defaults, spec.reads)
+    assert re.fullmatch(message, str(error.value)), str(error.value)
+
+
+@pytest.mark.parametrize(("command", "args"), [
+    ("grpo", ["--loss_type", "cispo", "--epsilon_high", "5"]),
+    ("grpo", ["--epsilon_high", "0.28"]),
+    ("grpo", ["--epsilon_high", "0.2", "--beta", "0.04"]),
+])
+def test_the_legitimate_neighbours_of_refused_options_are_taken(command, args):
+    from xgblora import parsing
+
+    files = ["--train_file", "rows.jsonl"] if command in ("grpo", "dpo") else []
+    namespace = cli.build_parser().parse_args([command, *files, *args])
+    spec = cli.COMMANDS[command]
+    parsing.from_namespace(spec.options, namespace, spec.defaults, spec.reads)

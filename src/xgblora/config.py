@@ -417,10 +417,10 @@ class GRPOConfig(Config, SamplingOptions):
     multi_objective_aggregation: str = _opt("sum_then_normalize", "Several reward functions: sum the weighted rewards, then form advantages (sum_then_normalize), or normalise each in its group first (normalize_then_sum: GDPO).",
                                             ("sum_then_normalize", "normalize_then_sum"))
     answer_tolerance: float = _opt(1e-6, "Correctness rewards: numbers agree within this relative tolerance.")
-    beta: float = _opt(0.0, "KL coefficient to the reference policy, the model as it started (0, TRL's default: no reference pass).")
+    beta: float = _opt(0.0, "KL coefficient to the reference policy, the model as it started, 0 or more (0, TRL's default: no reference pass).")
     epsilon: float = _opt(0.2, "Clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high].")
-    epsilon_high: float | None = _opt(None, "Upper clipping epsilon (default: epsilon; DAPO uses 0.28).")
-    loss_type: str = _opt("dapo", "How token losses add up: grpo, bnpo, dr_grpo, dapo (TRL's: the mean over the generation batch's tokens) or cispo (MiniMax-M1; set --epsilon_high about 5).",
+    epsilon_high: float | None = _opt(None, "Upper clipping epsilon, at least --epsilon (default: epsilon; DAPO uses 0.28); under --loss_type cispo the cap of the ratio itself, at least 1 (ScaleRL's epsilon_max: 5).")
+    loss_type: str = _opt("dapo", "How token losses add up: grpo, bnpo, dr_grpo, dapo (TRL's: the mean over the generation batch's tokens) or cispo (MiniMax-M1; needs --epsilon_high, about 5).",
                           ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"))
     importance_sampling_level: str = _opt("token", "Importance ratios per token, or one per completion from its tokens' mean log-ratio (sequence: GSPO).",
                                           ("token", "sequence"))
@@ -463,11 +463,30 @@ class GRPOConfig(Config, SamplingOptions):
         if self.generation_batch() % self.num_return_sequences:
             raise UserError(f"the generation batch of {self.generation_batch()} completions must be a multiple of "
                             f"--num_generations {self.num_return_sequences}")
-        if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
-            raise UserError("--epsilon and --epsilon_high must be 0 or more")
+        self._check_clipping()
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise UserError(f"--reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} "
                             f"--reward_funcs")
+
+    def _check_clipping(self) -> None:
+        """The KL weight and the clipping epsilons. cispo's --epsilon_high caps the importance ratio itself (TRL's
+        epsilon_high there is ScaleRL's epsilon_max, its --epsilon unused); the other losses keep the ratio within
+        [1 - epsilon, 1 + epsilon_high]."""
+        if self.beta < 0:
+            raise UserError(f"--beta must be 0 (no KL term) or more, got {self.beta}")
+        if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
+            raise UserError("--epsilon and --epsilon_high must be 0 or more")
+        if self.loss_type == "cispo":
+            cap = self.epsilon if self.epsilon_high is None else self.epsilon_high
+            if cap < 1:  # TRL's default (epsilon_high = epsilon = 0.2) included: it only scales the gradient down
+                unset = " (unset, it is --epsilon)" if self.epsilon_high is None else ""
+                raise UserError(f"--loss_type cispo caps each token's importance ratio at --epsilon_high{unset}: "
+                                f"{cap} is below 1, the ratio of every token of the sampling policy, so it would clip "
+                                f"them all; pass --epsilon_high 5 (ScaleRL's epsilon_max, TRL's advice)")
+        elif self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise UserError(f"--epsilon_high {self.epsilon_high} is below --epsilon {self.epsilon}: the ratio is kept "
+                            f"within [1 - epsilon, 1 + epsilon_high], and epsilon_high widens the upper side (DAPO: "
+                            f"0.28 with 0.2); pass at least --epsilon, or leave it unset (= --epsilon)")
 
     def _check_reward_objective(self) -> None:
         """--zo_objective reward: every perturbed policy samples the step's prompts itself, so there is no sampled batch
