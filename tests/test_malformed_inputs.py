@@ -248,6 +248,27 @@ OPTION_CASES = [
     ("grpo-cispo-cap-unset", "grpo", ["--loss_type", "cispo"],
      r"--loss_type cispo caps each token's importance ratio at --epsilon_high \(unset, it is --epsilon\): 0\.2 is "
      r"below 1, .*"),
+    ("dpo-negative-rpo-alpha", "dpo", ["--rpo_alpha", "-1"],
+     r"--rpo_alpha must be positive \(the weight of the chosen completions' NLL; leave it unset for none\), got -1\.0"),
+    ("dpo-negative-simpo-gamma", "dpo", ["--loss_type", "simpo", "--simpo_gamma", "-5"],
+     r"--simpo_gamma must be 0 or more \(SimPO's target margin by which the chosen reward beats the rejected one\), "
+     r"got -5\.0"),
+    ("dpo-loss-type-twice", "dpo", ["--loss_type", "sigmoid", "sigmoid"],
+     r"--loss_type sigmoid sigmoid: sigmoid is given twice; give each loss type once and weight it with --loss_weights"),
+    ("dpo-negative-loss-weight", "dpo", ["--loss_type", "sigmoid", "sft", "--loss_weights", "1", "-1"],
+     r"--loss_weights must be 0 or more, got 1\.0 -1\.0"),
+    ("dpo-prompt-longer-than-all", "dpo", ["--max_prompt_length", "500", "--max_length", "64"],
+     r"--max_prompt_length 500 leaves no room under --max_length 64 \(prompt and completion\): a prompt that long "
+     r"would keep no completion token and its pair would be dropped; pass a --max_prompt_length below --max_length"),
+    ("dpo-precompute-reference-free", "dpo", ["--reference_free", "--precompute_ref_log_probs"],
+     r"--precompute_ref_log_probs computes log-probabilities that nothing reads: --reference_free takes the "
+     r"reference's log-probabilities as 0; drop it"),
+    ("dpo-precompute-simpo", "dpo", ["--loss_type", "simpo", "--precompute_ref_log_probs"],
+     r"--precompute_ref_log_probs computes log-probabilities that nothing reads: --loss_type simpo reads no "
+     r"reference \(simpo, orpo, sft do not\); drop it"),
+    ("dpo-precompute-orpo-rpo", "dpo", ["--loss_type", "orpo", "--rpo_alpha", "1", "--precompute_ref_log_probs"],
+     r"--precompute_ref_log_probs computes log-probabilities that nothing reads: --loss_type orpo sft reads no "
+     r"reference \(simpo, orpo, sft do not\); drop it"),
 ]
 
 
@@ -269,6 +290,11 @@ def test_options_out_of_range_or_at_odds_are_refused_as_they_are_read(command, a
     ("grpo", ["--loss_type", "cispo", "--epsilon_high", "5"]),
     ("grpo", ["--epsilon_high", "0.28"]),
     ("grpo", ["--epsilon_high", "0.2", "--beta", "0.04"]),
+    ("dpo", ["--loss_type", "sigmoid", "sft", "--loss_weights", "1", "0"]),
+    ("dpo", ["--loss_type", "simpo", "--simpo_gamma", "0"]),
+    ("dpo", ["--max_prompt_length", "500", "--max_length", "1024"]),
+    ("dpo", ["--loss_type", "sigmoid", "simpo", "--precompute_ref_log_probs"]),
+    ("dpo", ["--rpo_alpha", "0.5", "--precompute_ref_log_probs"]),
 ])
 def test_the_legitimate_neighbours_of_refused_options_are_taken(command, args):
     from xgblora import parsing

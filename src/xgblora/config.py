@@ -520,6 +520,7 @@ class GRPOConfig(Config, SamplingOptions):
 
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "sft")
+DPO_POLICY_ONLY = ("simpo", "orpo", "sft")  # the loss types that read no reference
 
 
 @dataclass(frozen=True)
@@ -528,15 +529,15 @@ class DPOConfig(Config):
     training's, under TRL's DPOConfig names (CPOConfig's simpo_gamma). --train_file holds the pairs, --eval_file
     held-out ones (reward accuracy)."""
 
-    loss_type: list[str] = _opt(["sigmoid"], "Preference losses (TRL's): sigmoid (DPO), ipo, hinge, robust (with label_smoothing), simpo and orpo (no reference model), sft (the chosen completions' NLL); several add up with --loss_weights.")
+    loss_type: list[str] = _opt(["sigmoid"], "Preference losses (TRL's): sigmoid (DPO), ipo, hinge, robust (with label_smoothing), simpo and orpo (no reference model), sft (the chosen completions' NLL); several, each given once, add up with --loss_weights.")
     loss_weights: list[float] | None = _opt(None, "Weight of each --loss_type (default: 1 each).")
     beta: float = _opt(0.1, "Temperature of the implicit reward beta (IPO's tau; SimPO's and ORPO's beta).")
     label_smoothing: float = _opt(0.0, "Probability that a pair's preference is flipped (robust, simpo), in [0, 0.5).")
-    simpo_gamma: float = _opt(0.5, "SimPO's target reward margin gamma (TRL's CPOConfig).")
+    simpo_gamma: float = _opt(0.5, "SimPO's target reward margin gamma, 0 or more (TRL's CPOConfig).")
     reference_free: bool = _opt(False, "Take the reference's log-probabilities as 0 (no reference forward).")
-    rpo_alpha: float | None = _opt(None, "RPO: add the chosen completions' NLL with this weight (TRL's loss_type sft beside sigmoid).")
-    max_prompt_length: int | None = _opt(None, "Keep each prompt's last N tokens (before --max_length cuts prompt + completion at the end).")
-    precompute_ref_log_probs: bool = _opt(False, "Compute the reference's log-probabilities of every pair once before training (always so for XGBLoRA, full fine-tuning and a continued --adapter).")
+    rpo_alpha: float | None = _opt(None, "RPO: add the chosen completions' NLL with this positive weight (TRL's loss_type sft beside sigmoid).")
+    max_prompt_length: int | None = _opt(None, "Keep each prompt's last N tokens, N below --max_length (before --max_length cuts prompt + completion at the end).")
+    precompute_ref_log_probs: bool = _opt(False, "Compute the reference's log-probabilities of every pair once before training (always so for XGBLoRA, full fine-tuning and a continued --adapter); refused where the loss reads no reference (--reference_free, or only simpo, orpo and sft).")
     precompute_ref_batch_size: int | None = _opt(None, "Pairs per forward while precomputing (default: per_device_eval_batch_size).")
     verifier: str | None = _opt(None, "Also score one greedy completion of each --eval_file prompt against its row's reference field: gsm8k, math, answer_tags, regex:PATTERN or module:function; eval_pass@1.")
     max_new_tokens: int = _opt(256, "--verifier: most tokens per greedy completion.")
@@ -559,6 +560,42 @@ class DPOConfig(Config):
         if self.rpo_alpha is not None and "sft" in self.loss_type:
             raise UserError("--rpo_alpha adds the sft loss type; give it or --loss_type sft, not both")
         _check_positive(self, "max_prompt_length", "precompute_ref_batch_size", "max_new_tokens")
+        self._check_loss_terms()
+        self._check_lengths_and_reference()
+
+    def _check_loss_terms(self) -> None:
+        """The loss types and their weights: each type once, no negative weight or margin."""
+        twice = [t for t in dict.fromkeys(self.loss_type) if self.loss_type.count(t) > 1]
+        if twice:
+            raise UserError(f"--loss_type {' '.join(self.loss_type)}: {twice[0]} is given twice; give each loss type "
+                            f"once and weight it with --loss_weights")
+        if any(w < 0 for w in self.loss_weights or ()):
+            raise UserError(f"--loss_weights must be 0 or more, got {' '.join(map(str, self.loss_weights))}")
+        if self.rpo_alpha is not None and self.rpo_alpha <= 0:
+            raise UserError(f"--rpo_alpha must be positive (the weight of the chosen completions' NLL; leave it "
+                            f"unset for none), got {self.rpo_alpha}")
+        if self.simpo_gamma < 0:
+            raise UserError(f"--simpo_gamma must be 0 or more (SimPO's target margin by which the chosen reward "
+                            f"beats the rejected one), got {self.simpo_gamma}")
+
+    def _check_lengths_and_reference(self) -> None:
+        """A prompt cut that leaves room for the completion, and a precomputed reference that the loss reads."""
+        if self.max_prompt_length is not None and self.max_prompt_length >= self.max_length:
+            raise UserError(f"--max_prompt_length {self.max_prompt_length} leaves no room under --max_length "
+                            f"{self.max_length} (prompt and completion): a prompt that long would keep no "
+                            f"completion token and its pair would be dropped; pass a --max_prompt_length below "
+                            f"--max_length")
+        if self.precompute_ref_log_probs and not self.reads_reference:
+            why = ("--reference_free takes the reference's log-probabilities as 0" if self.reference_free else
+                   f"--loss_type {' '.join(self.loss_terms[0])} reads no reference ({', '.join(DPO_POLICY_ONLY)} "
+                   f"do not)")
+            raise UserError(f"--precompute_ref_log_probs computes log-probabilities that nothing reads: {why}; "
+                            f"drop it")
+
+    @property
+    def reads_reference(self) -> bool:
+        """Whether the loss reads the reference's log-probabilities."""
+        return not self.reference_free and any(t not in DPO_POLICY_ONLY for t in self.loss_terms[0])
 
     @property
     def loss_terms(self) -> tuple[tuple[str, ...], tuple[float, ...]]:
