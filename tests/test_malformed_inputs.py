@@ -266,6 +266,14 @@ OPTION_CASES = [
     ("dpo-precompute-simpo", "dpo", ["--loss_type", "simpo", "--precompute_ref_log_probs"],
      r"--precompute_ref_log_probs computes log-probabilities that nothing reads: --loss_type simpo reads no "
      r"reference \(simpo, orpo, sft do not\); drop it"),
+    ("negative-lora-alpha", "train", ["--method", "lora", "--lora_alpha", "-8"], r"--lora_alpha must be positive, got -8\.0"),
+    ("empty-target-modules", "grpo", ["--lora_target_modules", ""],
+     r"--lora_target_modules '' names no module: give name suffixes \(q_proj,v_proj\), all-linear or a regex, or "
+     r"leave it unset for the default"),
+    ("boosters-and-their-length", "train", ["--method", "xgblora", "--xgblora_num_boosters", "5",
+                                            "--xgblora_steps_per_iteration", "3"],
+     r"--xgblora_num_boosters 5 and --xgblora_steps_per_iteration 3 both set how long a booster trains "
+     r"\(max_steps / boosters, or that many steps\); pass one of them"),
     ("dpo-precompute-orpo-rpo", "dpo", ["--loss_type", "orpo", "--rpo_alpha", "1", "--precompute_ref_log_probs"],
      r"--precompute_ref_log_probs computes log-probabilities that nothing reads: --loss_type orpo sft reads no "
      r"reference \(simpo, orpo, sft do not\); drop it"),

@@ -113,7 +113,7 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         check_finite(self)
         check_choices(self)
         _check_positive(self, "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                        "lora_r", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
+                        "lora_r", "lora_alpha", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
                         "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
                         "zo_eps", "head_learning_rate", "head_probe_l2", "contrastive_temperature",
                         "grit_generative_batch_size", "zo_queries", "zo_svrg_period", "zo_svrg_anchor_batches")
@@ -136,6 +136,10 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema", "warmup_ratio"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.lora_target_modules is not None and not self.lora_target_modules.strip(" ,"):
+            # an empty value would fall back to the default targets without a word
+            raise UserError(f"--lora_target_modules {self.lora_target_modules!r} names no module: give name suffixes "
+                            f"(q_proj,v_proj), all-linear or a regex, or leave it unset for the default")
         parse_report_to(self.report_to)
 
     def _check_combinations(self) -> None:
@@ -152,6 +156,10 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
                             "raise --per_device_train_batch_size instead")
         if self.xgblora_norm_penalty is not None and self.xgblora_norm_penalty < 0:
             raise UserError(f"--xgblora_norm_penalty must be 0 or more, got {self.xgblora_norm_penalty}")
+        if self.xgblora_num_boosters is not None and self.xgblora_steps_per_iteration is not None:
+            raise UserError(f"--xgblora_num_boosters {self.xgblora_num_boosters} and --xgblora_steps_per_iteration "
+                            f"{self.xgblora_steps_per_iteration} both set how long a booster trains (max_steps / "
+                            f"boosters, or that many steps); pass one of them")
         if self.xgblora_layers_per_booster is not None and self.xgblora_layers_per_booster < 1:
             raise UserError(f"--xgblora_layers_per_booster must be at least 1, got {self.xgblora_layers_per_booster}")
         if self.xgblora_init_batches < 1:

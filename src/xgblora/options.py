@@ -191,7 +191,7 @@ class AdapterOptions:
     lora: bool = _opt(False, "Same as --method lora (MeZO's flag).")
     xgblora: bool = _opt(False, "Same as --method xgblora (the XGBLoRA fork's flag).")
     lora_r: int | None = _opt(None, "Adapter rank (default 8 for LoRA, 1 for XGBLoRA).", aliases=("lora_rank",))
-    lora_alpha: float | None = _opt(None, "Adapter scaling numerator: delta = (alpha / r) B A. Default 2r, so alpha / r = 2 at every rank (MeZO's r=8, alpha=16); with --use_rslora 2 sqrt(8), the same scale as LoRA's at r=8.")
+    lora_alpha: float | None = _opt(None, "Adapter scaling numerator, positive: delta = (alpha / r) B A. Default 2r, so alpha / r = 2 at every rank (MeZO's r=8, alpha=16); with --use_rslora 2 sqrt(8), the same scale as LoRA's at r=8.")
     use_rslora: bool = _opt(False, "rsLoRA scaling: delta = (alpha / sqrt(r)) B A.")
     lora_dropout: float = _opt(0.0, "Dropout on the adapter branch's input.")
     lora_target_modules: str | None = _opt(None, "Modules to adapt, as PEFT's target_modules: name suffixes (q_proj,v_proj), all-linear, or a regex over the full name. Default: attention query and value (grpo: every linear layer, unless continuing an --adapter).")
@@ -203,8 +203,8 @@ class BoostingOptions:
 
     xgblora_preset: str = _opt("plain", "XGBLoRA defaults: plain (25 boosters of at least 50 steps, fewer in a shorter run, on every layer, no penalty) or paper (5 boosters on a random third of the layers, a norm penalty); explicit flags win.",
                                ("paper", "plain"))
-    xgblora_num_boosters: int | None = _opt(None, "Boosters T in a run: each trains max_steps / T steps (default 25 under the plain preset, fewer where that would leave a booster under 50 steps; 5 under paper; --xgblora_steps_per_iteration wins).")
-    xgblora_steps_per_iteration: int | None = _opt(None, "Steps per booster before it is merged and re-initialised (default max_steps / the number of boosters).")
+    xgblora_num_boosters: int | None = _opt(None, "Boosters T in a run: each trains max_steps / T steps (default 25 under the plain preset, fewer where that would leave a booster under 50 steps; 5 under paper; not with --xgblora_steps_per_iteration).")
+    xgblora_steps_per_iteration: int | None = _opt(None, "Steps per booster before it is merged and re-initialised (default max_steps / the number of boosters; not with --xgblora_num_boosters).")
     xgblora_layers_per_booster: int | None = _opt(None, "Random subset of layers that carries the booster each iteration (default: a third of them, at least 1, under the paper preset; all under plain).")
     xgblora_shrinkage: float = _opt(1.0, "Merge step size alpha_t: W += alpha_t * delta (the paper's 1).")
     xgblora_norm_penalty: float | None = _opt(None, "lambda in lambda * (|A|^2 + |B|^2) added to the loss (default 1e-3 under the paper preset, 0 under plain).")
