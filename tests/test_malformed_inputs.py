@@ -86,6 +86,11 @@ CASES = [
     ("yaml-not-a-mapping", {"c.yaml": "- a\n- b\n"}, ["--config", "{d}/c.yaml"],
      r"{d}/c\.yaml: expected a mapping of option: value, got list"),
     ("yaml-syntax", {"c.yaml": "a: [1\n"}, ["--config", "{d}/c.yaml"], r"{d}/c\.yaml:2: not valid YAML \(.*\)"),
+    ("yaml-key-twice", {"c.yaml": "learning_rate: 1.0e-4\nnum_train: 4\nlearning-rate: 1.0e-3\nlearning_rate: 1.0e-2\n"},
+     ["--config", "{d}/c.yaml"],
+     r"{d}/c\.yaml:4: not valid YAML \(key 'learning_rate' is given twice, first on line 1; keep one\)"),
+    ("yaml-option-twice", {"c.yaml": "learning_rate: 1.0e-4\nlearning-rate: 1.0e-3\n"}, ["--config", "{d}/c.yaml"],
+     r"{d}/c\.yaml: keys 'learning_rate' and 'learning-rate' both set learning_rate; keep one"),
     ("yaml-missing", {}, ["--config", "{d}/none.yaml"], r"{d}/none\.yaml: cannot read config file \(FileNotFoundError.*\)"),
     # flags
     ("unknown-flag", {}, ["--learning_rte", "1e-5"],
