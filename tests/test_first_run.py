@@ -84,6 +84,8 @@ CASES = {
                                        "--chat_template nope.jinja: cannot read"),
     "encode column missing": (["encode", "tiny-bert", "--input_file", "reviews.jsonl", "--output_file", "v.npy"],
                               r'field "text": missing; the row has: review, label \(--column NAME'),
+    "encode device unknown": (["encode", "tiny-bert", "--input_file", "reviews.jsonl", "--column", "review",
+                               "--output_file", "v.npy", "--device", "gpu"], r"--device 'gpu': choose cpu, cuda"),
     "encode output under a file": (["encode", "tiny-bert", "--input_file", "reviews.jsonl", "--column", "review",
                                     "--output_file", "blocker/v.npy"], "--output_file blocker: blocker is a file"),
 }

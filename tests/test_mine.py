@@ -172,6 +172,7 @@ def test_negative_columns_enter_the_loss_as_sentence_transformers_scores_them(tm
                                     "score), got -0.1"),
     (["--absolute_margin", "5"], "--absolute_margin 5.0: cosine similarities lie in [-1, 1], so no document scores "
                                  "more than 2 below the positive and every candidate would be dropped; pass 2 or less"),
+    (["--device", "gpu"], "--device 'gpu': choose cpu, cuda, cuda:N (the N-th GPU), mps or auto"),
     (["--min_score", "0.9", "--max_score", "0.1"], "--min_score 0.9 is above --max_score 0.1: no score lies between "
                                                    "them, so every candidate would be dropped"),
 ])

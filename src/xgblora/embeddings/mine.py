@@ -29,6 +29,7 @@ from xgblora.data.tasks import Fields
 from xgblora.embeddings.encode import EncodeOptions, load_encoder
 from xgblora.embeddings.pooling import encode_texts
 from xgblora.errors import UserError
+from xgblora.models import pretrained
 
 log = logging.getLogger("xgblora")
 
@@ -155,6 +156,7 @@ def mine_file(opts: MineOptions) -> dict[str, Any]:
     """Mine negatives for every row of --input and write them to --output; returns what was done."""
     out = _check(opts)
     _check_window(opts)
+    pretrained.choose_device(opts.device)  # a device this machine lacks: said before the model loads
     rows = [Fields(row, where) for where, row in read_rows(opts.input_file, columns=parse_columns(opts.columns))]
     pairs = [(r.text("query"), r.text("positive")) for r in rows]
     extra = [Fields(row, where).text(opts.corpus_column) for where, row in read_rows(opts.corpus)] \
