@@ -316,3 +316,19 @@ def test_the_legitimate_neighbours_of_refused_options_are_taken(command, args):
     namespace = cli.build_parser().parse_args([command, *files, *args])
     spec = cli.COMMANDS[command]
     parsing.from_namespace(spec.options, namespace, spec.defaults, spec.reads)
+
+
+@pytest.mark.parametrize("name", ["grpo-cispo-cap-unset", "dpo-precompute-simpo", "boosters-and-their-length"])
+def test_options_at_odds_through_the_command_line_are_one_line_and_leave_nothing(tmp_path, monkeypatch, capsys, name):
+    from xgblora.models import pretrained
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the options were checked")
+    monkeypatch.setattr(pretrained, "load", refuse)
+    monkeypatch.chdir(tmp_path)
+    command, args, message = next(case[1:] for case in OPTION_CASES if case[0] == name)
+    files = ["--train_file", "rows.jsonl"] if command in ("grpo", "dpo") else []
+    assert cli.main([command, *files, *args, "--output_dir", "out"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and re.fullmatch(rf"xgblora {command}: error: {message}", lines[0]), lines
+    assert not list(tmp_path.iterdir())
