@@ -36,6 +36,20 @@ def test_bench_never_writes_over_a_file(tmp_path, capsys, taken):
     assert sorted(p.name for p in tmp_path.iterdir()) == [taken] and (tmp_path / taken).read_text() == "mine\n"
 
 
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--batch_size", "-1", "--batch_size must be positive, got -1"),
+    ("--batch_size", "0", "--batch_size must be positive, got 0"),
+    ("--repeats", "0", "--repeats must be positive, got 0"),
+    ("--warmup", "-1", "--warmup must be 0 or more, got -1"),
+    ("--embed_batches", "0", "--embed_batches must be positive, got 0"),
+])
+def test_bench_sizes_out_of_range_are_one_line_before_anything_runs(tmp_path, capsys, flag, value, message):
+    assert cli.main(["bench", "--quick", "--model_name", "tiny-opt", "--device", "cpu", flag, value,
+                     "--json", str(tmp_path / "bench.json")]) == 2
+    assert capsys.readouterr().err == f"xgblora bench: error: {message}\n"
+    assert not list(tmp_path.iterdir())
+
+
 def test_bench_quick_writes_every_key_and_prints_the_table(tmp_path, capsys):
     assert suites.main(_args(tmp_path, "--skip_hf")) == 0
     out = capsys.readouterr().out

@@ -49,6 +49,10 @@ def test_column_map(tmp_path):
     assert (ex.prompt, ex.chosen, ex.rejected) == ("q", " a", " b")
 
 
+USER, ANSWER, OTHER = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                       {"role": "assistant", "content": "go away"})
+
+
 @pytest.mark.parametrize(("row", "field", "what"), [
     ({"prompt": "q", "chosen": " a"}, "rejected", "missing"),
     ({"prompt": "q", "chosen": " a", "rejected": " a"}, "rejected", "same as chosen"),
@@ -57,6 +61,21 @@ def test_column_map(tmp_path):
                                                                                       "content": "x"}]},
      "prompt", "mixes formats"),
     ({"prompt": "q", "chosen": 3, "rejected": " b"}, "chosen", "expected a string"),
+    ({"prompt": " \n ", "chosen": " a", "rejected": " b"}, "prompt", "empty string: a pair needs a prompt"),
+    ({"prompt": [USER, {"role": "wizard", "content": "x"}], "chosen": [ANSWER], "rejected": [OTHER]}, "prompt[1].role",
+     "'wizard' is not a chat role; use one of system, user, assistant, tool"),
+    ({"prompt": [USER], "chosen": [{"role": "user", "content": "a"}], "rejected": [OTHER]}, "chosen[0].role",
+     "'user' in a completion: a completion is the assistant's reply, starting with an assistant turn"),
+    ({"prompt": [USER], "chosen": [ANSWER], "rejected": [OTHER, {"role": "system", "content": "b"}]},
+     "rejected[1].role", "'system' in a completion"),
+    ({"prompt": [USER], "chosen": [{"role": "tool", "content": "1"}, ANSWER], "rejected": [OTHER]}, "chosen[0].role",
+     "'tool' in a completion"),
+    ({"prompt": [USER, ANSWER], "chosen": [ANSWER], "rejected": [OTHER]}, "prompt",
+     "ends with an assistant turn: the completions are the assistant's reply to the prompt's last turn"),
+    ({"chosen": [USER, {"role": "user", "content": "and?"}], "rejected": [USER, OTHER]},
+     "chosen[1].role", "'user' in a completion"),  # implicit prompt: indices count from the row's first turn
+    ({"chosen": [USER, ANSWER, ANSWER], "rejected": [USER, ANSWER, OTHER]}, "chosen",
+     "and rejected begin with a prompt that ends with an assistant turn"),
 ])
 def test_bad_rows_name_file_row_and_field(tmp_path, row, field, what):
     path = write_rows(tmp_path / "p.jsonl", [{"prompt": "ok", "chosen": " x", "rejected": " y"}, row])
@@ -73,6 +92,15 @@ def test_bad_row_exits_2_before_the_model_loads(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and f'{path}:1: field "rejected"' in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_conversation_with_tool_results_in_its_completion_is_a_pair(tmp_path):
+    """An assistant reply that calls a tool: assistant, tool result, assistant; the prompt may end with a tool turn."""
+    tool = {"role": "tool", "content": "42"}
+    path = write_rows(tmp_path / "p.jsonl", [{"prompt": [USER], "chosen": [ANSWER, tool, ANSWER],
+                                              "rejected": [OTHER]},
+                                             {"prompt": [USER, ANSWER, tool], "chosen": [ANSWER], "rejected": [OTHER]}])
+    assert [len(ex.chosen) for ex in read_preferences(path)] == [3, 1]
 
 
 def test_tokens_as_trl_makes_them():

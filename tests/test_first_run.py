@@ -3,6 +3,7 @@ behind), and the defaults of the user's own data (every row, no dev split unless
 
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -83,6 +84,8 @@ CASES = {
                                        "--chat_template nope.jinja: cannot read"),
     "encode column missing": (["encode", "tiny-bert", "--input_file", "reviews.jsonl", "--output_file", "v.npy"],
                               r'field "text": missing; the row has: review, label \(--column NAME'),
+    "encode device unknown": (["encode", "tiny-bert", "--input_file", "reviews.jsonl", "--column", "review",
+                               "--output_file", "v.npy", "--device", "gpu"], r"--device 'gpu': choose cpu, cuda"),
     "encode output under a file": (["encode", "tiny-bert", "--input_file", "reviews.jsonl", "--column", "review",
                                     "--output_file", "blocker/v.npy"], "--output_file blocker: blocker is a file"),
 }
@@ -101,6 +104,35 @@ def test_bad_input_fails_fast_in_one_line_and_leaves_nothing(case, files, no_mod
     assert re.search(message, lines[0]), lines[0]
     assert sorted(p.name for p in files.rglob("*")) == before  # no output folder, file or round-0/ left
     assert time.perf_counter() - started < 30  # no hub retries
+
+
+@pytest.mark.parametrize(("source", "message"), [
+    ("import sys\nsys.exit(3)\n", r"importing {m} called sys\.exit\(3\); a module of functions must not exit "
+                                   r"while it is imported \(put a script's code under if __name__ == '__main__':\)"),
+    ("raise SystemExit\n", r"importing {m} called sys\.exit\(None\); .*"),
+    ("x = 1 / 0\n", r"importing {m} failed \(ZeroDivisionError: division by zero\)"),
+], ids=["sys.exit(3)", "bare SystemExit", "exception"])
+def test_a_reward_module_that_fails_while_imported_is_one_line_naming_it(source, message, files, no_model, capsys,
+                                                                          monkeypatch, request):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # no __pycache__ left beside it
+    module = "rewards_" + re.sub(r"\W", "_", request.node.callspec.id)  # imports are cached: a module per case
+    (files / f"{module}.py").write_text(source, encoding="utf-8")
+    before = sorted(p.name for p in files.rglob("*"))
+    assert cli.main(["grpo", "--train_file", "chat.jsonl", "--reward_funcs", f"{module}:score", "--output_dir",
+                     "run"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and re.fullmatch(rf"xgblora grpo: error: --reward_funcs {module}:score: "
+                                            + message.format(m=module), lines[0]), lines
+    assert sorted(p.name for p in files.rglob("*")) == before
+
+
+def test_a_user_function_that_exits_is_one_line_naming_it():
+    from xgblora import usercode
+
+    def leaves(*args, **kwargs):
+        raise SystemExit(4)
+    with pytest.raises(usercode.UserCodeError, match=r"^reward function my:f called sys\.exit\(4\)$"):
+        usercode.call("reward function my:f", leaves, completions=["a"])
 
 
 def test_verifier_module_imports_from_the_current_folder(tmp_path, monkeypatch):

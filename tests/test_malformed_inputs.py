@@ -86,6 +86,11 @@ CASES = [
     ("yaml-not-a-mapping", {"c.yaml": "- a\n- b\n"}, ["--config", "{d}/c.yaml"],
      r"{d}/c\.yaml: expected a mapping of option: value, got list"),
     ("yaml-syntax", {"c.yaml": "a: [1\n"}, ["--config", "{d}/c.yaml"], r"{d}/c\.yaml:2: not valid YAML \(.*\)"),
+    ("yaml-key-twice", {"c.yaml": "learning_rate: 1.0e-4\nnum_train: 4\nlearning-rate: 1.0e-3\nlearning_rate: 1.0e-2\n"},
+     ["--config", "{d}/c.yaml"],
+     r"{d}/c\.yaml:4: not valid YAML \(key 'learning_rate' is given twice, first on line 1; keep one\)"),
+    ("yaml-option-twice", {"c.yaml": "learning_rate: 1.0e-4\nlearning-rate: 1.0e-3\n"}, ["--config", "{d}/c.yaml"],
+     r"{d}/c\.yaml: keys 'learning_rate' and 'learning-rate' both set learning_rate; keep one"),
     ("yaml-missing", {}, ["--config", "{d}/none.yaml"], r"{d}/none\.yaml: cannot read config file \(FileNotFoundError.*\)"),
     # flags
     ("unknown-flag", {}, ["--learning_rte", "1e-5"],
@@ -113,6 +118,9 @@ CASES = [
     ("accumulation-with-mezo", {}, ["--trainer", "zo", "--gradient_accumulation_steps", "4"],
      r"--gradient_accumulation_steps does not apply to --trainer zo \(MeZO has no gradients to accumulate\); "
      r"raise --per_device_train_batch_size instead"),
+    ("unknown-device", {}, ["--device", "gpu"], r"--device 'gpu': choose cpu, cuda, cuda:N \(the N-th GPU\), mps or auto"),
+    ("negative-seed", {}, ["--seed", "-1"], r"--seed must be between 0 and 2\*\*32 - 1, got -1"),
+    ("seed-over-32-bits", {}, ["--seed", str(2**32)], r"--seed must be between 0 and 2\*\*32 - 1, got 4294967296"),
     ("negative-num-train", SST2, [*SST2_RUN, "--num_train", "-1"], r"--num_train must be 0 or more, got -1"),
     ("negative-num-eval", SST2, [*SST2_RUN, "--num_eval", "-5"], r"--num_eval must be 0 or more, got -5"),
     ("negative-train-set-seed", SST2, [*SST2_RUN, "--train_set_seed", "-1"],
@@ -187,3 +195,140 @@ def test_malformed_input_is_one_line_and_exit_code_2(tmp_path, monkeypatch, caps
     assert all(re.match(r"\d\d:\d\d:\d\d (INFO|WARNING) ", line) for line in logged), err  # no traceback
     assert not (tmp_path / "out").exists()  # a refused run leaves nothing behind (no bare config.yaml)
 
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ("mps", r"--device mps: no MPS device \(an Apple silicon GPU, with a torch built for it\) is available on this "
+            r"machine; use cpu"),
+    ("cuda", r"--device cuda: no CUDA device is available on this machine"),
+    ("cuda:1", r"--device cuda:1: no CUDA device is available on this machine"),
+])
+def test_a_device_the_machine_lacks_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys, device,
+                                                                        message):
+    import torch
+
+    from xgblora.models import pretrained
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the device was checked")
+    monkeypatch.setattr(pretrained, "load", refuse)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    folder = tmp_path / "in"
+    for name, content in SST2.items():
+        write(folder / name, content)
+    argv = ["train", *(a.replace("{d}", str(folder)) for a in SST2_RUN), "--device", device, "--output_dir",
+            str(tmp_path / "out")]
+    assert cli.main(argv) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert re.fullmatch(r"xgblora train: error: " + message, last), last
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_cuda_index_past_the_last_gpu_is_one_line(monkeypatch):
+    import torch
+
+    from xgblora.errors import UserError
+    from xgblora.models import pretrained
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(UserError, match=r"^--device cuda:2: this machine has 2 CUDA device\(s\), cuda:0 to cuda:1$"):
+        pretrained.choose_device("cuda:2")
+    assert pretrained.choose_device("cuda:1") == torch.device("cuda:1")
+
+
+# (name, the command, its arguments, the message): options that are out of range or contradict each other, refused
+# as the options are read (no file is opened, no model loads). grpo and dpo get a --train_file name to get that far.
+OPTION_CASES = [
+    ("grpo-negative-beta", "grpo", ["--beta", "-1"], r"--beta must be 0 \(no KL term\) or more, got -1\.0"),
+    ("grpo-epsilon-high-below-epsilon", "grpo", ["--epsilon_high", "0.1", "--epsilon", "0.2"],
+     r"--epsilon_high 0\.1 is below --epsilon 0\.2: the ratio is kept within \[1 - epsilon, 1 \+ epsilon_high\], "
+     r"and epsilon_high widens the upper side \(DAPO: 0\.28 with 0\.2\); pass at least --epsilon, or leave it unset "
+     r"\(= --epsilon\)"),
+    ("grpo-cispo-cap-below-1", "grpo", ["--loss_type", "cispo", "--epsilon_high", "0.1", "--epsilon", "0.2"],
+     r"--loss_type cispo caps each token's importance ratio at --epsilon_high: 0\.1 is below 1, the ratio of every "
+     r"token of the sampling policy, so it would clip them all; pass --epsilon_high 5 \(ScaleRL's epsilon_max, "
+     r"TRL's advice\)"),
+    ("grpo-cispo-cap-unset", "grpo", ["--loss_type", "cispo"],
+     r"--loss_type cispo caps each token's importance ratio at --epsilon_high \(unset, it is --epsilon\): 0\.2 is "
+     r"below 1, .*"),
+    ("dpo-negative-rpo-alpha", "dpo", ["--rpo_alpha", "-1"],
+     r"--rpo_alpha must be positive \(the weight of the chosen completions' NLL; leave it unset for none\), got -1\.0"),
+    ("dpo-negative-simpo-gamma", "dpo", ["--loss_type", "simpo", "--simpo_gamma", "-5"],
+     r"--simpo_gamma must be 0 or more \(SimPO's target margin by which the chosen reward beats the rejected one\), "
+     r"got -5\.0"),
+    ("dpo-loss-type-twice", "dpo", ["--loss_type", "sigmoid", "sigmoid"],
+     r"--loss_type sigmoid sigmoid: sigmoid is given twice; give each loss type once and weight it with --loss_weights"),
+    ("dpo-negative-loss-weight", "dpo", ["--loss_type", "sigmoid", "sft", "--loss_weights", "1", "-1"],
+     r"--loss_weights must be 0 or more, got 1\.0 -1\.0"),
+    ("dpo-prompt-longer-than-all", "dpo", ["--max_prompt_length", "500", "--max_length", "64"],
+     r"--max_prompt_length 500 leaves no room under --max_length 64 \(prompt and completion\): a prompt that long "
+     r"would keep no completion token and its pair would be dropped; pass a --max_prompt_length below --max_length"),
+    ("dpo-precompute-reference-free", "dpo", ["--reference_free", "--precompute_ref_log_probs"],
+     r"--precompute_ref_log_probs computes log-probabilities that nothing reads: --reference_free takes the "
+     r"reference's log-probabilities as 0; drop it"),
+    ("dpo-precompute-simpo", "dpo", ["--loss_type", "simpo", "--precompute_ref_log_probs"],
+     r"--precompute_ref_log_probs computes log-probabilities that nothing reads: --loss_type simpo reads no "
+     r"reference \(simpo, orpo, sft do not\); drop it"),
+    ("negative-lora-alpha", "train", ["--method", "lora", "--lora_alpha", "-8"], r"--lora_alpha must be positive, got -8\.0"),
+    ("empty-target-modules", "grpo", ["--lora_target_modules", ""],
+     r"--lora_target_modules '' names no module: give name suffixes \(q_proj,v_proj\), all-linear or a regex, or "
+     r"leave it unset for the default"),
+    ("boosters-and-their-length", "train", ["--method", "xgblora", "--xgblora_num_boosters", "5",
+                                            "--xgblora_steps_per_iteration", "3"],
+     r"--xgblora_num_boosters 5 and --xgblora_steps_per_iteration 3 both set how long a booster trains "
+     r"\(max_steps / boosters, or that many steps\); pass one of them"),
+    ("dpo-precompute-orpo-rpo", "dpo", ["--loss_type", "orpo", "--rpo_alpha", "1", "--precompute_ref_log_probs"],
+     r"--precompute_ref_log_probs computes log-probabilities that nothing reads: --loss_type orpo sft reads no "
+     r"reference \(simpo, orpo, sft do not\); drop it"),
+]
+
+
+@pytest.mark.parametrize(("command", "args", "message"), [case[1:] for case in OPTION_CASES],
+                         ids=[case[0] for case in OPTION_CASES])
+def test_options_out_of_range_or_at_odds_are_refused_as_they_are_read(command, args, message):
+    from xgblora import parsing
+    from xgblora.errors import UserError
+
+    files = ["--train_file", "rows.jsonl"] if command in ("grpo", "dpo") else []
+    namespace = cli.build_parser().parse_args([command, *files, *args])
+    spec = cli.COMMANDS[command]
+    with pytest.raises(UserError) as error:
+        parsing.from_namespace(spec.options, namespace, spec.defaults, spec.reads)
+    assert re.fullmatch(message, str(error.value)), str(error.value)
+
+
+@pytest.mark.parametrize(("command", "args"), [
+    ("grpo", ["--loss_type", "cispo", "--epsilon_high", "5"]),
+    ("grpo", ["--epsilon_high", "0.28"]),
+    ("grpo", ["--epsilon_high", "0.2", "--beta", "0.04"]),
+    ("dpo", ["--loss_type", "sigmoid", "sft", "--loss_weights", "1", "0"]),
+    ("dpo", ["--loss_type", "simpo", "--simpo_gamma", "0"]),
+    ("dpo", ["--max_prompt_length", "500", "--max_length", "1024"]),
+    ("dpo", ["--loss_type", "sigmoid", "simpo", "--precompute_ref_log_probs"]),
+    ("dpo", ["--rpo_alpha", "0.5", "--precompute_ref_log_probs"]),
+])
+def test_the_legitimate_neighbours_of_refused_options_are_taken(command, args):
+    from xgblora import parsing
+
+    files = ["--train_file", "rows.jsonl"] if command in ("grpo", "dpo") else []
+    namespace = cli.build_parser().parse_args([command, *files, *args])
+    spec = cli.COMMANDS[command]
+    parsing.from_namespace(spec.options, namespace, spec.defaults, spec.reads)
+
+
+@pytest.mark.parametrize("name", ["grpo-cispo-cap-unset", "dpo-precompute-simpo", "boosters-and-their-length"])
+def test_options_at_odds_through_the_command_line_are_one_line_and_leave_nothing(tmp_path, monkeypatch, capsys, name):
+    from xgblora.models import pretrained
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the options were checked")
+    monkeypatch.setattr(pretrained, "load", refuse)
+    monkeypatch.chdir(tmp_path)
+    command, args, message = next(case[1:] for case in OPTION_CASES if case[0] == name)
+    files = ["--train_file", "rows.jsonl"] if command in ("grpo", "dpo") else []
+    assert cli.main([command, *files, *args, "--output_dir", "out"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and re.fullmatch(rf"xgblora {command}: error: {message}", lines[0]), lines
+    assert not list(tmp_path.iterdir())

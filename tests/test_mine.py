@@ -160,3 +160,44 @@ def test_negative_columns_enter_the_loss_as_sentence_transformers_scores_them(tm
                                                   for ex in examples], 64), tokenizer.pad_token_id)
     with torch.no_grad():
         assert float(per_example_loss(model, without, Contrastive("mean", 0.05)).mean()) != pytest.approx(float(ours))
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--num_negatives", "1000"], "--num_negatives 1000: only 50 candidates remain after skipping the first "
+                                  "--range_min 0 of --range_max 50; lower --num_negatives or --range_min, or raise "
+                                  "--range_max"),
+    (["--relative_margin", "-1"], "--relative_margin must be 0 or more (how far below the positive a document must "
+                                  "score), got -1.0"),
+    (["--absolute_margin", "-0.1"], "--absolute_margin must be 0 or more (how far below the positive a document must "
+                                    "score), got -0.1"),
+    (["--absolute_margin", "5"], "--absolute_margin 5.0: cosine similarities lie in [-1, 1], so no document scores "
+                                 "more than 2 below the positive and every candidate would be dropped; pass 2 or less"),
+    (["--device", "gpu"], "--device 'gpu': choose cpu, cuda, cuda:N (the N-th GPU), mps or auto"),
+    (["--min_score", "0.9", "--max_score", "0.1"], "--min_score 0.9 is above --max_score 0.1: no score lies between "
+                                                   "them, so every candidate would be dropped"),
+])
+def test_a_window_that_leaves_no_candidate_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, flags,
+                                                                              message):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+    monkeypatch.setattr("xgblora.embeddings.mine.load_encoder", refuse)
+    pairs_file(tmp_path / "pairs.jsonl")
+    out = tmp_path / "mined.jsonl"
+    assert cli.main(["mine", "tiny-bert", "--input_file", str(tmp_path / "pairs.jsonl"), "--columns",
+                     "query=question,positive=passage", "--output_file", str(out), *flags]) == 2
+    assert capsys.readouterr().err == f"xgblora mine: error: {message}\n"
+    assert not out.exists()
+
+
+def test_a_corpus_smaller_than_num_negatives_is_a_warning_and_rows_get_what_there_is(tmp_path, capsys):
+    """As mine_hard_negatives: the rank window is checked, the corpus size only reported (before the model loads)."""
+    pairs_file(tmp_path / "pairs.jsonl")
+    out = tmp_path / "mined.jsonl"
+    assert cli.main(["mine", "tiny-bert", "--input_file", str(tmp_path / "pairs.jsonl"), "--columns",
+                     "query=question,positive=passage", "--output_file", str(out), "--num_negatives", "20",
+                     "--relative_margin", "0", "--max_score", "1", "--min_score", "-1"]) == 0
+    captured = capsys.readouterr()
+    assert "WARNING --num_negatives 20: the corpus holds 14 documents, so a query has at most 13 that are not its own " \
+           "positives; every row gets fewer (add documents with --corpus)" in captured.err
+    assert json.loads(captured.out)["rows_short_of_num_negatives"] == 14
+    assert max(len(json.loads(line).get("negatives", [])) for line in out.read_text().splitlines()) == 13

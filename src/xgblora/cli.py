@@ -282,19 +282,25 @@ def _add_mine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--columns", default=None, help="Your column names, as in train: query=question,positive=passage.")
     p.add_argument("--corpus", default=None, help="More documents to draw negatives from (a file or dataset id).")
     p.add_argument("--corpus_column", "--corpus-column", default="text", help="The --corpus field holding the text.")
-    p.add_argument("--num_negatives", "--num-negatives", type=int, default=1, help="Negatives per row (default 1).")
+    p.add_argument("--num_negatives", "--num-negatives", type=int, default=1,
+                   help="Negatives per row, at most --range_max - --range_min (default 1); a row gets fewer where "
+                        "the corpus or the filters leave fewer (the printed rows_short_of_num_negatives counts them).")
     p.add_argument("--range_min", "--range-min", type=int, default=0,
                    help="Skip this many of the most similar documents left after the margins and score bounds "
                         "(likely unlabelled positives), as mine_hard_negatives counts them.")
     p.add_argument("--range_max", "--range-max", type=int, default=50,
                    help="Draw negatives from the range_max most similar documents that are not a positive.")
     p.add_argument("--absolute_margin", "--absolute-margin", type=float, default=None,
-                   help="Drop documents scoring above the positive's cosine minus this.")
+                   help="Drop documents scoring above the positive's cosine minus this, 0 to 2 (cosines lie in "
+                        "[-1, 1]; 0: only documents above the positive).")
     p.add_argument("--relative_margin", "--relative-margin", type=float, default=0.05,
-                   help="Drop documents scoring above the positive's cosine minus |that cosine| x this "
-                        "(default 0.05).")
-    p.add_argument("--max_score", "--max-score", type=float, default=None, help="Drop documents scoring above this.")
-    p.add_argument("--min_score", "--min-score", type=float, default=None, help="Drop documents scoring below this.")
+                   help="Drop documents scoring above the positive's cosine minus |that cosine| x this, 0 or more "
+                        "(default 0.05; 0: only documents above the positive; 1: for a positive cosine, every "
+                        "document above 0).")
+    p.add_argument("--max_score", "--max-score", type=float, default=None,
+                   help="Drop documents whose cosine with the query is above this (at least --min_score).")
+    p.add_argument("--min_score", "--min-score", type=float, default=None,
+                   help="Drop documents whose cosine with the query is below this.")
     p.add_argument("--sampling", choices=("top", "random"), default="top",
                    help="top: the most similar documents left; random: a seeded draw of them.")
     p.add_argument("--seed", type=int, default=0)

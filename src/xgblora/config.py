@@ -38,6 +38,7 @@ from xgblora.options import (
     TaskOptions,
     ZOOptions,
     _opt,
+    check_device_name,
 )
 from xgblora.trackers import parse_report_to
 
@@ -116,7 +117,7 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         check_finite(self)
         check_choices(self)
         _check_positive(self, "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                        "lora_r", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
+                        "lora_r", "lora_alpha", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
                         "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
                         "zo_eps", "head_learning_rate", "head_probe_l2", "contrastive_temperature",
                         "grit_generative_batch_size", "zo_queries", "zo_svrg_period", "zo_svrg_anchor_batches")
@@ -126,8 +127,8 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         for flag in ("num_train", "num_dev", "num_eval"):
             if getattr(self, flag) is not None and getattr(self, flag) < 0:
                 raise UserError(f"--{flag} must be 0 or more, got {getattr(self, flag)}")
-        if not 0 <= self.train_set_seed < 2**32:
-            raise UserError(f"--train_set_seed must be between 0 and 2**32 - 1, got {self.train_set_seed}")
+        check_seeds(self, "seed", "train_set_seed")
+        check_device_name(self.device)
         if self.max_steps == 0 or self.max_steps < -1:
             raise UserError(f"--max_steps must be positive (or -1: train --num_train_epochs epochs), got {self.max_steps}")
         if self.max_steps == -1 and self.num_train_epochs <= 0:
@@ -139,6 +140,10 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         for name in ("lora_dropout", "adam_beta1", "adam_beta2", "xgblora_adaptive_ema", "warmup_ratio"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.lora_target_modules is not None and not self.lora_target_modules.strip(" ,"):
+            # an empty value would fall back to the default targets without a word
+            raise UserError(f"--lora_target_modules {self.lora_target_modules!r} names no module: give name suffixes "
+                            f"(q_proj,v_proj), all-linear or a regex, or leave it unset for the default")
         parse_report_to(self.report_to)
 
     def _check_combinations(self) -> None:
@@ -155,6 +160,10 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
                             "raise --per_device_train_batch_size instead")
         if self.xgblora_norm_penalty is not None and self.xgblora_norm_penalty < 0:
             raise UserError(f"--xgblora_norm_penalty must be 0 or more, got {self.xgblora_norm_penalty}")
+        if self.xgblora_num_boosters is not None and self.xgblora_steps_per_iteration is not None:
+            raise UserError(f"--xgblora_num_boosters {self.xgblora_num_boosters} and --xgblora_steps_per_iteration "
+                            f"{self.xgblora_steps_per_iteration} both set how long a booster trains (max_steps / "
+                            f"boosters, or that many steps); pass one of them")
         if self.xgblora_layers_per_booster is not None and self.xgblora_layers_per_booster < 1:
             raise UserError(f"--xgblora_layers_per_booster must be at least 1, got {self.xgblora_layers_per_booster}")
         if self.xgblora_init_batches < 1:
@@ -315,6 +324,10 @@ class CompareConfig(Config):
     methods: list[str] = _opt(["xgblora", "lora"], "Methods to compare: ft, lora, xgblora, optionally as method:trainer (e.g. lora:regular), the trainer also a ZO estimator (lora:fzoo, lora:svrg, lora:nspsa, lora:mezo).")
     overwrite: bool = _opt(False, "Redo runs that already finished.")
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_seeds(self, "seeds")
+
     @property
     def methods_used(self) -> set[str]:
         return {spec.partition(":")[0] for spec in self.methods}
@@ -342,6 +355,8 @@ class ChatConfig(SamplingOptions, ModelOptions):
         check_choices(self)
         check_sampling(self)
         _check_positive(self, "max_new_tokens", "max_length")
+        check_seeds(self, "seed")
+        check_device_name(self.device)
 
 
 @dataclass(frozen=True)
@@ -414,10 +429,10 @@ class GRPOConfig(Config, SamplingOptions):
     multi_objective_aggregation: str = _opt("sum_then_normalize", "Several reward functions: sum the weighted rewards, then form advantages (sum_then_normalize), or normalise each in its group first (normalize_then_sum: GDPO).",
                                             ("sum_then_normalize", "normalize_then_sum"))
     answer_tolerance: float = _opt(1e-6, "Correctness rewards: numbers agree within this relative tolerance.")
-    beta: float = _opt(0.0, "KL coefficient to the reference policy, the model as it started (0, TRL's default: no reference pass).")
+    beta: float = _opt(0.0, "KL coefficient to the reference policy, the model as it started, 0 or more (0, TRL's default: no reference pass).")
     epsilon: float = _opt(0.2, "Clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high].")
-    epsilon_high: float | None = _opt(None, "Upper clipping epsilon (default: epsilon; DAPO uses 0.28).")
-    loss_type: str = _opt("dapo", "How token losses add up: grpo, bnpo, dr_grpo, dapo (TRL's: the mean over the generation batch's tokens) or cispo (MiniMax-M1; set --epsilon_high about 5).",
+    epsilon_high: float | None = _opt(None, "Upper clipping epsilon, at least --epsilon (default: epsilon; DAPO uses 0.28); under --loss_type cispo the cap of the ratio itself, at least 1 (ScaleRL's epsilon_max: 5).")
+    loss_type: str = _opt("dapo", "How token losses add up: grpo, bnpo, dr_grpo, dapo (TRL's: the mean over the generation batch's tokens) or cispo (MiniMax-M1; needs --epsilon_high, about 5).",
                           ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"))
     importance_sampling_level: str = _opt("token", "Importance ratios per token, or one per completion from its tokens' mean log-ratio (sequence: GSPO).",
                                           ("token", "sequence"))
@@ -460,11 +475,30 @@ class GRPOConfig(Config, SamplingOptions):
         if self.generation_batch() % self.num_return_sequences:
             raise UserError(f"the generation batch of {self.generation_batch()} completions must be a multiple of "
                             f"--num_generations {self.num_return_sequences}")
-        if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
-            raise UserError("--epsilon and --epsilon_high must be 0 or more")
+        self._check_clipping()
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise UserError(f"--reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} "
                             f"--reward_funcs")
+
+    def _check_clipping(self) -> None:
+        """The KL weight and the clipping epsilons. cispo's --epsilon_high caps the importance ratio itself (TRL's
+        epsilon_high there is ScaleRL's epsilon_max, its --epsilon unused); the other losses keep the ratio within
+        [1 - epsilon, 1 + epsilon_high]."""
+        if self.beta < 0:
+            raise UserError(f"--beta must be 0 (no KL term) or more, got {self.beta}")
+        if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
+            raise UserError("--epsilon and --epsilon_high must be 0 or more")
+        if self.loss_type == "cispo":
+            cap = self.epsilon if self.epsilon_high is None else self.epsilon_high
+            if cap < 1:  # TRL's default (epsilon_high = epsilon = 0.2) included: it only scales the gradient down
+                unset = " (unset, it is --epsilon)" if self.epsilon_high is None else ""
+                raise UserError(f"--loss_type cispo caps each token's importance ratio at --epsilon_high{unset}: "
+                                f"{cap} is below 1, the ratio of every token of the sampling policy, so it would clip "
+                                f"them all; pass --epsilon_high 5 (ScaleRL's epsilon_max, TRL's advice)")
+        elif self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise UserError(f"--epsilon_high {self.epsilon_high} is below --epsilon {self.epsilon}: the ratio is kept "
+                            f"within [1 - epsilon, 1 + epsilon_high], and epsilon_high widens the upper side (DAPO: "
+                            f"0.28 with 0.2); pass at least --epsilon, or leave it unset (= --epsilon)")
 
     def _check_reward_objective(self) -> None:
         """--zo_objective reward: every perturbed policy samples the step's prompts itself, so there is no sampled batch
@@ -498,6 +532,7 @@ class GRPOConfig(Config, SamplingOptions):
 
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "sft")
+DPO_POLICY_ONLY = ("simpo", "orpo", "sft")  # the loss types that read no reference
 
 
 @dataclass(frozen=True)
@@ -506,15 +541,15 @@ class DPOConfig(Config):
     training's, under TRL's DPOConfig names (CPOConfig's simpo_gamma). --train_file holds the pairs, --eval_file
     held-out ones (reward accuracy)."""
 
-    loss_type: list[str] = _opt(["sigmoid"], "Preference losses (TRL's): sigmoid (DPO), ipo, hinge, robust (with label_smoothing), simpo and orpo (no reference model), sft (the chosen completions' NLL); several add up with --loss_weights.")
+    loss_type: list[str] = _opt(["sigmoid"], "Preference losses (TRL's): sigmoid (DPO), ipo, hinge, robust (with label_smoothing), simpo and orpo (no reference model), sft (the chosen completions' NLL); several, each given once, add up with --loss_weights.")
     loss_weights: list[float] | None = _opt(None, "Weight of each --loss_type (default: 1 each).")
     beta: float = _opt(0.1, "Temperature of the implicit reward beta (IPO's tau; SimPO's and ORPO's beta).")
     label_smoothing: float = _opt(0.0, "Probability that a pair's preference is flipped (robust, simpo), in [0, 0.5).")
-    simpo_gamma: float = _opt(0.5, "SimPO's target reward margin gamma (TRL's CPOConfig).")
+    simpo_gamma: float = _opt(0.5, "SimPO's target reward margin gamma, 0 or more (TRL's CPOConfig).")
     reference_free: bool = _opt(False, "Take the reference's log-probabilities as 0 (no reference forward).")
-    rpo_alpha: float | None = _opt(None, "RPO: add the chosen completions' NLL with this weight (TRL's loss_type sft beside sigmoid).")
-    max_prompt_length: int | None = _opt(None, "Keep each prompt's last N tokens (before --max_length cuts prompt + completion at the end).")
-    precompute_ref_log_probs: bool = _opt(False, "Compute the reference's log-probabilities of every pair once before training (always so for XGBLoRA, full fine-tuning and a continued --adapter).")
+    rpo_alpha: float | None = _opt(None, "RPO: add the chosen completions' NLL with this positive weight (TRL's loss_type sft beside sigmoid).")
+    max_prompt_length: int | None = _opt(None, "Keep each prompt's last N tokens, N below --max_length (before --max_length cuts prompt + completion at the end).")
+    precompute_ref_log_probs: bool = _opt(False, "Compute the reference's log-probabilities of every pair once before training (always so for XGBLoRA, full fine-tuning and a continued --adapter); refused where the loss reads no reference (--reference_free, or only simpo, orpo and sft).")
     precompute_ref_batch_size: int | None = _opt(None, "Pairs per forward while precomputing (default: per_device_eval_batch_size).")
     verifier: str | None = _opt(None, "Also score one greedy completion of each --eval_file prompt against its row's reference field: gsm8k, math, answer_tags, regex:PATTERN or module:function; eval_pass@1.")
     max_new_tokens: int = _opt(256, "--verifier: most tokens per greedy completion.")
@@ -537,6 +572,42 @@ class DPOConfig(Config):
         if self.rpo_alpha is not None and "sft" in self.loss_type:
             raise UserError("--rpo_alpha adds the sft loss type; give it or --loss_type sft, not both")
         _check_positive(self, "max_prompt_length", "precompute_ref_batch_size", "max_new_tokens")
+        self._check_loss_terms()
+        self._check_lengths_and_reference()
+
+    def _check_loss_terms(self) -> None:
+        """The loss types and their weights: each type once, no negative weight or margin."""
+        twice = [t for t in dict.fromkeys(self.loss_type) if self.loss_type.count(t) > 1]
+        if twice:
+            raise UserError(f"--loss_type {' '.join(self.loss_type)}: {twice[0]} is given twice; give each loss type "
+                            f"once and weight it with --loss_weights")
+        if any(w < 0 for w in self.loss_weights or ()):
+            raise UserError(f"--loss_weights must be 0 or more, got {' '.join(map(str, self.loss_weights))}")
+        if self.rpo_alpha is not None and self.rpo_alpha <= 0:
+            raise UserError(f"--rpo_alpha must be positive (the weight of the chosen completions' NLL; leave it "
+                            f"unset for none), got {self.rpo_alpha}")
+        if self.simpo_gamma < 0:
+            raise UserError(f"--simpo_gamma must be 0 or more (SimPO's target margin by which the chosen reward "
+                            f"beats the rejected one), got {self.simpo_gamma}")
+
+    def _check_lengths_and_reference(self) -> None:
+        """A prompt cut that leaves room for the completion, and a precomputed reference that the loss reads."""
+        if self.max_prompt_length is not None and self.max_prompt_length >= self.max_length:
+            raise UserError(f"--max_prompt_length {self.max_prompt_length} leaves no room under --max_length "
+                            f"{self.max_length} (prompt and completion): a prompt that long would keep no "
+                            f"completion token and its pair would be dropped; pass a --max_prompt_length below "
+                            f"--max_length")
+        if self.precompute_ref_log_probs and not self.reads_reference:
+            why = ("--reference_free takes the reference's log-probabilities as 0" if self.reference_free else
+                   f"--loss_type {' '.join(self.loss_terms[0])} reads no reference ({', '.join(DPO_POLICY_ONLY)} "
+                   f"do not)")
+            raise UserError(f"--precompute_ref_log_probs computes log-probabilities that nothing reads: {why}; "
+                            f"drop it")
+
+    @property
+    def reads_reference(self) -> bool:
+        """Whether the loss reads the reference's log-probabilities."""
+        return not self.reference_free and any(t not in DPO_POLICY_ONLY for t in self.loss_terms[0])
 
     @property
     def loss_terms(self) -> tuple[tuple[str, ...], tuple[float, ...]]:
@@ -678,6 +749,15 @@ def check_sampling(cfg: SamplingOptions, samples: int = 1) -> None:
     if samples > 1 and cfg.temperature == 0:
         raise UserError(f"--num_return_sequences {samples} with --temperature 0 would return the same greedy "
                         f"completion {samples} times; set a temperature")
+
+
+def check_seeds(cfg: Any, *names: str) -> None:
+    """One-line errors for seeds outside what torch and numpy take, [0, 2**32 - 1] (a list: each of its values)."""
+    for name in names:
+        value = getattr(cfg, name)
+        for seed in value if isinstance(value, list) else [value]:
+            if not 0 <= seed < 2**32:
+                raise UserError(f"--{name} must be between 0 and 2**32 - 1, got {seed}")
 
 
 def _check_positive(cfg: Any, *names: str) -> None:

@@ -4,9 +4,12 @@ its parser shows those only; the rules that span groups live with the command cl
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from xgblora.errors import UserError
 
 # The paper's Eq. 7 adds lambda (|A|^2 + |B|^2) to each booster's loss; its value for our models is not in the text
 # we could read, so it is a small one that changes little (see README). The booster counts are ours too.
@@ -22,11 +25,20 @@ PRESET_BOOSTERS = {"paper": 5, "plain": 25}
 MIN_BOOSTER_STEPS = 50
 ZO_ESTIMATORS = ("mezo", "fzoo", "svrg", "nspsa", "es")
 GGUF_SUFFIX = ".gguf"
+# The devices --device names: torch's names of the CPU, a CUDA GPU and Apple's MPS, or auto. Checked by name here,
+# where torch is not imported yet; whether this machine has the device is checked where the model is placed.
+DEVICE_NAME = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
 def is_gguf(name_or_path: str) -> bool:
     """Whether a model name names a GGUF file (a local path, or owner/repo/FILE.gguf on the hub)."""
     return name_or_path.lower().endswith(GGUF_SUFFIX)
+
+
+def check_device_name(name: str) -> None:
+    """A one-line UserError for a --device value that names no device (torch's own error is a traceback)."""
+    if not DEVICE_NAME.fullmatch(name):
+        raise UserError(f"--device {name!r}: choose cpu, cuda, cuda:N (the N-th GPU), mps or auto")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -49,7 +61,7 @@ class ModelOptions:
     trust_remote_code: bool = _opt(False, "Allow a hub model to run its own code (off unless you pass it).")
     adapter: str | None = _opt(None, "A PEFT LoRA adapter folder or an xgblora run folder, applied on --model_name; train and rft continue training it (XGBLoRA merges it as booster 1).")
     load_in_4bit: bool = _opt(False, "QLoRA: the base model's linear layers in 4-bit NF4 (bitsandbytes); the adapters stay fp32. Training: --method lora or xgblora.")
-    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
+    device: str = _opt("auto", "cpu, cuda, cuda:N, mps (Apple silicon), or auto (cuda when available); a device this machine lacks is refused before the model loads.")
 
     def resolve_gguf_file(self) -> None:
         """Fold --gguf_file into --model_name, a local GGUF file or folder made absolute: the one name config.yaml
@@ -179,7 +191,7 @@ class AdapterOptions:
     lora: bool = _opt(False, "Same as --method lora (MeZO's flag).")
     xgblora: bool = _opt(False, "Same as --method xgblora (the XGBLoRA fork's flag).")
     lora_r: int | None = _opt(None, "Adapter rank (default 8 for LoRA, 1 for XGBLoRA).", aliases=("lora_rank",))
-    lora_alpha: float | None = _opt(None, "Adapter scaling numerator: delta = (alpha / r) B A. Default 2r, so alpha / r = 2 at every rank (MeZO's r=8, alpha=16); with --use_rslora 2 sqrt(8), the same scale as LoRA's at r=8.")
+    lora_alpha: float | None = _opt(None, "Adapter scaling numerator, positive: delta = (alpha / r) B A. Default 2r, so alpha / r = 2 at every rank (MeZO's r=8, alpha=16); with --use_rslora 2 sqrt(8), the same scale as LoRA's at r=8.")
     use_rslora: bool = _opt(False, "rsLoRA scaling: delta = (alpha / sqrt(r)) B A.")
     lora_dropout: float = _opt(0.0, "Dropout on the adapter branch's input.")
     lora_target_modules: str | None = _opt(None, "Modules to adapt, as PEFT's target_modules: name suffixes (q_proj,v_proj), all-linear, or a regex over the full name. Default: attention query and value (grpo: every linear layer, unless continuing an --adapter).")
@@ -191,8 +203,8 @@ class BoostingOptions:
 
     xgblora_preset: str = _opt("plain", "XGBLoRA defaults: plain (25 boosters of at least 50 steps, fewer in a shorter run, on every layer, no penalty) or paper (5 boosters on a random third of the layers, a norm penalty); explicit flags win.",
                                ("paper", "plain"))
-    xgblora_num_boosters: int | None = _opt(None, "Boosters T in a run: each trains max_steps / T steps (default 25 under the plain preset, fewer where that would leave a booster under 50 steps; 5 under paper; --xgblora_steps_per_iteration wins).")
-    xgblora_steps_per_iteration: int | None = _opt(None, "Steps per booster before it is merged and re-initialised (default max_steps / the number of boosters).")
+    xgblora_num_boosters: int | None = _opt(None, "Boosters T in a run: each trains max_steps / T steps (default 25 under the plain preset, fewer where that would leave a booster under 50 steps; 5 under paper; not with --xgblora_steps_per_iteration).")
+    xgblora_steps_per_iteration: int | None = _opt(None, "Steps per booster before it is merged and re-initialised (default max_steps / the number of boosters; not with --xgblora_num_boosters).")
     xgblora_layers_per_booster: int | None = _opt(None, "Random subset of layers that carries the booster each iteration (default: a third of them, at least 1, under the paper preset; all under plain).")
     xgblora_shrinkage: float = _opt(1.0, "Merge step size alpha_t: W += alpha_t * delta (the paper's 1).")
     xgblora_norm_penalty: float | None = _opt(None, "lambda in lambda * (|A|^2 + |B|^2) added to the loss (default 1e-3 under the paper preset, 0 under plain).")

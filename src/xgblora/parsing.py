@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,23 @@ def _check_yaml_value(cls: type, f: dataclasses.Field, value: Any, path: str) ->
     return out if is_list else out[0]
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: YAML does not allow it, and PyYAML would
+    keep the last value without a word (a config that sets learning_rate twice runs with the second)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # the base class reports it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice, first on line {seen[key]}; keep one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(cls: type, path: str) -> dict[str, Any]:
     """Read a YAML config into validated field values; unknown keys get the closest valid key suggested."""
     try:
@@ -129,7 +147,7 @@ def read_yaml(cls: type, path: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot read config file ({exc.__class__.__name__}: {exc})") from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_UniqueKeys) or {}  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
@@ -139,12 +157,16 @@ def read_yaml(cls: type, path: str) -> dict[str, Any]:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     aliases = {a: f.name for f in fields.values() for a in _aliases(cls, f)}
     values: dict[str, Any] = {}
+    keys: dict[str, Any] = {}
     for key, value in data.items():
         name = aliases.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
         if name not in fields:
             close = difflib.get_close_matches(name, list(fields), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise UserError(f"{path}: unknown key {key!r}{hint}")
+        if name in keys:  # two spellings of one option (hyphen, alias): the last would win as a repeated key does
+            raise UserError(f"{path}: keys {keys[name]!r} and {key!r} both set {name}; keep one")
+        keys[name] = key
         values[name] = _check_yaml_value(cls, fields[name], value, path)
     return {k: _beside(Path(path).parent, v) if k in INPUT_PATHS and isinstance(v, str) else v
             for k, v in values.items()}

@@ -41,6 +41,10 @@ def import_function(option: str, spec: str) -> Callable[..., Any]:
     except (ImportError, AttributeError) as exc:
         raise UserError(f"{option} {spec}: cannot import it from {cwd} or the installed packages "
                         f"({type(exc).__name__}: {exc})") from None
+    except SystemExit as exc:  # a script's sys.exit() at module level: no message of its own, and exit would pass
+        raise UserError(f"{option} {spec}: importing {module_name} called sys.exit({exc.code!r}); a module of "
+                        f"functions must not exit while it is imported (put a script's code under "
+                        f"if __name__ == '__main__':)") from None
     except Exception as exc:  # noqa: BLE001 -- the user's module failed while importing: name it, one line
         raise UserError(f"{option} {spec}: importing {module_name} failed ({type(exc).__name__}: {exc})") from None
     finally:
@@ -58,6 +62,8 @@ def call(name: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> 
         return function(*args, **kwargs)
     except UserError:
         raise
+    except SystemExit as exc:  # it would end the run with the function's exit code and no word of why
+        raise UserCodeError(f"{name} called sys.exit({exc.code!r})") from None
     except Exception as exc:  # noqa: BLE001 -- the user's code: any failure is reported, one line
         message = " ".join(str(exc).split()) or "(no message)"
         raise UserCodeError(f"{name} raised {type(exc).__name__}: {message}") from None

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from xgblora.errors import UserError
+
 SUITES = ("train", "sft", "icl", "compile", "grpo", "embed", "gpu", "dpo")
 GPU_PARTS = ("cuda_tests", "bench", "sft", "sft_shapes", "grpo", "embed", "icl", "compile")
+# Sizes and counts that must be at least 1 (a batch of no rows, or no timed repetition, has no figure to report), and
+# those where 0 has a meaning (the help says which).
+POSITIVE = ("batch_size", "seq_len", "repeats", "eval_examples", "max_length", "icl_demos", "grpo_prompts",
+            "num_generations", "max_completion_length", "embed_batches", "mini_batch_size", "embed_max_length",
+            "dpo_prompt_len", "dpo_completion_len", "gpu_budget_s")
+NON_NEGATIVE = ("target_len", "warmup", "icl_context")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,6 +134,15 @@ def _dpo(parser: argparse.ArgumentParser) -> None:
                         help="--suite dpo: tokens per prompt.")
     group.add_argument("--dpo_completion_len", "--dpo-completion-len", type=int, default=64,
                         help="--suite dpo: tokens per completion (chosen and rejected alike).")
+
+
+def check_sizes(args: argparse.Namespace) -> None:
+    """One-line errors for sizes and counts out of range, before anything is measured."""
+    for name in (*POSITIVE, *NON_NEGATIVE):
+        value = getattr(args, name, None)
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None and (item < 0 or (item == 0 and name in POSITIVE)):
+                raise UserError(f"--{name} must be {'positive' if name in POSITIVE else '0 or more'}, got {item}")
 
 
 def apply_quick(args: argparse.Namespace) -> argparse.Namespace:

@@ -15,7 +15,7 @@ from typing import Any
 
 from xgblora.bench import compile as compile_suite
 from xgblora.bench import dpo, embed, gpu, grpo, icl, sft, train_suite
-from xgblora.bench.flags import apply_quick
+from xgblora.bench.flags import apply_quick, check_sizes
 from xgblora.bench.machine import machine_record
 from xgblora.bench.table import format_table
 from xgblora.errors import UserError
@@ -27,6 +27,7 @@ LISTED_SUITES = {"sft": (sft, "cases"), "icl": (icl, "tasks"), "compile": (compi
 
 def run_suite(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """The figures of the suite the flags name, and their printed table."""
+    check_sizes(args)
     if args.suite == "train":
         res = train_suite.run(args)
         return res, format_table(res)

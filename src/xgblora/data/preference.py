@@ -12,7 +12,7 @@ end (TRL's keep_start), and a pair whose prompt alone fills max_length is droppe
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,11 +21,13 @@ from transformers import PreTrainedTokenizerBase
 from xgblora.data import formats
 from xgblora.data.batches import PreferenceBatch
 from xgblora.data.sources import Where, parse_columns, read_rows
+from xgblora.data.tasks import role_problem
 from xgblora.errors import UserError, located
 
 log = logging.getLogger("xgblora")
 
 Text = str | list[dict]  # a string (standard) or a list of messages (conversational)
+Bad = Callable[[str, str], UserError]  # the one-line error about a field of the row being read
 
 
 @dataclass(frozen=True)
@@ -86,20 +88,47 @@ def check_row(where: Where, row: dict) -> PreferenceExample:
                                                          "taken off"))
     if chosen == rejected:
         raise bad("rejected", "is the same as chosen: a preference pair needs two different completions")
+    _check_turns(prompt, chosen, rejected, "prompt" in fields, bad)
     reference = row.get("reference")
     if reference is not None and not isinstance(reference, str | int | float):
         raise bad("reference", f"expected the answer as a string or number, got {type(reference).__name__}")
     return PreferenceExample(prompt, chosen, rejected, where, None if reference is None else str(reference))
 
 
-def _text(value: object, bad, name: str) -> Text:
-    """A string, or a list of {"role", "content"} messages with string values."""
+def _text(value: object, bad: Bad, name: str) -> Text:
+    """A string, or a list of {"role", "content"} messages with string values and a chat role each."""
     if isinstance(value, str):
         return value
     if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                        and isinstance(m.get("content"), str) for m in value):
+        for i, m in enumerate(value):
+            if problem := role_problem(m["role"]):  # as SFT rows: a template renders an unknown role its own way
+                raise bad(f"{name}[{i}].role", problem)
         return [{"role": m["role"], "content": m["content"]} for m in value]
     raise bad(name, 'expected a string or a list of {"role": ..., "content": ...} messages')
+
+
+def _check_turns(prompt: Text, chosen: Text, rejected: Text, explicit: bool, bad: Bad) -> None:
+    """A prompt to condition on (not blank; a conversation ending with a turn the assistant answers), and completions
+    that are the assistant's reply: its turns, tool results between them. `explicit`: the row has a prompt field
+    (else the prompt is chosen and rejected's common beginning, and the indices of their turns count from it)."""
+    if explicit and isinstance(prompt, str) and not prompt.strip():
+        raise bad("prompt", "empty string: a pair needs a prompt to condition on (a row without a prompt field takes "
+                            "chosen and rejected's common beginning)")
+    if not isinstance(prompt, list):
+        return
+    if prompt and prompt[-1]["role"] == "assistant":
+        raise bad("prompt" if explicit else "chosen",
+                  ("ends" if explicit else "and rejected begin with a prompt that ends")
+                  + " with an assistant turn: the completions are the assistant's reply to the prompt's last turn, "
+                    "so it is the user's (or a tool's)")
+    offset = 0 if explicit else len(prompt)
+    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+        for i, m in enumerate(completion):
+            if m["role"] not in ("assistant", "tool") or (i == 0 and m["role"] != "assistant"):
+                raise bad(f"{name}[{offset + i}].role", f"{m['role']!r} in a completion: a completion is the "
+                          f"assistant's reply, starting with an assistant turn (tool results may come between its "
+                          f"turns); the other turns belong in the prompt")
 
 
 def extract_prompt(chosen: Text, rejected: Text) -> tuple[Text, Text, Text]:

@@ -407,13 +407,18 @@ def _detect_format(r: Fields) -> str:
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
+def role_problem(role: str) -> str | None:
+    """What is wrong with a chat turn's role (the error's text), or None for one of CHAT_ROLES."""
+    return None if role in CHAT_ROLES else f"{role!r} is not a chat role; use one of {', '.join(CHAT_ROLES)}"
+
+
 def _messages(r: Fields, key: str) -> list[tuple[str, str]]:
     turns = r.objs(key)
     if not turns:
         raise r.error(key, "empty list of messages")
     for turn in turns:
-        if turn.text("role") not in CHAT_ROLES:
-            raise turn.error("role", f"{turn.text('role')!r} is not a chat role; use one of {', '.join(CHAT_ROLES)}")
+        if problem := role_problem(turn.text("role")):
+            raise turn.error("role", problem)
     return [(turn.text("role"), turn.text("content", allow_empty=True)) for turn in turns]
 
 

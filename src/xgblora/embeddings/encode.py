@@ -86,6 +86,7 @@ def encode_file(opts: EncodeOptions) -> dict[str, Any]:
         raise UserError(f"--output_file {out}: exists; choose a new file name (xgblora does not overwrite your files)")
     texts = [_text(row, where, opts.column) for where, row in read_rows(opts.input_file)]
     pretrained.check_name(opts.model)
+    pretrained.choose_device(opts.device)  # a device this machine lacks: said before the model loads
     with atomic.output_folder(out.parent, "--output_file"):
         return _encode(opts, texts, out)
 

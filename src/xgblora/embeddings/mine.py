@@ -13,6 +13,7 @@ random draw of them (`random`) are the row's negatives, most similar first. The 
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +29,9 @@ from xgblora.data.tasks import Fields
 from xgblora.embeddings.encode import EncodeOptions, load_encoder
 from xgblora.embeddings.pooling import encode_texts
 from xgblora.errors import UserError
+from xgblora.models import pretrained
 
+log = logging.getLogger("xgblora")
 
 @dataclass
 class MineOptions:
@@ -120,9 +123,40 @@ def _check(opts: MineOptions) -> Path:
     return out
 
 
+def _check_window(opts: MineOptions) -> None:
+    """The rank window, margins and score bounds: refused where they leave no candidate for any corpus (scores are
+    cosine similarities, in [-1, 1]); a window narrower than --num_negatives as mine_hard_negatives refuses it."""
+    if opts.num_negatives > opts.range_max - opts.range_min:
+        raise UserError(f"--num_negatives {opts.num_negatives}: only {opts.range_max - opts.range_min} candidates "
+                        f"remain after skipping the first --range_min {opts.range_min} of --range_max "
+                        f"{opts.range_max}; lower --num_negatives or --range_min, or raise --range_max")
+    for name in ("absolute_margin", "relative_margin"):
+        if (value := getattr(opts, name)) is not None and value < 0:
+            raise UserError(f"--{name} must be 0 or more (how far below the positive a document must score), got "
+                            f"{value}")
+    if opts.absolute_margin is not None and opts.absolute_margin > 2:
+        raise UserError(f"--absolute_margin {opts.absolute_margin}: cosine similarities lie in [-1, 1], so no document "
+                        f"scores more than 2 below the positive and every candidate would be dropped; pass 2 or less")
+    if opts.min_score is not None and opts.max_score is not None and opts.min_score > opts.max_score:
+        raise UserError(f"--min_score {opts.min_score} is above --max_score {opts.max_score}: no score lies between "
+                        f"them, so every candidate would be dropped")
+
+
+def _warn_small_corpus(num_negatives: int, corpus: Sequence[str], own: dict[str, list[int]]) -> None:
+    """Say, before the model loads, when no query can get --num_negatives negatives: rows get what there is, as
+    mine_hard_negatives gives them (it says afterwards how many fell short; results say it too)."""
+    most = len(corpus) - min((len(set(p)) for p in own.values()), default=0)
+    if num_negatives > most:
+        log.warning("--num_negatives %d: the corpus holds %d documents, so a query has at most %d that are not its "
+                    "own positives; every row gets fewer (add documents with --corpus)", num_negatives, len(corpus),
+                    most)
+
+
 def mine_file(opts: MineOptions) -> dict[str, Any]:
     """Mine negatives for every row of --input and write them to --output; returns what was done."""
     out = _check(opts)
+    _check_window(opts)
+    pretrained.choose_device(opts.device)  # a device this machine lacks: said before the model loads
     rows = [Fields(row, where) for where, row in read_rows(opts.input_file, columns=parse_columns(opts.columns))]
     pairs = [(r.text("query"), r.text("positive")) for r in rows]
     extra = [Fields(row, where).text(opts.corpus_column) for where, row in read_rows(opts.corpus)] \
@@ -133,6 +167,7 @@ def mine_file(opts: MineOptions) -> dict[str, Any]:
     own: dict[str, list[int]] = {q: [] for q in queries}
     for q, p in pairs:
         own[q].append(where[p])
+    _warn_small_corpus(opts.num_negatives, corpus, own)
     model, tokenizer, settings = load_encoder(EncodeOptions(model=opts.model, input_file=opts.input_file,
                                                             output_file=opts.output_file,
                                                             max_length=opts.max_length, device=opts.device,

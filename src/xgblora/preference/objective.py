@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-POLICY_ONLY = ("simpo", "orpo", "sft")  # the loss types that read no reference
+from xgblora.config import DPO_POLICY_ONLY as POLICY_ONLY  # the loss types that read no reference
 
 
 @dataclass(frozen=True)
