@@ -627,11 +627,14 @@ XGBLORA_OPTIONS = ("xgblora_preset", "xgblora_num_boosters", "xgblora_steps_per_
                    "xgblora_restart_schedule", "xgblora_init", "xgblora_init_batches", "xgblora_adaptive",
                    *XGBLORA_ADAPTIVE_OPTIONS)
 ZO_OPTIONS = ("zo_eps", "zo_dual", "zo_estimator", "zo_queries", "zo_optimizer", "zo_svrg_period",
-              "zo_svrg_anchor_batches", "zo_stochastic_rounding", "head_trainer", "head_learning_rate")
+              "zo_svrg_anchor_batches", "zo_svrg_anchor_learning_rate", "zo_stochastic_rounding", "head_trainer",
+              "head_learning_rate")
 GRIT_OPTIONS = ("grit_contrastive_weight", "grit_generative_weight", "grit_generative_batch_size")
 EMBEDDING_OPTIONS = ("query_instruction", "doc_instruction", "instruction_format", "include_prompt",
                      "contrastive_temperature", "contrastive_loss", "learnable_temperature", "bidirectional",
-                     *GRIT_OPTIONS)
+                     "embed_pieces", *GRIT_OPTIONS)
+# what only next-token training and its generations read: an embedding objective has neither
+GENERATION_TRAINING_OPTIONS = ("packing", "log_samples")
 CLASSIFICATION_OPTIONS = ("template", "label_words", "label_names", "sfc", "icl_sfc", "train_as_classification")
 TRAINING_OPTIONS = ("lora", "xgblora", "method", *ADAPTER_OPTIONS, *XGBLORA_OPTIONS, *ZO_OPTIONS, "learning_rate",
                     "lr_scheduler_type", "warmup_steps", "warmup_ratio", "max_steps", "num_train_epochs",
@@ -682,6 +685,8 @@ IGNORED = (
             "an embedding option, unused by --objective lm; pass --objective contrastive or grit"),
     Ignored(GRIT_OPTIONS, lambda c: _training(c) and c.objective == "contrastive",
             "a GRIT option, unused by --objective contrastive; pass --objective grit"),
+    Ignored(GENERATION_TRAINING_OPTIONS, lambda c: _training(c) and c.objective == "contrastive",
+            "a next-token training option, unused by --objective contrastive (pairs are embedded, not generated)"),
     Ignored(CLASSIFICATION_OPTIONS, lambda c: _training(c) and c.objective != "lm",
             "a MeZO-task/classification option; an embedding objective trains on pairs"),
 )
