@@ -313,6 +313,18 @@ def test_bad_options_are_one_line_errors(data, capsys, flags, message):
     assert code == 2 and len(err.splitlines()) == 1 and message in err
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "dr_grpo", "cispo", "grpo"])
+def test_sequence_level_ratios_warn_outside_gspos_loss(data, xgblora_log, loss_type):
+    """Sequence-level importance ratios with a loss that adds up token terms weigh each completion by its length:
+    not GSPO's objective (--loss_type grpo), said once when the run is set up, as TRL says it."""
+    grpo_loop.prepare(_cfg(data, "gspo", importance_sampling_level="sequence", loss_type=loss_type))
+    warned = [r.getMessage() for r in xgblora_log.records if r.name == "xgblora" and r.levelname == "WARNING"]
+    if loss_type == "grpo":
+        assert not any("--importance_sampling_level" in m for m in warned)
+    else:
+        assert len(warned) == 1 and f"--loss_type {loss_type}" in warned[0] and "--loss_type grpo" in warned[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2])
 def test_grpo_raises_the_verified_reward_after_a_short_sft(tmp_path, seed):

@@ -540,9 +540,19 @@ def run_grpo(cfg: GRPOConfig) -> dict[str, Any]:
     return results
 
 
+def warn_sequence_level(cfg: GRPOConfig) -> None:
+    """Warn, as TRL does, where sequence-level ratios meet a loss that adds up token terms: that is not GSPO's
+    objective, which averages each completion's terms (--loss_type grpo)."""
+    if cfg.importance_sampling_level == "sequence" and cfg.loss_type != "grpo":
+        log.warning("--importance_sampling_level sequence with --loss_type %s: this loss adds up per-token terms, so "
+                    "each completion weighs by its length rather than once; GSPO's objective is --loss_type grpo",
+                    cfg.loss_type)
+
+
 def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Generations]:
     """The run's Trainer, on GRPO's loss and its generation batches (the reward functions and the batch plan
     checked before the model loads)."""
+    warn_sequence_level(cfg)
     rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)
     plan = Plan.of(cfg, dist.world_size)
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
