@@ -219,10 +219,11 @@ class Generations:
     a generation batch from the policy, scores it, and serves it in optimizer batches; also the held-out evaluation
     (greedy pass@1). See the module docstring."""
 
-    dropout = False  # the old, new and perturbed log-probabilities come from one function
-
     def __init__(self, cfg: GRPOConfig, plan: Plan, model: torch.nn.Module, tokenizer: Any, method: Method,
                  rewards: Rewards, statistics: Any, dist: Distributed, reference: torch.nn.Module | None = None):
+        # the loss and the old and reference log-probabilities run in the mode this sets (TRL's disable_dropout,
+        # off by default as there); sampling always runs without dropout
+        self.dropout = not cfg.disable_dropout
         self.cfg, self.plan, self.model, self.tokenizer, self.method, self.rewards, self.dist = \
             cfg, plan, model, tokenizer, method, rewards, dist
         self.statistics = statistics  # the loss's clip ratios, KL and entropy, drained at each logging step
