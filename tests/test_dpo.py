@@ -45,6 +45,17 @@ def test_first_step_is_at_the_reference(tmp_path, pairs, flags):
     assert logged[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)
 
 
+@pytest.mark.parametrize("method", ["lora", "ft"])
+def test_dropout_is_off_in_training_forwards_by_default(tmp_path, pairs, method):
+    """tiny-opt has dropout 0.1: with it on, the policy's forward differs from the reference's at the reference
+    point. TRL's disable_dropout (on by default) takes it out, so the first loss is log 2; false keeps it."""
+    flags = ("--model_name", "tiny-opt", "--method", method, "--beta", "1", "--max_steps", "1")
+    _, logged = dpo(tmp_path / "off", pairs, *flags)
+    assert logged[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    _, logged = dpo(tmp_path / "on", pairs, *flags, "--disable_dropout", "false")
+    assert abs(logged[0]["loss"] - math.log(2)) > 1e-3
+
+
 def test_continued_adapter_is_its_own_reference(tmp_path, pairs):
     first, _ = dpo(tmp_path / "a", pairs, "--max_steps", "8", "--learning_rate", "1e-2")
     assert first["eval_rewards/margins"] > 0
@@ -111,7 +122,8 @@ def test_verifier_needs_a_reference_in_every_held_out_row(tmp_path, pairs, capsy
 @pytest.mark.parametrize(("flags", "message"), [
     (["--loss_type", "kto"], "--loss_type kto"), (["--loss_weights", "1", "2"], "--loss_weights"),
     (["--beta", "0"], "--beta"), (["--label_smoothing", "0.5"], "--label_smoothing"),
-    (["--loss_type", "sft", "--rpo_alpha", "1"], "--rpo_alpha"), (["--packing"], "--packing")])
+    (["--loss_type", "sft", "--rpo_alpha", "1"], "--rpo_alpha"), (["--packing"], "--packing"),
+    (["--trainer", "zo", "--disable_dropout", "false"], "--disable_dropout")])
 def test_bad_options(tmp_path, capsys, flags, message):
     code = cli.main(["dpo", "--train_file", "x.jsonl", "--output_dir", str(tmp_path / "out"), *flags])
     err = capsys.readouterr().err.strip().splitlines()

@@ -111,6 +111,30 @@ def test_simpo_equals_trl_cpo(beta, gamma, label_smoothing):
     assert torch.allclose(mine[0], chosen_rewards) and torch.allclose(mine[1], rejected_rewards)
 
 
+@pytest.mark.parametrize("alpha", [1.0, 0.3])
+def test_simpo_with_the_chosen_nll_is_trl_cpo_with_cpo_alpha(alpha):
+    """--loss_type simpo sft (or --rpo_alpha): CPO's simpo loss plus cpo_alpha times the chosen NLL, and CPO's logged
+    rewards, beta times the average log-probabilities (the NLL term does not change them)."""
+    beta, gamma = 2.0, 0.5
+    objective = Objective(("simpo", "sft"), (1.0, alpha), beta=beta, simpo_gamma=gamma)
+    got, grad, s = ours(objective, with_ref=False)
+    token_lp, mask, _ = fixed_inputs()
+    avg = (token_lp * mask[:, 1:]).sum(1) / mask.sum(1)
+    stub = _trl_stub(alpha=0.0, loss_type="simpo", simpo_gamma=gamma, beta=beta, label_smoothing=0.0)
+    losses, chosen_rewards, rejected_rewards = CPOTrainer.cpo_loss(stub, avg[:PAIRS], avg[PAIRS:])
+    nll, nll_grad, _ = trl_dpo(["sft"])
+    assert abs(float(got) - float(losses.mean() + alpha * nll)) < 1e-6
+    assert torch.allclose(grad, torch.autograd.grad(losses.mean(), token_lp)[0] + alpha * nll_grad, atol=1e-6)
+    stats = Statistics()
+    stats.add(objective, s, (torch.zeros(PAIRS), torch.zeros(PAIRS)))
+    logged = stats.drain()
+    want = {"rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).double().mean()}
+    for name, value in want.items():
+        assert abs(logged[name] - float(value)) < 1e-6, name
+
+
 @pytest.mark.parametrize("beta", [0.1, 1.0])
 def test_orpo_equals_trl_odds_ratio_plus_nll(beta):
     """ORPO: TRL's odds-ratio term on average log-probabilities, plus the chosen NLL (TRL's sft term of DPO)."""

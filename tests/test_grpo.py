@@ -19,6 +19,7 @@ from xgblora.config import Config, GRPOConfig
 from xgblora.errors import UserError
 from xgblora.export import export_run
 from xgblora.generation import grpo as grpo_loop
+from xgblora.generation import grpo_objective
 from xgblora.generation.grpo import run_grpo
 from xgblora.generation.grpo_objective import (
     GRPOLoss,
@@ -312,6 +313,37 @@ def test_bad_options_are_one_line_errors(data, capsys, flags, message):
                  "prompt=question,completion=answer", "--output_dir", str(data / "bad"), "--device", "cpu", *flags])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and message in err
+
+
+@pytest.mark.parametrize(("flags", "training"), [({}, True), ({"disable_dropout": True}, False)])
+def test_dropout_applies_in_the_loss_unless_disabled(data, monkeypatch, flags, training):
+    """As TRL's GRPO (disable_dropout false by default), the loss's forwards and the old and reference
+    log-probabilities run in train mode, with the model's dropout; --disable_dropout takes it out."""
+    seen = []
+    original = grpo_objective.completion_logprobs
+
+    def recording(model, *args, **kwargs):
+        seen.append(model.training)
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(grpo_objective, "completion_logprobs", recording)
+    monkeypatch.setattr(grpo_loop, "completion_logprobs", recording)
+    trainer, _ = grpo_loop.prepare(_cfg(data, "dropout", max_steps=2, num_iterations=2, beta=0.1, eval_file=None,
+                                        **flags))
+    trainer.fit()
+    assert len(seen) > 2 and set(seen) == {training}  # the loss's, the old and the reference passes
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "dr_grpo", "cispo", "grpo"])
+def test_sequence_level_ratios_warn_outside_gspos_loss(data, xgblora_log, loss_type):
+    """Sequence-level importance ratios with a loss that adds up token terms weigh each completion by its length:
+    not GSPO's objective (--loss_type grpo), said once when the run is set up, as TRL says it."""
+    grpo_loop.prepare(_cfg(data, "gspo", importance_sampling_level="sequence", loss_type=loss_type))
+    warned = [r.getMessage() for r in xgblora_log.records if r.name == "xgblora" and r.levelname == "WARNING"]
+    if loss_type == "grpo":
+        assert not any("--importance_sampling_level" in m for m in warned)
+    else:
+        assert len(warned) == 1 and f"--loss_type {loss_type}" in warned[0] and "--loss_type grpo" in warned[0]
 
 
 @pytest.mark.slow

@@ -444,6 +444,7 @@ class GRPOConfig(Config, SamplingOptions):
     generation_batch_size: int | None = _opt(None, "Completions sampled at a time, over all processes (a multiple of the optimizer batch, per_device_train_batch_size x gradient_accumulation_steps x processes, and of G; default: one optimizer batch).")
     steps_per_generation: int | None = _opt(None, "Micro-batches per process per generation batch (TRL's; the other way to set generation_batch_size).")
     log_completions: bool = _opt(False, "Log a few completions, with their rewards, to metrics.jsonl at every logging step.")
+    disable_dropout: bool = _opt(False, "The loss's forwards and the old and reference log-probabilities without the model's dropout; off by default, as TRL's GRPO (sampling and --trainer zo never apply dropout).")
     eval_on_start: bool = _opt(True, "Evaluate the held-out prompts (--eval_file) before the first step too: results.json's before_ figures.")
     raw_prompts: bool = _opt(True, "Send string prompts as they are, as TRL does (conversational rows always get the chat template); false renders each string as a user turn of the chat template.")
     zo_objective: str = _opt("loss", "--trainer zo: what a perturbation is scored by: GRPO's loss on the step's completions (loss), or the mean reward of the completions the perturbed policy samples itself (reward: evolution strategies, with --zo_estimator es; --temperature 0 --num_generations 1 scores greedy answers).",
@@ -551,6 +552,7 @@ class DPOConfig(Config):
     max_prompt_length: int | None = _opt(None, "Keep each prompt's last N tokens, N below --max_length (before --max_length cuts prompt + completion at the end).")
     precompute_ref_log_probs: bool = _opt(False, "Compute the reference's log-probabilities of every pair once before training (always so for XGBLoRA, full fine-tuning and a continued --adapter); refused where the loss reads no reference (--reference_free, or only simpo, orpo and sft).")
     precompute_ref_batch_size: int | None = _opt(None, "Pairs per forward while precomputing (default: per_device_eval_batch_size).")
+    disable_dropout: bool = _opt(True, "Training forwards without the model's dropout (TRL's default), so the policy scores a pair as the reference does and the first step's loss is log 2; false keeps the model's dropout (--trainer zo never applies it).")
     verifier: str | None = _opt(None, "Also score one greedy completion of each --eval_file prompt against its row's reference field: gsm8k, math, answer_tags, regex:PATTERN or module:function; eval_pass@1.")
     max_new_tokens: int = _opt(256, "--verifier: most tokens per greedy completion.")
 
@@ -670,6 +672,8 @@ IGNORED = (
     Ignored(("max_grad_norm", "fused_adamw", "gradient_checkpointing"),
             lambda c: _training(c) and c.trainers_used == {"zo"},
             "an AdamW/back-propagation option; --trainer zo runs forward passes only"),
+    Ignored(("disable_dropout",), lambda c: hasattr(c, "disable_dropout") and c.trainers_used == {"zo"},
+            "--trainer zo's forwards never apply the model's dropout"),
     Ignored(("adam_beta1",), lambda c: _training(c) and c.trainers_used == {"zo"} and c.zo_optimizer == "sgd",
             "--trainer zo with --zo_optimizer sgd keeps no momentum; pass --zo_optimizer momentum or adam"),
     Ignored(("adam_beta2", "adam_epsilon"),

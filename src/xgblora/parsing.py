@@ -1,6 +1,6 @@
 """A command's options class to command-line flags and back: argparse flags with MeZO's and HF's names (underscore
 and hyphen spellings, aliases, help in one section per option group), YAML config files (checked key by key, paths
-relative to the file), and the run's config.yaml."""
+relative to the file; TRL's config names too, trl_names.py), and the run's config.yaml."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from xgblora import trl_names
 from xgblora.config import Config, check_ignored, field_default, own_options
 from xgblora.errors import UserError
 
@@ -156,20 +157,42 @@ def read_yaml(cls: type, path: str) -> dict[str, Any]:
         raise UserError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     aliases = {a: f.name for f in fields.values() for a in _aliases(cls, f)}
+    trl = trl_names.table_for(cls)
     values: dict[str, Any] = {}
     keys: dict[str, Any] = {}
+    from_trl: dict[str, tuple[str, Any]] = {}  # option -> (the TRL key that set it, its value)
     for key, value in data.items():
-        name = aliases.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
-        if name not in fields:
+        raw = str(key).replace("-", "_")
+        name = aliases.get(raw, raw)
+        entry = trl.get(raw)
+        if entry is not None and (name not in fields or isinstance(entry, trl_names.Mapped)):
+            for option, converted in trl_names.resolve(entry, str(key), value, path).items():
+                _set_once(from_trl, option, (str(key), converted), path)
+        elif name not in fields:
             close = difflib.get_close_matches(name, list(fields), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise UserError(f"{path}: unknown key {key!r}{hint}")
-        if name in keys:  # two spellings of one option (hyphen, alias): the last would win as a repeated key does
-            raise UserError(f"{path}: keys {keys[name]!r} and {key!r} both set {name}; keep one")
-        keys[name] = key
-        values[name] = _check_yaml_value(cls, fields[name], value, path)
+        else:
+            if name in keys:  # two spellings of one option (hyphen, alias): the last would win as a repeated key does
+                raise UserError(f"{path}: keys {keys[name]!r} and {key!r} both set {name}; keep one")
+            keys[name] = key
+            values[name] = _check_yaml_value(cls, fields[name], value, path)
+    for option, (key, value) in from_trl.items():
+        value = _check_yaml_value(cls, fields[option], value, path)
+        if option in values and values[option] != value:
+            raise UserError(f"{path}: key {key!r} (TRL's) sets {option} to {value!r}, key {option!r} to "
+                            f"{values[option]!r}; keep one of them")
+        values[option] = value
     return {k: _beside(Path(path).parent, v) if k in INPUT_PATHS and isinstance(v, str) else v
             for k, v in values.items()}
+
+
+def _set_once(chosen: dict[str, tuple[str, Any]], option: str, setting: tuple[str, Any], path: str) -> None:
+    """Record a TRL key's value of an xgblora option; two TRL keys that set it differently are an error."""
+    if option in chosen and chosen[option][1] != setting[1]:
+        raise UserError(f"{path}: keys {chosen[option][0]!r} and {setting[0]!r} (TRL's) set {option} to "
+                        f"{chosen[option][1]!r} and {setting[1]!r}; keep one of them")
+    chosen[option] = setting
 
 
 # Options naming files or folders a run reads: in a YAML config they are relative to the config's own folder

@@ -221,10 +221,11 @@ class Generations:
     a generation batch from the policy, scores it, and serves it in optimizer batches; also the held-out evaluation
     (greedy pass@1). See the module docstring."""
 
-    dropout = False  # the old, new and perturbed log-probabilities come from one function
-
     def __init__(self, cfg: GRPOConfig, plan: Plan, model: torch.nn.Module, tokenizer: Any, method: Method,
                  rewards: Rewards, statistics: Any, dist: Distributed, reference: torch.nn.Module | None = None):
+        # the loss and the old and reference log-probabilities run in the mode this sets (TRL's disable_dropout,
+        # off by default as there); sampling always runs without dropout
+        self.dropout = not cfg.disable_dropout
         self.cfg, self.plan, self.model, self.tokenizer, self.method, self.rewards, self.dist = \
             cfg, plan, model, tokenizer, method, rewards, dist
         self.statistics = statistics  # the loss's clip ratios, KL and entropy, drained at each logging step
@@ -542,9 +543,19 @@ def run_grpo(cfg: GRPOConfig) -> dict[str, Any]:
     return results
 
 
+def warn_sequence_level(cfg: GRPOConfig) -> None:
+    """Warn, as TRL does, where sequence-level ratios meet a loss that adds up token terms: that is not GSPO's
+    objective, which averages each completion's terms (--loss_type grpo)."""
+    if cfg.importance_sampling_level == "sequence" and cfg.loss_type != "grpo":
+        log.warning("--importance_sampling_level sequence with --loss_type %s: this loss adds up per-token terms, so "
+                    "each completion weighs by its length rather than once; GSPO's objective is --loss_type grpo",
+                    cfg.loss_type)
+
+
 def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Generations]:
     """The run's Trainer, on GRPO's loss and its generation batches (the reward functions and the batch plan
     checked before the model loads)."""
+    warn_sequence_level(cfg)
     rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)
     plan = Plan.of(cfg, dist.world_size)
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None

@@ -15,7 +15,7 @@ ratios c = pi(chosen) - ref(chosen), r = pi(rejected) - ref(rejected), d = c - r
 
 Several loss types add up with their loss_weights (TRL's list form). The rewards TRL logs are beta times the log
 ratios (reference_free: the reference's log-probabilities are 0), or beta times the average log-probabilities
-for simpo and orpo, as CPO and ORPO log them.
+for simpo and orpo, alone or with sft (CPO's cpo_alpha), as CPO and ORPO log them.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ class Objective:
 
     @property
     def average_rewards(self) -> bool:
-        """Rewards from average log-probabilities (SimPO's and ORPO's), not from log ratios."""
-        return all(t in ("simpo", "orpo") for t in self.loss_type)
+        """Rewards from average log-probabilities (SimPO's and ORPO's), not from log ratios: also with the chosen NLL
+        beside them (sft, or rpo_alpha), which is CPO's cpo_alpha term and leaves CPO's logged rewards as they are."""
+        return any(t in ("simpo", "orpo") for t in self.loss_type) and set(self.loss_type) <= {"simpo", "orpo", "sft"}
 
 
 @dataclass

@@ -147,7 +147,9 @@ def prepare(cfg: DPOConfig, dist: distributed.Distributed, train: list[Preferenc
     splits = Splits(train=list(train_seqs), dev=[], eval=list(eval_seqs), eval_is_own=True)
     run = RunSetup(cfg, task=None, splits=splits, head="lm", model=model, tokenizer=tokenizer, scoring=None,
                    device=device, evaluate=evaluate)
-    source = ExampleBatches(training_set(train_seqs, pad, ref_train), cfg, dist)
+    # TRL's disable_dropout: the policy scores a pair as the reference (taken without dropout) does, so the first
+    # step's log ratios are 0 and the loss is log 2
+    source = ExampleBatches(training_set(train_seqs, pad, ref_train), cfg, dist, dropout=not cfg.disable_dropout)
     return DPORun(cfg, Trainer(run, method, source, dist), eval_seqs, evaluate)
 
 

@@ -74,7 +74,7 @@ class BatchSource(Protocol):
 
     stream: BatchStream
     max_steps: int
-    dropout: bool  # whether training forwards run in train mode (AdamW only: MeZO's forwards never do)
+    dropout: bool  # whether training forwards run in train mode, with the model's dropout (AdamW only: MeZO's never do)
     components: dict[str, Any]
 
     def batches(self, step: int) -> Callable[[], Batch]: ...
@@ -86,9 +86,8 @@ class ExampleBatches:
     """A training set's batches in BatchStream's order (seeded epochs, length-grouped where asked): this process's
     share of each global batch; --max_steps, else --num_train_epochs over the set."""
 
-    dropout = True
-
-    def __init__(self, train_set: TrainingSet, cfg: Config, dist: Distributed):
+    def __init__(self, train_set: TrainingSet, cfg: Config, dist: Distributed, dropout: bool = True):
+        self.dropout = dropout
         self.train_set = dist.shard(train_set)  # batch(global batch) collates this rank's shard of it
         global_batch = cfg.per_device_train_batch_size * dist.world_size
         self.stream = BatchStream(self.train_set.lengths, global_batch, cfg.seed, cfg.groups_by_length)
