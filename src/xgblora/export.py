@@ -4,9 +4,11 @@ GGUF file for llama.cpp and Ollama (the merged model converted by models/gguf_ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,24 +77,27 @@ def export_run(run_dir: Path, fmt: str, out: Path, rank: int | None = None, trus
     final = _source_folder(run_dir, checkpoint)
     _check_out(out, run_dir)
     atomic.check_writable(out, "--output_dir")  # before the model loads: the export is written beside `out`
-    try:
-        with atomic.replaced_folder(out) as folder:  # a folder at `out` is a whole export; a kill leaves .out.tmp
-            result = {"format": fmt, "out": str(out), "base_model": cfg["model_name"], "source": str(final),
-                      **_export_into(folder, cfg, final, run_dir, fmt, rank, trust_remote_code, out)}
-            (folder / EXPORT_RECORD).write_text(json.dumps({**result, "run_dir": str(run_dir)}, indent=2) + "\n",
-                                                encoding="utf-8")
-    except (OSError, SafetensorError) as exc:
-        raise _failed(out, exc) from None
+    # a folder at `out` is a whole export; a kill leaves .out.tmp
+    with _refused_writes(out), atomic.replaced_folder(out) as folder:
+        result = {"format": fmt, "out": str(out), "base_model": cfg["model_name"], "source": str(final),
+                  **_export_into(folder, cfg, final, run_dir, fmt, rank, trust_remote_code, out)}
+        (folder / EXPORT_RECORD).write_text(json.dumps({**result, "run_dir": str(run_dir)}, indent=2) + "\n",
+                                            encoding="utf-8")
     return result
 
 
-def _failed(target: Path, exc: BaseException, needed: int | None = None) -> BaseException:
-    """A write the disk refused (full, over quota, an I/O error) as the one line that names the export; any other
-    error as it was. The export's temporary files are gone by then: nothing is left under the export's name."""
-    if not atomic.disk_refused(exc):
-        return exc
-    return atomic.failed_write(target, exc, needed, "Nothing was written under that name: free some space and "
-                               "export again", what="export")
+@contextlib.contextmanager
+def _refused_writes(target: Path, needed: Callable[[], int] | None = None) -> Iterator[None]:
+    """A write the disk refuses in the block (full, over quota, an I/O error) ends in the one line that names the
+    export and, where `needed` tells, the space it needs; any other error goes on as it was. The export's
+    temporary files are removed as the error leaves their block: nothing is left under the export's name."""
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        if not atomic.disk_refused(exc):
+            raise
+        raise atomic.failed_write(target, exc, needed() if needed else None, "Nothing was written under that "
+                                  "name: free some space and export again", what="export") from None
 
 
 def _export_into(out: Path, cfg: dict[str, Any], final: Path, run_dir: Path, fmt: str, rank: int | None,
@@ -152,15 +157,13 @@ def _merge_into_base(cfg: dict[str, Any], adapter: Path, out: Path, trust_remote
                                           trust_remote_code=trust_remote_code, head=head)
     model.config.use_cache = True  # pretrained.load turns it off for training; a merged export is for inference
     embedding = cfg.get("objective", "lm") != "lm"
-    try:
+    with _refused_writes(target, lambda: _nbytes(model)):  # here the model is known: the space the export needs
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out, safe_serialization=True)
         if embedding:  # embeddings read right-padded inputs (a causal LM's positions count from the left)
             tokenizer.padding_side = "right"
             embedding_export(out, cfg, model.config.hidden_size)
         tokenizer.save_pretrained(out)
-    except (OSError, SafetensorError) as exc:  # here the model's size is known: the space the export needs
-        raise _failed(target, exc, _nbytes(model)) from None
     return {"dtype": dtype, **({"sentence_transformers": True} if embedding else {})}
 
 
@@ -190,11 +193,9 @@ def export_gguf(run_dir: Path, out_file: Path, quantization: str | None = None, 
     atomic.check_writable(out_file, "--output_file")  # before the model loads
     if ollama_modelfile is not None:
         atomic.check_writable(ollama_modelfile, "--ollama_modelfile")
-    try:
+    with _refused_writes(out_file):
         result, text = _write_gguf(cfg, final, run_dir, out_file, quantization, origin, trust_remote_code,
                                    ollama_modelfile)
-    except (OSError, SafetensorError) as exc:
-        raise _failed(out_file, exc) from None
     if text is not None and not atomic.create_text(ollama_modelfile, text):
         raise UserError(f"--ollama_modelfile {ollama_modelfile}: another process wrote it meanwhile")
     return {"format": "gguf", "out": str(out_file), "base_model": cfg["model_name"], "source": str(final),
@@ -214,10 +215,8 @@ def _write_gguf(cfg: dict[str, Any], final: Path, run_dir: Path, out_file: Path,
         merged.mkdir()
         _export_into(merged, cfg, final, run_dir, "merged", None, trust_remote_code, out_file)
         tokenizer = AutoTokenizer.from_pretrained(merged)
-        try:
+        with _refused_writes(out_file, lambda: gguf_export.estimated_bytes(merged, quantization)):
             result = gguf_export.write(merged, written, quantization, origin)
-        except OSError as exc:  # the merged model is there: the GGUF file needs about as many weights again
-            raise _failed(out_file, exc, gguf_export.estimated_bytes(merged, quantization)) from None
         gguf_export.check(written, result, tokenizer.chat_template)
         text = modelfile.modelfile_text(out_file, ollama_modelfile, tokenizer) if ollama_modelfile else None
         if not atomic.publish_new(written, out_file):

@@ -88,8 +88,8 @@ class PartialOutput:
             try:
                 atomic.write_text(self.settings_file, text)
             except OSError as exc:
-                raise atomic.failed_write(self.settings_file, exc, len(text.encode("utf-8")), "Free some space and run the command "
-                                          "again") from None
+                raise atomic.failed_write(self.settings_file, exc, len(text.encode("utf-8")),
+                                          "Free some space and run the command again") from None
         self.lines = self._complete_lines()
 
     def _check_settings(self, settings: dict[str, Any]) -> None:
