@@ -1,9 +1,14 @@
 """Fault injection for tests: run the `xgblora` command in a child process that SIGKILLs itself the moment it opens
-a file for writing whose name matches a pattern (the file is created, nothing is written: a write cut short); and
-a fork server that launches many runs quickly, for a test to kill at random moments."""
+a file for writing whose name matches a pattern (the file is created, nothing is written: a write cut short); a
+fork server that launches many runs quickly, for a test to kill at random moments; a folder made read-only, and a
+disk that fills up, for this process."""
 
 from __future__ import annotations
 
+import builtins
+import contextlib
+import errno
+import io
 import json
 import os
 import queue
@@ -11,7 +16,10 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 # `python -c DIE_ON_WRITE PATTERN ARGS...`: the xgblora command, except that Python's open() (builtins.open and
 # io.open, which pathlib uses) kills the process on opening for writing a file whose name matches PATTERN
@@ -96,3 +104,59 @@ class ForkServer:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
+
+
+def _inside(path: object, folder: str) -> bool:
+    where = os.path.realpath(os.path.dirname(os.path.abspath(os.fsdecode(path))))
+    return where == folder or where.startswith(folder + os.sep)
+
+
+@contextlib.contextmanager
+def read_only(folder: Path) -> Iterator[None]:
+    """Make `folder` read-only for this process as a read-only mount is: chmod 555, and (since root writes through
+    a chmod) creating, opening for writing or making a folder in it fails with EROFS."""
+    root = os.path.realpath(folder)
+    real_os_open, real_io_open, real_mkdir = os.open, io.open, os.mkdir
+
+    def refuse(path: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", os.fsdecode(path))
+
+    def os_open(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and _inside(path, root):
+            refuse(path)
+        return real_os_open(path, flags, mode, dir_fd=dir_fd)
+
+    def io_open(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, bytes, os.PathLike)) and set(mode) & set("wax+") and _inside(file, root):
+            refuse(file)
+        return real_io_open(file, mode, *args, **kwargs)
+
+    def mkdir(path, mode=0o777, *, dir_fd=None):
+        if _inside(path, root):
+            refuse(path)
+        return real_mkdir(path, mode, dir_fd=dir_fd)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "open", os_open)
+        patch.setattr(io, "open", io_open)
+        patch.setattr(builtins, "open", io_open)
+        patch.setattr(os, "mkdir", mkdir)
+        os.chmod(folder, 0o555)
+        try:
+            yield
+        finally:
+            os.chmod(folder, 0o755)
+
+
+def full_disk_at_fsync(monkeypatch: pytest.MonkeyPatch, fails: Callable[[str], bool]) -> None:
+    """A disk that fills up: os.fsync of a file whose path `fails` accepts raises ENOSPC, as a file system with
+    delayed allocation reports a full disk (the bytes written so far stay in the file)."""
+    real = os.fsync
+
+    def fsync(fd):
+        number = fd if isinstance(fd, int) else fd.fileno()
+        if fails(os.readlink(f"/proc/self/fd/{number}")):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)

@@ -64,3 +64,10 @@ def test_created_folder_appears_whole_keeps_the_first_writers_and_leaves_nothing
         (tmp / "part").write_text("x")
         raise RuntimeError("killed half-way")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temporary folder left either way
+
+
+def test_jsonl_rows_split_at_newlines_only_so_unicode_line_separators_stay_in_their_strings():
+    rows = [{"text": "a\u2028b\u0085c\u2029d"}, {"text": "second"}]
+    text = atomic.jsonl(rows)
+    assert len(text.splitlines()) > len(rows)  # what str.splitlines() would have parsed
+    assert atomic.jsonl_rows(text) == rows

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from faults import full_disk_at_fsync
 
 from xgblora.cli import main
 from xgblora.config import ChatConfig
@@ -38,7 +39,8 @@ def _generate(tmp_path, out_name="out.jsonl", *extra):
 
 
 def _lines(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """A JSONL file's rows: lines end at \\n only (str.splitlines() also splits at U+2028 in a completion)."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
 
 
 def _interrupt_at_third_prompt(monkeypatch):
@@ -78,6 +80,67 @@ def test_an_interrupted_generation_resumes_to_the_same_file_with_nothing_twice(t
     monkeypatch.setattr(generate, "completion_record", real)
     assert _generate(tmp_path) == 0
     assert (tmp_path / "out.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
+
+
+# str.splitlines() splits at each of these; JSON keeps them as they are inside a string (ensure_ascii=False)
+SEPARATORS = "\u0085 \u2028 \u2029"
+
+
+def _completions_with_separators(monkeypatch):
+    """Every completion ends in line separators other than \\n, as a model's text may hold them."""
+    real = generate.completion_record
+
+    def record(*args):
+        line = real(*args)
+        return {**line, "completions": [text + SEPARATORS for text in line["completions"]]}
+
+    monkeypatch.setattr(generate, "completion_record", record)
+
+
+def test_an_interrupted_generation_whose_completions_hold_unicode_line_separators_resumes(tmp_path, monkeypatch):
+    _write_prompts(tmp_path / "prompts.jsonl")
+    _completions_with_separators(monkeypatch)
+    assert _generate(tmp_path, "whole.jsonl") == 0
+    real = _interrupt_at_third_prompt(monkeypatch)
+    assert _generate(tmp_path) == 130
+    assert "\u2028" in (tmp_path / "out.jsonl.partial").read_text(encoding="utf-8")
+    monkeypatch.setattr(generate, "completion_record", real)
+    assert _generate(tmp_path) == 0
+    assert (tmp_path / "out.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
+    assert all(c.endswith(SEPARATORS) for row in _lines(tmp_path / "out.jsonl") for c in row["completions"])
+
+
+@pytest.mark.parametrize("at", ["partial", "output"])
+def test_a_full_disk_during_generate_is_one_line_and_the_same_command_then_finishes(tmp_path, monkeypatch, capsys,
+                                                                                  at):
+    """partial: the disk fills up at the second batch (the first stays written); output: when the whole file is
+    written at the end (nothing under its name, every completion still in the partial file)."""
+    _write_prompts(tmp_path / "prompts.jsonl")
+    _completions_with_separators(monkeypatch)
+    assert _generate(tmp_path, "whole.jsonl") == 0
+    real_fsync, seen = os.fsync, []
+
+    def second_batch_or_output(path: str) -> bool:
+        if at == "output":
+            return path.endswith(".out.jsonl.tmp")
+        seen.append(path.endswith("out.jsonl.partial"))
+        return path.endswith("out.jsonl.partial") and sum(seen) == 2
+
+    full_disk_at_fsync(monkeypatch, second_batch_or_output)
+    assert _generate(tmp_path) == 2
+    err = capsys.readouterr().err
+    [line] = [line for line in err.splitlines() if "error:" in line]
+    failed = tmp_path / ("out.jsonl.partial" if at == "partial" else "out.jsonl")
+    assert "Traceback" not in err and line.startswith(f"xgblora generate: error: could not write {failed} (OSError: "
+                                                      f"[Errno 28] No space left on device); ")
+    assert " are free on that disk. " in line and ("it needs about" in line) == (at == "output")
+    assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / ".out.jsonl.tmp").exists()
+    kept = len(_lines(tmp_path / "out.jsonl.partial"))
+    assert 0 < kept <= len(ROWS) if at == "partial" else kept == len(ROWS)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert _generate(tmp_path) == 0
+    assert (tmp_path / "out.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
+    assert not (tmp_path / "out.jsonl.partial").exists()
 
 
 def test_generate_refuses_to_overwrite_or_to_resume_with_other_settings(tmp_path, monkeypatch, capsys):

@@ -6,6 +6,7 @@ output (or none) and a hidden `.NAME.tmp`, which the next write of that output r
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -56,6 +57,12 @@ def write_text(path: Path, text: str) -> None:
 def jsonl(rows: Iterable[dict[str, Any]]) -> str:
     """Rows as JSON Lines text (UTF-8 kept as it is, one object per line)."""
     return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+def jsonl_rows(text: str) -> list[Any]:
+    """The rows of JSON Lines text that jsonl() wrote. Lines end at "\\n" only: str.splitlines() also splits at
+    U+0085, U+2028, U+2029 and other separators, which JSON keeps unescaped inside strings (a completion's text)."""
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
 def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
@@ -154,14 +161,71 @@ def replaced_folder(path: Path) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def output_folder(path: Path, flag: str) -> Iterator[Path]:
-    """Create an output folder (and its parents) for the block; a file in its way is a one-line UserError, and the
-    folders created here are removed again if the block fails while they are still empty."""
+def size(n: int) -> str:
+    """n bytes for a person: '512 bytes', '3.2 MiB', '1.5 GiB'."""
+    if n < 2**20:
+        return f"{n:,} bytes"
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def _nearest_existing(path: Path) -> Path:
+    """path, or the nearest of its parents that exists (where writing it would start)."""
+    return next((p for p in (path, *path.parents) if p.exists()), Path("."))
+
+
+# what a disk that refuses a write says: full, over quota, a file too large for it, an I/O error
+_REFUSED = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+
+
+def disk_refused(exc: BaseException) -> bool:
+    """Whether an error is a write the disk refused (by its errno), not a failure to read or load: safetensors
+    reports one without an errno, as "Error while serializing: I/O error: No space left on device"."""
+    if isinstance(exc, OSError):
+        return exc.errno in _REFUSED
+    return "while serializing" in str(exc)
+
+
+def failed_write(path: Path, exc: BaseException, needed: int | None, advice: str, what: str = "write") -> UserError:
+    """The one line a failed write (a full disk, a quota, an I/O error) ends in: the output, why, the space it
+    needs when known and the space free on that disk, then what to do."""
+    free = shutil.disk_usage(_nearest_existing(Path(path).parent)).free
+    need = f"it needs about {size(needed)} and " if needed else ""
+    return UserError(f"could not {what} {path} ({exc.__class__.__name__}: {exc}); {need}{size(free)} are free on "
+                     f"that disk. {advice}")
+
+
+def check_path(value: str | None, flag: str) -> None:
+    """Refuse an empty output path: Path("") is the working directory, which a command would then write into."""
+    if value is not None and not str(value).strip():
+        raise UserError(f"{flag} is empty; give the path to write to")
+
+
+def check_writable(path: Path, flag: str, folder: Path | None = None) -> None:
+    """Refuse in one line, before any model loads, an output the process cannot write: a file where a folder of
+    its path should be, or a folder it may not write in (a read-only mount, another user's folder). A probe file
+    is created and removed in `folder` (default: path's), or in the nearest parent of it that exists."""
     path = Path(path)
-    blocked = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    folder = Path(folder) if folder is not None else path.parent
+    blocked = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
     if blocked is not None:
         raise UserError(f"{flag} {path}: {blocked} is a file, not a folder; choose another path")
+    where = _nearest_existing(folder)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".xgblora-probe.", suffix=".tmp", dir=where)
+    except OSError as exc:  # EROFS, EACCES; ENOSPC when not even an empty file fits
+        raise UserError(f"{flag} {path}: cannot write in {where} ({exc.strerror or exc}); choose a folder you can "
+                        f"write to") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+@contextlib.contextmanager
+def output_folder(path: Path, flag: str) -> Iterator[Path]:
+    """Create an output folder (and its parents) for the block; a file in its way, or a folder this process may
+    not write in, is a one-line UserError, and the folders created here are removed again if the block fails
+    while they are still empty."""
+    path = Path(path)
+    check_writable(path, flag, folder=path)
     created = [p for p in (path, *path.parents) if not p.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)

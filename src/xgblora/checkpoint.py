@@ -102,18 +102,9 @@ def _nbytes(value: Any) -> int:
 
 
 def _save_failed(path: Path, exc: BaseException, needed: int) -> UserError:
-    free = shutil.disk_usage(path.parent).free
-    return UserError(f"could not save checkpoint {path} ({exc.__class__.__name__}: {exc}); it needs about "
-                     f"{_size(needed)} and {_size(free)} are free on that disk. The earlier checkpoints "
-                     f"are intact: free some space (or lower --save_total_limit), then resume with "
-                     f"--resume_from_checkpoint latest")
-
-
-def _size(n: int) -> str:
-    """n bytes for a person: '512 bytes', '3.2 MiB', '1.5 GiB'."""
-    if n < 2**20:
-        return f"{n:,} bytes"
-    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+    return atomic.failed_write(path, exc, needed, "The earlier checkpoints are intact: free some space (or lower "
+                               "--save_total_limit), then resume with --resume_from_checkpoint latest",
+                               what="save checkpoint")
 
 
 def _sha256(path: Path) -> str:

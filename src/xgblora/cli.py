@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xgblora import atomic, parsing
 from xgblora import config as config_mod
 from xgblora import options as opts
-from xgblora import parsing
 from xgblora.bench.flags import add_arguments as add_bench_arguments
 from xgblora.errors import RankLostError, UserError
 
@@ -131,6 +131,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    atomic.check_path(args.output_root, "--output_root")
     from xgblora.demo import run_demo
 
     done = run_demo(Path(args.output_root), steps=args.steps)
@@ -150,6 +151,9 @@ def _export(args: argparse.Namespace) -> int:
     if wrong or (args.output_file if gguf else args.output_dir) is None:
         raise UserError(f"xgblora export --format {args.format}: " + (f"{', '.join(wrong)} does not apply" if wrong else
                         f"give {'--output_file FILE.gguf' if gguf else '--output_dir DIR'}"))
+    for flag, value in (("--output_dir", args.output_dir), ("--output_file", args.output_file),
+                        ("--ollama_modelfile", args.ollama_modelfile)):
+        atomic.check_path(value, flag)
     if gguf:
         result = export_gguf(Path(args.run_dir), Path(args.output_file), args.quantization, args.checkpoint,
                              args.trust_remote_code, args.ollama_modelfile and Path(args.ollama_modelfile))

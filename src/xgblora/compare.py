@@ -8,7 +8,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from xgblora import checkpoint, report, train
+from xgblora import checkpoint, outputs, report, train
 from xgblora.config import CompareConfig, Config
 from xgblora.errors import UserError
 from xgblora.logs import setup_console_logging
@@ -49,6 +49,7 @@ def run_configs(cfg: CompareConfig) -> list[Config]:
 def compare(cfg: CompareConfig) -> dict[str, Any]:
     """Run every (method, seed) of cfg not yet finished, keep going past failures, and write the report."""
     setup_console_logging()  # before the first run's "running" line (each run sets it up again, harmlessly)
+    outputs.check_folder(Path(cfg.output_root), "--output_root", outputs.holds_runs, "runs of xgblora compare")
     figure = Path(cfg.loss_figure_path) if cfg.loss_figure_path else None
     return run_all(run_configs(cfg), Path(cfg.output_root), figure)
 

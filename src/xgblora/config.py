@@ -10,6 +10,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from xgblora import atomic
 from xgblora.errors import UserError
 from xgblora.options import (
     GROUPS,
@@ -77,6 +78,7 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
     fork. `eval` reads a part of them (cli.COMMANDS), the other commands derive from it."""
 
     def __post_init__(self) -> None:
+        check_output_paths(self)
         self._resolve_shortcuts()
         self._check_values()
         self._check_combinations()
@@ -373,6 +375,7 @@ class GenerateConfig(ChatConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_sampling(self, self.num_return_sequences)
+        check_output_paths(self)
         if not self.input_file:
             raise UserError("xgblora generate needs --input_file (a JSONL, CSV, parquet... file of prompts)")
 
@@ -725,6 +728,18 @@ def check_ignored(cfg: Any, defaults: dict[str, Any] | None = None, reads: froze
             value = getattr(cfg, name)
             if value != default_of[name]:
                 raise UserError(f"--{name} {value!r} does nothing here: {rule.reason}")
+
+
+# Options naming where a command writes: none may be empty (Path("") is the working directory, which the command would
+# then write into, over files of the same names)
+OUTPUT_PATHS = ("output_dir", "output_root", "output_file", "loss_figure_path", "result_file")
+
+
+def check_output_paths(cfg: Any) -> None:
+    """One-line errors for an empty output path, for any options dataclass."""
+    for name in OUTPUT_PATHS:
+        if hasattr(cfg, name):
+            atomic.check_path(getattr(cfg, name), f"--{name}")
 
 
 def check_finite(cfg: Any) -> None:

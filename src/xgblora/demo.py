@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from xgblora import compare, train
+from xgblora import compare, outputs, train
 from xgblora.config import CompareConfig, Config
 
 POSITIVE = ("great", "good", "fun", "funny", "lovely", "superb", "moving", "brilliant")
@@ -68,6 +68,7 @@ def demo_configs(out: Path, steps: int, num_eval: int) -> list[Config]:
 
 def run_demo(out: Path = Path("xgblora-demo"), steps: int = 300, num_eval: int = 200) -> dict[str, Any]:
     """Run the demo and write its report into out; returns the report paths, rows and the untrained baseline."""
+    outputs.check_folder(out, "--output_root", outputs.holds_runs, "runs of xgblora demo")
     configs = demo_configs(out, steps, num_eval)
     baseline_cfg = Config(**{**vars(configs[0]), "trainer": "none", "num_train": 0,
                              "output_dir": str(out / "untrained"), "result_file": str(out / "untrained" / "mezo.json")})

@@ -4,13 +4,16 @@ GGUF file for llama.cpp and Ollama (the merged model converted by models/gguf_ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -73,17 +76,34 @@ def export_run(run_dir: Path, fmt: str, out: Path, rank: int | None = None, trus
     cfg = run_config(run_dir)
     final = _source_folder(run_dir, checkpoint)
     _check_out(out, run_dir)
-    with atomic.replaced_folder(out) as folder:  # a folder at `out` is a whole export; a kill leaves .out.tmp
+    atomic.check_writable(out, "--output_dir")  # before the model loads: the export is written beside `out`
+    # a folder at `out` is a whole export; a kill leaves .out.tmp
+    with _refused_writes(out), atomic.replaced_folder(out) as folder:
         result = {"format": fmt, "out": str(out), "base_model": cfg["model_name"], "source": str(final),
-                  **_export_into(folder, cfg, final, run_dir, fmt, rank, trust_remote_code)}
+                  **_export_into(folder, cfg, final, run_dir, fmt, rank, trust_remote_code, out)}
         (folder / EXPORT_RECORD).write_text(json.dumps({**result, "run_dir": str(run_dir)}, indent=2) + "\n",
                                             encoding="utf-8")
     return result
 
 
+@contextlib.contextmanager
+def _refused_writes(target: Path, needed: Callable[[], int] | None = None) -> Iterator[None]:
+    """A write the disk refuses in the block (full, over quota, an I/O error) ends in the one line that names the
+    export and, where `needed` tells, the space it needs; any other error goes on as it was. The export's
+    temporary files are removed as the error leaves their block: nothing is left under the export's name."""
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        if not atomic.disk_refused(exc):
+            raise
+        raise atomic.failed_write(target, exc, needed() if needed else None, "Nothing was written under that "
+                                  "name: free some space and export again", what="export") from None
+
+
 def _export_into(out: Path, cfg: dict[str, Any], final: Path, run_dir: Path, fmt: str, rank: int | None,
-                 trust_remote_code: bool) -> dict[str, Any]:
-    """Write the export into the (temporary) folder `out`; return what it holds (modules, rank, energy)."""
+                 trust_remote_code: bool, target: Path) -> dict[str, Any]:
+    """Write the export into the (temporary) folder `out`; return what it holds (modules, rank, energy). `target`:
+    the export's own name, for an error."""
     is_adapter = (final / "adapter_config.json").is_file()
     result: dict[str, Any] = {"modules": 0, "rank": None, "retained_energy": None}
     if not is_adapter:  # full fine-tuning: final/ is the whole model
@@ -116,7 +136,7 @@ def _export_into(out: Path, cfg: dict[str, Any], final: Path, run_dir: Path, fmt
     if cfg.get("trust_remote_code") and not trust_remote_code:
         raise UserError(f"{run_dir} was trained with --trust_remote_code; pass --trust_remote_code to export it "
                         f"merged (the base model runs its own code)")
-    return {**result, **_merge_into_base(cfg, final, out, trust_remote_code)}
+    return {**result, **_merge_into_base(cfg, final, out, trust_remote_code, target)}
 
 
 def _copy_tokenizer(final: Path, out: Path) -> None:
@@ -126,7 +146,8 @@ def _copy_tokenizer(final: Path, out: Path) -> None:
             shutil.copy2(path, out / path.name)
 
 
-def _merge_into_base(cfg: dict[str, Any], adapter: Path, out: Path, trust_remote_code: bool) -> dict[str, Any]:
+def _merge_into_base(cfg: dict[str, Any], adapter: Path, out: Path, trust_remote_code: bool,
+                     target: Path) -> dict[str, Any]:
     """Load the base model in the run's dtype with the adapter merged (fp32 sums, cast once) and its trained
     classification head, the base always in 16/32 bits (a 4-bit run's adapter merges into the unquantised base);
     save model and tokenizer, an embedding run's as a sentence-transformers model too."""
@@ -135,14 +156,21 @@ def _merge_into_base(cfg: dict[str, Any], adapter: Path, out: Path, trust_remote
     model, tokenizer = trained.load_model(trained.ModelSource(cfg["model_name"], adapter), dtype=dtype,
                                           trust_remote_code=trust_remote_code, head=head)
     model.config.use_cache = True  # pretrained.load turns it off for training; a merged export is for inference
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
     embedding = cfg.get("objective", "lm") != "lm"
-    if embedding:  # embeddings read right-padded inputs (a causal LM's positions count from the left)
-        tokenizer.padding_side = "right"
-        embedding_export(out, cfg, model.config.hidden_size)
-    tokenizer.save_pretrained(out)
+    with _refused_writes(target, lambda: _nbytes(model)):  # here the model is known: the space the export needs
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out, safe_serialization=True)
+        if embedding:  # embeddings read right-padded inputs (a causal LM's positions count from the left)
+            tokenizer.padding_side = "right"
+            embedding_export(out, cfg, model.config.hidden_size)
+        tokenizer.save_pretrained(out)
     return {"dtype": dtype, **({"sentence_transformers": True} if embedding else {})}
+
+
+def _nbytes(model: torch.nn.Module) -> int:
+    """The bytes of a model's weights as saved (tied weights once)."""
+    tensors = {t.data_ptr(): t for t in model.state_dict().values()}
+    return sum(t.nelement() * t.element_size() for t in tensors.values())
 
 
 def export_gguf(run_dir: Path, out_file: Path, quantization: str | None = None, checkpoint: str | None = None,
@@ -162,23 +190,38 @@ def export_gguf(run_dir: Path, out_file: Path, quantization: str | None = None, 
     source = pretrained.gguf_source(cfg["model_name"])
     origin = gguf_export.read_origin(source) if source is not None else None
     quantization = quantization or (origin.quantization if origin else None) or "f16"
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out_file.name}.", suffix=".tmp", dir=out_file.parent) as tmp:
-        merged, written = Path(tmp) / "merged", Path(tmp) / out_file.name
-        merged.mkdir()
-        _export_into(merged, cfg, final, run_dir, "merged", None, trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(merged)
-        result = gguf_export.write(merged, written, quantization, origin)
-        gguf_export.check(written, result, tokenizer.chat_template)
-        text = modelfile.modelfile_text(out_file, ollama_modelfile, tokenizer) if ollama_modelfile else None
-        if not atomic.publish_new(written, out_file):
-            raise UserError(f"--output_file {out_file}: another process wrote it meanwhile; nothing was replaced")
+    atomic.check_writable(out_file, "--output_file")  # before the model loads
+    if ollama_modelfile is not None:
+        atomic.check_writable(ollama_modelfile, "--ollama_modelfile")
+    with _refused_writes(out_file):
+        result, text = _write_gguf(cfg, final, run_dir, out_file, quantization, origin, trust_remote_code,
+                                   ollama_modelfile)
     if text is not None and not atomic.create_text(ollama_modelfile, text):
         raise UserError(f"--ollama_modelfile {ollama_modelfile}: another process wrote it meanwhile")
     return {"format": "gguf", "out": str(out_file), "base_model": cfg["model_name"], "source": str(final),
             "quantization": quantization, "architecture": result["architecture"], "tensors": len(result["tensors"]),
             "from_gguf": str(source) if source else None,
             "ollama_modelfile": str(ollama_modelfile) if ollama_modelfile else None}
+
+
+def _write_gguf(cfg: dict[str, Any], final: Path, run_dir: Path, out_file: Path, quantization: str,
+                origin: gguf_export.Origin | None, trust_remote_code: bool,
+                ollama_modelfile: Path | None) -> tuple[dict[str, Any], str | None]:
+    """Merge the run into a temporary folder beside out_file, write and re-read the GGUF file there, then publish
+    it under its name (never over a file); returns what gguf_export wrote and the Modelfile's text."""
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out_file.name}.", suffix=".tmp", dir=out_file.parent) as tmp:
+        merged, written = Path(tmp) / "merged", Path(tmp) / out_file.name
+        merged.mkdir()
+        _export_into(merged, cfg, final, run_dir, "merged", None, trust_remote_code, out_file)
+        tokenizer = AutoTokenizer.from_pretrained(merged)
+        with _refused_writes(out_file, lambda: gguf_export.estimated_bytes(merged, quantization)):
+            result = gguf_export.write(merged, written, quantization, origin)
+        gguf_export.check(written, result, tokenizer.chat_template)
+        text = modelfile.modelfile_text(out_file, ollama_modelfile, tokenizer) if ollama_modelfile else None
+        if not atomic.publish_new(written, out_file):
+            raise UserError(f"--output_file {out_file}: another process wrote it meanwhile; nothing was replaced")
+    return result, text
 
 
 def _check_gguf_model(cfg: dict[str, Any], final: Path, trust_remote_code: bool) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from xgblora import trl_names
+from xgblora import atomic, outputs, trl_names
 from xgblora.config import Config, check_ignored, field_default, own_options
 from xgblora.errors import UserError
 
@@ -220,10 +220,13 @@ def from_namespace(cls: type, ns: argparse.Namespace, defaults: dict[str, Any] |
     values.update(given)
     cfg = cls(**values)
     check_ignored(cfg, defaults, reads, getattr(ns, "command", ""))
+    if getattr(ns, "config", None) and "output_dir" in (reads or ()):
+        outputs.check_config_file(Path(cfg.output_dir), ns.config)
     return cfg
 
 
 def dump(cfg: Config, path: Path) -> None:
-    """Write the resolved config as YAML (every option, so the run can be repeated with --config)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), encoding="utf-8")
+    """Write the resolved config as YAML (every option, so the run can be repeated with --config), under the header
+    that marks it as the run's own."""
+    text = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+    atomic.write_text(path, f"{outputs.CONFIG_HEADER}\n{text}")

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from xgblora import atomic
 from xgblora.bench.memory import (
     first_steps_memory,
     memory_cell,
@@ -98,7 +99,7 @@ def trl_trainer(case: DPOCase, pairs: Path, callbacks: list[Any], output_dir: st
     from trl import DPOTrainer
 
     model, _ = pretrained.load(case.model_name, device=case.device)
-    rows = [json.loads(line) for line in pairs.read_text(encoding="utf-8").splitlines()]
+    rows = atomic.jsonl_rows(pairs.read_text(encoding="utf-8"))
     config = TRLConfig(
         output_dir=output_dir, max_steps=case.warmup + case.steps, per_device_train_batch_size=case.pairs,
         learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, beta=BETA, max_length=1024,

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from xgblora import atomic
 from xgblora.bench.memory import (
     first_steps_memory,
     memory_cell,
@@ -75,7 +76,7 @@ def questions(case: GRPOCase) -> Path:
         source = Path(case.data_dir) / "gsm8k" / "train.jsonl"
         if not source.is_file():
             raise UserError(f"--suite grpo reads GSM8K questions from {source}, which does not exist (pass --data_dir)")
-        texts = [json.loads(line)["question"] for line in source.read_text(encoding="utf-8").splitlines()[:n]]
+        texts = [row["question"] for row in atomic.jsonl_rows(source.read_text(encoding="utf-8"))[:n]]
     else:
         texts = [example.messages[0][1] for example in generated_conversations(n)]
     path = Path(tempfile.mkdtemp(prefix="xgblora-grpo-bench-")) / "prompts.jsonl"
@@ -104,7 +105,7 @@ def trl_trainer(case: GRPOCase, prompts: Path, callbacks: list[Any], output_dir:
 
     model, _ = pretrained.load(case.model_name, dtype=case.dtype, device=case.device)
     tokenizer = chat_tokenizer(case.model_name)
-    rows = [json.loads(line) for line in prompts.read_text(encoding="utf-8").splitlines()]
+    rows = atomic.jsonl_rows(prompts.read_text(encoding="utf-8"))
     config = TRLConfig(
         output_dir=output_dir, max_steps=case.warmup + case.steps, per_device_train_batch_size=case.completions,
         num_generations=case.num_generations, max_completion_length=case.max_completion_length, temperature=1.0,

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from xgblora import atomic
 from xgblora.bench import compile as compile_suite
 from xgblora.bench import dpo, embed, gpu, grpo, icl, sft, train_suite
 from xgblora.bench.flags import apply_quick, check_sizes
@@ -44,11 +45,14 @@ def run_suite(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark suite, print its table, and write the JSON when --json is given (the GPU suite: always,
     saved after each part). Neither the JSON nor its Markdown table is written over an existing file."""
+    atomic.check_path(args.json, "--json")
     if args.suite == "gpu":
         args.json = args.json or "gpu-suite.json"
     if args.json and (taken := [p for p in (Path(args.json), Path(args.json).with_suffix(".md")) if p.exists()]):
         raise UserError(f"--json {args.json}: {taken[0]} already exists; bench never writes over a file, so name "
                         f"another")
+    if args.json:  # before minutes of measuring: a folder it cannot write in
+        atomic.check_writable(Path(args.json), "--json")
     with contextlib.redirect_stdout(sys.stderr):  # HF Trainer prints its summary; keep stdout for the table
         res, table = run_suite(args)
     print(table, flush=True)

@@ -79,6 +79,7 @@ def load_encoder(opts: EncodeOptions) -> tuple[Any, Any, dict[str, Any]]:
 
 def encode_file(opts: EncodeOptions) -> dict[str, Any]:
     """Embed the --column field of every row of --input_file; write --output_file (never over an existing file)."""
+    atomic.check_path(opts.output_file, "--output_file")
     out = Path(opts.output_file)
     if out.suffix not in (".npy", ".safetensors"):
         raise UserError(f"--output_file {out}: name a .npy or .safetensors file")

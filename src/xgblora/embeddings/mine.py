@@ -110,6 +110,7 @@ def _doc_prefix(model: str) -> str:
 
 
 def _check(opts: MineOptions) -> Path:
+    atomic.check_path(opts.output_file, "--output_file")
     out = Path(opts.output_file)
     if out.suffix != ".jsonl":
         raise UserError(f"--output_file {out}: name a .jsonl file (rows of query, positive, negatives)")
@@ -120,6 +121,7 @@ def _check(opts: MineOptions) -> Path:
                         f"{opts.range_min}, {opts.range_max}")
     if opts.sampling not in ("top", "random"):
         raise UserError(f"--sampling must be top or random, got {opts.sampling!r}")
+    atomic.check_writable(out, "--output_file")
     return out
 
 

@@ -84,7 +84,12 @@ class PartialOutput:
         if self.partial.exists():
             self._check_settings(settings)
         else:
-            atomic.write_text(self.settings_file, json.dumps(settings, indent=2, sort_keys=True))
+            text = json.dumps(settings, indent=2, sort_keys=True)
+            try:
+                atomic.write_text(self.settings_file, text)
+            except OSError as exc:
+                raise atomic.failed_write(self.settings_file, exc, len(text.encode("utf-8")),
+                                          "Free some space and run the command again") from None
         self.lines = self._complete_lines()
 
     def _check_settings(self, settings: dict[str, Any]) -> None:
@@ -108,21 +113,32 @@ class PartialOutput:
         if len(whole) < len(data):
             with open(self.partial, "r+b") as handle:
                 handle.truncate(len(whole))
-        records = [json.loads(line) for line in whole.decode("utf-8").splitlines()]
-        return {r["index"]: r for r in records}
+        return {r["index"]: r for r in atomic.jsonl_rows(whole.decode("utf-8"))}
 
     def append(self, records: list[dict[str, Any]]) -> None:
-        """Add one batch's lines durably (one write, then fsync)."""
-        with open(self.partial, "ab") as handle:
-            handle.write(atomic.jsonl(records).encode("utf-8"))
-            handle.flush()
-            os.fsync(handle.fileno())
+        """Add one batch's lines durably (one write, then fsync). A failed write (a full disk) ends in one line; what
+        it left (whole lines, perhaps a torn last one) is what the next run resumes from."""
+        try:
+            with open(self.partial, "ab") as handle:
+                handle.write(atomic.jsonl(records).encode("utf-8"))
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            raise atomic.failed_write(self.partial, exc, None, f"The {len(self.lines)} prompts done are kept: free "
+                                      f"some space and run the same command again to continue") from None
         self.lines.update((r["index"], r) for r in records)
 
     def finish(self, rows: list[dict[str, Any]]) -> None:
-        """Write OUTPUT whole, in the input's order, and remove the partial files."""
+        """Write OUTPUT whole, in the input's order, and remove the partial files; a failed write leaves no OUTPUT
+        and every completion in OUTPUT.partial."""
         merged = [{**row, **{k: v for k, v in self.lines[i].items() if k != "index"}} for i, row in enumerate(rows)]
-        atomic.write_jsonl(self.output, merged)
+        text = atomic.jsonl(merged)
+        try:
+            atomic.write_text(self.output, text)
+        except OSError as exc:
+            raise atomic.failed_write(self.output, exc, len(text.encode("utf-8")), f"Every completion is kept in "
+                                      f"{self.partial}: free some space and run the same command again to write "
+                                      f"{self.output.name}") from None
         self.partial.unlink()
         self.settings_file.unlink()
 

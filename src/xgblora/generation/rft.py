@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xgblora import atomic, checkpoint, usercode
+from xgblora import atomic, checkpoint, outputs, usercode
 from xgblora.adapters.trained import load_with_options, resolve
 from xgblora.config import Config, RFTConfig
 from xgblora.data import formats
@@ -55,7 +55,7 @@ log = logging.getLogger("xgblora")
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    return atomic.jsonl_rows(path.read_text(encoding="utf-8"))
 
 
 @dataclass
@@ -255,6 +255,11 @@ def _heldout_rows(examples: list[Example], root: Path) -> None:
     atomic.write_jsonl(root / "heldout.jsonl", [sft_row(list(ex.messages), ex, ex.answers[0]) for ex in examples])
 
 
+def _holds_rft(root: Path) -> bool:
+    """Whether a folder holds an earlier rft's outputs (heldout.jsonl is the first one written)."""
+    return (root / "heldout.jsonl").is_file() or any(p.is_dir() for p in root.glob("round-*"))
+
+
 def run_rft(cfg: RFTConfig) -> dict[str, Any]:
     """Run every round (see the module docstring); returns the per-round records (also rounds.json)."""
     _questions(cfg, cfg.train_file, "train")  # every input is checked before a model loads or a folder is made
@@ -263,6 +268,7 @@ def run_rft(cfg: RFTConfig) -> dict[str, Any]:
     resolve(cfg.model_name, cfg.adapter)
     if cfg.sampler_model:
         resolve(cfg.sampler_model)
+    outputs.check_folder(Path(cfg.output_root), "--output_root", _holds_rft, "an xgblora rft's")
     with atomic.output_folder(Path(cfg.output_root), "--output_root") as root:
         _heldout_rows(heldout, root)
         return _rounds(cfg, root, verifier)

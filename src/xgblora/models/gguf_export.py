@@ -13,6 +13,7 @@ at Q8_0 (see _origin_type), the ones it did not come out block for block as the 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,22 @@ def _pre_tokenizer(tokenizer_json: dict[str, Any], folder: Path) -> str:
         raise UserError(f"{folder / 'tokenizer.json'}: GGUF export does not know this pre-tokenizer "
                         f"({', '.join(str(k[0]) for k in kinds)}), so llama.cpp would split text differently")
     return name
+
+
+def estimated_bytes(folder: Path, quantization: str) -> int:
+    """About the size of the GGUF file of a model folder: its weights at the bytes per weight of `quantization`'s
+    type (the F32 norms and the Q8_0 edges of the 4/5-bit types are a small part)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as Q
+    from safetensors import safe_open
+
+    block, size = GGML_QUANT_SIZES[Q[TYPES[quantization][0]]]
+    weights = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, "pt") as handle:
+            shapes = [handle.get_slice(name).get_shape() for name in handle.keys()]  # noqa: SIM118 -- not a dict
+            weights += sum(math.prod(shape) for shape in shapes)
+    return weights * size // block
 
 
 def permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:

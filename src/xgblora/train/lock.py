@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from xgblora.errors import UserError
+from xgblora.outputs import LOCK_NAME
 
-LOCK_NAME = "xgblora.lock"
 log = logging.getLogger("xgblora")
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from xgblora import atomic, checkpoint, distributed
+from xgblora import atomic, checkpoint, distributed, outputs
 from xgblora.adapters import trained
 from xgblora.config import Config
 from xgblora.errors import UserError
@@ -47,8 +47,10 @@ def run(cfg: Config, hooks: Hooks | None = None) -> dict[str, Any]:
 @contextlib.contextmanager
 def run_folder(cfg: Config, dist: distributed.Distributed) -> Iterator[Path]:
     """The run's --output_dir, checked (`check_folder`) and held by the main process's lock while the run writes
-    it; a refused or failed run that wrote nothing leaves no folder behind."""
+    it; a refused or failed run that wrote nothing leaves no folder behind. A folder of other files than an
+    earlier run's is refused before anything is created in it."""
     out = Path(cfg.output_dir)
+    outputs.check_run_folder(out)
     check = functools.partial(check_folder, cfg, out)
     if not dist.is_main:
         check()
