@@ -91,7 +91,7 @@ def assert_same_loss_and_grads(model: nn.Module, batch, params: list[torch.Tenso
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 7 tokens: a padded batch's scored tokens never fill the last one."""
-    monkeypatch.setattr(fused_head, "HEAD_CHUNK_TOKENS", 7)
+    monkeypatch.setattr(fused_head, "chunk_tokens", lambda head: 7)
 
 
 def counted(monkeypatch) -> list[int]:
