@@ -4,6 +4,8 @@ a run trains the same with it on and off."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from helpers import adapter, losses, make_cfg
@@ -11,6 +13,7 @@ from torch import nn
 
 from xgblora import train
 from xgblora.adapters.lora import attach
+from xgblora.bench import flags, sft
 from xgblora.data.tasks import Example
 from xgblora.models import fused_head, pretrained, scoring
 from xgblora.models.fused_head import fused_token_logprobs, split_head
@@ -172,3 +175,27 @@ def test_a_run_trains_the_same_with_and_without_the_fused_head(shared_data, tmp_
     trained = adapter(tmp_path / "fused")
     for key, value in adapter(tmp_path / "plain").items():
         torch.testing.assert_close(trained[key], value, rtol=1e-4, atol=1e-6)
+
+
+def test_bench_sft_measures_the_full_logits_as_the_logits_variants():
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser)
+    args = parser.parse_args(["--suite", "sft", "--sft_models", "tiny-llama", "--sft_variants", "padded",
+                              "padded+logits", "packed+gc+logits"])
+    cases = sft.cases(args)
+    assert [(c.variant, c.fused_head, c.checkpointing, c.packed) for c in cases] == [
+        ("padded", True, False, False), ("padded+logits", False, False, False),
+        ("packed+gc+logits", False, True, True)]
+
+
+def test_bf16_autocast_scores_about_the_same(small_chunks, monkeypatch):
+    model, tokenizer, params = tiny(targets=["q_proj", "lm_head"])
+    batch = causal_training_set(tokenizer, INSTRUCTIONS, 64, False, token_mean=True).batch([0, 1, 2, 3])
+    calls = counted(monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = per_example_loss(model, batch, fused_head=True)
+        plain = per_example_loss(model, batch, fused_head=False)
+    assert calls and fused.dtype == plain.dtype == torch.float32
+    torch.testing.assert_close(fused, plain, rtol=1e-2, atol=1e-2)  # bf16 logits: rounded per chunk shape
+    for a, b in zip(grads(fused.mean(), params), grads(plain.mean(), params), strict=True):
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=1e-3)
