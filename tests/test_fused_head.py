@@ -199,3 +199,16 @@ def test_bf16_autocast_scores_about_the_same(small_chunks, monkeypatch):
     torch.testing.assert_close(fused, plain, rtol=1e-2, atol=1e-2)  # bf16 logits: rounded per chunk shape
     for a, b in zip(grads(fused.mean(), params), grads(plain.mean(), params), strict=True):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=1e-3)
+
+
+def test_a_peft_wrapped_model_with_lora_on_the_head(small_chunks, monkeypatch):
+    peft = pytest.importorskip("peft")
+    model, tokenizer = pretrained.random_model("tiny-llama", seed=2)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False)  # B != 0
+    model = peft.get_peft_model(model, config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert split_head(model)[1] is model.get_base_model().lm_head
+    batch = causal_training_set(tokenizer, INSTRUCTIONS, 64, False).batch([0, 1, 2, 3])
+    calls = counted(monkeypatch)
+    assert_same_loss_and_grads(model, batch, params)
+    assert calls
