@@ -1,5 +1,6 @@
 """Peak memory of an instruction-SFT training step: the chunked target log-probabilities against the plain
-`log_softmax(logits.float()).gather(...)`, on a Llama-shaped random model with a 128k vocabulary and long targets.
+`log_softmax(logits.float()).gather(...)`, and the fused LM head (no logits of all the targets at once) against
+both, on a Llama-shaped random model with a 128k vocabulary and long targets.
 
 Each variant runs in a fresh subprocess (LoRA on q/v, one forward and backward of the token-mean loss); the figure
 is what the step adds to the memory held before it (the model): the peak RSS sampled during the step on the CPU,
@@ -17,7 +18,7 @@ import statistics
 import subprocess
 import sys
 
-VARIANTS = ("plain", "chunked")
+VARIANTS = ("plain", "chunked", "fused")  # plain and chunked: from the full logits
 
 
 def step_peak_mb(args: argparse.Namespace, variant: str) -> float:
@@ -43,7 +44,7 @@ def step_peak_mb(args: argparse.Namespace, variant: str) -> float:
     model.to(device)
     seqs = synthetic_seqs(args.batch_size, args.seq_len, args.target_len, 128256)
     batch = collate(seqs, tokenizer.pad_token_id).token_mean().to(device)
-    loss_fn = TrainingLoss(model)
+    loss_fn = TrainingLoss(model, fused_head=variant == "fused")
     return added_peak_mb(lambda: loss_fn(batch).mean().backward(), device)
 
 
@@ -73,6 +74,7 @@ def main() -> None:
     result = {**vars(args), "fp32_logits_mb": round(logits_mb),
               **{f"{v}_step_mb": round(statistics.median(m)) for v, m in steps.items()}}
     result["chunked_over_plain"] = round(result["chunked_step_mb"] / result["plain_step_mb"], 3)
+    result["fused_over_chunked"] = round(result["fused_step_mb"] / result["chunked_step_mb"], 3)
     result.pop("worker")
     print(json.dumps(result, indent=2))
 

@@ -181,6 +181,7 @@ class InstructionOptions:
     eval_split_ratio: float | None = _opt(None, "Your own data: hold out this fraction of --train_file's rows as the dev split (instead of --num_dev N).")
     log_samples: int = _opt(0, "Instruction data: also log N of the dev generations (prompt, prediction, reference) to metrics.jsonl at each evaluation.")
     gradient_checkpointing: bool = _opt(False, "Recompute activations in the backward pass to save memory.")
+    fused_lm_head: bool = _opt(True, "Causal LM training by back-propagation: project only the scored positions through the LM head, a chunk of tokens at a time, recomputed in the backward pass, so that no [tokens, vocabulary] logits are held (the same loss; a large vocabulary's logits often set the peak memory). Models that scale or softcap their logits, and --compile, keep the full logits.")
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,10 @@ def _sft(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sft_models", "--sft-models", nargs="+", default=None, metavar="MODEL",
                         help="--suite sft: models to compare (default: llama-100m-random, llama-100m-128k-random).")
     group.add_argument("--sft_variants", "--sft-variants", nargs="+", default=None,
-                        choices=["padded", "packed", "padded+gc", "packed+gc"],
-                        help="--suite sft: batch layouts, +gc with gradient checkpointing (default: all four).")
+                        choices=[f"{v}{logits}" for logits in ("", "+logits")
+                                 for v in ("padded", "packed", "padded+gc", "packed+gc")],
+                        help="--suite sft: batch layouts, +gc with gradient checkpointing, +logits with xgblora's "
+                             "loss from the full logits instead of the fused LM head (default: the first four).")
     group.add_argument("--max_length", "--max-length", type=int, default=1024,
                         help="--suite sft: sequences cut from the left to this many tokens.")
 

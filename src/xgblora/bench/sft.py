@@ -8,7 +8,8 @@ batch's target tokens. TRL gets the rows as `input_ids` + `labels` (-100 off the
 tokens. One xgblora step runs beside each TRL step, on the rows of that step, before or after it in turn
 (`timing.InterleavedSteps`: on a GPU, whichever side meets a new padded shape first pays for its kernel choice).
 Variants: padded or packed (TRL's `padding_free`, xgblora's `collate_packed`), with or without gradient
-checkpointing (non-reentrant on both sides). Padded, each side pads as it does for its users: TRL to the longest
+checkpointing (non-reentrant on both sides); xgblora's loss through its fused LM head (the default) or, `+logits`,
+from the full logits. Padded, each side pads as it does for its users: TRL to the longest
 row, xgblora to the longest row rounded up to a multiple of 64 on CUDA (`collation.pad_multiple`).
 
 Peak memory: each side in its own process, what its steps add to the memory held before them (the peak RSS sampled
@@ -67,10 +68,12 @@ class SFTCase:
     rows: int = 0  # GSM8K rows tokenised (the steps' batches come from them in order)
     max_length: int = 1024
     pad_to_multiple_of: int = 0  # xgblora's padded widths; 0: the device's default (collation.pad_multiple)
+    fused_head: bool = True  # xgblora's loss through the fused LM head (--fused_lm_head)
 
     @property
     def variant(self) -> str:
-        return ("packed" if self.packed else "padded") + ("+gc" if self.checkpointing else "")
+        return (("packed" if self.packed else "padded") + ("+gc" if self.checkpointing else "")
+                + ("" if self.fused_head else "+logits"))
 
 
 # ----------------------------------------------------------------------------- data
@@ -164,7 +167,8 @@ class XgbloraSFT:
                                                pad_to_multiple_of=self.pad_multiple)
         params = lora.adapter_params(self.model)
         self.lora_params = sum(p.numel() for _, p in params)
-        self.stepper = AdamWStepper(params, TrainingLoss(self.model), max_grad_norm=1.0, micro_batch=case.batch_size)
+        self.stepper = AdamWStepper(params, TrainingLoss(self.model, fused_head=case.fused_head),
+                                    max_grad_norm=1.0, micro_batch=case.batch_size)
 
     def step(self, rows: list[int]) -> torch.Tensor:
         """One training step on the given sequences (collation included, as in the train loop)."""
@@ -312,7 +316,8 @@ def cases(args: argparse.Namespace) -> list[SFTCase]:
     """Every (model, variant) the flags ask for."""
     models_ = args.sft_models or list(SFT_MODELS)
     variants = args.sft_variants or list(VARIANTS)
-    return [SFTCase(model_name=m, packed=v.startswith("packed"), checkpointing=v.endswith("+gc"),
+    return [SFTCase(model_name=m, packed=v.startswith("packed"), checkpointing="+gc" in v,
+                    fused_head=not v.endswith("+logits"),
                     batch_size=args.batch_size, steps=args.repeats, warmup=args.warmup, dtype=args.dtype,
                     device=args.device, data_dir=args.data_dir or "", max_length=args.max_length)
             for m in models_ for v in variants]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from xgblora.data.batches import LabelBatch, PackedBatch, TokenBatch
+from xgblora.models.fused_head import fused_token_logprobs, split_head
 
 
 @contextlib.contextmanager
@@ -113,24 +114,44 @@ def shared_prefix_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask
     return logits
 
 
-def target_logprobs(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
+def target_logprobs(model: nn.Module, batch: TokenBatch, fused: bool = False) -> torch.Tensor:
     """Log-probability of each target token, shape [B, k] (zero where target_mask is False).
 
     Left padding puts every row's targets in the last k columns, so the LM head runs on the last k + 1
-    positions only (logits_to_keep).
+    positions only (logits_to_keep). fused (while gradients flow, where `split_head` finds the head): the
+    backbone runs alone and the head projects the scored positions only, a chunk at a time (`fused_head`).
     """
     k = batch.target_mask.shape[1]
+    split = split_head(model) if fused and torch.is_grad_enabled() else None
+    if split is not None:
+        backbone, head = split
+        hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                          position_ids=batch.position_ids, use_cache=False).last_hidden_state[:, -k - 1:-1]
+        mask = batch.target_mask.bool()
+        logprobs = fused_token_logprobs(hidden[mask], head, batch.input_ids[:, -k:][mask])
+        return logprobs.new_zeros(mask.shape).masked_scatter(mask, logprobs)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                    position_ids=batch.position_ids, logits_to_keep=k + 1).logits  # the last one predicts nothing
     return token_logprobs(logits, batch.input_ids[:, -k:]) * batch.target_mask
 
 
-def packed_mean_logprobs(model: nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """Each packed sequence's mean target log-probability, shape [rows * n] (rows > 1: copies, e.g. dual MeZO)."""
+def packed_mean_logprobs(model: nn.Module, batch: PackedBatch, fused: bool = False) -> torch.Tensor:
+    """Each packed sequence's mean target log-probability, shape [rows * n] (rows > 1: copies, e.g. dual MeZO);
+    fused: as in `target_logprobs`."""
     index = batch.target_index
-    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, logits_to_keep=index,
-                   use_cache=False).logits  # transformers looks for packed sequences only without a cache
-    logprobs = token_logprobs(logits, batch.input_ids.gather(1, index + 1))
+    targets = batch.input_ids.gather(1, index + 1)
+    split = split_head(model) if fused and torch.is_grad_enabled() else None
+    if split is not None:
+        backbone, head = split
+        hidden = backbone(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                          use_cache=False).last_hidden_state
+        hidden = hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        logprobs = fused_token_logprobs(hidden.reshape(-1, hidden.shape[-1]), head, targets.reshape(-1))
+        logprobs = logprobs.view(targets.shape)
+    else:
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, logits_to_keep=index,
+                       use_cache=False).logits  # transformers looks for packed sequences only without a cache
+        logprobs = token_logprobs(logits, targets)
     return (batch.target_weight @ logprobs.unsqueeze(-1)).reshape(-1)
 
 

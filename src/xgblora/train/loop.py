@@ -285,7 +285,8 @@ class Trainer:
         if cfg.gradient_checkpointing and cfg.trainer == "regular":
             run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.loss_fn = loss_fn or TrainingLoss(torch.compile(run.model) if cfg.compile else run.model, run.autocast,
-                                               method.contrastive, method.preference)
+                                               method.contrastive, method.preference,
+                                               fused_head=cfg.fused_lm_head and not cfg.compile)
         self.stepper = build_stepper(cfg, method, self.loss_fn, dist, run.device)
         self.state = LoopState(source.stream, LossWindow(run.device))
         self.checkpointer = self._checkpointer()
@@ -295,6 +296,8 @@ class Trainer:
             self.state.resumes += 1
             log.info("resumed from %s at step %d", path, self.state.step)
         self.loss_fn.model = self.stepper.prepare(self.loss_fn.model)  # FSDP wraps after loading
+        if dist.sharded:  # FSDP gathers the root's weights in the wrapped model's forward: the backbone's skips it
+            self.loss_fn.fused_head = False
         self.progress_line = ProgressLine(self.max_steps, self.state.step, enabled=None if dist.is_main else False)
 
     def next_batches(self) -> Callable[[], Batch]:

@@ -127,18 +127,19 @@ class TrainingLoss:
     autocast: torch.dtype | None = None
     contrastive: Contrastive | None = None
     preference: PreferenceLoss | None = None
+    fused_head: bool = False
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """Per-example losses [n_examples] (times the batch's loss_scale)."""
         if self.autocast is None:
-            return per_example_loss(self.model, batch, self.contrastive, self.preference)
+            return per_example_loss(self.model, batch, self.contrastive, self.preference, self.fused_head)
         device = next(self.model.parameters()).device
         with torch.autocast(device.type, dtype=self.autocast):
-            return per_example_loss(self.model, batch, self.contrastive, self.preference)
+            return per_example_loss(self.model, batch, self.contrastive, self.preference, self.fused_head)
 
 
 def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrastive | None = None,
-                     preference: PreferenceLoss | None = None) -> torch.Tensor:
+                     preference: PreferenceLoss | None = None, fused_head: bool = False) -> torch.Tensor:
     """Loss of each example in the batch, shape [n_examples], times the batch's loss_scale.
 
     TokenBatch / PackedBatch: the mean negative log-likelihood of each example's target tokens (the gold candidate
@@ -147,22 +148,24 @@ def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrast
     log-probability. LabelBatch (a classifier or masked LM): cross-entropy over the label logits. PairBatch: each
     query's InfoNCE term (`Contrastive`); GritBatch: w_c times that plus w_g times the generative batch's mean loss.
     PreferenceBatch: each pair's preference loss (`PreferenceLoss`: DPO and its family; it applies loss_scale).
+    fused_head: TokenBatch and PackedBatch (GRIT's generative part too) score their targets through the fused LM
+    head (`models.fused_head`: no [tokens, vocab] logits) where the model allows it.
     """
     match batch:
         case PreferenceBatch():
             return preference(model, batch)
         case GritBatch():
-            losses = contrastive.grit(model, batch, per_example_loss(model, batch.generative))
+            losses = contrastive.grit(model, batch, per_example_loss(model, batch.generative, fused_head=fused_head))
         case PairBatch():
             losses = contrastive(model, batch)
         case LabelBatch():
             losses = torch.nn.functional.cross_entropy(label_logits(model, batch), batch.labels, reduction="none")
         case PackedBatch():
-            losses = -packed_mean_logprobs(model, batch)
+            losses = -packed_mean_logprobs(model, batch, fused_head)
         case CandidateBatch():
             losses = candidate_loss(model, batch)
         case TokenBatch():
-            nll = -target_logprobs(model, batch).sum(-1)
+            nll = -target_logprobs(model, batch, fused_head).sum(-1)
             losses = nll / batch.target_mask.sum(-1) if batch.nll_weight is None else nll * batch.nll_weight
         case _:
             raise TypeError(f"no loss for a batch of type {type(batch).__name__}")

@@ -1,0 +1,101 @@
+"""A fused LM head for training: the target-token log-probabilities of scored positions from their final hidden
+states, projected through the output head a chunk of tokens at a time, so that no [tokens, vocab] logits tensor is
+ever held, in the forward pass or in the backward one.
+
+`fused_token_logprobs` is the kernel; `split_head` finds a causal LM's backbone and head (or says that its logits
+are not the head's output alone, and the logits path must stay).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# fp32 logits computed at a time: 128 MiB is 261 tokens of a 128k vocabulary, 1048 of a 32k one; the backward holds
+# about two chunks of them at once (the logits and the logsumexp's temporary), against [all tokens, vocab] unfused.
+HEAD_CHUNK_BYTES = 2**27
+
+# Config fields of the families whose logits are more than the head's output (TRL's list): scaled or softcapped
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                    "logits_scaling")
+
+
+def fused_token_logprobs(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor,
+                         chunk: int | None = None) -> torch.Tensor:
+    """log softmax(head(hidden))[target] in fp32, shape [N], for hidden states [N, H] and targets [N].
+
+    Each chunk of `chunk` tokens (default `chunk_tokens(head)`: HEAD_CHUNK_BYTES of fp32 logits) runs under a
+    non-reentrant checkpoint: the forward keeps only the chunk's inputs and its log-probabilities, and the backward
+    recomputes the chunk's logits, turns them into their own gradient in place (`_ChunkLogprob`), backpropagates
+    that through the head and frees it before the next chunk's. The peak holds one chunk's logits, not N rows of
+    them; the price is one more head projection per token (a third more head FLOPs).
+
+    Against TRL's `add_fused_lm_head` (an autograd.Function over the head's weight and bias tensors, which also
+    applies the logit scale and softcapping some families have) and Liger's `LigerFusedLinearCrossEntropyLoss` (a
+    Triton kernel over the weight that computes the gradients in the forward pass, holding the weight's gradient
+    from then on, and returns one reduced loss): here the head *module* is called on each chunk, so an adapter on
+    the head (LoRALinear, PEFT's LoRA, dropout on it, weight-gradient hooks), a head tied to the embeddings and
+    autocast act exactly as in the model's own forward; and the result is per token, so the caller weights it
+    (per-example means, token means, packed sequences). Models whose logits are scaled or softcapped keep the
+    logits path (`split_head`).
+    """
+    if hidden.shape[0] == 0:
+        return hidden.sum(-1).float()  # empty, but connected to the graph: backward() still runs
+    chunk = chunk or chunk_tokens(head)
+    if not torch.is_grad_enabled():
+        return torch.cat([_chunk_logprobs(head, hidden[start:start + chunk], targets[start:start + chunk])
+                          for start in range(0, hidden.shape[0], chunk)])
+    return torch.cat([checkpoint(_chunk_logprobs, head, hidden[start:start + chunk], targets[start:start + chunk],
+                                 use_reentrant=False)
+                      for start in range(0, hidden.shape[0], chunk)])
+
+
+def chunk_tokens(head: nn.Module) -> int:
+    """Tokens a chunk of `fused_token_logprobs` projects: HEAD_CHUNK_BYTES of fp32 logits of the head's outputs."""
+    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+    return max(1, HEAD_CHUNK_BYTES // (4 * vocab))
+
+
+def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return _ChunkLogprob.apply(head(hidden), targets)
+
+
+class _ChunkLogprob(torch.autograd.Function):
+    """log softmax(logits)[target] in fp32 for one chunk [c, vocab]; the backward writes the logits' gradient over
+    the logits (fp32; a bf16 chunk's fp32 copy): only this function reads them, the head's backward keeps its input
+    and weight, not its output. Autograd's log_softmax + gather would hold an fp32 copy, the log-softmax and two
+    [c, vocab] gradients."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(logits.float(), dim=-1)
+        ctx.save_for_backward(logits, targets, lse)
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).float() - lse
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, targets, lse = ctx.saved_tensors
+        grad = grad_out.float().unsqueeze(-1)
+        grad_logits = logits.float().sub_(lse.unsqueeze(-1)).exp_().mul_(-grad)  # -softmax, in place when fp32
+        grad_logits.scatter_add_(-1, targets.unsqueeze(-1), grad)  # + onehot(target)
+        return grad_logits.to(logits.dtype), None
+
+
+def split_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(backbone, head) of a causal LM whose logits are head(backbone(...).last_hidden_state), PEFT-wrapped or not;
+    None where they are not (scaled or softcapped logits, no separate head, a compiled model, whose forward the
+    backbone's would bypass)."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return None
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the patched model
+    config = getattr(inner, "config", None)
+    if config is None or not hasattr(inner, "get_output_embeddings"):
+        return None
+    text = config.get_text_config()
+    if any(getattr(text, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
+        return None
+    head, backbone = inner.get_output_embeddings(), getattr(inner, "base_model", None)
+    if not isinstance(head, nn.Module) or not isinstance(backbone, nn.Module) or backbone is inner:
+        return None
+    return backbone, head
