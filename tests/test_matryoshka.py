@@ -117,7 +117,7 @@ def test_sizes_are_parsed_with_default_weights_and_refused_under_the_lm_objectiv
                              matryoshka_dims="64", matryoshka_weights="1"))
 
 
-def test_a_size_above_the_embedding_is_one_line_before_training(tmp_path, capsys):
+def test_a_size_above_the_embedding_is_one_line_before_training(tmp_path, capsys, monkeypatch):
     data = pairs_file(tmp_path / "pairs.jsonl")
     code = cli.main(["train", "--model_name", "tiny-bert", "--objective", "contrastive", "--train_file", str(data),
                      "--matryoshka_dims", "128,64", "--max_steps", "1", "--device", "cpu",
@@ -127,6 +127,7 @@ def test_a_size_above_the_embedding_is_one_line_before_training(tmp_path, capsys
     assert errors[0].endswith("--matryoshka_dims 128,64: 128 is above tiny-bert's embedding size 64; give sizes of "
                               "at most 64")
     assert not (tmp_path / "out" / "final").exists()
+    monkeypatch.setattr(pretrained, "load", lambda *a, **k: pytest.fail("a model loaded before the sizes' check"))
     code = cli.main(["train", "--model_name", "tiny-bert", "--objective", "contrastive", "--train_file", str(data),
                      "--matryoshka_dims", "64,0", "--output_dir", str(tmp_path / "bad")])
     assert code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
