@@ -151,3 +151,18 @@ def test_the_exported_model_encodes_cut_to_a_size_as_sentence_transformers_does(
     card = (out / "final" / "README.md").read_text(encoding="utf-8")
     assert "matryoshka_dims: [64, 32, 16]" in card and "truncate_dim=16" in card
     assert json.loads((out / "final" / "config_sentence_transformers.json").read_text()).get("truncate_dim") is None
+
+
+def test_a_merged_export_of_a_lora_run_names_the_sizes_in_its_card(tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    data = pairs_file(tmp_path / "pairs.jsonl", negatives=False)
+    run(Config(model_name="tiny-bert", objective="contrastive", train_file=str(data), num_train=8, method="lora",
+               max_steps=1, per_device_train_batch_size=4, max_length=32, output_dir=str(tmp_path / "run"),
+               device="cpu", no_eval=True, matryoshka_dims="64,16"))
+    merged = tmp_path / "merged"
+    assert cli.main(["export", str(tmp_path / "run"), "--format", "merged", "--output_dir", str(merged)]) == 0
+    assert "matryoshka_dims: [64, 16]" in (merged / "README.md").read_text(encoding="utf-8")
+    texts = [f"what about {t}?" for t in TOPICS[:4]]
+    full = st.SentenceTransformer(str(merged), device="cpu").encode(texts, convert_to_tensor=True)
+    cut = st.SentenceTransformer(str(merged), device="cpu", truncate_dim=16).encode(texts, convert_to_tensor=True)
+    torch.testing.assert_close(cut, full[:, :16])
