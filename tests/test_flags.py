@@ -45,6 +45,7 @@ REFUSED = {
                                  "--label_words", "a,b"], "label_words"),
     "regular SVRG anchor rate": (["train", "--zo_svrg_anchor_learning_rate", "1e-3"], "zo_svrg_anchor_learning_rate"),
     "lm embedding pieces": (["train", "--embed_pieces", "true"], "embed_pieces"),
+    "lm Matryoshka sizes": (["train", "--matryoshka_dims", "64,32"], "matryoshka_dims"),
     "contrastive packing": (["train", "--objective", "contrastive", "--train_file", "p.jsonl", "--packing", "true"],
                             "packing"),
     "contrastive logged samples": (["train", "--objective", "contrastive", "--train_file", "p.jsonl",

@@ -199,6 +199,7 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         if self.mini_batch_size < 0 or (self.mini_batch_size and self.objective == "lm"):
             raise UserError(f"--mini_batch_size (gradient caching) takes a number of rows with --objective "
                             f"contrastive or grit, got {self.mini_batch_size} with --objective {self.objective}")
+        parse_matryoshka(self.matryoshka_dims, self.matryoshka_weights)
         if not self.only_train_option and (self.train_as_classification or self.objective != "lm"
                                            or self.task_name.lower() == "custom"):
             raise UserError("--only_train_option false puts the loss on every token of a MeZO task's prompt and "
@@ -247,6 +248,11 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         if self.contrastive_temperature is not None:
             return self.contrastive_temperature
         return 0.02 if self.objective == "grit" else 0.05
+
+    @property
+    def matryoshka(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """--matryoshka_dims and their weights (default 1 each); () and () without Matryoshka embeddings."""
+        return parse_matryoshka(self.matryoshka_dims, self.matryoshka_weights)
 
     @property
     def pools_prompt(self) -> bool:
@@ -637,7 +643,7 @@ ZO_OPTIONS = ("zo_eps", "zo_dual", "zo_estimator", "zo_queries", "zo_optimizer",
 GRIT_OPTIONS = ("grit_contrastive_weight", "grit_generative_weight", "grit_generative_batch_size")
 EMBEDDING_OPTIONS = ("query_instruction", "doc_instruction", "instruction_format", "include_prompt",
                      "contrastive_temperature", "contrastive_loss", "learnable_temperature", "bidirectional",
-                     "embed_pieces", *GRIT_OPTIONS)
+                     "embed_pieces", "matryoshka_dims", "matryoshka_weights", *GRIT_OPTIONS)
 # what only next-token training and its generations read: an embedding objective has neither
 GENERATION_TRAINING_OPTIONS = ("packing", "log_samples")
 CLASSIFICATION_OPTIONS = ("template", "label_words", "label_names", "sfc", "icl_sfc", "train_as_classification")
@@ -648,7 +654,7 @@ TRAINING_OPTIONS = ("lora", "xgblora", "method", *ADAPTER_OPTIONS, *XGBLORA_OPTI
                     "fused_lm_head", "compile", "group_by_length", "packing", "loss_mean", "only_train_option",
                     "train_as_classification",
                     "head_init", "head_probe_l2", "contrastive_loss", "learnable_temperature", "mini_batch_size",
-                    "embed_pieces", *GRIT_OPTIONS, "logging_steps", "evaluation_strategy", "eval_steps", "eval_on_start",
+                    "embed_pieces", "matryoshka_dims", "matryoshka_weights", *GRIT_OPTIONS, "logging_steps", "evaluation_strategy", "eval_steps", "eval_on_start",
                     "log_samples", "save_strategy", "save_steps", "save_total_limit", "save_only_model",
                     "load_best_model_at_end", "resume_from_checkpoint", "report_to", "nan_policy", "no_eval")
 
@@ -783,6 +789,49 @@ def check_seeds(cfg: Any, *names: str) -> None:
         for seed in value if isinstance(value, list) else [value]:
             if not 0 <= seed < 2**32:
                 raise UserError(f"--{name} must be between 0 and 2**32 - 1, got {seed}")
+
+
+def parse_matryoshka(dims: str | None, weights: str | None) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """'384,256,128,64' (commas or spaces) and its weights (default 1 each) -> (dims, weights), refused in one line
+    where sentence-transformers' MatryoshkaLoss would fail or silently count a size twice."""
+    if dims is None:
+        if weights is not None:
+            raise UserError("--matryoshka_weights weighs the losses of --matryoshka_dims; pass --matryoshka_dims too")
+        return (), ()
+    parsed = tuple(_matryoshka_dim(dims, token) for token in dims.replace(",", " ").split())
+    if not parsed:
+        raise UserError(f"--matryoshka_dims {dims!r} names no size: give embedding sizes, e.g. 384,256,128,64")
+    repeated = sorted({d for d in parsed if parsed.count(d) > 1})
+    if repeated:
+        raise UserError(f"--matryoshka_dims {dims!r}: {repeated[0]} is given twice; give each size once (weigh it "
+                        f"with --matryoshka_weights)")
+    if weights is None:
+        return parsed, (1.0,) * len(parsed)
+    values = tuple(_matryoshka_weight(weights, token) for token in weights.replace(",", " ").split())
+    if len(values) != len(parsed):
+        raise UserError(f"--matryoshka_weights {weights!r}: {len(values)} weights for {len(parsed)} "
+                        f"--matryoshka_dims sizes; give one per size")
+    return parsed, values
+
+
+def _matryoshka_dim(dims: str, token: str) -> int:
+    try:
+        value = int(token)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise UserError(f"--matryoshka_dims {dims!r}: {token!r} is not a positive whole number of dimensions")
+    return value
+
+
+def _matryoshka_weight(weights: str, token: str) -> float:
+    try:
+        value = float(token)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise UserError(f"--matryoshka_weights {weights!r}: {token!r} is not a weight of 0 or more")
+    return value
 
 
 def _check_positive(cfg: Any, *names: str) -> None:

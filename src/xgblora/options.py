@@ -163,6 +163,8 @@ class ContrastiveOptions:
                                  ("infonce", "symmetric"))
     learnable_temperature: bool = _opt(False, "Contrastive: learn the temperature (as CLIP does, its log-scale trained by AdamW from --contrastive_temperature).")
     mini_batch_size: int = _opt(0, "Contrastive/GRIT gradient caching (GradCache): embed this many rows at a time, keeping every in-batch negative at one mini-batch's memory; 0: off.")
+    matryoshka_dims: str | None = _opt(None, "Contrastive/GRIT: Matryoshka embeddings (sentence-transformers' MatryoshkaLoss): the loss summed over the embeddings cut to each of these sizes, e.g. 384,256,128,64 (each cut normalised anew).")
+    matryoshka_weights: str | None = _opt(None, "Contrastive/GRIT: the weight of each --matryoshka_dims size's loss, as many as sizes (default: 1 each).")
     embed_pieces: bool | None = _opt(None, "Contrastive/GRIT without gradient caching: embed in length-sorted pieces, each padded to its own longest row. Default: on for the CPU, off on CUDA.")
     grit_train_file: str | None = _opt(None, "GRIT: instruction data for the generative loss, in any form --train_file takes (messages, prompt/completion, text).")
     grit_contrastive_weight: float = _opt(1.0, "GRIT: weight of the contrastive loss.")

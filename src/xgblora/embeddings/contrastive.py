@@ -1,6 +1,7 @@
 """The contrastive objective of embedding training: InfoNCE over a batch's documents (every process's), the
-symmetric variant, a fixed or learnt temperature, and GRIT's weighted sum with the generative loss; the batch's
-texts embedded in one piece, in length-sorted pieces or by gradient caching."""
+symmetric variant, a fixed or learnt temperature, Matryoshka embeddings (the loss summed over the embeddings cut to
+several sizes), and GRIT's weighted sum with the generative loss; the batch's texts embedded in one piece, in
+length-sorted pieces or by gradient caching."""
 
 from __future__ import annotations
 
@@ -47,20 +48,34 @@ def info_nce(queries: Tensor, docs: Tensor, positive: Tensor, doc_key: Tensor, s
                                                reduction="none")) / 2
 
 
+def matryoshka_nce(queries: Tensor, docs: Tensor, dims: tuple[int, ...], dim_weights: tuple[float, ...],
+                   nce: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """sentence-transformers' MatryoshkaLoss: sum_d w_d x the loss `nce` of the unit vectors of the embeddings'
+    first d dimensions (cut before normalising, so every cut is a unit vector of its own)."""
+    def unit(x: Tensor, d: int) -> Tensor:
+        return nn.functional.normalize(x[:, :d], dim=-1)
+
+    return sum(w * nce(unit(queries, d), unit(docs, d)) for d, w in zip(dims, dim_weights, strict=True))
+
+
 class Contrastive(nn.Module):
     """The embedding objective: pooling, attention direction, temperature (fixed, or learnt as a log-scale), the
     cross-process gather of documents, GRIT's weights, the instruction tokens left out of the pooling (`skips`: of
-    queries and documents; GritLM's), the symmetric loss, gradient caching (`mini_batch` > 0: queries and
-    documents embedded that many rows at a time, `gradcache`), and otherwise length-sorted pieces (`split_cost`, in
-    tokens, a forward's fixed cost: `pieces`; None: the batch in one piece). Owns its one parameter, the learnable
+    queries and documents; GritLM's), the symmetric loss, Matryoshka sizes and their weights (`dims`,
+    `dim_weights`; () : the full embedding alone), gradient caching (`mini_batch` > 0: queries and documents
+    embedded that many rows at a time, `gradcache`), and otherwise length-sorted pieces (`split_cost`, in tokens, a
+    forward's fixed cost: `pieces`; None: the batch in one piece). Owns its one parameter, the learnable
     log-scale."""
 
     def __init__(self, pooling: str, temperature: float, learnable: bool = False, bidirectional: bool = False,
                  gather: Gather | None = None, weights: tuple[float, float] = (1.0, 1.0), mini_batch: int = 0,
-                 skips: tuple[int, int] = (0, 0), symmetric: bool = False, split_cost: float | None = None):
+                 skips: tuple[int, int] = (0, 0), symmetric: bool = False, split_cost: float | None = None,
+                 dims: tuple[int, ...] = (), dim_weights: tuple[float, ...] | None = None):
         super().__init__()
         self.pooling, self.bidirectional, self.gather, self.weights = pooling, bidirectional, gather, weights
         self.mini_batch, self.skips, self.symmetric, self.split_cost = mini_batch, skips, symmetric, split_cost
+        self.dims = tuple(dims)
+        self.dim_weights = tuple(dim_weights) if dim_weights is not None else (1.0,) * len(self.dims)
         log_scale = torch.tensor(math.log(1 / temperature))
         self.log_scale = nn.Parameter(log_scale) if learnable else None
         self.fixed_scale = 1 / temperature
@@ -74,14 +89,23 @@ class Contrastive(nn.Module):
         """Per-query InfoNCE [halves x B]; each half of MeZO's dual batch is its own contrastive batch."""
         q = self.embed(model, batch.query_ids, batch.query_mask, batch.halves, self.skips[0])
         d = self.embed(model, batch.doc_ids, batch.doc_mask, batch.halves, self.skips[1])
-        return torch.cat([info_nce(qh, dh, batch.positive, batch.doc_key, self.scale, self.gather, self.symmetric)
-                          for qh, dh in zip(q.chunk(batch.halves), d.chunk(batch.halves), strict=True)])
+
+        def nce(queries: Tensor, docs: Tensor) -> Tensor:
+            return info_nce(queries, docs, batch.positive, batch.doc_key, self.scale, self.gather, self.symmetric)
+
+        # Matryoshka: the embeddings (cached ones too) are computed once, in full, and cut inside the loss, so one
+        # backward reaches the model through every size's loss (sentence-transformers' CachedLossDecorator)
+        halves = zip(q.chunk(batch.halves), d.chunk(batch.halves), strict=True)
+        if not self.dims:
+            return torch.cat([nce(qh, dh) for qh, dh in halves])
+        return torch.cat([matryoshka_nce(qh, dh, self.dims, self.dim_weights, nce) for qh, dh in halves])
 
     def embed(self, model: nn.Module, ids: Tensor, mask: Tensor, halves: int, skip: int = 0) -> Tensor:
-        """Unit embeddings of the rows (their first `skip` tokens not pooled): `mini_batch` rows of each half at a
-        time (gradient caching), else in length-sorted pieces (with `split_cost`), else in one piece."""
+        """Unit embeddings of the rows (their first `skip` tokens not pooled; with Matryoshka sizes not yet
+        normalised): `mini_batch` rows of each half at a time (gradient caching), else in length-sorted pieces (with
+        `split_cost`), else in one piece."""
         def embed_rows(rows_ids: Tensor, rows_mask: Tensor) -> Tensor:
-            return embed(model, rows_ids, rows_mask, self.pooling, self.bidirectional, skip)
+            return embed(model, rows_ids, rows_mask, self.pooling, self.bidirectional, skip, normalize=not self.dims)
 
         if self.mini_batch and ids.shape[0] > self.mini_batch * halves:
             return cached_embed(embed_rows, ids, mask, self.mini_batch, halves)

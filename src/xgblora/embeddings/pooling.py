@@ -55,12 +55,13 @@ def pooling_mask(attention_mask: Tensor, skip: int) -> Tensor:
 
 
 def embed(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, pooling: str,
-          bidirectional: bool = False, skip: int = 0) -> Tensor:
+          bidirectional: bool = False, skip: int = 0, normalize: bool = True) -> Tensor:
     """Unit-length embeddings [B, H] (fp32) of right-padded inputs, pooled by 'mean', 'cls' or 'last'; the first
-    `skip` tokens (an instruction prefix) are attended to but not pooled."""
+    `skip` tokens (an instruction prefix) are attended to but not pooled. normalize false: the pooled vectors as
+    they are (Matryoshka's loss cuts them first, then normalises each cut)."""
     hidden = hidden_states(model, input_ids, attention_mask, bidirectional)
     pooled = hidden[:, 0] if pooling == "cls" else pool(hidden, pooling_mask(attention_mask, skip), pooling)
-    return nn.functional.normalize(pooled.float(), dim=-1)
+    return nn.functional.normalize(pooled.float(), dim=-1) if normalize else pooled.float()
 
 
 def bidirectional_supported(model: nn.Module) -> bool:

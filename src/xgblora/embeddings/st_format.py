@@ -34,9 +34,26 @@ def write_sentence_transformers(out: Path, pooling: str, dim: int, max_length: i
         (out / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
 
 
+def matryoshka_card(dims: str | None) -> str:
+    """The model card's note of a Matryoshka model's sizes (--matryoshka_dims as given), '' for none:
+    sentence-transformers' config has no field for them (its truncate_dim would cut every encoding by default)."""
+    if not dims:
+        return ""
+    sizes = [int(d) for d in dims.replace(",", " ").split()]
+    return (f"## Matryoshka embeddings\n\nTrained with sentence-transformers' MatryoshkaLoss at the sizes "
+            f"matryoshka_dims: {sizes}. Load it cut to one of them with\n"
+            f"`SentenceTransformer(path, truncate_dim={min(sizes)})`: the first {min(sizes)} dimensions of each "
+            f"embedding.\n")
+
+
 def embedding_export(out: Path, cfg: dict[str, Any], dim: int) -> None:
-    """The sentence-transformers files of an embedding run's (config.yaml as a dict) saved model."""
+    """The sentence-transformers files of an embedding run's (config.yaml as a dict) saved model, and a Matryoshka
+    model's card where the folder has none yet (a run's final/ gets the run's full card after this)."""
     prefixes = embedding_prefixes(cfg.get("instruction_format") or "plain", cfg.get("query_instruction") or "",
                                   cfg.get("doc_instruction") or "")
     write_sentence_transformers(out, cfg["pooling"], dim, int(cfg["max_length"]), prefixes.query, prefixes.doc,
                                 cfg.get("include_prompt") is not False)
+    card = matryoshka_card(cfg.get("matryoshka_dims"))
+    if card and not (out / "README.md").exists():
+        (out / "README.md").write_text(f"---\nlibrary_name: sentence-transformers\ntags: [xgblora, matryoshka]\n"
+                                       f"---\n\n{card}", encoding="utf-8")

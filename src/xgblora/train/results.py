@@ -14,7 +14,7 @@ import torch
 from xgblora import atomic
 from xgblora.adapters.peft import to_peft
 from xgblora.config import Config
-from xgblora.embeddings.st_format import embedding_export
+from xgblora.embeddings.st_format import embedding_export, matryoshka_card
 from xgblora.models.pretrained import RANDOM_MODELS
 from xgblora.train.setup import Method
 
@@ -126,7 +126,7 @@ def write_model_card(cfg: Config, results: dict[str, Any]) -> None:
     card = f"""---
 base_model: {cfg.model_name}
 library_name: {"peft" if adapter else "transformers"}
-tags: [xgblora, {cfg.method}, {"mezo" if cfg.trainer == "zo" else "adamw"}]
+tags: [xgblora, {cfg.method}, {"mezo" if cfg.trainer == "zo" else "adamw"}{", matryoshka" if cfg.matryoshka_dims else ""}]
 ---
 
 # {Path(cfg.output_dir).name}
@@ -149,4 +149,6 @@ from transformers import AutoTokenizer
 tokenizer = AutoTokenizer.from_pretrained("{final}")
 ```
 """
+    if cfg.objective != "lm" and cfg.matryoshka_dims:
+        card += "\n" + matryoshka_card(cfg.matryoshka_dims)
     atomic.write_text(final / "README.md", card)

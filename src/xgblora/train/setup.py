@@ -323,6 +323,7 @@ def resolve_config(cfg: Config, model: torch.nn.Module, dist: Distributed, head:
         pooling = pretrained.sentence_pooling(cfg.model_name) or "cls"
     embedding_options = {}
     if cfg.objective != "lm":
+        check_matryoshka_dims(cfg, model)
         bidirectional = resolve_bidirectional(cfg, model, head)
         embedding_options = {"contrastive_temperature": cfg.similarity_temperature, "include_prompt": cfg.pools_prompt}
         if pooling == "auto":
@@ -331,6 +332,21 @@ def resolve_config(cfg: Config, model: torch.nn.Module, dist: Distributed, head:
     return dataclasses.replace(cfg, max_length=max_length, device=dist.device or cfg.device, pooling=pooling,
                                bidirectional=bidirectional, **embedding_options,
                                save_only_model=cfg.save_only_model or dist.model_only_checkpoints)
+
+
+def check_matryoshka_dims(cfg: Config, model: torch.nn.Module) -> None:
+    """--matryoshka_dims within the model's embedding size, refused before training starts (the loss would fail at
+    the first step); a warning where the full size is not among them, as sentence-transformers warns (the uncut
+    embedding, what the model gives by default, is then not trained)."""
+    dims, size = cfg.matryoshka[0], getattr(model.config, "hidden_size", None)
+    if not dims or size is None:
+        return
+    if max(dims) > size:
+        raise UserError(f"--matryoshka_dims {cfg.matryoshka_dims}: {max(dims)} is above {cfg.model_name}'s "
+                        f"embedding size {size}; give sizes of at most {size}")
+    if size not in dims:
+        log.warning("--matryoshka_dims %s leaves out the full embedding size %d: the uncut embedding is not "
+                    "trained; add %d unless the model is only used truncated", cfg.matryoshka_dims, size, size)
 
 
 def resolve_bidirectional(cfg: Config, model: torch.nn.Module, head: str) -> bool:
@@ -405,8 +421,8 @@ def build_contrastive(run: RunSetup, dist: Distributed) -> Contrastive | None:
                        gather=dist.gather_rows if dist.world_size > 1 else None,
                        weights=(cfg.grit_contrastive_weight, cfg.grit_generative_weight),
                        mini_batch=cfg.mini_batch_size, skips=skips,
-                       symmetric=cfg.contrastive_loss == "symmetric", split_cost=split_cost(cfg.embed_pieces, run.device)
-                       ).to(run.device)
+                       symmetric=cfg.contrastive_loss == "symmetric", split_cost=split_cost(cfg.embed_pieces, run.device),
+                       dims=cfg.matryoshka[0], dim_weights=cfg.matryoshka[1]).to(run.device)
 
 
 
