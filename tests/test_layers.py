@@ -26,10 +26,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("models", "distributed"),
     ("data",),
     ("parsing",),
+    ("trl_names",),
     ("config", "report"),
     ("options",),
     ("logs", "trackers", "checkpoint", "perf"),
-    ("atomic", "usercode"),
+    ("atomic", "usercode", "outputs"),
     ("errors",),
 ]
 
