@@ -19,7 +19,9 @@ Under torchrun or accelerate launch the run is data-parallel: every process draw
 share of whole groups, samples them with its own seed, and takes per_device_train_batch_size completions per
 micro-batch; rewards are gathered (the batch std of --scale_rewards batch, the logged statistics), dapo divides by
 the whole generation batch's tokens, and the steppers average gradients (AdamW) or losses (MeZO) over processes.
-The held-out prompts are shared out too. Only the main process writes to OUTPUT_DIR; a checkpoint holds every
+The held-out prompts are shared out too. Evolution strategies under --zo_es_spread members share out the population
+instead: every process samples all of a step's prompts, with one seed, for its own members, and only the members'
+losses are summed over processes (no rewards gathered). Only the main process writes to OUTPUT_DIR; a checkpoint holds every
 process's generation batch in flight, so a resume needs the same number of processes.
 
 OUTPUT_DIR/ config.yaml, metrics.jsonl (per logging step: loss, lr, rewards per function and total, accuracy,
