@@ -53,6 +53,8 @@ grpo.Generations.sample = fixed_samples
 sys.exit(cli.main(["grpo", *sys.argv[1:]]))
 '''
 ADAPTER = "final/adapter_model.safetensors"
+# A rank that samples with the policy itself (--zo_objective reward: the members' completions are the point).
+POLICY_WORKER = "import sys\nfrom xgblora import cli\nsys.exit(cli.main(['grpo', *sys.argv[1:]]))\n"
 
 
 @pytest.fixture
@@ -78,9 +80,9 @@ def options(data: Path, out: str, **overrides) -> dict:
     return values
 
 
-def torchrun(data: Path, values: dict, nproc: int) -> subprocess.CompletedProcess:
+def torchrun(data: Path, values: dict, nproc: int, worker: str = WORKER) -> subprocess.CompletedProcess:
     script = data / "worker.py"
-    script.write_text(WORKER, encoding="utf-8")
+    script.write_text(worker, encoding="utf-8")
     args = [a for k, v in values.items() for a in (f"--{k}", *map(str, v if isinstance(v, list) else [v]))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", str(script), *args]
@@ -89,9 +91,9 @@ def torchrun(data: Path, values: dict, nproc: int) -> subprocess.CompletedProces
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def trained(data: Path, values: dict, nproc: int) -> dict:
+def trained(data: Path, values: dict, nproc: int, worker: str = WORKER) -> dict:
     """Run to the end; the main process's results.json."""
-    done = torchrun(data, values, nproc)
+    done = torchrun(data, values, nproc, worker)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((Path(values["output_dir"]) / "results.json").read_text(encoding="utf-8"))
 
@@ -136,6 +138,32 @@ def test_mezo_two_ranks_equal_one_process(data):
     assert_close_tensors(load_file(data / "one" / ADAPTER), load_file(data / "two" / ADAPTER), atol=1e-5, rtol=0)
     assert [r["loss"] for r in logged(data / "one")] == pytest.approx([r["loss"] for r in logged(data / "two")],
                                                                       abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling, members", [("antithetic", 6), ("independent", 3)])
+def test_es_with_its_members_spread_over_two_ranks_equals_one_process(data, sampling, members):
+    """--zo_es_spread members: each rank scores its share of the population (seeds 0 and 2 on rank 0, seed 1 on rank
+    1) on all of the step's prompts, sampled with one seed; one all-reduce of the population's fp32 losses is all
+    that crosses the network, and both ranks end with the one process's adapter."""
+    (data / "graded_reward.py").write_text(
+        "def first_mod7(completion_ids, **kwargs):\n    return [float(ids[0] % 7) for ids in completion_ids]\n")
+    values = dict(model_name="tiny-llama", train_file=str(data / "q.jsonl"), columns="prompt=question,completion=answer",
+                  method="lora", trainer="zo", zo_objective="reward", zo_estimator="es", zo_es_sampling=sampling,
+                  zo_queries=3, zo_eps=0.05, learning_rate=0.02, num_return_sequences=2, max_new_tokens=4,
+                  per_device_train_batch_size=4, gradient_accumulation_steps=1, max_steps=2, logging_steps=1,
+                  save_strategy="no", device="cpu", seed=3, reward_funcs=["graded_reward:first_mod7"])
+    trained(data, dict(values, output_dir=str(data / "one")), 1, POLICY_WORKER)
+    two = trained(data, dict(values, output_dir=str(data / "two"), zo_es_spread="members"), 2, POLICY_WORKER)
+    assert_close_tensors(load_file(data / "one" / ADAPTER), load_file(data / "two" / ADAPTER), atol=1e-5, rtol=0)
+    assert any(t.abs().sum() > 0 for k, t in load_file(data / "two" / ADAPTER).items() if "lora_B" in k)  # trained
+    for a, b in zip(logged(data / "one"), logged(data / "two"), strict=True):
+        for key in ("loss", "reward", "member_reward_std", "completion_length"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
+    assert any(r["member_reward_std"] > 0 for r in logged(data / "two"))  # the members scored differently
+    # the population's losses (fp32) and the 4-byte stop flag, nothing else
+    assert (two["world_size"], two["zo_bytes_per_step"], two["allreduce_bytes_per_step"]) == \
+        (2, 4 * members, 4 * members + 4)
 
 
 def test_a_generation_batch_that_does_not_split_over_the_ranks_is_a_one_line_error(data):

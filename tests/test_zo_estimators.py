@@ -199,10 +199,12 @@ def test_es_on_a_quadratic_is_the_exact_update_and_descends():
 
 def test_zo_estimator_es_builds_the_population_the_flags_ask_for():
     weight = nn.Parameter(torch.zeros(3))
-    for queries, pairs in ((None, 15), (6, 6)):  # default: the reference's population of 30
-        cfg = Config(trainer="zo", method="lora", zo_estimator="es", zo_queries=queries)
+    for queries, sampling, seeds in ((None, "antithetic", 15), (6, "antithetic", 6), (None, "independent", 30),
+                                     (7, "independent", 7)):  # default: the reference's population of 30
+        cfg = Config(trainer="zo", method="lora", zo_estimator="es", zo_queries=queries, zo_es_sampling=sampling)
         estimator = ESTIMATORS[cfg.zo_estimator]([("w", weight)], lr=1e-3, eps=1e-3, **estimator_options(cfg))
-        assert (type(estimator), estimator.queries) == (ES, pairs)
+        assert (type(estimator), estimator.queries, estimator.sampling, estimator.share) == \
+            (ES, seeds, sampling, (0, 1))
     assert parse_method("lora:es", "regular") == ("lora", "zo", "es")
 
 
@@ -484,6 +486,11 @@ def test_losses_are_reduced_over_ranks_before_the_estimate():
     (dict(zo_estimator="fzoo", zo_queries=1), "at least 2"),
     (dict(zo_estimator="mezo", zo_queries=4), "takes one perturbation per step"),
     (dict(method="ft", load_bfloat16=True, zo_optimizer="adam"), "load fp32 weights"),
+    (dict(zo_estimator="nspsa", zo_es_sampling="independent"), "--zo_es_sampling independent: the population of "
+                                                               "--zo_estimator es only, not nspsa"),
+    (dict(zo_estimator="mezo", zo_es_spread="members"), "es only, not mezo"),
+    (dict(zo_estimator="es", zo_es_sampling="independent", zo_dual=True), "independent perturbs one-sided"),
+    (dict(zo_estimator="es", zo_es_spread="members"), "that is xgblora grpo --zo_objective reward"),
 ])
 def test_flags_an_estimator_cannot_use_are_refused_with_the_reason(overrides, message):
     with pytest.raises(UserError, match=message):
@@ -527,3 +534,77 @@ def test_es_leaves_members_without_a_finite_loss_out_of_the_population():
     before = theta.detach().clone()
     assert nothing.step(lambda batch: (theta.sum() * math.nan).reshape(1), {}) == ()
     torch.testing.assert_close(theta.detach(), before, atol=1e-12, rtol=0)  # perturbed and restored only
+
+
+def quadratic_members(start: torch.Tensor, signs: tuple[float, ...], n: int, eps: float
+                      ) -> tuple[list[tuple[float, torch.Tensor]], torch.Tensor]:
+    """The members (sign, z) of ES(seed=5)'s first step on the quadratic of quadratic_terms, and their losses."""
+    a, b, _ = quadratic_terms()
+    members = [(sign, z) for s in step_seeds(5, n) for z in reference_z([start], s) for sign in signs]
+    points = [start + sign * eps * z for sign, z in members]
+    return members, torch.tensor([float(0.5 * x @ a @ x + b @ x) for x in points], dtype=torch.float64)
+
+
+def test_es_independent_members_are_the_references_one_sided_z_scored_update():
+    """--zo_es_sampling independent: N one-sided members theta + eps z_m, one seed each, and
+    theta <- theta - lr / N sum_m zscore(L_m) z_m over the members with a finite loss (here the third has none);
+    150 steps descend; with no member scored, no step."""
+    a, b, start = quadratic_terms()
+    theta = nn.Parameter(start.clone())
+    lr, eps, n = 0.05, 1e-3, 6
+    calls = []
+
+    def loss(batch) -> torch.Tensor:
+        calls.append(None)
+        value = 0.5 * theta @ a @ theta + b @ theta
+        return (value * math.nan if len(calls) == 3 else value).reshape(1)
+
+    estimator = ES([("theta", theta)], lr=lr, eps=eps, seed=5, queries=n, sampling="independent")
+    reported = estimator.step(loss, {})
+    members, values = quadratic_members(start, (1.0,), n, eps)
+    scored = [m for m in range(n) if m != 2]
+    shaped = (values[scored] - values[scored].mean()) / (values[scored].std(unbiased=False) + 1e-8)
+    expected = start - lr / len(scored) * sum(float(s) * members[m][1] for s, m in zip(shaped, scored, strict=True))
+    assert len(calls) == n and reported == pytest.approx(values[scored].tolist(), rel=1e-9)
+    torch.testing.assert_close(theta.detach(), expected, atol=1e-12, rtol=0)
+
+    best = float(0.5 * torch.linalg.solve(a, -b) @ b)
+    start_gap = float(0.5 * start @ a @ start + b @ start) - best
+    for _ in range(150):
+        estimator.step(lambda batch: (0.5 * theta @ a @ theta + b @ theta).reshape(1), {})
+    end = theta.detach()
+    assert float(0.5 * end @ a @ end + b @ end) - best < 0.1 * start_gap
+
+    before = theta.detach().clone()
+    assert estimator.step(lambda batch: (theta.sum() * math.nan).reshape(1), {}) == ()
+    torch.testing.assert_close(theta.detach(), before, atol=1e-12, rtol=0)  # perturbed and restored only
+
+
+@pytest.mark.parametrize("sampling", ["antithetic", "independent"])
+def test_es_shared_out_over_two_processes_scores_each_member_once_and_steps_as_one(sampling):
+    """share (rank, world): a process scores the members of seeds k % world == rank only (whole pairs), 0 for the
+    others'; the sum over the processes (here: rank 1's vector kept and added to rank 0's) is the population's
+    losses, and both processes step as one process does."""
+    a, b, start = quadratic_terms()
+    thetas = [nn.Parameter(start.clone()) for _ in range(3)]
+    scored: list[list[int]] = [[], [], []]
+
+    def loss_of(k: int):
+        def loss(batch) -> torch.Tensor:
+            scored[k].append(None)
+            return (0.5 * thetas[k] @ a @ thetas[k] + b @ thetas[k]).float().reshape(1)  # as rewards are
+        return loss
+
+    options = dict(lr=0.05, eps=1e-3, seed=5, queries=3, sampling=sampling)
+    ES([("theta", thetas[0])], **options).step(loss_of(0), {})
+    sent = []
+    ES([("theta", thetas[2])], share=(1, 2), reduce_losses=lambda v: sent.append(v) or v, **options).step(
+        loss_of(2), {})
+    reported = ES([("theta", thetas[1])], share=(0, 2), reduce_losses=lambda v: v + sent[0], **options).step(
+        loss_of(1), {})
+    members = 2 if sampling == "antithetic" else 1
+    assert (len(scored[0]), len(scored[1]), len(scored[2])) == (3 * members, 2 * members, members)
+    assert sent[0].dtype == torch.float32 and sent[0].shape == (3 * members,)
+    assert sent[0][:members].eq(0).all() and sent[0][2 * members:].eq(0).all()  # rank 0's seeds 0 and 2
+    assert len(reported) == 3 * members
+    torch.testing.assert_close(thetas[1].detach(), thetas[0].detach(), atol=1e-9, rtol=0)

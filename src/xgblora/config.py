@@ -221,10 +221,28 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         if self.zo_estimator == "fzoo" and self.zo_dual:
             raise UserError("--zo_dual: fzoo perturbs one-sided with --zo_queries different vectors, which the "
                             "doubled batch (+z and -z of one vector) cannot carry; drop --zo_dual")
+        self._check_es_population()
         if self.zo_optimizer != "sgd" and self.method == "ft" and self.dtype_name != "float32":
             raise UserError(f"--zo_optimizer {self.zo_optimizer} keeps its state in the weights' dtype, where "
                             f"{self.dtype_name} loses the small updates of full fine-tuning: load fp32 weights or "
                             f"use --zo_optimizer sgd")
+
+    def _check_es_population(self) -> None:
+        """--zo_es_sampling and --zo_es_spread shape es's population; the doubled batch carries antithetic pairs, and
+        members can be spread only where every process scores a member on the same data (sampled prompts)."""
+        changed = [f"--{name} {getattr(self, name)}" for name, default in (("zo_es_sampling", "antithetic"),
+                                                                            ("zo_es_spread", "prompts"))
+                   if getattr(self, name) != default]
+        if changed and self.zo_estimator != "es":
+            raise UserError(f"{', '.join(changed)}: the population of --zo_estimator es only, not "
+                            f"{self.zo_estimator}")
+        if self.zo_es_sampling == "independent" and self.zo_dual:
+            raise UserError("--zo_dual: --zo_es_sampling independent perturbs one-sided with a different vector per "
+                            "member, which the doubled batch (+z and -z of one vector) cannot carry; drop --zo_dual")
+        if self.zo_es_spread == "members" and getattr(self, "zo_objective", "loss") != "reward":
+            raise UserError("--zo_es_spread members has every process score its members on all of a step's data: "
+                            "that is xgblora grpo --zo_objective reward (each member samples the step's prompts); "
+                            "a loss on a batch is split over the processes: use --zo_es_spread prompts")
 
     @property
     def groups_by_length(self) -> bool:
@@ -637,9 +655,9 @@ XGBLORA_OPTIONS = ("xgblora_preset", "xgblora_num_boosters", "xgblora_steps_per_
                    "xgblora_layers_per_booster", "xgblora_shrinkage", "xgblora_norm_penalty",
                    "xgblora_restart_schedule", "xgblora_init", "xgblora_init_batches", "xgblora_adaptive",
                    *XGBLORA_ADAPTIVE_OPTIONS)
-ZO_OPTIONS = ("zo_eps", "zo_dual", "zo_estimator", "zo_queries", "zo_optimizer", "zo_svrg_period",
-              "zo_svrg_anchor_batches", "zo_svrg_anchor_learning_rate", "zo_stochastic_rounding", "head_trainer",
-              "head_learning_rate")
+ZO_OPTIONS = ("zo_eps", "zo_dual", "zo_estimator", "zo_queries", "zo_es_sampling", "zo_es_spread", "zo_optimizer",
+              "zo_svrg_period", "zo_svrg_anchor_batches", "zo_svrg_anchor_learning_rate", "zo_stochastic_rounding",
+              "head_trainer", "head_learning_rate")
 GRIT_OPTIONS = ("grit_contrastive_weight", "grit_generative_weight", "grit_generative_batch_size")
 EMBEDDING_OPTIONS = ("query_instruction", "doc_instruction", "instruction_format", "include_prompt",
                      "contrastive_temperature", "contrastive_loss", "learnable_temperature", "bidirectional",

@@ -47,7 +47,8 @@ class Distributed:
         self.device: str | None = None  # this rank's GPU, when it has one
         self.model_only_checkpoints = False  # FSDP: checkpoints hold the gathered weights only
         self.bytes_per_step: list[int] = []  # all-reduce payload bytes of each training step, this run
-        self._pending_bytes = 0
+        self.zo_bytes_per_step: list[int] = []  # of which a zeroth-order estimator's losses
+        self._pending_bytes = self._pending_zo_bytes = 0
 
     # ------------------------------------------------------------------ data
     def shard(self, train_set: Any) -> Any:
@@ -127,6 +128,27 @@ class Distributed:
         self._all_reduce_mean([values], "the loss all-reduce")
         return values
 
+    def all_sum(self, values: Tensor) -> Tensor:
+        """The sum over ranks of a small tensor (ES's member losses, each scored on one rank), as a new tensor."""
+        if self.world_size == 1:
+            return values
+        values = values.clone()
+        self._collective(lambda: torch.distributed.all_reduce(values), values.nbytes, "the loss all-reduce")
+        return values
+
+    def zo_losses(self, total: bool = False) -> Callable[[Tensor], Tensor]:
+        """A zeroth-order estimator's reduce_losses: the mean over ranks (each scored its share of the batch) or,
+        with total, the sum (each scored its share of the members, 0 for the others'); counted in
+        zo_bytes_per_step."""
+        reduce = self.all_sum if total else self.all_mean
+
+        def reduced(values: Tensor) -> Tensor:
+            if self.world_size > 1:
+                self._pending_zo_bytes += values.nbytes
+            return reduce(values)
+
+        return reduced
+
     def gather_rows(self, rows: Tensor) -> tuple[Tensor, int]:
         """Every rank's rows concatenated in rank order, and where this rank's start (the contrastive loss's shared
         negatives). Rows that need gradients travel through autograd's all-gather, whose backward sends each rank
@@ -167,7 +189,8 @@ class Distributed:
         self._collective(lambda: torch.distributed.all_reduce(flag, torch.distributed.ReduceOp.MAX), flag.nbytes,
                          "the stop-flag all-reduce")
         self.bytes_per_step.append(self._pending_bytes)
-        self._pending_bytes = 0
+        self.zo_bytes_per_step.append(self._pending_zo_bytes)
+        self._pending_bytes = self._pending_zo_bytes = 0
         return bool(flag.item())
 
     def wait_for_main(self) -> None:
@@ -179,9 +202,10 @@ class Distributed:
         """Run statistics of a multi-process run (nothing with one process): world size, bytes sent per step."""
         if self.world_size == 1:
             return {}
-        steps = self.bytes_per_step
+        steps, zo = self.bytes_per_step, self.zo_bytes_per_step
         return {"world_size": self.world_size, "fsdp": self.sharded,
-                "allreduce_bytes_per_step": round(sum(steps) / len(steps), 1) if steps else 0.0}
+                "allreduce_bytes_per_step": round(sum(steps) / len(steps), 1) if steps else 0.0,
+                **({"zo_bytes_per_step": round(sum(zo) / len(zo), 1)} if any(zo) else {})}
 
     @property
     def _device(self) -> torch.device:

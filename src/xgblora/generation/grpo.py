@@ -19,7 +19,9 @@ Under torchrun or accelerate launch the run is data-parallel: every process draw
 share of whole groups, samples them with its own seed, and takes per_device_train_batch_size completions per
 micro-batch; rewards are gathered (the batch std of --scale_rewards batch, the logged statistics), dapo divides by
 the whole generation batch's tokens, and the steppers average gradients (AdamW) or losses (MeZO) over processes.
-The held-out prompts are shared out too. Only the main process writes to OUTPUT_DIR; a checkpoint holds every
+The held-out prompts are shared out too. Evolution strategies under --zo_es_spread members share out the population
+instead: every process samples all of a step's prompts, with one seed, for its own members, and only the members'
+losses are summed over processes (no rewards gathered). Only the main process writes to OUTPUT_DIR; a checkpoint holds every
 process's generation batch in flight, so a resume needs the same number of processes.
 
 OUTPUT_DIR/ config.yaml, metrics.jsonl (per logging step: loss, lr, rewards per function and total, accuracy,
@@ -67,7 +69,7 @@ from xgblora.generation.grpo_objective import (
 from xgblora.generation.rewards import Rewards
 from xgblora.models.sampler import Sample, Sampler, SamplingParams
 from xgblora.report import GRPO_PANELS, write_curves_report
-from xgblora.train.loop import Trainer
+from xgblora.train.loop import Trainer, spreads_members
 from xgblora.train.results import write_results
 from xgblora.train.run import finished_results, run_folder, start_over
 from xgblora.train.setup import Method, RunSetup, autocast_dtype, load_policy, setup_method
@@ -236,6 +238,8 @@ class Generations:
         # are kept (a fresh adapter is zero, so switching it off is the same reference at no cost)
         self.reference_factors = adapter_snapshot(method.modules) \
             if cfg.beta and cfg.adapter and cfg.method == "lora" else None
+        # --zo_es_spread members: every process samples all of a step's prompts, with one seed, for its members
+        self.members_spread = spreads_members(cfg)
         self.prompts = self._read(cfg.train_file)
         self.heldout = self._read(cfg.eval_file) if cfg.eval_file else None
         self.max_steps = cfg.max_steps if cfg.max_steps > 0 else self.plan.cycle * max(
@@ -283,6 +287,8 @@ class Generations:
         the step moved nothing; a larger --zo_eps makes them differ)."""
         members = self.population
         self.population = []
+        if self.members_spread:  # each rank holds its own members' statistics
+            members = [m for rank in self.dist.gather_objects(members) for m in rank]
         record = {name: sum(m[name] for m in members) / len(members) for name in members[0]}
         return {**record, "member_reward_std": float(torch.tensor([m["reward"] for m in members]).std(correction=0))}
 
@@ -399,19 +405,23 @@ class Generations:
         PolicyReward); the statistics join the population's for the next logging step."""
         params = dataclasses.replace(sampling_params(self.cfg), seed=batch.seed)
         texts, ids, truncated = self._completions(batch.indices, params)
-        rewards, _, metrics = self._rewards(batch.indices, texts, ids, truncated)
+        # spread members: the member's completions are all on this process, and the others score other members
+        rewards, _, metrics = self._rewards(batch.indices, texts, ids, truncated, gather=not self.members_spread)
         self.population.append(metrics)
         return rewards.to(self.device)
 
     def _next_prompts(self) -> list[int]:
         """This rank's share of the next generation batch's prompts: every rank draws the whole batch, so the streams
-        stay in step, and keeps its own whole groups."""
+        stay in step, and keeps its own whole groups (all of them when the ranks share out ES's members instead)."""
         stream = iter(self.stream)
-        return [next(stream)[0] for _ in range(self.plan.prompts)][self.dist.rank::self.dist.world_size]
+        drawn = [next(stream)[0] for _ in range(self.plan.prompts)]
+        return drawn if self.members_spread else drawn[self.dist.rank::self.dist.world_size]
 
     def _sampling_seed(self, draw: int) -> int:
-        """The sampling seed of the draw-th generation batch (--zo_objective reward: of step draw), one per rank."""
-        return (self.cfg.seed * 1_000_003 + draw) * self.dist.world_size + self.dist.rank
+        """The sampling seed of the draw-th generation batch (--zo_objective reward: of step draw), one per rank; one
+        for all when the ranks share out ES's members (a member samples as it would on one process)."""
+        world, rank = (1, 0) if self.members_spread else (self.dist.world_size, self.dist.rank)
+        return (self.cfg.seed * 1_000_003 + draw) * world + rank
 
     def _completions(self, indices: list[int],
                      params: SamplingParams) -> tuple[list[str], list[list[int]], torch.Tensor]:
@@ -421,14 +431,15 @@ class Generations:
         ids = [list(s.token_ids) + ([s.stop_id] if s.stop_id is not None else []) for s in samples]
         return texts, ids, torch.tensor([s.finish_reason == "length" for s in samples])
 
-    def _rewards(self, indices: list[int], texts: list[str], ids: list[list[int]],
-                 truncated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    def _rewards(self, indices: list[int], texts: list[str], ids: list[list[int]], truncated: torch.Tensor,
+                 gather: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """This rank's rewards and advantages, and the statistics of the whole generation batch: all from every
-        rank's scores (a group lives on one rank, but --scale_rewards batch and the logs need every group)."""
+        rank's scores (a group lives on one rank, but --scale_rewards batch and the logs need every group); from
+        this rank's alone without gather."""
         lengths = torch.tensor([len(c) for c in ids], dtype=torch.float)
         scores = torch.cat([self.score(self.prompts, indices, texts, ids), lengths[:, None],
                             truncated[:, None].float()], 1)
-        everyone, start = self._gathered(scores)
+        everyone, start = self._gathered(scores) if gather else (scores, 0)
         per_function, rewards = everyone[:, :-2], self.rewards.total(everyone[:, :-2])
         if torch.isnan(rewards).all():  # nothing to learn from, on any rank: the loss would be 0 to the end
             raise UserError(f"{self.prompts.examples[indices[0]].source}: every reward function "
@@ -557,7 +568,8 @@ def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Genera
     checked before the model loads)."""
     warn_sequence_level(cfg)
     rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)
-    plan = Plan.of(cfg, dist.world_size)
+    # spread members: every process samples the step's whole batch, as one process would
+    plan = Plan.of(cfg, 1 if spreads_members(cfg) else dist.world_size)
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
     cfg, model, tokenizer = load_policy(cfg, dist, template)
     # full fine-tuning has no adapter to switch off: its reference is a frozen copy (only when beta needs it)

@@ -186,6 +186,15 @@ class SeededZO:
         self._perturb(params, seed, self.eps)
         return plus, minus
 
+    def _one_sided_loss(self, loss_fn: Callable[[Batch], Tensor], batch: Batch, params: Trainable, seed: int,
+                        sign: bool = False) -> Tensor:
+        """L(theta + eps z) for the z of seed (sign: of sign(z)); the weights are left at theta (also on error)."""
+        self._perturb(params, seed, self.eps, sign)
+        try:
+            return loss_fn(batch).mean()
+        finally:
+            self._perturb(params, seed, -self.eps, sign)
+
     def _two_pass_losses(self, loss_fn: Callable[[Batch], Tensor], batch: Batch,
                          params: Trainable, seed: int) -> tuple[Tensor, Tensor]:
         """L+ at theta + eps z, L- at theta - eps z; leaves the weights at theta - eps z (theta on error)."""

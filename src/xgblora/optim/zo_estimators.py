@@ -21,7 +21,11 @@
   utils/reward_shaping.py `z_score`): a population of n antithetic pairs theta +- eps z_i (2n members, one step seed
   per pair, as OpenAI ES's mirrored sampling), each member's loss z-scored over the population, and
   theta <- theta - lr / (2n) sum_m zscore(L_m) e_m (e_m = +-z_i): the reference's update with the loss in place of
-  the reward. 2n forwards per step (n with the dual batch); memory as MeZO's.
+  the reward. 2n forwards per step (n with the dual batch); memory as MeZO's. With sampling "independent" the
+  population is the reference's own: N one-sided members theta + eps z_m (one step seed each) and
+  theta <- theta - lr / N sum_m zscore(L_m) z_m; N forwards per step. With a `share` (rank, world) each process
+  scores only the members of the seeds k with k % world == rank (whole pairs), and reduce_losses sums the
+  population's losses over processes (0 stands for another process's member): every process then holds all N.
 
 Each `step(loss_fn, batch, lr)` returns the losses it measured: their mean is the step's training loss.
 """
@@ -35,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from xgblora.data.batches import Batch
-from xgblora.optim.zo import SeededZO, ZOStepper
+from xgblora.optim.zo import SeededZO, Trainable, ZOStepper
 
 
 class NSPSA(SeededZO):
@@ -54,13 +58,17 @@ class NSPSA(SeededZO):
         lr = self.lr if lr is None else lr
         params = self._trainable()
         seeds = [self._next_seed() for _ in range(self.queries)]
-        losses = [loss for seed in seeds for loss in self._pair_losses(loss_fn, batch, params, seed)]
-        values = self._reduce(losses)
+        values = self._reduce(self._population_losses(loss_fn, batch, params, seeds))
         coefficients = self._coefficients(values)
         self.projected_grad = sum(coefficients)
         if math.isfinite(self.projected_grad):
             self._apply(params, list(zip(seeds, coefficients, strict=True)), lr)
         return tuple(values)
+
+    def _population_losses(self, loss_fn: Callable[[Batch], Tensor], batch: Batch, params: Trainable,
+                           seeds: list[int]) -> list[Tensor]:
+        """L+ and L- of each seed's pair, in seed order."""
+        return [loss for seed in seeds for loss in self._pair_losses(loss_fn, batch, params, seed)]
 
     def _coefficients(self, values: list[float]) -> list[float]:
         """Each z_i's coefficient in the step: its two-point estimate over n."""
@@ -69,33 +77,68 @@ class NSPSA(SeededZO):
 
 
 class ES(NSPSA):
-    """Evolution strategies: `queries` antithetic pairs, member losses z-scored over the population of 2n.
+    """Evolution strategies: a population of `queries` antithetic pairs (2n members) or `queries` independent
+    one-sided members (sampling "independent"), the members' losses z-scored over the population.
 
-    In a pair the z-scores differ by (L+ - L-) / std (the population mean cancels), so z_i's coefficient is
-    (L+_i - L-_i) / (2n (std + 1e-8)), std the population's (ddof 0) and 1e-8 the reference's guard: equal
-    losses move nothing. Unlike MeZO's estimate it has no 1 / (2 eps): the reference folds the perturbation scale
-    into the learning rate, so a step is of normalised size, as FZOO's. The pairs are n-SPSA's; only their
-    weights differ."""
+    Antithetic: in a pair the z-scores differ by (L+ - L-) / std (the population mean cancels), so z_i's coefficient
+    is (L+_i - L-_i) / (2n (std + 1e-8)), std the population's (ddof 0) and 1e-8 the reference's guard: equal
+    losses move nothing. Independent: z_m's coefficient is (L_m - mean) / (N (std + 1e-8)). Unlike MeZO's estimate
+    there is no 1 / (2 eps): the reference folds the perturbation scale into the learning rate, so a step is of
+    normalised size, as FZOO's. The antithetic pairs are n-SPSA's; only their weights differ.
 
-    def __init__(self, *args, queries: int = 15, **kwargs):
+    share (rank, world): this process scores the members of seed k only where k % world == rank; the losses of the
+    others are 0 here, and reduce_losses must sum over the processes (each member's loss then comes from the one
+    process that scored it)."""
+
+    SAMPLINGS = ("antithetic", "independent")
+
+    def __init__(self, *args, queries: int | None = None, sampling: str = "antithetic",
+                 share: tuple[int, int] = (0, 1), **kwargs):
+        if sampling not in self.SAMPLINGS:
+            raise ValueError(f"ES sampling must be one of {self.SAMPLINGS}, got {sampling!r}")
+        if sampling == "independent" and kwargs.get("dual_modules") is not None:
+            raise ValueError("ES with independent members perturbs one-sided: the dual batch does not apply")
+        if queries is None:  # the reference's population of 30 either way
+            queries = 15 if sampling == "antithetic" else 30
         super().__init__(*args, queries=queries, **kwargs)
+        self.sampling, self.share = sampling, share
 
     @torch.no_grad()
     def step(self, loss_fn: Callable[[Batch], Tensor], batch: Batch,
              lr: float | None = None) -> tuple[float, ...]:
-        """n-SPSA's step with ES's coefficients; returns the losses of the members that have one (a member whose
-        loss is not finite, such as a policy with no scored completion, is left out of the population)."""
+        """n-SPSA's step with ES's population and coefficients; returns the losses of the members that have one (a
+        member whose loss is not finite, such as a policy with no scored completion, is left out of the
+        population)."""
         return tuple(v for v in super().step(loss_fn, batch, lr) if math.isfinite(v))
+
+    def _population_losses(self, loss_fn: Callable[[Batch], Tensor], batch: Batch, params: Trainable,
+                           seeds: list[int]) -> list[Tensor]:
+        """Each member's loss in population order (a pair's L+ then L-); under a share, another process's members
+        as 0 in fp32, which its sum over the processes replaces."""
+        rank, world = self.share
+        members = 2 if self.sampling == "antithetic" else 1
+        device = params[0][0].device if params else torch.device("cpu")
+        losses: list[Tensor] = []
+        for k, seed in enumerate(seeds):
+            if k % world != rank:
+                losses += [torch.zeros((), device=device)] * members
+            elif self.sampling == "antithetic":
+                losses += self._pair_losses(loss_fn, batch, params, seed)
+            else:
+                losses.append(self._one_sided_loss(loss_fn, batch, params, seed))
+        return [loss.float() for loss in losses] if world > 1 else losses  # one dtype on every process
 
     def _coefficients(self, values: list[float]) -> list[float]:
         """A member without a finite loss takes the population's mean (a z-score of 0) and is not counted; with
         none left, NaN: no step."""
         scored = [v for v in values if math.isfinite(v)]
         if not scored:
-            return [math.nan] * (len(values) // 2)
+            return [math.nan] * self.queries
         mean = sum(scored) / len(scored)
         std = math.sqrt(sum((v - mean) ** 2 for v in scored) / len(scored))
         filled = [v if math.isfinite(v) else mean for v in values]
+        if self.sampling == "independent":
+            return [(v - mean) / (len(scored) * (std + 1e-8)) for v in filled]
         return [(plus - minus) / (len(scored) * (std + 1e-8))
                 for plus, minus in zip(filled[::2], filled[1::2], strict=True)]
 
@@ -121,7 +164,7 @@ class FZOO(SeededZO):
         lr = self.lr if lr is None else lr
         params = self._trainable()
         seeds = [self._next_seed() for _ in range(self.queries)]
-        losses = [self._one_sided_loss(loss_fn, batch, params, seed) for seed in seeds]
+        losses = [self._one_sided_loss(loss_fn, batch, params, seed, sign=True) for seed in seeds]
         losses.append(loss_fn(batch).mean())
         *perturbed, base = self._reduce(losses)
         mean = sum(perturbed) / len(perturbed)
@@ -133,14 +176,6 @@ class FZOO(SeededZO):
             return (math.nan,)
         self._apply(params, list(zip(seeds, coefficients, strict=True)), lr, sign=True)
         return (base,)
-
-    def _one_sided_loss(self, loss_fn: Callable[[Batch], Tensor], batch: Batch, params: list, seed: int) -> Tensor:
-        """L(theta + eps u) for the u of seed; the weights are left at theta (also on error)."""
-        self._perturb(params, seed, self.eps, sign=True)
-        try:
-            return loss_fn(batch).mean()
-        finally:
-            self._perturb(params, seed, -self.eps, sign=True)
 
 
 class MeZOSVRG(SeededZO):
