@@ -338,7 +338,8 @@ def test_dropout_applies_in_the_loss_unless_disabled(data, monkeypatch, flags, t
 def test_sequence_level_ratios_warn_outside_gspos_loss(data, xgblora_log, loss_type):
     """Sequence-level importance ratios with a loss that adds up token terms weigh each completion by its length:
     not GSPO's objective (--loss_type grpo), said once when the run is set up, as TRL says it."""
-    grpo_loop.prepare(_cfg(data, "gspo", importance_sampling_level="sequence", loss_type=loss_type))
+    cap = {"epsilon_high": 5.0} if loss_type == "cispo" else {}  # CISPO's ratio cap (ScaleRL's 5)
+    grpo_loop.prepare(_cfg(data, "gspo", importance_sampling_level="sequence", loss_type=loss_type, **cap))
     warned = [r.getMessage() for r in xgblora_log.records if r.name == "xgblora" and r.levelname == "WARNING"]
     if loss_type == "grpo":
         assert not any("--importance_sampling_level" in m for m in warned)
