@@ -26,7 +26,7 @@ from transformers import (
 from xgblora.errors import UserError
 from xgblora.models import gguf, quant
 from xgblora.models.scoring import contiguous_head_input
-from xgblora.options import GGUF_SUFFIX, check_device_name, is_gguf
+from xgblora.options import GGUF_SUFFIX, is_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -209,10 +209,12 @@ def choose_attention(requested: str, device: torch.device) -> str:
 def choose_device(requested: str = "auto") -> torch.device:
     """'auto' -> the first CUDA device when there is one, else the CPU; a device this machine lacks is a one-line
     UserError here, before the model loads (torch would fail only when the weights move to it)."""
-    check_device_name(requested)
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(requested)
+    try:
+        device = torch.device(requested)
+    except RuntimeError:  # the commands' options check the name first (check_device_name); this is the last guard
+        raise UserError(f"--device {requested!r}: choose cpu, cuda, cuda:N (the N-th GPU), mps or auto") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {requested}: no CUDA device is available on this machine")
     if device.type == "cuda" and (device.index or 0) >= (count := torch.cuda.device_count()):
