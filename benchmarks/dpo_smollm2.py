@@ -89,7 +89,7 @@ def main() -> None:
         pairs = write_pairs(rows, out / f"pairs-seed{seed}.jsonl", seed)
         before = accuracy(sampled(model, heldout, out / f"greedy-base-seed{seed}.jsonl", 1, seed, args.device))
         name = f"dpo-{args.trainer}-lr{args.learning_rate:g}-seed{seed}"
-        done = run_dpo(DPOConfig(model_name=model, task_name="custom", train_file=str(out / f"pairs-seed{seed}.jsonl"),
+        done = run_dpo(DPOConfig(model_name=model, train_file=str(out / f"pairs-seed{seed}.jsonl"),
                                  method="lora", trainer=args.trainer, learning_rate=args.learning_rate,
                                  beta=args.beta, per_device_train_batch_size=8, max_steps=args.max_steps,
                                  save_strategy="no", logging_steps=5, seed=seed, device=args.device,

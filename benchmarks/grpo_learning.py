@@ -42,9 +42,10 @@ def main() -> None:
     write_questions(root / "sft.jsonl", pairs[:15])
     write_questions(root / "questions.jsonl", pairs[:60])
     write_questions(root / "heldout.jsonl", pairs[60:])
-    common = dict(task_name="custom", eval_file=str(root / "heldout.jsonl"), save_strategy="no", max_new_tokens=6,
+    common = dict(eval_file=str(root / "heldout.jsonl"), save_strategy="no", max_new_tokens=6,
                   columns="prompt=question,completion=answer", device="cpu", seed=args.seed)
-    run(Config(model_name="tiny-llama", train_file=str(root / "sft.jsonl"), output_dir=str(root / "sft"), method="ft",
+    run(Config(model_name="tiny-llama", task_name="custom", train_file=str(root / "sft.jsonl"),
+               output_dir=str(root / "sft"), method="ft",
                per_device_train_batch_size=16, learning_rate=3e-3, max_steps=60, no_eval=True, **common))
     export_run(root / "sft", "merged", root / "sft-merged")
     done = run_grpo(GRPOConfig(model_name=str(root / "sft-merged"), train_file=str(root / "questions.jsonl"),

@@ -132,7 +132,7 @@ def test_bad_options(tmp_path, capsys, flags, message):
 
 
 def test_rpo_alpha_is_the_sft_term():
-    cfg = DPOConfig(task_name="custom", train_file="x.jsonl", rpo_alpha=0.3)
+    cfg = DPOConfig(train_file="x.jsonl", rpo_alpha=0.3)
     assert cfg.loss_terms == (("sigmoid", "sft"), (1.0, 0.3))
 
 

@@ -115,11 +115,52 @@ def test_eval_shows_at_most_50_flags_each_of_its_groups():
     numerics, the run's seed and folder, MeZO's result file."""
     parser = cli.build_parser()._subparsers._group_actions[0].choices["eval"]
     flags = {a.dest for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
-    assert flags == cli.COMMANDS["eval"].reads and len(flags) <= 50
+    assert len(flags) <= 50
     assert {"learning_rate", "method", "trainer", "save_steps", "zo_eps"}.isdisjoint(flags)
     assert {"model_name", "task_name", "num_train", "head", "objective", "per_device_eval_batch_size"} <= flags
     sections = [g.title for g in parser._action_groups]
-    assert sections[2:] == [f"{g.__name__.removesuffix('Options')} options" for g in cli.COMMANDS["eval"].groups]
+    assert sections[2:] == [f"{g.__name__.removesuffix('Options')} options"
+                            for g in config_mod.groups_of(config_mod.EvalConfig)]
+
+
+def _parser_flags(command: str) -> set[str]:
+    parser = cli.build_parser()._subparsers._group_actions[0].choices[command]
+    return {a.dest for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+
+
+@pytest.mark.parametrize("command", [name for name, c in cli.COMMANDS.items() if c.options])
+def test_a_commands_class_holds_exactly_the_options_its_parser_shows(command):
+    """What a command reads is what it takes: every field of its options class is one of its flags, and every flag
+    one of its fields, so that no consumer can read an option the command's users cannot set."""
+    fields = {f.name for f in dataclasses.fields(cli.COMMANDS[command].options)}
+    assert _parser_flags(command) == fields
+
+
+def test_no_commands_class_inherits_another_commands():
+    """Commands share option groups and the bundles of config.py, never each other's class (mezo runs train's)."""
+    classes = {c.options for c in cli.COMMANDS.values() if c.options}
+    assert classes == set(config_mod.COMMAND_CLASSES)
+    for cls in classes:
+        assert [other.__name__ for other in classes - {cls} if issubclass(cls, other)] == [], cls.__name__
+
+
+def test_no_options_dataclass_declares_over_30_fields_of_its_own():
+    own = {cls.__name__: len(vars(cls).get("__annotations__", {}))
+           for cls in (*config_mod.GROUPS, *config_mod.COMMAND_CLASSES, config_mod.TrainingOptions,
+                       config_mod.TrainerConfig, config_mod.TaskTrainingOptions, config_mod.SamplerConfig)}
+    assert max(own.values()) <= 30, own
+
+
+def test_each_option_belongs_to_one_group_and_each_rule_names_real_options():
+    """The grouping is declared once: no option in two groups; IGNORED names groups, or options of its groups'
+    classes."""
+    names = [f.name for group in config_mod.GROUPS for f in dataclasses.fields(group)]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+    every = {f.name for cls in config_mod.COMMAND_CLASSES for f in dataclasses.fields(cls)}
+    for rule in config_mod.IGNORED:
+        assert rule.when in config_mod.GROUPS
+        assert {o for o in rule.options if isinstance(o, str)} <= every
+        assert all(o in config_mod.GROUPS for o in rule.options if isinstance(o, type))
 
 
 # the files a command cannot run without (never read here: the check comes first)
@@ -131,6 +172,5 @@ REQUIRED = {"generate": {"input_file": "p.jsonl"}, "rft": {"train_file": "q.json
 def test_every_commands_defaults_pass(command):
     """Nothing given but a command's required files: no refusal; its dumped config (every option) passes too."""
     cls, defaults, required = cli.COMMANDS[command].options, cli.COMMANDS[command].defaults, REQUIRED.get(command, {})
-    reads = cli.COMMANDS[command].reads
-    cfg = parsing.from_namespace(cls, argparse.Namespace(**required, command=command), defaults, reads)
-    config_mod.check_ignored(cls(**dataclasses.asdict(cfg)), defaults, reads, command)
+    cfg = parsing.from_namespace(cls, argparse.Namespace(**required, command=command), defaults)
+    config_mod.check_ignored(cls(**dataclasses.asdict(cfg)), defaults)

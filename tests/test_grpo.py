@@ -363,10 +363,11 @@ def test_grpo_raises_the_verified_reward_after_a_short_sft(tmp_path, seed):
     _write_pairs(tmp_path / "sft.jsonl", pairs[:15])
     _write_pairs(tmp_path / "questions.jsonl", pairs[:60])
     _write_pairs(tmp_path / "heldout.jsonl", pairs[60:])
-    common = dict(task_name="custom", eval_file=str(tmp_path / "heldout.jsonl"), method="ft", save_strategy="no",
+    common = dict(eval_file=str(tmp_path / "heldout.jsonl"), method="ft", save_strategy="no",
                   columns="prompt=question,completion=answer", max_new_tokens=6, device="cpu", seed=seed)
-    run(Config(model_name="tiny-llama", train_file=str(tmp_path / "sft.jsonl"), output_dir=str(tmp_path / "sft"),
-               per_device_train_batch_size=16, learning_rate=3e-3, max_steps=60, no_eval=True, **common))
+    run(Config(model_name="tiny-llama", task_name="custom", train_file=str(tmp_path / "sft.jsonl"),
+               output_dir=str(tmp_path / "sft"), per_device_train_batch_size=16, learning_rate=3e-3, max_steps=60,
+               no_eval=True, **common))
     export_run(tmp_path / "sft", "merged", tmp_path / "sft-merged")
     done = run_grpo(GRPOConfig(model_name=str(tmp_path / "sft-merged"), train_file=str(tmp_path / "questions.jsonl"),
                                output_dir=str(tmp_path / "grpo"), learning_rate=5e-4, max_steps=60, logging_steps=1,

@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("parsing",),
     ("trl_names",),
     ("config", "report"),
+    ("checks",),
     ("options",),
     ("logs", "trackers", "checkpoint", "perf"),
     ("atomic", "usercode", "outputs"),

@@ -295,7 +295,7 @@ def test_options_out_of_range_or_at_odds_are_refused_as_they_are_read(command, a
     namespace = cli.build_parser().parse_args([command, *files, *args])
     spec = cli.COMMANDS[command]
     with pytest.raises(UserError) as error:
-        parsing.from_namespace(spec.options, namespace, spec.defaults, spec.reads)
+        parsing.from_namespace(spec.options, namespace, spec.defaults)
     assert re.fullmatch(message, str(error.value)), str(error.value)
 
 
@@ -315,7 +315,7 @@ def test_the_legitimate_neighbours_of_refused_options_are_taken(command, args):
     files = ["--train_file", "rows.jsonl"] if command in ("grpo", "dpo") else []
     namespace = cli.build_parser().parse_args([command, *files, *args])
     spec = cli.COMMANDS[command]
-    parsing.from_namespace(spec.options, namespace, spec.defaults, spec.reads)
+    parsing.from_namespace(spec.options, namespace, spec.defaults)
 
 
 @pytest.mark.parametrize("name", ["grpo-cispo-cap-unset", "dpo-precompute-simpo", "boosters-and-their-length"])

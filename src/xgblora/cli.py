@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import sys
@@ -15,23 +16,22 @@ from typing import Any
 
 from xgblora import atomic, parsing
 from xgblora import config as config_mod
-from xgblora import options as opts
 from xgblora.bench.flags import add_arguments as add_bench_arguments
 from xgblora.errors import RankLostError, UserError
 
 # Per-command defaults that differ from the dataclass's. MeZO's run.py evaluates zero-shot unless given --trainer
 # and --num_train k, and copies its results to result/<tag>.json; `xgblora mezo` keeps that for its command lines.
-EVAL_DEFAULTS = {"num_train": 0, "trainer": "none"}
+EVAL_DEFAULTS = {"num_train": 0}
 MEZO_DEFAULTS = {"num_train": 0, "trainer": "none", "result_file": "auto"}
 # RFT samples 8 answers per question at temperature 0.7 (the seed workflow's oversampling, a little below it) and
 # trains LoRA adapters on the user's own data.
-RFT_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 2e-4, "num_return_sequences": 8,
+RFT_DEFAULTS = {"method": "lora", "learning_rate": 2e-4, "num_return_sequences": 8,
                 "temperature": 0.7, "max_new_tokens": 256}
 # GRPO trains a LoRA adapter by default, at a learning rate for adapters (TRL's 1e-6 is for full fine-tuning).
-GRPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5}
+GRPO_DEFAULTS = {"method": "lora", "learning_rate": 1e-5}
 # DPO trains a LoRA adapter by default, at a learning rate for adapters (TRL's 1e-6 is for full fine-tuning), on
 # TRL's max_length of 1024 tokens.
-DPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5, "max_length": 1024}
+DPO_DEFAULTS = {"method": "lora", "learning_rate": 1e-5, "max_length": 1024}
 
 
 
@@ -40,13 +40,13 @@ def _options(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -
     no --model_name, the base is the one the adapter was trained on, not the command's default model."""
     command = COMMANDS[args.command]
     defaults = command.defaults if defaults is None else defaults
-    cfg = parsing.from_namespace(command.options, args, defaults, command.reads)
-    if getattr(cfg, "adapter", None):
+    cfg = parsing.from_namespace(command.options, args, defaults)
+    if cfg.adapter:
         from xgblora.adapters.trained import recorded_base
 
         base = recorded_base(cfg.adapter)
         if base is not None and base != cfg.model_name:  # the command line and --config still win
-            cfg = parsing.from_namespace(command.options, args, {**defaults, "model_name": base}, command.reads)
+            cfg = parsing.from_namespace(command.options, args, {**defaults, "model_name": base})
     return cfg
 
 
@@ -66,7 +66,7 @@ def _eval(args: argparse.Namespace) -> int:
     trained = run_options(cfg.model_name, cfg.adapter)  # a trained run is scored on its own task, as it was trained
     if trained:
         cfg = _options(args, {**EVAL_DEFAULTS, **trained})
-    print(json.dumps(run(cfg), indent=2))
+    print(json.dumps(run(cfg.run_config()), indent=2))
     return 0
 
 
@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=command.help, description=command.help, allow_abbrev=False,
                            formatter_class=_Help)
         if command.options is not None:
-            parsing.add_arguments(p, command.options, command.defaults, command.groups)
+            parsing.add_arguments(p, command.options, command.defaults)
         elif command.add_flags is not None:
             command.add_flags(p)
     return parser
@@ -317,53 +317,41 @@ def _add_mine_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class Command:
-    """A sub-command: its one-line help, the function that runs it, and its flags: an options dataclass with the
-    groups of it the command reads (options.GROUPS; its own classes' fields come too) and the defaults that differ
-    from the dataclass's, or a function that adds them."""
+    """A sub-command: its one-line help, the function that runs it, and its flags: an options dataclass (its fields
+    are the flags, in sections by option group) and the defaults that differ from the dataclass's, or a function that
+    adds them."""
 
     help: str
     run: Callable[[argparse.Namespace], int]
     options: type | None = None
-    groups: tuple[type, ...] = ()
     defaults: dict[str, Any] = field(default_factory=dict)
     add_flags: Callable[[argparse.ArgumentParser], None] | None = None
 
     @property
-    def reads(self) -> frozenset[str] | None:
-        """The options the command reads (None: it takes no options class)."""
-        return config_mod.command_options(self.options, self.groups) if self.options is not None else None
+    def flags(self) -> frozenset[str]:
+        """The options the command takes (none without an options class)."""
+        return frozenset(f.name for f in dataclasses.fields(self.options)) if self.options is not None else frozenset()
 
-
-# What every trainer reads (the model, its rows, the method and optimiser, the loop), and what training on a task's
-# examples adds (MeZO's tasks and custom data: heads, embeddings, instruction SFT, batching).
-TRAINING = (opts.ModelOptions, opts.InputOptions, opts.AdapterOptions, opts.BoostingOptions, opts.OptimizerOptions,
-            opts.ZOOptions, opts.ComputeOptions, opts.LoopOptions)
-TASK_TRAINING = (*TRAINING, opts.TaskOptions, opts.HeadOptions, opts.EmbeddingOptions, opts.SupervisedOptions,
-                 opts.ContrastiveOptions, opts.InstructionOptions, opts.BatchOptions)
-EVALUATION = (opts.ModelOptions, opts.InputOptions, opts.TaskOptions, opts.HeadOptions, opts.EmbeddingOptions,
-              opts.ComputeOptions, opts.RunOptions, opts.OutputOptions, opts.ResultFileOptions)
-RUN_FOLDER = (opts.RunOptions, opts.OutputOptions)
 
 COMMANDS: dict[str, Command] = {
     "train": Command("Fine-tune a model (ft, lora or xgblora) with AdamW (--trainer regular) or MeZO (--trainer zo).",
-                     _train, config_mod.Config, (*TASK_TRAINING, *RUN_FOLDER, opts.ResultFileOptions)),
+                     _train, config_mod.Config),
     "compare": Command("Run XGBLoRA and LoRA (or any methods) side by side over seeds; write a loss figure and tables.",
-                       _compare, config_mod.CompareConfig, TASK_TRAINING),
+                       _compare, config_mod.CompareConfig),
     "eval": Command("Zero-shot or in-context evaluation (k demonstrations with --num_train k); writes results.json.",
-                    _eval, config_mod.Config, EVALUATION, EVAL_DEFAULTS),
+                    _eval, config_mod.EvalConfig, EVAL_DEFAULTS),
     "mezo": Command("MeZO's run.py as it is: its flags and defaults (no training unless --trainer; result/ copy).",
-                    _mezo, config_mod.Config, (*TASK_TRAINING, *RUN_FOLDER, opts.ResultFileOptions), MEZO_DEFAULTS),
+                    _mezo, config_mod.Config, MEZO_DEFAULTS),
     "generate": Command("Sample completions of every prompt in a file (N per prompt, greedy or sampled); JSONL out, resumable.",
-                        _generate, config_mod.GenerateConfig, (opts.ModelOptions, opts.SamplingOptions)),
+                        _generate, config_mod.GenerateConfig),
     "chat": Command("Talk to a model in the terminal: streamed replies, multi-turn through the chat template.",
-                    _chat, config_mod.ChatConfig, (opts.ModelOptions, opts.SamplingOptions)),
+                    _chat, config_mod.ChatConfig),
     "rft": Command("Rejection-sampling fine-tuning: rounds of sample -> verify -> train -> evaluate (pass@1, pass@k).",
-                   _rft, config_mod.RFTConfig, (*TRAINING, opts.InstructionOptions, opts.BatchOptions,
-                                                opts.RunOptions, opts.SamplingOptions), RFT_DEFAULTS),
+                   _rft, config_mod.RFTConfig, RFT_DEFAULTS),
     "grpo": Command("Online RL with verifiable rewards (GRPO, TRL's options): sample G answers per prompt, reward, update.",
-                    _grpo, config_mod.GRPOConfig, (*TRAINING, *RUN_FOLDER, opts.SamplingOptions), GRPO_DEFAULTS),
+                    _grpo, config_mod.GRPOConfig, GRPO_DEFAULTS),
     "dpo": Command("Preference training on chosen/rejected pairs (DPO, IPO, hinge, robust, SimPO, ORPO; TRL's options).",
-                   _dpo, config_mod.DPOConfig, (*TRAINING, *RUN_FOLDER, opts.BatchOptions), DPO_DEFAULTS),
+                   _dpo, config_mod.DPOConfig, DPO_DEFAULTS),
     "bench": Command("Measure speed and memory against baselines.", _bench, add_flags=add_bench_arguments),
     "env": Command("Print the environment report (versions, device, attention backends, chosen defaults).", _env),
     "export": Command("Export a run as a PEFT adapter, a merged model, or a GGUF file (llama.cpp, Ollama).", _export,
@@ -379,10 +367,10 @@ COMMANDS: dict[str, Command] = {
 
 def _unrecognized(command: str, unknown: list[str]) -> UserError:
     """The error for flags the command does not have, suggesting the closest of its options."""
-    names = sorted(COMMANDS[command].reads or ())
+    names = sorted(COMMANDS[command].flags)
     flag = next((a for a in unknown if a.startswith("--")), "")
     name = flag[2:].split("=")[0].replace("-", "_")
-    elsewhere = [other for other, c in COMMANDS.items() if name in (c.reads or ())]
+    elsewhere = [other for other, c in COMMANDS.items() if name in c.flags]
     close = difflib.get_close_matches(name, names, n=1) if flag else []
     hint = f"; xgblora {command} never reads it (an option of xgblora {', '.join(elsewhere[:3])})" if elsewhere else ""
     hint += f"; did you mean --{close[0]}?" if close else ""

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from xgblora import checkpoint, outputs, report, train
-from xgblora.config import CompareConfig, Config
+from xgblora.config import CompareConfig, Config, carried_over
 from xgblora.errors import UserError
 from xgblora.logs import setup_console_logging
 from xgblora.options import ZO_ESTIMATORS
@@ -32,7 +32,7 @@ def parse_method(spec: str, default_trainer: str) -> tuple[str, str, str | None]
 
 def run_configs(cfg: CompareConfig) -> list[Config]:
     """One train config per (method, seed), each in its own folder under output_root."""
-    base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
+    base = carried_over(cfg, Config)
     configs = []
     for spec in cfg.methods:
         method, trainer, estimator = parse_method(spec, cfg.trainer)

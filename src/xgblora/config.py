@@ -1,5 +1,13 @@
-"""Each command's options class (the groups of options.py it inherits, its own fields, the rules that span groups)
-and the checks of a config's values (parsing.py turns these classes into flags and YAML and back)."""
+"""Each command's options class: the groups of options.py it inherits, its own fields, and the rules that span
+groups. A command's parser shows exactly its class's fields (parsing.py turns the classes into flags and YAML and
+back); no command's class inherits another's, and the bundles below carry the groups and rules they share:
+
+  TrainingOptions      what trains and how (model, rows, method, adapter, boosting, optimiser, ZO, loop)
+  TrainerConfig        TrainingOptions with the run's seed and folder: what the Trainer reads (dpo, grpo, train)
+  TaskTrainingOptions  TrainingOptions with a task's examples (task, head, embeddings, dev split, ...): train, compare
+  SamplerConfig        a model that samples (chat, generate)
+
+IGNORED, at the end, names the options a run would never read under the values of others, by their groups."""
 
 from __future__ import annotations
 
@@ -10,7 +18,16 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from xgblora import atomic
+from xgblora.checks import (
+    check_choices,
+    check_finite,
+    check_output_paths,
+    check_positive,
+    check_sampling,
+    check_seeds,
+    field_default,
+    parse_matryoshka,
+)
 from xgblora.errors import UserError
 from xgblora.options import (
     GROUPS,
@@ -19,24 +36,34 @@ from xgblora.options import (
     PAPER_NORM_PENALTY,
     PRESET_BOOSTERS,
     ZO_ESTIMATORS,
+    AdamWOptions,
     AdapterOptions,
+    AdaptiveBoostingOptions,
     BatchOptions,
     BoostingOptions,
+    ClassificationOptions,
     ComputeOptions,
     ContrastiveOptions,
     EmbeddingOptions,
+    GritOptions,
     HeadOptions,
     InputOptions,
     InstructionOptions,
     LoopOptions,
+    MemoryOptions,
+    MethodOptions,
     ModelOptions,
+    MomentumOptions,
+    NextTokenOptions,
     OptimizerOptions,
     OutputOptions,
     ResultFileOptions,
     RunOptions,
     SamplingOptions,
+    SplitOptions,
     SupervisedOptions,
     TaskOptions,
+    ZOHeadOptions,
     ZOOptions,
     _opt,
     check_device_name,
@@ -45,62 +72,82 @@ from xgblora.trackers import parse_report_to
 
 log = logging.getLogger("xgblora")
 
-@dataclass(frozen=True)
-class DataOptions:
-    """What data/ reads of a run's options: where the rows are, how their columns map, and how many examples each
-    split draws (MeZO's protocol for its tasks, every row of the user's own). `Config.data` builds it; the flags and
-    their help live on Config."""
 
-    task_name: str = "SST2"
-    data_dir: str | None = None
-    train_file: str | None = None
-    eval_file: str | None = None
-    columns: str | None = None
-    data_format: str = "auto"
-    template: str | None = None
-    label_words: str | None = None
-    label_names: str | None = None
-    num_train: int | None = None
-    num_dev: int | None = None
-    eval_split_ratio: float | None = None
-    num_eval: int | None = None
-    train_set_seed: int = 0
-    dev_pool: str = "any"
-    objective: str = "lm"
+@dataclass(frozen=True)
+class DataOptions(SplitOptions, ClassificationOptions, TaskOptions, InputOptions):
+    """What data/ reads of a run's options: where the rows are, how their columns map, and how many examples each
+    split draws (MeZO's protocol for its tasks, every row of the user's own); `TaskTrainingOptions.data` builds it."""
+
     evaluation_only: bool = False  # --trainer none: an --eval_file is enough
 
 
+# ----------------------------------------------------------------------------- the checks of one group each
+
+def check_model(cfg: ModelOptions) -> None:
+    """The device's name, and one weight dtype."""
+    check_device_name(cfg.device)
+    if cfg.load_float16 and cfg.load_bfloat16:
+        raise UserError("--load_float16 and --load_bfloat16 cannot both be set")
+
+
+def check_input(cfg: InputOptions) -> None:
+    """The length cut leaves a token to score."""
+    if cfg.max_length < 2:
+        raise UserError(f"--max_length must be at least 2 (a token is scored from the tokens before it), got "
+                        f"{cfg.max_length}")
+
+
+def check_task(cfg: TaskOptions) -> None:
+    """The example counts and the sampling seed."""
+    for flag in ("num_train", "num_eval"):
+        if getattr(cfg, flag) is not None and getattr(cfg, flag) < 0:
+            raise UserError(f"--{flag} must be 0 or more, got {getattr(cfg, flag)}")
+    check_seeds(cfg, "train_set_seed")
+    check_positive(cfg, "max_new_tokens")
+
+
+def check_run(cfg: RunOptions) -> None:
+    """The seed and the wait for other processes."""
+    check_seeds(cfg, "seed")
+    check_positive(cfg, "ddp_timeout")
+
+
+def carried_over(cfg: Any, cls: type) -> dict[str, Any]:
+    """The values of cfg's options that the options class cls has too: what a command that runs `xgblora train` runs
+    (eval, compare, rft) passes on to each of its runs, the others keeping train's defaults or the values it sets."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in names}
+
+
+def refuse_no_trainer(cfg: MethodOptions, command: str) -> None:
+    """A command that trains takes --trainer regular or zo; evaluating alone is xgblora eval's."""
+    if cfg.trainer == "none":
+        raise UserError(f"--trainer none trains nothing, and xgblora {command} trains: pass --trainer regular or zo "
+                        f"(xgblora eval evaluates a model)")
+
+
+# ----------------------------------------------------------------------------- what trains and how
+
 @dataclass(frozen=True)
-class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOptions, ComputeOptions, ZOOptions,
-             OptimizerOptions, BoostingOptions, AdapterOptions, InstructionOptions, ContrastiveOptions,
-             SupervisedOptions, EmbeddingOptions, HeadOptions, TaskOptions, InputOptions, ModelOptions):
-    """Options of `xgblora train` (and `mezo`): every group but sampling; names follow MeZO's run.py and the XGBLoRA
-    fork. `eval` reads a part of them (cli.COMMANDS), the other commands derive from it."""
+class TrainingOptions(LoopOptions, ComputeOptions, ZOOptions, AdamWOptions, MomentumOptions, OptimizerOptions,
+                      AdaptiveBoostingOptions, BoostingOptions, AdapterOptions, MethodOptions, InputOptions,
+                      ModelOptions):
+    """What trains and how: the model and its rows, the method and its adapter or boosters, the optimiser (AdamW or
+    MeZO's estimators), the numerics and the loop; every training command's options, with the rules among them.
+    Names follow MeZO's run.py, the XGBLoRA fork and TRL."""
 
     def __post_init__(self) -> None:
-        check_output_paths(self)
-        self._resolve_shortcuts()
-        self._check_values()
-        self._check_combinations()
-
-    def _resolve_shortcuts(self) -> None:
-        """Fill what depends on other options: the GGUF file into the model name, MeZO's --num_train for its tasks,
-        the method --lora / --xgblora name, a classifier's prompt and classes; check the dev split's sizing."""
         self.resolve_gguf_file()
-        if self.head == "classifier" and self.task_name == "custom" and not (self.template or self.label_words):
-            # a classifier scores class indices, not words: the text is the prompt and the label names the classes
-            object.__setattr__(self, "template", "{text}")
-            object.__setattr__(self, "label_words", self.label_names or "0,1")
-        if self.num_train is None and not self.own_data:
-            object.__setattr__(self, "num_train", MEZO_NUM_TRAIN)
-        if self.eval_split_ratio is not None:
-            if not self.own_data:
-                raise UserError(f"--eval_split_ratio holds out a share of your own --train_file; task "
-                                f"{self.task_name} follows MeZO's protocol: pass --num_dev N")
-            if self.num_dev is not None:
-                raise UserError("--num_dev and --eval_split_ratio both size the dev split; pass one of them")
-            if not 0.0 < self.eval_split_ratio < 1.0:
-                raise UserError(f"--eval_split_ratio must be in (0, 1), got {self.eval_split_ratio}")
+        self._resolve_method()
+        check_finite(self)
+        check_choices(self)
+        check_model(self)
+        check_input(self)
+        self._check_training_values()
+        self._check_training_combinations()
+
+    def _resolve_method(self) -> None:
+        """--lora and --xgblora (MeZO's and the fork's switches) as --method."""
         named = [m for m, flag in (("lora", self.lora), ("xgblora", self.xgblora)) if flag]
         if len(named) > 1 or (named and self.method not in ("ft", named[0])):
             given = [f"--method {self.method}"] * (self.method != "ft") + [f"--{m}" for m in named]
@@ -110,32 +157,21 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         elif self.lora and self.method == "ft":
             object.__setattr__(self, "method", "lora")
 
-    def _check_values(self) -> None:
-        """One-line errors for options outside their range or choices, each on its own."""
+    def _check_training_values(self) -> None:
+        """One-line errors for options outside their range, each on its own."""
         if self.evaluation_strategy == "steps" and self.eval_steps <= 0:
             raise UserError(f"--eval_steps must be positive with --evaluation_strategy steps, got {self.eval_steps}")
         if self.save_strategy == "steps" and self.save_steps <= 0:
             raise UserError(f"--save_steps must be positive with --save_strategy steps, got {self.save_steps}")
-        check_finite(self)
-        check_choices(self)
-        _check_positive(self, "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                        "lora_r", "lora_alpha", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
-                        "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
-                        "zo_eps", "head_learning_rate", "head_probe_l2", "contrastive_temperature",
-                        "grit_generative_batch_size", "zo_queries", "zo_svrg_period", "zo_svrg_anchor_batches")
-        if self.max_length < 2:
-            raise UserError(f"--max_length must be at least 2 (a token is scored from the tokens before it), got "
-                            f"{self.max_length}")
-        for flag in ("num_train", "num_dev", "num_eval"):
-            if getattr(self, flag) is not None and getattr(self, flag) < 0:
-                raise UserError(f"--{flag} must be 0 or more, got {getattr(self, flag)}")
-        check_seeds(self, "seed", "train_set_seed")
-        check_device_name(self.device)
+        check_positive(self, "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                       "lora_r", "lora_alpha", "xgblora_steps_per_iteration", "xgblora_num_boosters",
+                       "xgblora_adaptive_max_steps", "xgblora_adaptive_patience", "logging_steps", "max_length",
+                       "learning_rate", "zo_eps", "zo_queries", "zo_svrg_period", "zo_svrg_anchor_batches",
+                       "save_total_limit")
         if self.max_steps == 0 or self.max_steps < -1:
             raise UserError(f"--max_steps must be positive (or -1: train --num_train_epochs epochs), got {self.max_steps}")
         if self.max_steps == -1 and self.num_train_epochs <= 0:
             raise UserError(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
-        _check_positive(self, "save_total_limit", "max_new_tokens")
         for name in ("warmup_steps", "weight_decay", "max_grad_norm"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be 0 or more, got {getattr(self, name)}")
@@ -148,18 +184,22 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
                             f"(q_proj,v_proj), all-linear or a regex, or leave it unset for the default")
         parse_report_to(self.report_to)
 
-    def _check_combinations(self) -> None:
-        """One-line errors (and a warning) for options that do not go together."""
+    def _check_training_combinations(self) -> None:
+        """One-line errors for options that do not go together."""
         if self.load_in_4bit and self.method == "ft" and self.trainer != "none":
             raise UserError("--load_in_4bit trains adapters on a frozen 4-bit base; full fine-tuning cannot update "
                             "4-bit weights: use --method lora or --method xgblora")
         if self.adapter and self.method == "ft" and self.trainer != "none":
             raise UserError("--adapter continues training a LoRA adapter: use --method lora or --method xgblora")
-        if self.load_float16 and self.load_bfloat16:
-            raise UserError("--load_float16 and --load_bfloat16 cannot both be set")
         if self.trainer == "zo" and self.gradient_accumulation_steps != 1:
             raise UserError("--gradient_accumulation_steps does not apply to --trainer zo (MeZO has no gradients to accumulate); "
                             "raise --per_device_train_batch_size instead")
+        self._check_boosting()
+        if self.trainer == "zo":
+            self._check_zo_estimator()
+
+    def _check_boosting(self) -> None:
+        """XGBLoRA's booster count, length, layers, start and merge step."""
         if self.xgblora_norm_penalty is not None and self.xgblora_norm_penalty < 0:
             raise UserError(f"--xgblora_norm_penalty must be 0 or more, got {self.xgblora_norm_penalty}")
         if self.xgblora_num_boosters is not None and self.xgblora_steps_per_iteration is not None:
@@ -174,38 +214,8 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
             raise UserError(f"--xgblora_init {self.xgblora_init} needs the gradient of each adapted weight, a backward pass: "
                             "under --trainer zo a few zeroth-order estimates cannot find its leading direction "
                             "(that takes hundreds of forward pairs per layer); use --xgblora_init random")
-        if (self.grit_generative_batch_size or 0) > self.per_device_train_batch_size:
-            raise UserError(f"--grit_generative_batch_size {self.grit_generative_batch_size} takes the instruction "
-                            f"examples of a batch's first pairs: at most --per_device_train_batch_size "
-                            f"{self.per_device_train_batch_size}")
-        if self.trainer == "zo":
-            self._check_zo_estimator()
-        self._check_objective()
         if not 0.0 < self.xgblora_shrinkage <= 1.0:
             raise UserError(f"--xgblora_shrinkage must be in (0, 1], got {self.xgblora_shrinkage}")
-
-    def _check_objective(self) -> None:
-        """The options tied to the objective: what an embedding run or GRIT needs or cannot use, and which tokens
-        the loss covers."""
-        if self.learnable_temperature and self.trainer == "zo":
-            raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
-                            "weights only); fix the temperature with --contrastive_temperature instead")
-        if self.objective == "grit" and self.trainer != "none" and not self.grit_train_file:
-            raise UserError("--objective grit needs --grit_train_file: instruction rows for the generative loss "
-                            "(messages, prompt/completion or text)")
-        if self.grit_train_file and self.objective != "grit":
-            raise UserError(f"--grit_train_file feeds GRIT's generative loss; it has no use with --objective "
-                            f"{self.objective} (pass --objective grit)")
-        if self.mini_batch_size < 0 or (self.mini_batch_size and self.objective == "lm"):
-            raise UserError(f"--mini_batch_size (gradient caching) takes a number of rows with --objective "
-                            f"contrastive or grit, got {self.mini_batch_size} with --objective {self.objective}")
-        parse_matryoshka(self.matryoshka_dims, self.matryoshka_weights)
-        if not self.only_train_option and (self.train_as_classification or self.objective != "lm"
-                                           or self.task_name.lower() == "custom"):
-            raise UserError("--only_train_option false puts the loss on every token of a MeZO task's prompt and "
-                            "gold candidate; it has no meaning with --train_as_classification, an embedding "
-                            "objective or custom data (instruction data: --train_on_prompt)")
-
     def _check_zo_estimator(self) -> None:
         """Refuse the ZO flags an estimator cannot use, with the reason."""
         if self.zo_svrg_anchor_learning_rate is not None and (self.zo_estimator != "svrg"
@@ -239,16 +249,16 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         if self.zo_es_sampling == "independent" and self.zo_dual:
             raise UserError("--zo_dual: --zo_es_sampling independent perturbs one-sided with a different vector per "
                             "member, which the doubled batch (+z and -z of one vector) cannot carry; drop --zo_dual")
-        if self.zo_es_spread == "members" and getattr(self, "zo_objective", "loss") != "reward":
+        if self.zo_es_spread == "members" and not self.samples_per_member:
             raise UserError("--zo_es_spread members has every process score its members on all of a step's data: "
                             "that is xgblora grpo --zo_objective reward (each member samples the step's prompts); "
                             "a loss on a batch is split over the processes: use --zo_es_spread prompts")
 
     @property
-    def groups_by_length(self) -> bool:
-        """Whether training batches group examples of similar length: --group_by_length, else only for --objective
-        lm."""
-        return self.objective == "lm" if self.group_by_length is None else self.group_by_length
+    def samples_per_member(self) -> bool:
+        """Whether each member of a ZO population samples the step's data itself (grpo's --zo_objective reward) rather
+        than scoring a batch that the processes split."""
+        return False
 
     @property
     def methods_used(self) -> set[str]:
@@ -261,40 +271,18 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         return {self.trainer}
 
     @property
-    def similarity_temperature(self) -> float:
-        """--contrastive_temperature, else 0.02 for grit (GritLM's arguments.py) and 0.05 for contrastive."""
-        if self.contrastive_temperature is not None:
-            return self.contrastive_temperature
-        return 0.02 if self.objective == "grit" else 0.05
-
-    @property
-    def matryoshka(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
-        """--matryoshka_dims and their weights (default 1 each); () and () without Matryoshka embeddings."""
-        return parse_matryoshka(self.matryoshka_dims, self.matryoshka_weights)
-
-    @property
-    def pools_prompt(self) -> bool:
-        """--include_prompt, else off for grit (GritLM masks the instruction out of the pooling) and on otherwise."""
-        return self.include_prompt if self.include_prompt is not None else self.objective != "grit"
-
-    @property
-    def data(self) -> DataOptions:
-        """The data options, as data/ receives them."""
-        names = [f.name for f in dataclasses.fields(DataOptions) if f.name != "evaluation_only"]
-        return DataOptions(**{name: getattr(self, name) for name in names}, evaluation_only=self.trainer == "none")
-
-    @property
-    def own_data(self) -> bool:
-        """Whether the rows are the user's own (--task_name custom, or pairs for an embedding objective) rather than
-        one of MeZO's tasks: their defaults are every row for training and no dev split."""
-        return self.task_name.lower() == "custom" or self.objective != "lm"
-
-    @property
     def rank(self) -> int:
         """Adapter rank: --lora_r, else 1 for XGBLoRA boosters and 8 for LoRA."""
         if self.lora_r is not None:
             return self.lora_r
         return 1 if self.method == "xgblora" else 8
+
+    @property
+    def alpha(self) -> float:
+        """--lora_alpha, else 2r (alpha/r = 2 at every rank, as MeZO's r=8, alpha=16), else under rsLoRA 2 sqrt(8)."""
+        if self.lora_alpha is not None:
+            return self.lora_alpha
+        return 2 * math.sqrt(8) if self.use_rslora else 2.0 * self.rank
 
     @property
     def norm_penalty(self) -> float:
@@ -330,18 +318,127 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
                 boosters = max(1, min(boosters, max_steps // MIN_BOOSTER_STEPS))
         return max(1, max_steps // boosters)
 
-    @property
-    def alpha(self) -> float:
-        """--lora_alpha, else 2r (alpha/r = 2 at every rank, as MeZO's r=8, alpha=16), else under rsLoRA 2 sqrt(8)."""
-        if self.lora_alpha is not None:
-            return self.lora_alpha
-        return 2 * math.sqrt(8) if self.use_rslora else 2.0 * self.rank
 
+@dataclass(frozen=True)
+class TrainerConfig(OutputOptions, RunOptions, TrainingOptions):
+    """What the Trainer reads (train/loop.py): the training options, the seed and the run's folder. The commands whose
+    runs it drives inherit it (train and mezo, dpo, grpo); rft and compare, which make train's options for each of
+    their runs, take TrainingOptions."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_run(self)
+        check_output_paths(self)
+
+
+# ----------------------------------------------------------------------------- training on a task's examples
+
+@dataclass(frozen=True)
+class TaskTrainingOptions(BatchOptions, ZOHeadOptions, MemoryOptions, NextTokenOptions, InstructionOptions,
+                          GritOptions, ContrastiveOptions, SupervisedOptions, SplitOptions, EmbeddingOptions,
+                          HeadOptions, ClassificationOptions, TaskOptions, TrainingOptions):
+    """Training on a task's examples (MeZO's tasks, custom classification or instruction data, embedding pairs):
+    the training options with the task, the head, the embedding objective, the dev split, instruction SFT and
+    batching, and the rules among them (train, mezo and compare)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._resolve_task()
+        check_task(self)
+        check_positive(self, "head_learning_rate", "head_probe_l2", "contrastive_temperature",
+                       "grit_generative_batch_size")
+        if self.trainer == "none" and self.method != "ft":
+            named = "--xgblora" if self.xgblora else "--lora" if self.lora else f"--method {self.method}"
+            raise UserError(f"{named} {self.method!r} does nothing here: nothing trains under --trainer none (what "
+                            f"xgblora eval and xgblora mezo run by default); drop it, or train with xgblora train")
+        if (self.grit_generative_batch_size or 0) > self.per_device_train_batch_size:
+            raise UserError(f"--grit_generative_batch_size {self.grit_generative_batch_size} takes the instruction "
+                            f"examples of a batch's first pairs: at most --per_device_train_batch_size "
+                            f"{self.per_device_train_batch_size}")
+        self._check_objective()
+
+    def _resolve_task(self) -> None:
+        """A classifier's prompt and classes on custom rows, MeZO's --num_train for its tasks, and the dev split's
+        sizing."""
+        if self.head == "classifier" and self.task_name == "custom" and not (self.template or self.label_words):
+            # a classifier scores class indices, not words: the text is the prompt and the label names the classes
+            object.__setattr__(self, "template", "{text}")
+            object.__setattr__(self, "label_words", self.label_names or "0,1")
+        if self.num_train is None and not self.own_data:
+            object.__setattr__(self, "num_train", MEZO_NUM_TRAIN)
+        if self.num_dev is not None and self.num_dev < 0:
+            raise UserError(f"--num_dev must be 0 or more, got {self.num_dev}")
+        if self.eval_split_ratio is not None:
+            if not self.own_data:
+                raise UserError(f"--eval_split_ratio holds out a share of your own --train_file; task "
+                                f"{self.task_name} follows MeZO's protocol: pass --num_dev N")
+            if self.num_dev is not None:
+                raise UserError("--num_dev and --eval_split_ratio both size the dev split; pass one of them")
+            if not 0.0 < self.eval_split_ratio < 1.0:
+                raise UserError(f"--eval_split_ratio must be in (0, 1), got {self.eval_split_ratio}")
+
+    def _check_objective(self) -> None:
+        """The options tied to the objective: what an embedding run or GRIT needs or cannot use, and which tokens
+        the loss covers."""
+        if self.learnable_temperature and self.trainer == "zo":
+            raise UserError("--learnable_temperature needs --trainer regular (MeZO's dual batch perturbs adapter "
+                            "weights only); fix the temperature with --contrastive_temperature instead")
+        if self.objective == "grit" and self.trainer != "none" and not self.grit_train_file:
+            raise UserError("--objective grit needs --grit_train_file: instruction rows for the generative loss "
+                            "(messages, prompt/completion or text)")
+        if self.grit_train_file and self.objective != "grit":
+            raise UserError(f"--grit_train_file feeds GRIT's generative loss; it has no use with --objective "
+                            f"{self.objective} (pass --objective grit)")
+        if self.mini_batch_size < 0 or (self.mini_batch_size and self.objective == "lm"):
+            raise UserError(f"--mini_batch_size (gradient caching) takes a number of rows with --objective "
+                            f"contrastive or grit, got {self.mini_batch_size} with --objective {self.objective}")
+        parse_matryoshka(self.matryoshka_dims, self.matryoshka_weights)
+        if not self.only_train_option and (self.train_as_classification or self.objective != "lm"
+                                           or self.task_name.lower() == "custom"):
+            raise UserError("--only_train_option false puts the loss on every token of a MeZO task's prompt and "
+                            "gold candidate; it has no meaning with --train_as_classification, an embedding "
+                            "objective or custom data (instruction data: --train_on_prompt)")
+
+    @property
+    def groups_by_length(self) -> bool:
+        """Whether training batches group examples of similar length: --group_by_length, else only for --objective
+        lm."""
+        return self.objective == "lm" if self.group_by_length is None else self.group_by_length
+
+    @property
+    def similarity_temperature(self) -> float:
+        """--contrastive_temperature, else 0.02 for grit (GritLM's arguments.py) and 0.05 for contrastive."""
+        if self.contrastive_temperature is not None:
+            return self.contrastive_temperature
+        return 0.02 if self.objective == "grit" else 0.05
+
+    @property
+    def matryoshka(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """--matryoshka_dims and their weights (default 1 each); () and () without Matryoshka embeddings."""
+        return parse_matryoshka(self.matryoshka_dims, self.matryoshka_weights)
+
+    @property
+    def pools_prompt(self) -> bool:
+        """--include_prompt, else off for grit (GritLM masks the instruction out of the pooling) and on otherwise."""
+        return self.include_prompt if self.include_prompt is not None else self.objective != "grit"
+
+    @property
+    def data(self) -> DataOptions:
+        """The data options, as data/ receives them."""
+        names = [f.name for f in dataclasses.fields(DataOptions) if f.name != "evaluation_only"]
+        return DataOptions(**{name: getattr(self, name) for name in names}, evaluation_only=self.trainer == "none")
 
 
 @dataclass(frozen=True)
-class CompareConfig(Config):
-    """Options of `xgblora compare`: the train options plus the methods, seeds and where the report goes."""
+class Config(ResultFileOptions, TaskTrainingOptions, TrainerConfig):
+    """Options of `xgblora train` and `xgblora mezo`: training on a task's examples in a run folder, with MeZO's result
+    file; `xgblora eval` runs on them too (EvalConfig.run_config), as rft's and compare's runs do."""
+
+
+@dataclass(frozen=True)
+class CompareConfig(TaskTrainingOptions):
+    """Options of `xgblora compare`: the task-training options plus the methods, seeds and where the report goes;
+    each run is an `xgblora train` run (compare.run_configs)."""
 
     trainer: str = _opt("zo", "Trainer of the methods given without one (METHOD:TRAINER names its own).", ("regular", "zo"))
     output_root: str = _opt("compare", "Folder holding one sub-folder per run and the report.")
@@ -353,6 +450,7 @@ class CompareConfig(Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_seeds(self, "seeds")
+        check_output_paths(self)
 
     @property
     def methods_used(self) -> set[str]:
@@ -365,8 +463,32 @@ class CompareConfig(Config):
 
 
 @dataclass(frozen=True)
-class ChatConfig(SamplingOptions, ModelOptions):
-    """Options of `xgblora chat`: a model, how it samples, and the conversation's template."""
+class EvalConfig(ResultFileOptions, OutputOptions, RunOptions, ComputeOptions, EmbeddingOptions, HeadOptions,
+                 ClassificationOptions, TaskOptions, InputOptions, ModelOptions):
+    """Options of `xgblora eval`: a model (a trained run's too), the task and its rows, the head or embedding that
+    scores them, the numerics, the seed and the run folder; nothing trains."""
+
+    def __post_init__(self) -> None:
+        self.resolve_gguf_file()
+        check_finite(self)
+        check_choices(self)
+        check_model(self)
+        check_input(self)
+        check_task(self)
+        check_run(self)
+        check_positive(self, "per_device_eval_batch_size", "max_length")
+        check_output_paths(self)
+
+    def run_config(self) -> Config:
+        """The options of the run that evaluates: train's, with this evaluation's values and --trainer none."""
+        return Config(**carried_over(self, Config), trainer="none")
+
+
+# ----------------------------------------------------------------------------- a model that samples
+
+@dataclass(frozen=True)
+class SamplerConfig(SamplingOptions, ModelOptions):
+    """A model that samples replies: the model, how it samples, the conversation's template (chat, generate)."""
 
     model_name: str = _opt("tiny-llama-chat", "A base model (hub id, folder, pkg:, built-in), a merged model, a PEFT adapter folder, or an xgblora run directory.")
     chat_template: str | None = _opt(None, "A Jinja chat template file, replacing the tokenizer's.")
@@ -380,14 +502,19 @@ class ChatConfig(SamplingOptions, ModelOptions):
         check_finite(self)
         check_choices(self)
         check_sampling(self)
-        _check_positive(self, "max_new_tokens", "max_length")
+        check_positive(self, "max_new_tokens", "max_length")
         check_seeds(self, "seed")
         check_device_name(self.device)
 
 
 @dataclass(frozen=True)
-class GenerateConfig(ChatConfig):
-    """Options of `xgblora generate`: the chat options plus the prompts file and where the completions go."""
+class ChatConfig(SamplerConfig):
+    """Options of `xgblora chat`: a model, how it samples, and the conversation's template."""
+
+
+@dataclass(frozen=True)
+class GenerateConfig(SamplerConfig):
+    """Options of `xgblora generate`: a model that samples, the prompts file and where the completions go."""
 
     num_return_sequences: int = _opt(1, "Completions per prompt (each prompt runs once; its KV cache is shared by them).",
                                      aliases=("num_samples",))
@@ -404,10 +531,15 @@ class GenerateConfig(ChatConfig):
             raise UserError("xgblora generate needs --input_file (a JSONL, CSV, parquet... file of prompts)")
 
 
+
+
+# ----------------------------------------------------------------------------- sampling and reinforcement
+
 @dataclass(frozen=True)
-class RFTConfig(Config, SamplingOptions):
-    """Options of `xgblora rft`: the train options (the method and trainer of every round) plus sampling and
-    verification. --train_file holds the questions with their reference answers, --eval_file the held-out ones."""
+class RFTConfig(SamplingOptions, BatchOptions, MemoryOptions, NextTokenOptions, InstructionOptions, RunOptions,
+                TrainingOptions):
+    """Options of `xgblora rft`: the training options of every round (an `xgblora train` run on instruction rows:
+    training_config) plus sampling and verification. --train_file holds the questions with their reference answers, --eval_file the held-out ones."""
 
     num_return_sequences: int = _opt(1, "Completions per prompt (each prompt runs once; its KV cache is shared by them).",
                                      aliases=("num_samples",))
@@ -430,8 +562,11 @@ class RFTConfig(Config, SamplingOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_run(self)
+        check_output_paths(self)
+        refuse_no_trainer(self, "rft")
         check_sampling(self, self.num_return_sequences)
-        _check_positive(self, "rounds", "keep_per_prompt", "max_new_tokens", "pass_n")
+        check_positive(self, "rounds", "keep_per_prompt", "max_new_tokens", "pass_n")
         if self.pass_k < 0:
             raise UserError(f"--pass_k must be 0 or more, got {self.pass_k}")
         if self.pass_n is not None and self.pass_n < self.pass_k:
@@ -441,9 +576,10 @@ class RFTConfig(Config, SamplingOptions):
                             "--eval_file (held-out questions to measure on)")
 
 
+
 @dataclass(frozen=True)
-class GRPOConfig(Config, SamplingOptions):
-    """Options of `xgblora grpo`: the train options (method, trainer, optimiser, checkpoints) plus GRPO's, under TRL's
+class GRPOConfig(SamplingOptions, TrainerConfig):
+    """Options of `xgblora grpo`: the Trainer's options (method, trainer, optimiser, checkpoints) plus GRPO's, under TRL's
     GRPOConfig names where TRL has them. --train_file holds the prompts, --eval_file the held-out ones (pass@1)."""
 
     num_return_sequences: int = _opt(8, "Completions per prompt, G (TRL's num_generations): each prompt runs once and its KV cache is shared by them.",
@@ -479,12 +615,13 @@ class GRPOConfig(Config, SamplingOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        refuse_no_trainer(self, "grpo")
         if self.method == "lora" and self.lora_target_modules is None and self.adapter is None:
             # RL's small updates gain from coverage more than from rank ("LoRA without regret"); on SmolLM2 addition
             # (BENCHMARKS.md, GRPO) every linear layer did as well as q/v or better, and learned sooner
             object.__setattr__(self, "lora_target_modules", "all-linear")
         check_sampling(self, self.num_return_sequences)
-        _check_positive(self, "max_new_tokens", "num_iterations", "generation_batch_size", "steps_per_generation")
+        check_positive(self, "max_new_tokens", "num_iterations", "generation_batch_size", "steps_per_generation")
         if self.zo_objective == "reward":
             self._check_reward_objective()
             object.__setattr__(self, "zo_dual", False)  # the default (on where it applies) never applies here
@@ -544,6 +681,11 @@ class GRPOConfig(Config, SamplingOptions):
                             "which one forward over a doubled batch cannot do; drop --zo_dual")
 
     @property
+    def samples_per_member(self) -> bool:
+        """--zo_objective reward: each member of the population samples the step's prompts itself."""
+        return self.zo_objective == "reward"
+
+    @property
     def optimizer_batch(self) -> int:
         """Completions per optimizer step."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
@@ -558,14 +700,15 @@ class GRPOConfig(Config, SamplingOptions):
         return self.optimizer_batch * processes
 
 
+# ----------------------------------------------------------------------------- preference training
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "sft")
 DPO_POLICY_ONLY = ("simpo", "orpo", "sft")  # the loss types that read no reference
 
 
 @dataclass(frozen=True)
-class DPOConfig(Config):
-    """Options of `xgblora dpo`: the train options (method, trainer, optimiser, checkpoints) plus preference
+class DPOConfig(BatchOptions, TrainerConfig):
+    """Options of `xgblora dpo`: the Trainer's options (method, trainer, optimiser, checkpoints) plus preference
     training's, under TRL's DPOConfig names (CPOConfig's simpo_gamma). --train_file holds the pairs, --eval_file
     held-out ones (reward accuracy)."""
 
@@ -585,6 +728,7 @@ class DPOConfig(Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        refuse_no_trainer(self, "dpo")
         if not self.train_file:
             raise UserError("xgblora dpo needs --train_file (preference pairs: prompt, chosen, rejected)")
         if self.verifier and not self.eval_file:
@@ -600,7 +744,7 @@ class DPOConfig(Config):
             raise UserError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.rpo_alpha is not None and "sft" in self.loss_type:
             raise UserError("--rpo_alpha adds the sft loss type; give it or --loss_type sft, not both")
-        _check_positive(self, "max_prompt_length", "precompute_ref_batch_size", "max_new_tokens")
+        check_positive(self, "max_prompt_length", "precompute_ref_batch_size", "max_new_tokens")
         self._check_loss_terms()
         self._check_lengths_and_reference()
 
@@ -646,87 +790,68 @@ class DPOConfig(Config):
             return tuple(self.loss_type), weights
         return (*self.loss_type, "sft"), (*weights, self.rpo_alpha)
 
+
 # ----------------------------------------------------------------------------- options a run would ignore
-
-ADAPTER_OPTIONS = ("lora_r", "lora_alpha", "use_rslora", "lora_dropout", "lora_target_modules")
-XGBLORA_ADAPTIVE_OPTIONS = ("xgblora_adaptive_max_steps", "xgblora_adaptive_patience", "xgblora_adaptive_threshold",
-                            "xgblora_adaptive_ema")
-XGBLORA_OPTIONS = ("xgblora_preset", "xgblora_num_boosters", "xgblora_steps_per_iteration",
-                   "xgblora_layers_per_booster", "xgblora_shrinkage", "xgblora_norm_penalty",
-                   "xgblora_restart_schedule", "xgblora_init", "xgblora_init_batches", "xgblora_adaptive",
-                   *XGBLORA_ADAPTIVE_OPTIONS)
-ZO_OPTIONS = ("zo_eps", "zo_dual", "zo_estimator", "zo_queries", "zo_es_sampling", "zo_es_spread", "zo_optimizer",
-              "zo_svrg_period", "zo_svrg_anchor_batches", "zo_svrg_anchor_learning_rate", "zo_stochastic_rounding",
-              "head_trainer", "head_learning_rate")
-GRIT_OPTIONS = ("grit_contrastive_weight", "grit_generative_weight", "grit_generative_batch_size")
-EMBEDDING_OPTIONS = ("query_instruction", "doc_instruction", "instruction_format", "include_prompt",
-                     "contrastive_temperature", "contrastive_loss", "learnable_temperature", "bidirectional",
-                     "embed_pieces", "matryoshka_dims", "matryoshka_weights", *GRIT_OPTIONS)
-# what only next-token training and its generations read: an embedding objective has neither
-GENERATION_TRAINING_OPTIONS = ("packing", "log_samples")
-CLASSIFICATION_OPTIONS = ("template", "label_words", "label_names", "sfc", "icl_sfc", "train_as_classification")
-TRAINING_OPTIONS = ("lora", "xgblora", "method", *ADAPTER_OPTIONS, *XGBLORA_OPTIONS, *ZO_OPTIONS, "learning_rate",
-                    "lr_scheduler_type", "warmup_steps", "warmup_ratio", "max_steps", "num_train_epochs",
-                    "per_device_train_batch_size", "gradient_accumulation_steps", "weight_decay", "adam_beta1",
-                    "adam_beta2", "adam_epsilon", "max_grad_norm", "fused_adamw", "gradient_checkpointing",
-                    "fused_lm_head", "compile", "group_by_length", "packing", "loss_mean", "only_train_option",
-                    "train_as_classification",
-                    "head_init", "head_probe_l2", "contrastive_loss", "learnable_temperature", "mini_batch_size",
-                    "embed_pieces", "matryoshka_dims", "matryoshka_weights", *GRIT_OPTIONS, "logging_steps", "evaluation_strategy", "eval_steps", "eval_on_start",
-                    "log_samples", "save_strategy", "save_steps", "save_total_limit", "save_only_model",
-                    "load_best_model_at_end", "resume_from_checkpoint", "report_to", "nan_policy", "no_eval")
-
 
 @dataclass(frozen=True)
 class Ignored:
-    """Options a run never reads while `applies(cfg)` holds: refused, once changed from their default, with
-    `reason` (why they do nothing there, and what to pass instead)."""
+    """Options a run never reads while `applies(cfg)` holds: refused, once changed from their default, with `reason`
+    (why they do nothing there, and what to pass instead). `options`: groups (all their fields) or single options;
+    `when`: the group whose values `applies` reads (a command without it never meets the rule)."""
 
-    options: tuple[str, ...]
+    options: tuple[type | str, ...]
+    when: type
     applies: typing.Callable[[Any], bool]
     reason: str
 
+    def names(self, cls: type) -> list[str]:
+        """The rule's options that cls has."""
+        have = {f.name for f in dataclasses.fields(cls)}
+        named = [f.name for o in self.options if isinstance(o, type) for f in dataclasses.fields(o)]
+        return [n for n in [*named, *(o for o in self.options if isinstance(o, str))] if n in have]
 
-def _training(cfg: Any) -> bool:
-    return isinstance(cfg, Config)
 
+# What nothing reads when nothing trains (--trainer none): every group that only training reads
+TRAINING_GROUPS = (AdapterOptions, BoostingOptions, AdaptiveBoostingOptions, OptimizerOptions, MomentumOptions,
+                   AdamWOptions, ZOOptions, ZOHeadOptions, LoopOptions, SupervisedOptions, ContrastiveOptions,
+                   GritOptions, NextTokenOptions, MemoryOptions, BatchOptions)
+ZO_GROUPS = (ZOOptions, ZOHeadOptions)
+BOOSTING_GROUPS = (BoostingOptions, AdaptiveBoostingOptions)
 
 IGNORED = (
-    Ignored(TRAINING_OPTIONS, lambda c: _training(c) and c.trainers_used == {"none"},
+    Ignored(TRAINING_GROUPS, MethodOptions, lambda c: c.trainers_used == {"none"},
             "nothing trains under --trainer none (what xgblora eval and xgblora mezo run by default); drop it, or "
             "train with xgblora train"),
-    Ignored(ZO_OPTIONS, lambda c: _training(c) and "zo" not in c.trainers_used,
+    Ignored(ZO_GROUPS, MethodOptions, lambda c: "zo" not in c.trainers_used,
             "a zeroth-order option, unused by --trainer regular (AdamW); pass --trainer zo"),
-    Ignored(("max_grad_norm", "fused_adamw", "gradient_checkpointing", "fused_lm_head"),
-            lambda c: _training(c) and c.trainers_used == {"zo"},
+    Ignored((AdamWOptions, MemoryOptions), MethodOptions, lambda c: c.trainers_used == {"zo"},
             "an AdamW/back-propagation option; --trainer zo runs forward passes only"),
-    Ignored(("disable_dropout",), lambda c: hasattr(c, "disable_dropout") and c.trainers_used == {"zo"},
+    Ignored(("disable_dropout",), MethodOptions, lambda c: c.trainers_used == {"zo"},
             "--trainer zo's forwards never apply the model's dropout"),
-    Ignored(("adam_beta1",), lambda c: _training(c) and c.trainers_used == {"zo"} and c.zo_optimizer == "sgd",
+    Ignored(("adam_beta1",), ZOOptions, lambda c: c.trainers_used == {"zo"} and c.zo_optimizer == "sgd",
             "--trainer zo with --zo_optimizer sgd keeps no momentum; pass --zo_optimizer momentum or adam"),
-    Ignored(("adam_beta2", "adam_epsilon"),
-            lambda c: _training(c) and c.trainers_used == {"zo"} and c.zo_optimizer != "adam",
+    Ignored(("adam_beta2", "adam_epsilon"), ZOOptions, lambda c: c.trainers_used == {"zo"} and c.zo_optimizer != "adam",
             "--trainer zo reads it with --zo_optimizer adam only"),
-    Ignored((*ADAPTER_OPTIONS, *XGBLORA_OPTIONS), lambda c: _training(c) and c.methods_used == {"ft"},
+    Ignored((AdapterOptions, *BOOSTING_GROUPS), MethodOptions, lambda c: c.methods_used == {"ft"},
             "full fine-tuning (--method ft) trains no adapter; pass --method lora or --method xgblora"),
-    Ignored(XGBLORA_OPTIONS, lambda c: _training(c) and "xgblora" not in c.methods_used,
+    Ignored(BOOSTING_GROUPS, MethodOptions, lambda c: "xgblora" not in c.methods_used,
             "an XGBLoRA booster option, unused by plain LoRA; pass --method xgblora"),
-    Ignored(XGBLORA_ADAPTIVE_OPTIONS, lambda c: _training(c) and not c.xgblora_adaptive,
+    Ignored((AdaptiveBoostingOptions,), BoostingOptions, lambda c: not c.xgblora_adaptive,
             "the adaptive merge's option; pass --xgblora_adaptive"),
-    Ignored(EMBEDDING_OPTIONS, lambda c: _training(c) and c.objective == "lm",
+    Ignored((EmbeddingOptions, ContrastiveOptions, GritOptions), TaskOptions, lambda c: c.objective == "lm",
             "an embedding option, unused by --objective lm; pass --objective contrastive or grit"),
-    Ignored(GRIT_OPTIONS, lambda c: _training(c) and c.objective == "contrastive",
+    Ignored((GritOptions,), TaskOptions, lambda c: c.objective == "contrastive",
             "a GRIT option, unused by --objective contrastive; pass --objective grit"),
-    Ignored(GENERATION_TRAINING_OPTIONS, lambda c: _training(c) and c.objective == "contrastive",
+    Ignored((NextTokenOptions,), TaskOptions, lambda c: c.objective == "contrastive",
             "a next-token training option, unused by --objective contrastive (pairs are embedded, not generated)"),
-    Ignored(CLASSIFICATION_OPTIONS, lambda c: _training(c) and c.objective != "lm",
+    Ignored((ClassificationOptions, "train_as_classification"), TaskOptions, lambda c: c.objective != "lm",
             "a MeZO-task/classification option; an embedding objective trains on pairs"),
 )
 
 
-def command_options(cls: type, groups: tuple[type, ...]) -> frozenset[str]:
-    """The options a command reads: the fields of its groups, and those its options classes declare themselves."""
-    return frozenset({f.name for group in groups for f in dataclasses.fields(group)} | set(own_options(cls)))
+def groups_of(cls: type) -> tuple[type, ...]:
+    """The option groups a command's class inherits, in the order its help shows them."""
+    return tuple(group for group in GROUPS if issubclass(cls, group))
 
 
 def own_options(cls: type) -> list[str]:
@@ -737,128 +862,25 @@ def own_options(cls: type) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def check_ignored(cfg: Any, defaults: dict[str, Any] | None = None, reads: frozenset[str] | None = None,
-                  command: str = "") -> None:
+def check_ignored(cfg: Any, defaults: dict[str, Any] | None = None) -> None:
     """Refuse, in one line, an option changed from its default (the command's `defaults`, else the dataclass's) that
-    the run would never read: outside the command's options (`reads`: a YAML config may name them at their default,
-    as a saved config.yaml does), or unused under the values of the others (IGNORED)."""
+    the run would never read under the values of the others (IGNORED)."""
     default_of = {f.name: (defaults or {}).get(f.name, field_default(f)) for f in dataclasses.fields(cfg)}
-    for name in default_of.keys() - (reads or default_of.keys()):
-        if getattr(cfg, name) != default_of[name]:
-            raise UserError(f"--{name} {getattr(cfg, name)!r} does nothing here: xgblora {command} never reads it")
     for rule in IGNORED:
-        if not rule.applies(cfg):
+        names = rule.names(type(cfg))
+        if not names or not isinstance(cfg, rule.when) or not rule.applies(cfg):
             continue
-        for name in rule.options:
+        for name in names:
             value = getattr(cfg, name)
             if value != default_of[name]:
                 raise UserError(f"--{name} {value!r} does nothing here: {rule.reason}")
 
 
-# Options naming where a command writes: none may be empty (Path("") is the working directory, which the command would
-# then write into, over files of the same names)
-OUTPUT_PATHS = ("output_dir", "output_root", "output_file", "loss_figure_path", "result_file")
+# Every command's options class, for the options a YAML config may name at their default though the command lacks
+# them (a config.yaml another command wrote)
+COMMAND_CLASSES = (Config, EvalConfig, CompareConfig, ChatConfig, GenerateConfig, RFTConfig, GRPOConfig, DPOConfig)
 
 
-def check_output_paths(cfg: Any) -> None:
-    """One-line errors for an empty output path, for any options dataclass."""
-    for name in OUTPUT_PATHS:
-        if hasattr(cfg, name):
-            atomic.check_path(getattr(cfg, name), f"--{name}")
-
-
-def check_finite(cfg: Any) -> None:
-    """One-line errors for numbers that are nan or infinite: no option has a meaning for them, and a comparison with
-    nan is always false, so a range check alone lets it through."""
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, float) and not math.isfinite(item):
-                raise UserError(f"--{f.name} must be a finite number, got {item}")
-
-
-def check_choices(cfg: Any) -> None:
-    """One-line errors for options outside their choices, for any options dataclass (None where it is the default:
-    the option's value then depends on others)."""
-    for f in dataclasses.fields(cfg):
-        choices, value = f.metadata.get("choices"), getattr(cfg, f.name)
-        if choices and value not in choices and not (value is None and f.default is None):
-            raise UserError(f"--{f.name} {value!r}: choose one of {', '.join(choices)}")
-
-
-def check_sampling(cfg: SamplingOptions, samples: int = 1) -> None:
-    """One-line errors for sampling options out of range; `samples`: the completions drawn per prompt."""
-    _check_positive(cfg, "max_batch_tokens")
-    if samples < 1:
-        raise UserError(f"--num_return_sequences must be positive, got {samples}")
-    if cfg.temperature < 0:
-        raise UserError(f"--temperature must be 0 (greedy) or more, got {cfg.temperature}")
-    if not 0.0 < cfg.top_p <= 1.0:
-        raise UserError(f"--top_p must be in (0, 1], got {cfg.top_p}")
-    if samples > 1 and cfg.temperature == 0:
-        raise UserError(f"--num_return_sequences {samples} with --temperature 0 would return the same greedy "
-                        f"completion {samples} times; set a temperature")
-
-
-def check_seeds(cfg: Any, *names: str) -> None:
-    """One-line errors for seeds outside what torch and numpy take, [0, 2**32 - 1] (a list: each of its values)."""
-    for name in names:
-        value = getattr(cfg, name)
-        for seed in value if isinstance(value, list) else [value]:
-            if not 0 <= seed < 2**32:
-                raise UserError(f"--{name} must be between 0 and 2**32 - 1, got {seed}")
-
-
-def parse_matryoshka(dims: str | None, weights: str | None) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """'384,256,128,64' (commas or spaces) and its weights (default 1 each) -> (dims, weights), refused in one line
-    where sentence-transformers' MatryoshkaLoss would fail or silently count a size twice."""
-    if dims is None:
-        if weights is not None:
-            raise UserError("--matryoshka_weights weighs the losses of --matryoshka_dims; pass --matryoshka_dims too")
-        return (), ()
-    parsed = tuple(_matryoshka_dim(dims, token) for token in dims.replace(",", " ").split())
-    if not parsed:
-        raise UserError(f"--matryoshka_dims {dims!r} names no size: give embedding sizes, e.g. 384,256,128,64")
-    repeated = sorted({d for d in parsed if parsed.count(d) > 1})
-    if repeated:
-        raise UserError(f"--matryoshka_dims {dims!r}: {repeated[0]} is given twice; give each size once (weigh it "
-                        f"with --matryoshka_weights)")
-    if weights is None:
-        return parsed, (1.0,) * len(parsed)
-    values = tuple(_matryoshka_weight(weights, token) for token in weights.replace(",", " ").split())
-    if len(values) != len(parsed):
-        raise UserError(f"--matryoshka_weights {weights!r}: {len(values)} weights for {len(parsed)} "
-                        f"--matryoshka_dims sizes; give one per size")
-    return parsed, values
-
-
-def _matryoshka_dim(dims: str, token: str) -> int:
-    try:
-        value = int(token)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise UserError(f"--matryoshka_dims {dims!r}: {token!r} is not a positive whole number of dimensions")
-    return value
-
-
-def _matryoshka_weight(weights: str, token: str) -> float:
-    try:
-        value = float(token)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise UserError(f"--matryoshka_weights {weights!r}: {token!r} is not a weight of 0 or more")
-    return value
-
-
-def _check_positive(cfg: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if value is not None and value <= 0:
-            raise UserError(f"--{name} must be positive, got {value}")
-
-
-def field_default(f: dataclasses.Field) -> Any:
-    """A dataclass field's default value."""
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+def defaults_elsewhere(name: str) -> list[Any]:
+    """The defaults the option `name` has in the command classes that declare it (none: no command has it)."""
+    return [field_default(f) for cls in COMMAND_CLASSES for f in dataclasses.fields(cls) if f.name == name]

@@ -70,7 +70,7 @@ def run_demo(out: Path = Path("xgblora-demo"), steps: int = 300, num_eval: int =
     """Run the demo and write its report into out; returns the report paths, rows and the untrained baseline."""
     outputs.check_folder(out, "--output_root", outputs.holds_runs, "runs of xgblora demo")
     configs = demo_configs(out, steps, num_eval)
-    baseline_cfg = Config(**{**vars(configs[0]), "trainer": "none", "num_train": 0,
+    baseline_cfg = Config(**{**vars(configs[0]), "trainer": "none", "method": "ft", "num_train": 0,
                              "output_dir": str(out / "untrained"), "result_file": str(out / "untrained" / "mezo.json")})
     baseline = train.run(baseline_cfg)
     done = compare.run_all(configs, out, out / "loss.png")

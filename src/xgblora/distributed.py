@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from xgblora.config import Config
+from xgblora.config import TrainerConfig
 from xgblora.data.batches import Batch
 from xgblora.errors import RankLostError, UserError
 
@@ -243,7 +243,7 @@ class Distributed:
 LOCAL = Distributed()  # one process: every call hands its argument back
 
 
-def setup(cfg: Config) -> Distributed:
+def setup(cfg: TrainerConfig) -> Distributed:
     """Join the process group that torchrun / accelerate launch describe in the environment (none: LOCAL).
 
     The Accelerator picks the backend (NCCL on GPUs, gloo on the CPU), this rank's GPU (`device`) and, from an
@@ -270,7 +270,7 @@ def setup(cfg: Config) -> Distributed:
     return dist
 
 
-def _check_fsdp(cfg: Config, accelerator: Any) -> bool:
+def _check_fsdp(cfg: TrainerConfig, accelerator: Any) -> bool:
     """FSDP shards full fine-tuning under AdamW; say what it does not do; whether checkpoints are model-only."""
     if cfg.method != "ft" or cfg.trainer != "regular":
         log.info("FSDP shards full fine-tuning under AdamW only; this run trains data-parallel without it")

@@ -94,19 +94,35 @@ class InputOptions:
 
 @dataclass(frozen=True)
 class TaskOptions:
-    """Which task the rows are and how its examples are drawn and scored: MeZO's tasks, or custom classification or instruction data."""
+    """Which task the rows are and how its examples are drawn: MeZO's tasks, custom classification or instruction
+    data, or pairs for an embedding objective."""
 
     task_name: str = _opt("SST2", "SST2, RTE, CB, BoolQ, Copa, WIC, WSC, MultiRC, ReCoRD, SQuAD, DROP, or custom.")
     data_dir: str | None = _opt(None, "Folder with <task>/{train,dev}.jsonl in GLUE/SuperGLUE field names (else HF datasets).")
     data_format: str = _opt("auto", "Custom instruction data: messages (chat turns), prompt_completion (also prompt/response; a conversational prompt/completion is a chat), text (language modelling); auto: from each row's fields.",
                             ("auto", "messages", "prompt_completion", "text"))
-    template: str | None = _opt(None, "Custom classification task: prompt template with {field} slots, e.g. '{text} It was'.")
-    label_words: str | None = _opt(None, "Custom classification task: comma-separated verbalizers, one per label, in label order.")
-    label_names: str | None = _opt(None, "Custom classification task: comma-separated label values as they appear in the file (default 0,1,...).")
+    objective: str = _opt("lm", "What the model learns: lm (the task's own loss), contrastive (an embedding model on query/positive pairs) or grit (a causal LM that embeds and generates).",
+                          ("lm", "contrastive", "grit"))
     num_train: int | None = _opt(None, "Training examples drawn from the train split (demonstrations when --trainer none). Default: every row of your own data; 1000 for MeZO's tasks.")
     num_eval: int | None = _opt(None, "Evaluation examples drawn from the validation split (all when unset).")
     train_set_seed: int = _opt(0, "Seed of the train/dev sampling.")
     max_new_tokens: int = _opt(50, "Generation tasks: most tokens to generate.")
+
+    @property
+    def own_data(self) -> bool:
+        """Whether the rows are the user's own (--task_name custom, or pairs for an embedding objective) rather than
+        one of MeZO's tasks: their defaults are every row for training and no dev split."""
+        return self.task_name.lower() == "custom" or self.objective != "lm"
+
+
+@dataclass(frozen=True)
+class ClassificationOptions:
+    """A classification task's prompt and label words, and how candidate scores are calibrated (MeZO's tasks and
+    custom classification)."""
+
+    template: str | None = _opt(None, "Custom classification task: prompt template with {field} slots, e.g. '{text} It was'.")
+    label_words: str | None = _opt(None, "Custom classification task: comma-separated verbalizers, one per label, in label order.")
+    label_names: str | None = _opt(None, "Custom classification task: comma-separated label values as they appear in the file (default 0,1,...).")
     sfc: bool = _opt(False, "Calibrate candidate scores with surface-form competition (SFC).")
     icl_sfc: bool = _opt(False, "SFC with the demonstrations in the calibration prompt.")
 
@@ -123,10 +139,9 @@ class HeadOptions:
 
 @dataclass(frozen=True)
 class EmbeddingOptions:
-    """What an embedding model embeds: the objective, the instructions before queries and documents, the pooling of the instruction, attention both ways."""
+    """What an embedding model embeds: the instructions before queries and documents, the pooling of the
+    instruction, attention both ways."""
 
-    objective: str = _opt("lm", "What the model learns: lm (the task's own loss), contrastive (an embedding model on query/positive pairs) or grit (a causal LM that embeds and generates).",
-                          ("lm", "contrastive", "grit"))
     query_instruction: str = _opt("", "Contrastive/GRIT: text put before every query (e.g. 'query: '); with --instruction_format gritlm the task instruction that GritLM's format wraps.")
     doc_instruction: str = _opt("", "Contrastive/GRIT: text put before every document (e.g. 'passage: '); with --instruction_format gritlm wrapped the same way.")
     instruction_format: str = _opt("plain", "Contrastive/GRIT: plain (the instructions as they are) or gritlm (GritLM's format: '<|user|>\\n{instruction}\\n<|embed|>\\n', or '<|embed|>\\n' without an instruction, for queries and documents alike).",
@@ -136,26 +151,31 @@ class EmbeddingOptions:
 
 
 @dataclass(frozen=True)
-class SupervisedOptions:
-    """Training on a task's examples: the dev split, the loss on candidates, a new classifier head's start and optimiser, the final evaluation."""
+class SplitOptions:
+    """The dev split: drawn from the training rows, read by periodic evaluation and the best checkpoint."""
 
     num_dev: int | None = _opt(None, "Dev examples drawn from the train split (disjoint from the training ones); none unless given. The dev split is what --evaluation_strategy steps and --load_best_model_at_end read.")
     dev_pool: str = _opt("any", "Which train-split examples the dev set is drawn from: any, or sentences (8+ words ending in . ! or ?, like SST-2's validation split).",
                          ("any", "sentences"))
+    eval_split_ratio: float | None = _opt(None, "Your own data: hold out this fraction of --train_file's rows as the dev split (instead of --num_dev N).")
+
+
+@dataclass(frozen=True)
+class SupervisedOptions:
+    """Training on a task's examples: the loss on candidates, a new classifier head's start, the final evaluation."""
+
     only_train_option: bool = _opt(True, "MeZO's tasks on a causal LM: the loss is on the gold candidate's tokens only (false: on every token of prompt and candidate, as MeZO's run.py). Instruction data: see --train_on_prompt.")
     train_as_classification: bool = _opt(False, "Train with cross-entropy over the candidates.")
     head_init: str = _opt("probe", "How a new classifier head starts: probe (a logistic regression fitted by L-BFGS on the frozen model's features of the training examples, seconds) or random.",
                           ("probe", "random"))
     head_probe_l2: float | None = _opt(None, "L2 strength of the --head_init probe's logistic regression (default: chosen by k-fold cross-validation on the training examples from head.PROBE_L2_GRID, 1e-3 to 3e-1, k = head.PROBE_FOLDS = 5).")
-    head_trainer: str = _opt("first-order", "Under --trainer zo, how a new classifier head trains: first-order (AdamW on MeZO's detached features), frozen, or zo (perturbed with the body).",
-                             ("first-order", "frozen", "zo"))
-    head_learning_rate: float = _opt(1e-3, "AdamW learning rate of a first-order head under --trainer zo (constant).")
     no_eval: bool = _opt(False, "Skip the final evaluation.")
 
 
 @dataclass(frozen=True)
 class ContrastiveOptions:
-    """Contrastive and GRIT training of an embedding model: temperature, loss, gradient caching, GRIT's generative loss."""
+    """Contrastive and GRIT training of an embedding model: temperature, loss, gradient caching, Matryoshka sizes,
+    length-sorted pieces."""
 
     contrastive_temperature: float | None = _opt(None, "Contrastive/GRIT: softmax temperature of the cosine similarities. Default: 0.02 for grit (GritLM's), 0.05 for contrastive (sentence-transformers' scale 20).",
                                                  aliases=("temperature",))
@@ -166,6 +186,13 @@ class ContrastiveOptions:
     matryoshka_dims: str | None = _opt(None, "Contrastive/GRIT: Matryoshka embeddings (sentence-transformers' MatryoshkaLoss): the loss summed over the embeddings cut to each of these sizes, e.g. 384,256,128,64 (each cut normalised anew).")
     matryoshka_weights: str | None = _opt(None, "Contrastive/GRIT: the weight of each --matryoshka_dims size's loss, as many as sizes (default: 1 each).")
     embed_pieces: bool | None = _opt(None, "Contrastive/GRIT without gradient caching: embed in length-sorted pieces, each padded to its own longest row. Default: on for the CPU, off on CUDA.")
+
+
+@dataclass(frozen=True)
+class GritOptions:
+    """GRIT's generative loss beside the contrastive one: its instruction rows, the weights of the two losses, its
+    batch."""
+
     grit_train_file: str | None = _opt(None, "GRIT: instruction data for the generative loss, in any form --train_file takes (messages, prompt/completion, text).")
     grit_contrastive_weight: float = _opt(1.0, "GRIT: weight of the contrastive loss.")
     grit_generative_weight: float = _opt(1.0, "GRIT: weight of the generative loss.")
@@ -174,25 +201,44 @@ class ContrastiveOptions:
 
 @dataclass(frozen=True)
 class InstructionOptions:
-    """Supervised fine-tuning on instruction rows: which tokens carry loss, how the loss averages, padding-free batches, a dev split from the rows, logged generations, activation recomputation."""
+    """Instruction data: which tokens carry loss (in training and in the evaluation loss)."""
 
     train_on_prompt: bool = _opt(False, "Instruction data: the prompt (user and system turns) carries loss too, not only the answers.")
+
+
+@dataclass(frozen=True)
+class NextTokenOptions:
+    """Next-token training: how a batch's loss averages, padding-free batches, logged dev generations."""
+
     loss_mean: str = _opt("auto", "Loss of a batch: the mean over its target tokens (token) or of each example's mean (example); auto: token for instruction data, example for MeZO's tasks.",
                           ("auto", "token", "example"))
     packing: bool | None = _opt(None, "Padding-free batches: a batch's sequences end to end in one row (causal LMs; checked). Default: on with flash attention, off with sdpa/eager.")
-    eval_split_ratio: float | None = _opt(None, "Your own data: hold out this fraction of --train_file's rows as the dev split (instead of --num_dev N).")
     log_samples: int = _opt(0, "Instruction data: also log N of the dev generations (prompt, prediction, reference) to metrics.jsonl at each evaluation.")
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """The memory of a backward pass through a model's own next-token loss: activations recomputed, the LM head
+    fused."""
+
     gradient_checkpointing: bool = _opt(False, "Recompute activations in the backward pass to save memory.")
     fused_lm_head: bool = _opt(True, "Causal LM training by back-propagation: project only the scored positions through the LM head, a chunk of tokens at a time, recomputed in the backward pass, so that no [tokens, vocabulary] logits are held (the same loss; a large vocabulary's logits often set the peak memory). Models that scale or softcap their logits, and --compile, keep the full logits.")
 
 
 @dataclass(frozen=True)
-class AdapterOptions:
-    """What trains: full fine-tuning, or a LoRA adapter (rank, scaling, dropout, target modules)."""
+class MethodOptions:
+    """What trains (full fine-tuning, LoRA, XGBLoRA boosters) and what trains it (AdamW, MeZO, nothing)."""
 
+    trainer: str = _opt("regular", "regular (AdamW), zo (MeZO), or none (evaluate only: what `xgblora eval` runs).", ("none", "regular", "zo"))
     method: str = _opt("ft", "What trains: full fine-tuning, LoRA, or XGBLoRA boosters.", ("ft", "lora", "xgblora"))
     lora: bool = _opt(False, "Same as --method lora (MeZO's flag).")
     xgblora: bool = _opt(False, "Same as --method xgblora (the XGBLoRA fork's flag).")
+
+
+@dataclass(frozen=True)
+class AdapterOptions:
+    """A LoRA adapter's shape: rank, scaling, dropout, target modules."""
+
     lora_r: int | None = _opt(None, "Adapter rank (default 8 for LoRA, 1 for XGBLoRA).", aliases=("lora_rank",))
     lora_alpha: float | None = _opt(None, "Adapter scaling numerator, positive: delta = (alpha / r) B A. Default 2r, so alpha / r = 2 at every rank (MeZO's r=8, alpha=16); with --use_rslora 2 sqrt(8), the same scale as LoRA's at r=8.")
     use_rslora: bool = _opt(False, "rsLoRA scaling: delta = (alpha / sqrt(r)) B A.")
@@ -215,6 +261,12 @@ class BoostingOptions:
     xgblora_init: str | None = _opt(None, "Where each booster starts: gradient-orthogonal (A from the gradient's top singular vectors over --xgblora_init_batches batches, among the input directions no earlier booster of the layer took, so that boosters build rank; the default with a backward pass), gradient (the same without that projection), or random (as LoRA; the default under --trainer zo).", ("gradient", "gradient-orthogonal", "random"))
     xgblora_init_batches: int = _opt(1, "--xgblora_init gradient(-orthogonal): training batches (one forward and backward each, beside the training steps) whose gradient starts each booster.")
     xgblora_adaptive: bool = _opt(False, "The Boosting-LoRA-ZO fork's extension (not the paper's): merge when the loss EMA stops improving, at the latest after --xgblora_adaptive_max_steps.")
+
+
+@dataclass(frozen=True)
+class AdaptiveBoostingOptions:
+    """The adaptive merge (--xgblora_adaptive): when a booster stops improving."""
+
     xgblora_adaptive_max_steps: int | None = _opt(None, "Adaptive merge: most steps one booster trains (default: the steps per booster of the fixed schedule).")
     xgblora_adaptive_patience: int = _opt(50, "Adaptive merge: steps without improvement before merging.")
     xgblora_adaptive_threshold: float = _opt(1e-3, "Adaptive merge: relative improvement of the loss EMA that counts.")
@@ -223,22 +275,33 @@ class BoostingOptions:
 
 @dataclass(frozen=True)
 class OptimizerOptions:
-    """The optimiser and its budget: the trainer, AdamW's settings, the learning-rate schedule, batch sizes and steps."""
+    """The optimiser's budget and schedule: learning rate, warm-up and decay, batch sizes and steps, weight decay."""
 
-    trainer: str = _opt("regular", "regular (AdamW), zo (MeZO), or none (evaluate only: what `xgblora eval` runs).", ("none", "regular", "zo"))
     learning_rate: float = _opt(1e-5, "Peak learning rate.")
     per_device_train_batch_size: int = _opt(8, "Training micro-batch size per device.")
     gradient_accumulation_steps: int = _opt(1, "Micro-batches per optimizer step (AdamW only).")
     max_steps: int = _opt(-1, "Optimizer steps (overrides num_train_epochs when > 0).")
     num_train_epochs: float = _opt(3.0, "Epochs when max_steps is not set.")
     weight_decay: float = _opt(0.0, "Decoupled weight decay (not applied to biases and norms).")
-    adam_beta1: float = _opt(0.9, "AdamW beta1.")
-    adam_beta2: float = _opt(0.999, "AdamW beta2.")
-    adam_epsilon: float = _opt(1e-8, "AdamW epsilon.")
-    max_grad_norm: float = _opt(1.0, "Gradient clipping norm (0 turns it off).")
     lr_scheduler_type: str = _opt("constant", "Learning-rate schedule.", ("constant", "linear", "cosine"))
     warmup_steps: int = _opt(0, "Linear warm-up steps.")
     warmup_ratio: float = _opt(0.0, "Warm-up as a fraction of max_steps (used when warmup_steps is 0).")
+
+
+@dataclass(frozen=True)
+class MomentumOptions:
+    """AdamW's moment estimates, also those of --zo_optimizer momentum and adam."""
+
+    adam_beta1: float = _opt(0.9, "AdamW beta1.")
+    adam_beta2: float = _opt(0.999, "AdamW beta2.")
+    adam_epsilon: float = _opt(1e-8, "AdamW epsilon.")
+
+
+@dataclass(frozen=True)
+class AdamWOptions:
+    """What AdamW alone reads: gradient clipping and its fused kernel."""
+
+    max_grad_norm: float = _opt(1.0, "Gradient clipping norm (0 turns it off).")
     fused_adamw: bool = _opt(True, "AdamW's fused kernel where all weights sit on one CUDA or CPU device (false: torch's default).")
 
 
@@ -257,6 +320,15 @@ class ZOOptions:
     zo_svrg_anchor_batches: int = _opt(8, "svrg: training batches the anchor step's large-batch estimate averages (2 forwards each).")
     zo_svrg_anchor_learning_rate: float | None = _opt(None, "svrg: the anchor (large-batch) step's rate, MeZO-SVRG's eta_1 (its script: 1e-3), --learning_rate being the steps between, eta_2 (1e-6); scheduled as --learning_rate is (default: --learning_rate).")
     zo_stochastic_rounding: bool | None = _opt(None, "MeZO full-model update in half precision with stochastic rounding (default on in bf16/fp16).")
+
+
+@dataclass(frozen=True)
+class ZOHeadOptions:
+    """How a new classifier head trains under --trainer zo."""
+
+    head_trainer: str = _opt("first-order", "Under --trainer zo, how a new classifier head trains: first-order (AdamW on MeZO's detached features), frozen, or zo (perturbed with the body).",
+                             ("first-order", "frozen", "zo"))
+    head_learning_rate: float = _opt(1e-3, "AdamW learning rate of a first-order head under --trainer zo (constant).")
 
 
 @dataclass(frozen=True)
@@ -328,8 +400,9 @@ class SamplingOptions:
     top_p: float = _opt(1.0, "Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.")
     max_batch_tokens: int = _opt(32768, "Memory budget of a generation batch: rows x (longest prompt + max_new_tokens) tokens of KV cache.")
 
-
-# Every group: a command's options are the fields of the groups it names and those of its own classes.
-GROUPS = (ModelOptions, InputOptions, TaskOptions, HeadOptions, EmbeddingOptions, SupervisedOptions, ContrastiveOptions,
-          InstructionOptions, AdapterOptions, BoostingOptions, OptimizerOptions, ZOOptions, ComputeOptions,
-          BatchOptions, RunOptions, OutputOptions, ResultFileOptions, LoopOptions, SamplingOptions)
+# Every group, in the order a command's help shows them.
+GROUPS = (ModelOptions, InputOptions, TaskOptions, ClassificationOptions, HeadOptions, EmbeddingOptions, SplitOptions,
+          SupervisedOptions, ContrastiveOptions, GritOptions, InstructionOptions, NextTokenOptions, MemoryOptions,
+          MethodOptions, AdapterOptions, BoostingOptions, AdaptiveBoostingOptions, OptimizerOptions, MomentumOptions,
+          AdamWOptions, ZOOptions, ZOHeadOptions, ComputeOptions, BatchOptions, RunOptions, OutputOptions,
+          ResultFileOptions, LoopOptions, SamplingOptions)

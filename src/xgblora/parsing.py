@@ -16,7 +16,8 @@ from typing import Any
 import yaml
 
 from xgblora import atomic, outputs, trl_names
-from xgblora.config import Config, check_ignored, field_default, own_options
+from xgblora.checks import field_default
+from xgblora.config import Config, check_ignored, defaults_elsewhere, groups_of, own_options
 from xgblora.errors import UserError
 
 
@@ -63,21 +64,17 @@ def _aliases(cls: type, f: dataclasses.Field) -> tuple[str, ...]:
     return tuple(a for a in f.metadata.get("aliases", ()) if a not in names)
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, defaults: dict[str, Any] | None = None,
-                  groups: tuple[type, ...] | None = None) -> None:
-    """Add one flag per option the command reads: with `groups`, a help section for the command's own options, then
-    one per group in their order; else every field of cls. Each flag in underscore and hyphen spelling plus aliases;
-    defaults are suppressed (the help shows the command's own: `defaults` first, then the dataclass's)."""
+def add_arguments(parser: argparse.ArgumentParser, cls: type, defaults: dict[str, Any] | None = None) -> None:
+    """Add one flag per field of cls: a help section for the command's own options, then one per option group it
+    inherits (config.groups_of). Each flag in underscore and hyphen spelling plus aliases; defaults are suppressed
+    (the help shows the command's own: `defaults` first, then the dataclass's)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    if groups is None:
-        sections = [(None, None, list(fields))]
-    else:
-        own = own_options(cls)
-        sections = [(f"{cls.__name__.removesuffix('Config') or 'these'} options", None, own)] * bool(own) + [
-            (f"{group.__name__.removesuffix('Options')} options", group.__doc__,
-             [f.name for f in dataclasses.fields(group) if f.name not in own]) for group in groups]
+    own = own_options(cls)
+    sections = [(f"{cls.__name__.removesuffix('Config') or 'these'} options", None, own)] * bool(own) + [
+        (f"{group.__name__.removesuffix('Options')} options", group.__doc__,
+         [f.name for f in dataclasses.fields(group) if f.name not in own]) for group in groups_of(cls)]
     for title, description, names in sections:
-        target = parser.add_argument_group(title, description) if title else parser
+        target = parser.add_argument_group(title, description)
         for name in names:
             _add_flag(target, cls, fields[name], (defaults or {}).get(name, field_default(fields[name])))
     parser.add_argument("--config", dest="config", default=argparse.SUPPRESS, metavar="FILE.yaml",
@@ -141,8 +138,10 @@ class _UniqueKeys(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def read_yaml(cls: type, path: str) -> dict[str, Any]:
-    """Read a YAML config into validated field values; unknown keys get the closest valid key suggested."""
+def read_yaml(cls: type, path: str, command: str = "") -> dict[str, Any]:
+    """Read a YAML config into validated field values; unknown keys get the closest valid key suggested. Another
+    command's option (a config.yaml that command wrote) passes at a default it has there and is left out; at any
+    other value it is refused, naming `command`."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -168,16 +167,21 @@ def read_yaml(cls: type, path: str) -> dict[str, Any]:
         if entry is not None and (name not in fields or isinstance(entry, trl_names.Mapped)):
             for option, converted in trl_names.resolve(entry, str(key), value, path).items():
                 _set_once(from_trl, option, (str(key), converted), path)
-        elif name not in fields:
+        elif name not in fields and not defaults_elsewhere(name):
             close = difflib.get_close_matches(name, list(fields), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise UserError(f"{path}: unknown key {key!r}{hint}")
+        elif name not in fields:
+            _check_foreign(name, value, command)
         else:
             if name in keys:  # two spellings of one option (hyphen, alias): the last would win as a repeated key does
                 raise UserError(f"{path}: keys {keys[name]!r} and {key!r} both set {name}; keep one")
             keys[name] = key
             values[name] = _check_yaml_value(cls, fields[name], value, path)
     for option, (key, value) in from_trl.items():
+        if option not in fields:
+            _check_foreign(option, value, command)
+            continue
         value = _check_yaml_value(cls, fields[option], value, path)
         if option in values and values[option] != value:
             raise UserError(f"{path}: key {key!r} (TRL's) sets {option} to {value!r}, key {option!r} to "
@@ -185,6 +189,13 @@ def read_yaml(cls: type, path: str) -> dict[str, Any]:
         values[option] = value
     return {k: _beside(Path(path).parent, v) if k in INPUT_PATHS and isinstance(v, str) else v
             for k, v in values.items()}
+
+
+def _check_foreign(name: str, value: Any, command: str) -> None:
+    """Another command's option in a YAML config: it passes at a default it has there (a config.yaml that command
+    wrote names every option of its own); at any other value the run would not read it, a one-line UserError."""
+    if value not in defaults_elsewhere(name):
+        raise UserError(f"--{name} {value!r} does nothing here: xgblora {command} never reads it")
 
 
 def _set_once(chosen: dict[str, tuple[str, Any]], option: str, setting: tuple[str, Any], path: str) -> None:
@@ -210,17 +221,17 @@ def _beside(folder: Path, value: str) -> str:
     return str(candidate) if candidate.exists() or value.startswith(("./", "../")) else value
 
 
-def from_namespace(cls: type, ns: argparse.Namespace, defaults: dict[str, Any] | None = None,
-                   reads: frozenset[str] | None = None) -> Config:
-    """Build a config from parsed flags: defaults (the command's own first), then --config FILE, then the command
-    line; `reads`: the options the command reads (see check_ignored)."""
+def from_namespace(cls: type, ns: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Any:
+    """Build a command's options from parsed flags: defaults (the command's own first), then --config FILE, then the
+    command line; options the run would never read are refused (config.check_ignored)."""
+    command = getattr(ns, "command", "")
     given = {k: v for k, v in vars(ns).items() if k in {f.name for f in dataclasses.fields(cls)}}
     values = dict(defaults or {})
-    values.update(read_yaml(cls, ns.config) if getattr(ns, "config", None) else {})
+    values.update(read_yaml(cls, ns.config, command) if getattr(ns, "config", None) else {})
     values.update(given)
     cfg = cls(**values)
-    check_ignored(cfg, defaults, reads, getattr(ns, "command", ""))
-    if getattr(ns, "config", None) and "output_dir" in (reads or ()):
+    check_ignored(cfg, defaults)
+    if getattr(ns, "config", None) and hasattr(cfg, "output_dir"):
         outputs.check_config_file(Path(cfg.output_dir), ns.config)
     return cfg
 

@@ -168,6 +168,10 @@ OPTIMIZER = "xgblora trains with AdamW (fused_adamw picks its kernel) or MeZO's 
 TOKENS = "xgblora uses the tokenizer's own special tokens and the chat template's end of turn"
 REFERENCE = "the reference stays the starting model"
 VLLM = "read only with use_vllm; xgblora samples with its own shared-prefix sampler"
+# dpo and grpo score a prompt once for all its completions, through the prompt's key-value cache, which transformers
+# does not keep inside recomputed (checkpointed) layers
+SHARED_PROMPT = "xgblora keeps each prompt's key-value cache for its completions; recomputed activations would drop it"
+LABEL_KEYS = "TRL's label_names, the batch keys that hold the labels, has no meaning here: xgblora builds its own batches"
 NO_USE = "TRL's trainers do not read it either"
 
 COMMON: dict[str, Entry] = {  # transformers' TrainingArguments
@@ -258,7 +262,6 @@ COMMON: dict[str, Entry] = {  # transformers' TrainingArguments
     "do_predict": Ignorable(NO_USE),
     "local_rank": Ignorable("torchrun and accelerate launch set the rank"),
     # xgblora's own names whose values TRL spells otherwise, or means otherwise
-    "label_names": Mapped(("label_names",), _label_names),
     "warmup_steps": Mapped(("warmup_steps", "warmup_ratio"), _warmup_steps),
     "report_to": Mapped(("report_to",), _report_to),
     "lr_scheduler_type": Mapped(("lr_scheduler_type",), _scheduler),
@@ -280,6 +283,7 @@ DATASET_OPTIONS: dict[str, Entry] = {  # SFTConfig and DPOConfig
 SFT: dict[str, Entry] = {
     **MODEL_OPTIONS,
     **DATASET_OPTIONS,
+    "label_names": Mapped(("label_names",), _label_names),
     "chat_template_path": renamed("chat_template"),
     "dataset_text_field": Mapped(("columns",), _text_field),
     "dataset_kwargs": Refused("xgblora prepares the rows itself, from their fields (docs/chat-sft.md)"),
@@ -311,6 +315,9 @@ DPO: dict[str, Entry] = {
     "ref_model_sync_steps": Ignorable("read only with sync_ref_model; " + REFERENCE),
     "train_sampling_strategy": _sampling("group_by_length"),
     "average_tokens_across_devices": Ignorable("the loss is a mean over pairs", (True, False)),
+    "gradient_checkpointing": Refused(SHARED_PROMPT, (False,)),
+    "activation_checkpointing": Refused(SHARED_PROMPT, (False,)),
+    "label_names": Refused(LABEL_KEYS),
 }
 
 GRPO: dict[str, Entry] = {
@@ -357,13 +364,19 @@ GRPO: dict[str, Entry] = {
     "train_sampling_strategy": _sampling(None),
     "scale_rewards": Mapped(("scale_rewards",), _scale_rewards),
     "average_tokens_across_devices": Ignorable("loss_type sets how tokens count over processes", (True, False)),
+    "gradient_checkpointing": Refused(SHARED_PROMPT, (False,)),
+    "activation_checkpointing": Refused(SHARED_PROMPT, (False,)),
+    "torch_compile": Refused("xgblora grpo runs its loss uncompiled", (False,)),
+    "label_names": Refused(LABEL_KEYS),
 }
 
 TABLES = {"SFTConfig": {**COMMON, **SFT}, "DPOConfig": {**COMMON, **DPO}, "GRPOConfig": {**COMMON, **GRPO}}
 
-# Which TRL config an options class reads YAML keys of: the nearest of these among its bases (train, eval, mezo,
+# Which TRL config an options class reads YAML keys of: the first of these among its bases (train, eval, mezo,
 # compare and rft take SFTConfig's).
-TRL_CONFIGS = ((config.GRPOConfig, "GRPOConfig"), (config.DPOConfig, "DPOConfig"), (config.Config, "SFTConfig"))
+TRL_CONFIGS = ((config.GRPOConfig, "GRPOConfig"), (config.DPOConfig, "DPOConfig"),
+               (config.TaskTrainingOptions, "SFTConfig"), (config.EvalConfig, "SFTConfig"),
+               (config.RFTConfig, "SFTConfig"))
 
 
 def table_for(cls: type) -> dict[str, Entry]:

@@ -77,7 +77,7 @@ def pair_file(case: DPOCase, n: int) -> Path:
 
 def xgblora_run(case: DPOCase, pairs: Path, output_dir: str) -> DPORun:
     """xgblora's DPO run for the case, as `xgblora dpo` builds it."""
-    cfg = DPOConfig(model_name=case.model_name, task_name="custom", train_file=str(pairs), method="lora",
+    cfg = DPOConfig(model_name=case.model_name, train_file=str(pairs), method="lora",
                     lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_target_modules="all-linear", learning_rate=LR,
                     lr_scheduler_type="constant", beta=BETA, per_device_train_batch_size=case.pairs,
                     max_steps=case.warmup + case.steps, max_length=1024, save_strategy="no", device=case.device,

@@ -39,7 +39,7 @@ from typing import Any
 
 from xgblora import atomic, checkpoint, outputs, usercode
 from xgblora.adapters.trained import load_with_options, resolve
-from xgblora.config import Config, RFTConfig
+from xgblora.config import Config, RFTConfig, carried_over
 from xgblora.data import formats
 from xgblora.data.sources import parse_columns, read_rows
 from xgblora.data.tasks import Example, PromptTask
@@ -220,7 +220,7 @@ def evaluate_model(cfg: RFTConfig, model_path: str, adapter: str | None, verifie
 def training_config(cfg: RFTConfig, model_path: str, adapter: str | None, round_dir: Path, n_rows: int) -> Config:
     """The round's `xgblora train` options: the run's own, on the kept rows, from the current model (and its
     adapter, which training continues)."""
-    options = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
+    options = carried_over(cfg, Config)
     options.update(model_name=model_path, adapter=adapter, task_name="custom", train_file=str(round_dir / "train.jsonl"),
                    eval_file=str(Path(cfg.output_root) / "heldout.jsonl"), columns=None, data_format="auto",
                    num_train=n_rows, num_dev=None, no_eval=True, result_file=None,

@@ -45,7 +45,7 @@ from xgblora.train.loop import ExampleBatches, Trainer
 from xgblora.train.objective import TrainingSet
 from xgblora.train.results import write_model_card, write_results
 from xgblora.train.run import finished_results, run_folder, start_over
-from xgblora.train.setup import RunSetup, load_policy, setup_method
+from xgblora.train.setup import RunSetup, load_policy, setup_method, training_loss
 
 log = logging.getLogger("xgblora")
 
@@ -101,7 +101,7 @@ def _run(cfg: DPOConfig, dist: distributed.Distributed, train: list[PreferenceEx
     if run.eval_seqs:
         results.update({f"eval_{k}": v for k, v in run.evaluate(model, run.eval_seqs)[0].items()})
     if dist.is_main:
-        write_model_card(cfg, results)
+        write_model_card(cfg, results, cfg.train_file)
         write_curves_report(Path(cfg.output_dir), results, "dpo", DPO_PANELS)
         write_results(cfg, results)  # last: results.json marks a finished run
     return results
@@ -149,8 +149,9 @@ def prepare(cfg: DPOConfig, dist: distributed.Distributed, train: list[Preferenc
                    device=device, evaluate=evaluate)
     # TRL's disable_dropout: the policy scores a pair as the reference (taken without dropout) does, so the first
     # step's log ratios are 0 and the loss is log 2
-    source = ExampleBatches(training_set(train_seqs, pad, ref_train), cfg, dist, dropout=not cfg.disable_dropout)
-    return DPORun(cfg, Trainer(run, method, source, dist), eval_seqs, evaluate)
+    source = ExampleBatches(training_set(train_seqs, pad, ref_train), cfg, dist, cfg.group_by_length is not False,
+                            dropout=not cfg.disable_dropout)
+    return DPORun(cfg, Trainer(run, method, source, dist, training_loss(run, method, cfg)), eval_seqs, evaluate)
 
 
 def training_set(seqs: Sequence[PreferenceSeq], pad_id: int, ref: torch.Tensor | None) -> TrainingSet:

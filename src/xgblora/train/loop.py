@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from xgblora import distributed, perf
 from xgblora.checkpoint import Checkpointer, prune, step_checkpoints
-from xgblora.config import Config
+from xgblora.config import TaskTrainingOptions, TrainerConfig
 from xgblora.data.batches import Batch
 from xgblora.data.order import BatchStream
 from xgblora.distributed import LOCAL, Distributed
@@ -38,7 +38,7 @@ from xgblora.optim.zo import MeZO, ZOStepper
 from xgblora.optim.zo_estimators import ES, FZOO, NSPSA, MeZOSVRG, SVRGStepper
 from xgblora.trackers import open_trackers, parse_report_to
 from xgblora.train.head import HeadTrainer
-from xgblora.train.objective import TrainingLoss, TrainingSet
+from xgblora.train.objective import TrainingSet
 from xgblora.train.results import adapter_task_type, save_final, write_adapter
 from xgblora.train.setup import Method, RunSetup
 
@@ -83,14 +83,15 @@ class BatchSource(Protocol):
 
 
 class ExampleBatches:
-    """A training set's batches in BatchStream's order (seeded epochs, length-grouped where asked): this process's
-    share of each global batch; --max_steps, else --num_train_epochs over the set."""
+    """A training set's batches in BatchStream's order (seeded epochs, length-grouped with `group_by_length`): this
+    process's share of each global batch; --max_steps, else --num_train_epochs over the set."""
 
-    def __init__(self, train_set: TrainingSet, cfg: Config, dist: Distributed, dropout: bool = True):
+    def __init__(self, train_set: TrainingSet, cfg: TrainerConfig, dist: Distributed, group_by_length: bool,
+                 dropout: bool = True):
         self.dropout = dropout
         self.train_set = dist.shard(train_set)  # batch(global batch) collates this rank's shard of it
         global_batch = cfg.per_device_train_batch_size * dist.world_size
-        self.stream = BatchStream(self.train_set.lengths, global_batch, cfg.seed, cfg.groups_by_length)
+        self.stream = BatchStream(self.train_set.lengths, global_batch, cfg.seed, group_by_length)
         self.max_steps = total_steps(cfg, len(self.train_set.lengths), global_batch)
         self.components: dict[str, Any] = {}
         self._order: Iterator[list[int]] | None = None
@@ -207,10 +208,11 @@ def graceful_stop() -> Iterator[dict[str, bool]]:
             signal.signal(s, h)
 
 
-def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Distributed,
-                  device: torch.device) -> Stepper:
+def build_stepper(cfg: TrainerConfig, method: Method, loss_fn: Loss, dist: Distributed, device: torch.device,
+                  task: TaskTrainingOptions | None = None) -> Stepper:
     """AdamW (--trainer regular) or a zeroth-order estimator (--trainer zo, --zo_estimator) over the method's
-    trainable parameters."""
+    trainable parameters; `task`: the options of training on a task's examples (a new classifier head's trainer,
+    candidates scored side by side), where the run has them."""
     boosting = method.boosting
     if cfg.trainer == "regular":
         penalty = (lambda: boosting.norm_penalty(cfg.norm_penalty)) \
@@ -220,11 +222,13 @@ def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Dist
                             fused=None if cfg.fused_adamw else False, max_grad_norm=cfg.max_grad_norm,
                             accumulation=cfg.gradient_accumulation_steps, micro_batch=cfg.per_device_train_batch_size,
                             nan_policy=cfg.nan_policy, penalty=penalty, dist=dist)
-    zo_params = method.zo_params(cfg.head_trainer)
+    head_trainer = task.head_trainer if task is not None else "zo"  # without a task's head the choice is moot
+    zo_params = method.zo_params(head_trainer)
+    grouped = task is not None and task.train_as_classification
     # the doubled batch carries adapter perturbations only: not a full model, a zo-trained head, or grouped rows;
     # and a +z/-z pair only, which FZOO's one-sided perturbations are not
     dual = cfg.zo_dual is not False and bool(method.modules) and len(zo_params) == len(method.trainable) \
-        and not cfg.train_as_classification and cfg.zo_estimator != "fzoo" and cfg.zo_es_sampling == "antithetic"
+        and not grouped and cfg.zo_estimator != "fzoo" and cfg.zo_es_sampling == "antithetic"
     # the norm penalty l(|A|^2 + |B|^2) has the exact gradient 2l*theta, added to the estimate as AdamW adds it
     penalty = 2 * cfg.norm_penalty if boosting is not None else 0.0
     estimator = ESTIMATORS[cfg.zo_estimator](
@@ -233,8 +237,8 @@ def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Dist
         reduce_losses=dist.zo_losses(total=spreads_members(cfg)),
         optimizer=cfg.zo_optimizer, betas=(cfg.adam_beta1, cfg.adam_beta2), adam_eps=cfg.adam_epsilon,
         **estimator_options(cfg, dist))
-    head = HeadTrainer(loss_fn.model, method.head, cfg.head_learning_rate, reduce=dist.reduce_step) \
-        if cfg.head_trainer == "first-order" and method.head else None
+    head = HeadTrainer(loss_fn.model, method.head, task.head_learning_rate, reduce=dist.reduce_step) \
+        if task is not None and task.head_trainer == "first-order" and method.head else None
     stepper = SVRGStepper if cfg.zo_estimator == "svrg" else ZOStepper
     return stepper(estimator, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
 
@@ -246,13 +250,13 @@ PROGRESS_NAMES = {"loss": "loss", "reward": "reward", "accuracy": "acc", "comple
 ESTIMATORS = {"mezo": MeZO, "nspsa": NSPSA, "fzoo": FZOO, "svrg": MeZOSVRG, "es": ES}
 
 
-def spreads_members(cfg: Config) -> bool:
+def spreads_members(cfg: TrainerConfig) -> bool:
     """Whether the processes share out ES's population (each its members on all of a step's prompts) rather than the
     step's prompts."""
     return cfg.trainer == "zo" and cfg.zo_estimator == "es" and cfg.zo_es_spread == "members"
 
 
-def estimator_options(cfg: Config, dist: Distributed = LOCAL) -> dict[str, Any]:
+def estimator_options(cfg: TrainerConfig, dist: Distributed = LOCAL) -> dict[str, Any]:
     """The estimator's own options: its queries per step (ES: its population and this process's share of it), or
     SVRG's period, anchor batches and anchor rate (as a multiple of the scheduled rate, so that it follows the
     schedule)."""
@@ -269,7 +273,7 @@ def estimator_options(cfg: Config, dist: Distributed = LOCAL) -> dict[str, Any]:
     return {}
 
 
-def total_steps(cfg: Config, n_examples: int, global_batch: int) -> int:
+def total_steps(cfg: TrainerConfig, n_examples: int, global_batch: int) -> int:
     """--max_steps, else the optimizer steps of --num_train_epochs epochs."""
     if cfg.max_steps > 0:
         return cfg.max_steps
@@ -277,12 +281,15 @@ def total_steps(cfg: Config, n_examples: int, global_batch: int) -> int:
 
 
 class Trainer:
-    """The state of one training run and the loop over it: `source` hands each step its batches, `loss_fn` (default:
-    the training loss of the run's objective) turns a batch into per-example losses for the stepper."""
+    """The state of one training run and the loop over it: `source` hands each step its batches, `loss_fn` turns a
+    batch into per-example losses for the stepper. It reads the options every trainer has (TrainerConfig); `task`
+    adds those of training on a task's examples (train's: a new head's trainer, logged dev generations, the final
+    dev evaluation)."""
 
-    def __init__(self, run: RunSetup, method: Method, source: BatchSource, dist: Distributed,
-                 hooks: Hooks | None = None, loss_fn: Loss | None = None):
-        cfg = self.cfg = run.cfg
+    def __init__(self, run: RunSetup, method: Method, source: BatchSource, dist: Distributed, loss_fn: Loss,
+                 hooks: Hooks | None = None, task: TaskTrainingOptions | None = None):
+        cfg: TrainerConfig = run.cfg
+        self.cfg, self.task = cfg, task
         self.run, self.method, self.source, self.dist = run, method, source, dist
         self.hooks = hooks or Hooks()
         self.max_steps = source.max_steps
@@ -294,12 +301,8 @@ class Trainer:
         span = boosting.steps_per_iteration if boosting is not None and cfg.xgblora_restart_schedule else self.max_steps
         self.schedule = Schedule(cfg.lr_scheduler_type, cfg.learning_rate, span,
                                  cfg.warmup_steps or int(cfg.warmup_ratio * span))
-        if cfg.gradient_checkpointing and cfg.trainer == "regular":
-            run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.loss_fn = loss_fn or TrainingLoss(torch.compile(run.model) if cfg.compile else run.model, run.autocast,
-                                               method.contrastive, method.preference,
-                                               fused_head=cfg.fused_lm_head and not cfg.compile)
-        self.stepper = build_stepper(cfg, method, self.loss_fn, dist, run.device)
+        self.loss_fn = loss_fn
+        self.stepper = build_stepper(cfg, method, self.loss_fn, dist, run.device, task)
         self.state = LoopState(source.stream, LossWindow(run.device))
         self.checkpointer = self._checkpointer()
         if cfg.resume_from_checkpoint:
@@ -345,7 +348,7 @@ class Trainer:
                             save_only_model=self.cfg.save_only_model, is_main=self.dist.is_main,
                             write_adapter=functools.partial(
                                 write_adapter, self.cfg, self.method,
-                                task_type=adapter_task_type(self.cfg, self.run.model))
+                                task_type=adapter_task_type(self.method, self.run.model))
                             if self.method.modules else None)
 
     def fit(self) -> dict[str, Any]:
@@ -448,7 +451,8 @@ class Trainer:
         if not self.run.splits.monitor:
             return {}
         dev, predictions = self.run.evaluate(self.run.model, self.run.splits.monitor)
-        samples = {"samples": predictions[:self.cfg.log_samples]} if self.cfg.log_samples and predictions else {}
+        shown = self.task.log_samples if self.task is not None else 0
+        samples = {"samples": predictions[:shown]} if shown and predictions else {}
         logged = {f"eval_{k}": v for k, v in dev.items()}
         self.metrics.log({"step": state.step, **logged, **samples})
         name, value = next(iter(dev.items()))
@@ -488,7 +492,8 @@ class Trainer:
         final_state = self.dist.model_state(self.loss_fn.model)  # FSDP: the full weights (every rank takes part)
         if self.dist.is_main:
             save_final(cfg, self.run.model, self.run.tokenizer, method, final_state)
-        dev = self.run.evaluate(self.run.model, self.run.splits.dev)[0] if self.run.splits.dev and not cfg.no_eval else {}
+        final_dev = self.run.splits.dev and self.task is not None and not self.task.no_eval
+        dev = self.run.evaluate(self.run.model, self.run.splits.dev)[0] if final_dev else {}
         return {"trainable_params": sum(p.numel() for _, p in method.named_params), "steps": state.step,
                 "train_runtime_s": round(runtime, 3),
                 "steps_per_second": round(state.step / runtime, 4) if runtime > 0 else None, "resumes": state.resumes,

@@ -13,7 +13,7 @@ import torch
 
 from xgblora import atomic
 from xgblora.adapters.peft import to_peft
-from xgblora.config import Config
+from xgblora.config import Config, TrainerConfig
 from xgblora.embeddings.st_format import embedding_export, matryoshka_card
 from xgblora.models.pretrained import RANDOM_MODELS
 from xgblora.train.setup import Method
@@ -33,20 +33,24 @@ def result_file_tag(cfg: Config) -> str:
     return tag
 
 
-def write_results(cfg: Config, results: dict[str, Any]) -> Path | None:
-    """Write results.json into the output folder, and MeZO's copy where --result_file asks for one; returns the copy.
+def _results_text(results: dict[str, Any]) -> str:
+    return json.dumps(results, indent=2, sort_keys=True) + "\n"
+
+
+def write_results(cfg: TrainerConfig, results: dict[str, Any]) -> None:
+    """Write results.json into the output folder (last of a run's files: its presence means "finished")."""
+    atomic.write_text(Path(cfg.output_dir) / "results.json", _results_text(results))
+
+
+def write_result_file(cfg: Config, results: dict[str, Any]) -> Path | None:
+    """MeZO's copy of results.json where --result_file asks for one ('auto': MeZO's name in result/); returns it.
 
     The copy never replaces a file: two runs with the same MeZO tag (a re-run, another seed of a sweep that
     leaves the tag alone) get `-2`, `-3`, ... before `.json`, and the log names the file written.
     """
-    text = json.dumps(results, indent=2, sort_keys=True) + "\n"
-    copy = _write_copy(cfg, text) if cfg.result_file else None
-    atomic.write_text(Path(cfg.output_dir) / "results.json", text)  # last: its presence means "finished"
-    return copy
-
-
-def _write_copy(cfg: Config, text: str) -> Path:
-    """MeZO's copy under --result_file ('auto': MeZO's name in result/), beside any file already there."""
+    if not cfg.result_file:
+        return None
+    text = _results_text(results)
     wanted = Path(cfg.result_file)
     if cfg.result_file == "auto":
         wanted = Path("result") / f"{result_file_tag(cfg)}-trainset{cfg.train_set_seed}.json"
@@ -59,32 +63,32 @@ def _write_copy(cfg: Config, text: str) -> Path:
     return copy
 
 
-def write_predictions(cfg: Config, records: list[dict[str, Any]]) -> None:
+def write_predictions(cfg: TrainerConfig, records: list[dict[str, Any]]) -> None:
     """predictions.jsonl: one generation of the evaluation split per line (nothing when there are none)."""
     if records:
         atomic.write_jsonl(Path(cfg.output_dir) / "predictions.jsonl", records)
 
 
-def adapter_task_type(cfg: Config, model: torch.nn.Module) -> str | None:
+def adapter_task_type(method: Method, model: torch.nn.Module) -> str | None:
     """PEFT's task_type of the run's adapter: FEATURE_EXTRACTION for an embedding body (no LM head), else PEFT's
     default for the model."""
-    return "FEATURE_EXTRACTION" if cfg.objective != "lm" and not hasattr(model, "lm_head") else None
+    return "FEATURE_EXTRACTION" if method.contrastive is not None and not hasattr(model, "lm_head") else None
 
 
-def write_adapter(cfg: Config, method: Method, folder: Path, task_type: str | None = None) -> None:
+def write_adapter(cfg: TrainerConfig, method: Method, folder: Path, task_type: str | None = None) -> None:
     """The adapted model as a PEFT LoRA adapter in folder: boosters (merged and current) concatenated, the head as
     modules_to_save; for final/ and for every checkpoint."""
     history = method.boosting.history if method.boosting is not None else []
     to_peft(method.modules, history, folder, cfg.model_name, head=dict(method.head), task_type=task_type)
 
 
-def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Method,
+def save_final(cfg: TrainerConfig, model: torch.nn.Module, tokenizer: Any, method: Method,
                state: dict[str, torch.Tensor] | None = None) -> None:
     """final/: a PEFT adapter (boosters concatenated) for lora/xgblora, the whole model for full fine-tuning."""
-    embedding = cfg.objective != "lm"
+    embedding = method.contrastive is not None
     with atomic.replaced_folder(Path(cfg.output_dir) / "final") as final:
         if method.modules:
-            write_adapter(cfg, method, final, adapter_task_type(cfg, model))
+            write_adapter(cfg, method, final, adapter_task_type(method, model))
         else:
             model.save_pretrained(final, state_dict=state)
             if embedding:  # the whole model: a sentence-transformers model as it stands
@@ -108,13 +112,14 @@ def _auto_class(final: Path, adapter: bool) -> str:
     return "AutoModel" if architectures[0].endswith("Model") else "AutoModelForCausalLM"  # an encoder's body
 
 
-def write_model_card(cfg: Config, results: dict[str, Any]) -> None:
-    """final/README.md: what was trained from what, on which data, with which results, and how to load it."""
+def write_model_card(cfg: TrainerConfig, results: dict[str, Any], data: str, matryoshka_dims: str | None = None
+                     ) -> None:
+    """final/README.md: what was trained from what, on which `data` (a task's name or a file), with which results,
+    and how to load it; `matryoshka_dims`: an embedding model's Matryoshka sizes."""
     final = Path(cfg.output_dir) / "final"
     if not final.is_dir():
         return
     adapter = (final / "adapter_config.json").exists()
-    data = cfg.train_file if cfg.task_name.lower() == "custom" else cfg.task_name
     metrics = {k: v for k, v in results.items() if isinstance(v, float) and k not in ("train_runtime_s",)}
     rows = "".join(f"| {k} | {v:.4g} |\n" for k, v in sorted(metrics.items()))
     auto = _auto_class(final, adapter)
@@ -126,7 +131,7 @@ def write_model_card(cfg: Config, results: dict[str, Any]) -> None:
     card = f"""---
 base_model: {cfg.model_name}
 library_name: {"peft" if adapter else "transformers"}
-tags: [xgblora, {cfg.method}, {"mezo" if cfg.trainer == "zo" else "adamw"}{", matryoshka" if cfg.matryoshka_dims else ""}]
+tags: [xgblora, {cfg.method}, {"mezo" if cfg.trainer == "zo" else "adamw"}{", matryoshka" if matryoshka_dims else ""}]
 ---
 
 # {Path(cfg.output_dir).name}
@@ -149,6 +154,6 @@ from transformers import AutoTokenizer
 tokenizer = AutoTokenizer.from_pretrained("{final}")
 ```
 """
-    if cfg.objective != "lm" and cfg.matryoshka_dims:
-        card += "\n" + matryoshka_card(cfg.matryoshka_dims)
+    if matryoshka_dims:
+        card += "\n" + matryoshka_card(matryoshka_dims)
     atomic.write_text(final / "README.md", card)

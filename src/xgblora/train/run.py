@@ -20,13 +20,14 @@ from xgblora.errors import UserError
 from xgblora.logs import setup_console_logging
 from xgblora.train.lock import run_lock
 from xgblora.train.loop import ExampleBatches, Hooks, Trainer
-from xgblora.train.results import write_model_card, write_predictions, write_results
+from xgblora.train.results import write_model_card, write_predictions, write_result_file, write_results
 from xgblora.train.setup import (
     RunSetup,
     build_contrastive,
     init_head,
     set_up_run,
     setup_method,
+    training_loss,
     training_set,
     write_config,
 )
@@ -110,8 +111,11 @@ def _run(cfg: Config, dist: distributed.Distributed, out: Path, hooks: Hooks | N
             "torch": torch.__version__}
     results = {**base, **(_evaluate_only(setup, dist) if cfg.trainer == "none" else _train(setup, dist, hooks))}
     if dist.is_main:
-        write_model_card(setup.cfg, results)
-        write_results(setup.cfg, results)  # last: results.json marks a finished run
+        cfg = setup.cfg
+        data = cfg.train_file if cfg.own_data else cfg.task_name
+        write_model_card(cfg, results, data, cfg.matryoshka_dims if cfg.objective != "lm" else None)
+        write_result_file(cfg, results)
+        write_results(cfg, results)  # last: results.json marks a finished run
     return results
 
 
@@ -134,7 +138,9 @@ def _train(setup: RunSetup, dist: distributed.Distributed, hooks: Hooks | None) 
     train_set = training_set(setup)  # before the adapters: the packing probe runs on the plain model
     method = setup_method(setup.model, cfg, build_contrastive(setup, dist))
     init_head(setup, method)
-    trainer = Trainer(setup, method, ExampleBatches(train_set, cfg, dist), dist, hooks)  # the last checks: a refused run writes nothing
+    source = ExampleBatches(train_set, cfg, dist, cfg.groups_by_length)
+    # the last checks: a refused run writes nothing
+    trainer = Trainer(setup, method, source, dist, training_loss(setup, method, cfg, cfg), hooks, task=cfg)
     if cfg.overwrite_output_dir and not cfg.resume_from_checkpoint and dist.is_main:
         start_over(Path(cfg.output_dir))
     write_config(setup, dist)

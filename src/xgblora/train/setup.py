@@ -27,7 +27,7 @@ from xgblora.adapters.lora import (
     prepare_full_ft,
 )
 from xgblora.adapters.peft import read_adapter
-from xgblora.config import Config
+from xgblora.config import Config, TrainerConfig, TrainingOptions
 from xgblora.data import formats
 from xgblora.data.collation import pad_multiple
 from xgblora.data.labels import LabelScoring, label_words
@@ -44,9 +44,11 @@ from xgblora.evaluation.evaluators import Candidates, EvalSizes, Evaluator, Inst
 from xgblora.models import pretrained
 from xgblora.models.quant import is_quantized
 from xgblora.models.scoring import is_head_param, packing_supported
+from xgblora.options import BatchOptions, MemoryOptions
 from xgblora.preference.scoring import PreferenceLoss
 from xgblora.train.head import fit_probe
 from xgblora.train.objective import (
+    TrainingLoss,
     TrainingSet,
     causal_training_set,
     grit_training_set,
@@ -111,7 +113,7 @@ def _warn_on_large_zo_scale(modules: dict[str, LoRALinear]) -> None:
                     (m.scaling / 2) ** 2)
 
 
-def setup_method(model: torch.nn.Module, cfg: Config, contrastive: Contrastive | None = None) -> Method:
+def setup_method(model: torch.nn.Module, cfg: TrainingOptions, contrastive: Contrastive | None = None) -> Method:
     """Prepare full fine-tuning, LoRA, or XGBLoRA boosters on the model, and say what trains; with --adapter, start
     from that adapter (see continue_from)."""
     if cfg.method == "ft":
@@ -161,7 +163,7 @@ def continue_from(factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
 class RunSetup:
     """A loaded run: the resolved config, the task's splits, the model, and the evaluator chosen for it."""
 
-    cfg: Config
+    cfg: TrainerConfig
     task: Task
     splits: Splits
     head: str
@@ -226,7 +228,7 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
     if template is not None:
         tokenizer.chat_template = template
     device = next(model.parameters()).device
-    cfg = resolve_config(cfg, model, dist, head)
+    cfg = resolve_task_config(cfg, model, dist, head)
     _warn_on_emulated_bf16(cfg, device)
     if cfg.tf32:
         perf.enable_tf32(device)
@@ -287,13 +289,14 @@ def check_monitor(cfg: Config, splits: Splits) -> None:
                         f"that was used for the choice; pass {own}")
 
 
-def _compute_dtype(cfg: Config, device: torch.device) -> str:
+def _compute_dtype(cfg: TrainingOptions, device: torch.device) -> str:
     """The dtype a 4-bit layer computes in: the autocast's, else the weights'."""
     autocast = autocast_dtype(cfg, device)
     return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(autocast, cfg.dtype_name)
 
 
-def load_policy(cfg: Config, dist: Distributed, template: str | None = None) -> tuple[Config, torch.nn.Module, Any]:
+def load_policy(cfg: TrainerConfig, dist: Distributed, template: str | None = None
+                ) -> tuple[TrainerConfig, torch.nn.Module, Any]:
     """The language model grpo and dpo train, and its tokenizer (a run or adapter folder names its base; the adapter
     itself is set up by setup_method), and the config resolved against them (`resolve_config`); TF32 on where asked."""
     transformers.set_seed(cfg.seed)
@@ -310,14 +313,21 @@ def load_policy(cfg: Config, dist: Distributed, template: str | None = None) -> 
     return resolve_config(cfg, model, dist), model, tokenizer
 
 
-def resolve_config(cfg: Config, model: torch.nn.Module, dist: Distributed, head: str = "lm") -> Config:
-    """The config that runs: max_length within the model's positions, the rank's device, FSDP's checkpoints, the
-    classifier's pooling (auto: the model's sentence-transformers pooling, else its own [CLS] head)."""
+def resolve_config(cfg: TrainerConfig, model: torch.nn.Module, dist: Distributed) -> TrainerConfig:
+    """The config that runs: max_length within the model's positions, the rank's device, FSDP's checkpoints."""
     positions = getattr(model.config, "max_position_embeddings", None)
     max_length = min(cfg.max_length, positions) if positions is not None else cfg.max_length
     if max_length < cfg.max_length:
         log.debug("max_length %d exceeds %s's %d positions; using %d", cfg.max_length, cfg.model_name, positions,
                   positions)
+    return dataclasses.replace(cfg, max_length=max_length, device=dist.device or cfg.device,
+                               save_only_model=cfg.save_only_model or dist.model_only_checkpoints)
+
+
+def resolve_task_config(cfg: Config, model: torch.nn.Module, dist: Distributed, head: str) -> Config:
+    """`resolve_config`, and the classifier's pooling (auto: the model's sentence-transformers pooling, else its own
+    [CLS] head) and an embedding run's pooling, attention and temperature."""
+    cfg = resolve_config(cfg, model, dist)
     pooling, bidirectional = cfg.pooling, cfg.bidirectional
     if pooling == "auto" and head == "classifier":
         pooling = pretrained.sentence_pooling(cfg.model_name) or "cls"
@@ -329,9 +339,7 @@ def resolve_config(cfg: Config, model: torch.nn.Module, dist: Distributed, head:
         if pooling == "auto":
             pooling = pretrained.sentence_pooling(cfg.model_name) or ("last" if head == "lm" and not bidirectional
                                                                   else "mean")
-    return dataclasses.replace(cfg, max_length=max_length, device=dist.device or cfg.device, pooling=pooling,
-                               bidirectional=bidirectional, **embedding_options,
-                               save_only_model=cfg.save_only_model or dist.model_only_checkpoints)
+    return dataclasses.replace(cfg, pooling=pooling, bidirectional=bidirectional, **embedding_options)
 
 
 def check_matryoshka_dims(cfg: Config, model: torch.nn.Module) -> None:
@@ -366,7 +374,7 @@ def resolve_bidirectional(cfg: Config, model: torch.nn.Module, head: str) -> boo
     return True
 
 
-def _warn_on_emulated_bf16(cfg: Config, device: torch.device) -> None:
+def _warn_on_emulated_bf16(cfg: TrainingOptions, device: torch.device) -> None:
     if device.type == "cpu" and (cfg.bf16 or cfg.dtype_name != "float32") and not perf.cpu_has_bf16():
         log.warning("this CPU has no native bf16 arithmetic (no avx512_bf16, AMX or Arm bf16): half precision runs "
                     "emulated, many times slower than fp32 (24x for an all-MiniLM-L6-v2 training step, BENCHMARKS.md); "
@@ -426,6 +434,18 @@ def build_contrastive(run: RunSetup, dist: Distributed) -> Contrastive | None:
 
 
 
+def training_loss(run: RunSetup, method: Method, batches: BatchOptions,
+                  memory: MemoryOptions | None = None) -> TrainingLoss:
+    """The loss of the run's objective as the steppers call it: the model through torch.compile with --compile; with
+    train's memory options, activations recomputed in AdamW's backward (--gradient_checkpointing) and the LM head
+    fused (--fused_lm_head, not under --compile)."""
+    if memory is not None and memory.gradient_checkpointing and run.cfg.trainer == "regular":
+        run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    fused = memory is not None and memory.fused_lm_head and not batches.compile
+    return TrainingLoss(torch.compile(run.model) if batches.compile else run.model, run.autocast, method.contrastive,
+                        method.preference, fused_head=fused)
+
+
 def packing_enabled(run: RunSetup) -> bool:
     """Whether training batches are packed: --packing, else on with flash attention; only where the model allows it.
 
@@ -456,7 +476,7 @@ def packing_enabled(run: RunSetup) -> bool:
     return False
 
 
-def autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
+def autocast_dtype(cfg: TrainingOptions, device: torch.device) -> torch.dtype | None:
     """bf16 autocast: on by default on CUDA devices that support it; --bf16 forces it; --fp16 on CUDA only."""
     if cfg.fp16:
         if device.type != "cuda":
