@@ -18,9 +18,7 @@ from xgblora.cli import main
 from xgblora.config import Config, GRPOConfig
 from xgblora.errors import UserError
 from xgblora.export import export_run
-from xgblora.generation import grpo as grpo_loop
 from xgblora.generation import grpo_objective
-from xgblora.generation.grpo import run_grpo
 from xgblora.generation.grpo_objective import (
     GRPOLoss,
     Objective,
@@ -29,7 +27,9 @@ from xgblora.generation.grpo_objective import (
 from xgblora.generation.rewards import Rewards
 from xgblora.logs import read_metrics
 from xgblora.optim.zo import MeZO
-from xgblora.train import run
+from xgblora.recipes import grpo as grpo_loop
+from xgblora.recipes.grpo import run_grpo
+from xgblora.recipes.sft import run
 
 
 def _write_pairs(path, pairs):

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from xgblora.config import GRPOConfig
 from xgblora.distributed import LOCAL
 from xgblora.errors import UserError
-from xgblora.generation.grpo import Generation, GenerationBuffer, Plan, run_grpo
 from xgblora.logs import read_metrics
+from xgblora.recipes.grpo import Generation, GenerationBuffer, Plan, run_grpo
 
 # One rank of a test run. Its sampler is replaced by one whose completions (of random lengths and tokens) depend
 # only on the prompt, the generation batch and the sample's number, never on the rank or the batch it is drawn
@@ -29,7 +29,7 @@ WORKER = '''
 import hashlib, os, sys
 import torch
 from xgblora import cli
-from xgblora.generation import grpo
+from xgblora.recipes import grpo
 from xgblora.models.sampler import Sample
 
 def fixed_samples(self, prompts, indices, params):

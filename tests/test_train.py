@@ -24,6 +24,7 @@ from xgblora.data.splits import sample_splits
 from xgblora.data.tasks import get_task
 from xgblora.errors import UserError
 from xgblora.logs import read_metrics
+from xgblora.recipes import sft
 from xgblora.train import loop, objective
 from xgblora.train import results as results_mod
 
@@ -31,7 +32,7 @@ from xgblora.train import results as results_mod
 
 def test_adamw_lora_lowers_the_training_loss(shared_data, tmp_path):
     out = tmp_path / "run"
-    train.run(make_cfg(shared_data, out, max_steps=36, logging_steps=3))
+    sft.run(make_cfg(shared_data, out, max_steps=36, logging_steps=3))
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert len(losses) == 12
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
@@ -65,14 +66,14 @@ RESUME_CASES = {
 def test_sigint_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path, monkeypatch, case):
     overrides = RESUME_CASES[case]
     whole = tmp_path / "whole"
-    expected = train.run(make_cfg(shared_data, whole, **overrides))
+    expected = sft.run(make_cfg(shared_data, whole, **overrides))
 
     split = tmp_path / "split"
     with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):  # mid logging window (3), between merges
-        train.run(make_cfg(shared_data, split, **overrides), hooks=interrupt_at(7))
+        sft.run(make_cfg(shared_data, split, **overrides), hooks=interrupt_at(7))
     assert checkpoint.load_requested(split / "checkpoints", "latest")[0].name == "step-7"
     assert not (split / "results.json").exists()
-    got = train.run(make_cfg(shared_data, split, resume_from_checkpoint="latest", **overrides))
+    got = sft.run(make_cfg(shared_data, split, resume_from_checkpoint="latest", **overrides))
 
     assert_same_tensors(adapter(split), adapter(whole))
     assert records(split) == records(whole)
@@ -99,7 +100,7 @@ def test_gradient_init_starts_every_booster_and_only_those(shared_data, tmp_path
         original(self, backward, reduce, orthogonal)
 
     monkeypatch.setattr(Boosting, "init_from_gradients", spy)
-    train.run(make_cfg(shared_data, tmp_path / "run", method="xgblora", max_steps=12, xgblora_steps_per_iteration=4,
+    sft.run(make_cfg(shared_data, tmp_path / "run", method="xgblora", max_steps=12, xgblora_steps_per_iteration=4,
                        xgblora_init_batches=1, **options))
     # boosters merged at 4 and 8 are followed by a new one; the one at 12 is not
     assert started == [(booster, orthogonal) for booster in started_at]
@@ -114,14 +115,14 @@ def test_zo_refuses_the_gradient_init_with_the_reason(shared_data, tmp_path, ini
 def test_crash_after_a_periodic_checkpoint_resumes_exactly(shared_data, tmp_path, monkeypatch):
     overrides = dict(RESUME_CASES["xgblora-adamw"], save_steps=5)
     whole = tmp_path / "whole"
-    train.run(make_cfg(shared_data, whole, **overrides))
+    sft.run(make_cfg(shared_data, whole, **overrides))
 
     split = tmp_path / "split"
     with pytest.raises(RuntimeError, match="simulated crash"):  # the last checkpoint is step-5; 6..9 are redone
-        train.run(make_cfg(shared_data, split, **overrides), hooks=interrupt_at(9, how="crash"))
+        sft.run(make_cfg(shared_data, split, **overrides), hooks=interrupt_at(9, how="crash"))
     assert [p.name for p in checkpoint.step_checkpoints(split / "checkpoints")] == ["step-5"]
     assert any(r["step"] > 5 for r in read_metrics(split / "metrics.jsonl"))  # logged before the crash
-    train.run(make_cfg(shared_data, split, resume_from_checkpoint="latest", **overrides))
+    sft.run(make_cfg(shared_data, split, resume_from_checkpoint="latest", **overrides))
 
     assert_same_tensors(adapter(split), adapter(whole))
     assert records(split) == records(whole)
@@ -169,7 +170,7 @@ def test_metrics_results_and_config_of_a_run(shared_data, tmp_path):
                    xgblora_preset="plain",  # every layer carries each booster: final/ holds all the adapters
                    evaluation_strategy="steps", eval_steps=4, num_dev=16, tag="t1")
     asked = dataclasses.replace(cfg)
-    results = train.run(cfg)
+    results = sft.run(cfg)
 
     log = read_metrics(out / "metrics.jsonl")
     steps = [r for r in log if "loss" in r]
@@ -203,7 +204,7 @@ def adapter_params(out: Path) -> dict[str, torch.Tensor]:
 
 def test_result_copy_only_when_asked_and_never_over_another_runs_file(shared_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    train.run(make_cfg(shared_data, tmp_path / "plain", trainer="zo", max_steps=1, result_file=None))
+    sft.run(make_cfg(shared_data, tmp_path / "plain", trainer="zo", max_steps=1, result_file=None))
     assert not (tmp_path / "result").exists()  # nothing lands in the working directory unasked
 
     cfg = make_cfg(shared_data, tmp_path / "run", trainer="zo", max_steps=2, result_file="auto", num_dev=8)
@@ -211,7 +212,7 @@ def test_result_copy_only_when_asked_and_never_over_another_runs_file(shared_dat
     assert expected.name == "SST2-tiny-opt-sampleeval16-ntrain64-ndev8-trainset0.json"
     expected.parent.mkdir()
     expected.write_text("a user's file")
-    train.run(cfg)
+    sft.run(cfg)
     assert expected.read_text() == "a user's file"
     second = expected.with_name(expected.stem + "-2.json")
     assert json.loads(second.read_text()) == json.loads((tmp_path / "run" / "results.json").read_text())
@@ -220,14 +221,14 @@ def test_result_copy_only_when_asked_and_never_over_another_runs_file(shared_dat
 @pytest.mark.parametrize("flags", [dict(load_best_model_at_end=True), dict(evaluation_strategy="steps", eval_steps=1)])
 def test_choosing_on_dev_needs_a_dev_split(shared_data, tmp_path, flags):
     with pytest.raises(UserError, match=r"needs a dev split.*pass --num_dev N"):
-        train.run(make_cfg(shared_data, tmp_path / "run", max_steps=2, num_dev=None, **flags))
+        sft.run(make_cfg(shared_data, tmp_path / "run", max_steps=2, num_dev=None, **flags))
 
 
 def test_save_total_limit_and_load_best_model_at_end(shared_data, tmp_path):
     out = tmp_path / "run"
     cfg = make_cfg(shared_data, out, max_steps=12, save_steps=2, save_total_limit=2, evaluation_strategy="steps",
                    eval_steps=2, num_dev=32, load_best_model_at_end=True, learning_rate=2e-2)
-    train.run(cfg)
+    sft.run(cfg)
     root = out / "checkpoints"
     assert [p.name for p in checkpoint.step_checkpoints(root)] == ["step-8", "step-10"]
 
@@ -250,10 +251,10 @@ def test_save_total_limit_counts_the_stop_checkpoint_and_never_prunes_best(share
                    eval_steps=2, num_dev=16, load_best_model_at_end=True)
     root = out / "checkpoints"
     with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):
-        train.run(cfg, hooks=interrupt_at(7))
+        sft.run(cfg, hooks=interrupt_at(7))
     assert [p.name for p in checkpoint.step_checkpoints(root)] == ["step-6", "step-7"]
     best_step = checkpoint.read_checkpoint(root / "best")[1]["step"]
-    train.run(dataclasses.replace(cfg, resume_from_checkpoint="latest"))
+    sft.run(dataclasses.replace(cfg, resume_from_checkpoint="latest"))
     assert [p.name for p in checkpoint.step_checkpoints(root)] == ["step-8", "step-10"]
     assert checkpoint.read_checkpoint(root / "best")[1]["step"] >= best_step  # kept (or bettered), never pruned
 
@@ -269,10 +270,10 @@ def test_a_resumed_run_counts_the_time_of_every_part_and_its_resumes(shared_data
     out = tmp_path / "run"
     cfg = make_cfg(shared_data, out, max_steps=14, logging_steps=1, save_strategy="no", no_eval=True)
     with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):
-        train.run(cfg, hooks=train.Hooks(on_step_end=tick(10.0).on_step_end + interrupt_at(7).on_step_end))
+        sft.run(cfg, hooks=train.Hooks(on_step_end=tick(10.0).on_step_end + interrupt_at(7).on_step_end))
     saved = checkpoint.read_checkpoint(out / "checkpoints" / "step-7")[1]
     assert (saved["runtime_s"], saved["resumes"]) == (70.0, 0)
-    results = train.run(dataclasses.replace(cfg, resume_from_checkpoint="latest"), hooks=tick(1.0))
+    results = sft.run(dataclasses.replace(cfg, resume_from_checkpoint="latest"), hooks=tick(1.0))
     assert (results["train_runtime_s"], results["resumes"]) == (77.0, 1)
     assert results["steps_per_second"] == round(14 / 77, 4)
     assert json.loads((out / "results.json").read_text())["resumes"] == 1
@@ -285,7 +286,7 @@ def test_load_best_model_at_end_with_xgblora_exports_the_best_model(shared_data,
     cfg = make_cfg(shared_data, out, method="xgblora", xgblora_steps_per_iteration=2, max_steps=8, save_strategy="no",
                    evaluation_strategy="steps", eval_steps=2, num_dev=32, load_best_model_at_end=True,
                    learning_rate=5e-2)
-    train.run(cfg)
+    sft.run(cfg)
     _, state, blobs = checkpoint.read_checkpoint(out / "checkpoints" / "best")
     history = blobs["boosting"]["history"]
     assert len(history) == state["step"] // 2 >= 1  # a merge every 2 steps, each before that step's evaluation
@@ -311,7 +312,7 @@ def test_train_as_classification_starts_near_log_candidates(shared_data, tmp_pat
                    max_steps=4, logging_steps=1, learning_rate=1e-4, no_eval=True, num_train=32)
     candidates = {len(ex.candidates) for ex in sample_splits(get_task(task, cfg.data), cfg.data).train}
     assert len(candidates) == 1
-    results = train.run(cfg)
+    results = sft.run(cfg)
     first = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
     assert first["step"] == 1
     assert first["loss"] == pytest.approx(math.log(candidates.pop()), abs=0.15)
@@ -330,7 +331,7 @@ def test_nan_loss_stops_with_a_one_line_error_naming_the_step(shared_data, tmp_p
     monkeypatch.setattr(objective, "per_example_loss", poisoned)
     out = tmp_path / "run"
     with pytest.raises(UserError) as info:  # a checkpoint every step: step-3 and step-4 were saved after the NaN
-        train.run(make_cfg(shared_data, out, max_steps=10, logging_steps=2, save_steps=1, nan_policy="stop"))
+        sft.run(make_cfg(shared_data, out, max_steps=10, logging_steps=2, save_steps=1, nan_policy="stop"))
     message = str(info.value)
     last_good = out / "checkpoints" / "step-2"
     assert message == f"training loss is nan or inf at steps 3-4; stopping: the last checkpoint before it is " \
@@ -341,7 +342,7 @@ def test_nan_loss_stops_with_a_one_line_error_naming_the_step(shared_data, tmp_p
 
     calls["n"] = 0
     with pytest.raises(UserError, match="at steps 3-4; stopping: no checkpoint was saved before it"):
-        train.run(make_cfg(shared_data, tmp_path / "unsaved", max_steps=10, logging_steps=2, save_strategy="no"))
+        sft.run(make_cfg(shared_data, tmp_path / "unsaved", max_steps=10, logging_steps=2, save_strategy="no"))
 
 
 @pytest.mark.parametrize("trainer", ["regular", "zo"])
@@ -356,7 +357,7 @@ def test_nan_policy_skip_finishes_and_logs_strict_json(shared_data, tmp_path, mo
 
     monkeypatch.setattr(objective, "per_example_loss", poisoned)
     out = tmp_path / "run"
-    results = train.run(make_cfg(shared_data, out, trainer=trainer, max_steps=6, logging_steps=2, nan_policy="skip",
+    results = sft.run(make_cfg(shared_data, out, trainer=trainer, max_steps=6, logging_steps=2, nan_policy="skip",
                                  zo_dual=False, learning_rate=1e-3))
     assert results["steps"] == 6 and math.isfinite(results["train_loss"])
 
@@ -374,7 +375,7 @@ def test_nan_policy_skip_finishes_and_logs_strict_json(shared_data, tmp_path, mo
 def test_huge_learning_rate_stops_with_a_one_line_error(shared_data, tmp_path):
     cfg = make_cfg(shared_data, tmp_path / "run", method="ft", learning_rate=1e30, max_steps=20, logging_steps=1)
     with pytest.raises(UserError, match=r"at step \d+") as info:
-        train.run(cfg)
+        sft.run(cfg)
     assert "\n" not in str(info.value)
 
 
@@ -382,9 +383,9 @@ def test_mezo_norm_penalty_is_weight_decay_of_twice_lambda(shared_data, tmp_path
     """Under MeZO the penalty l(|A|^2+|B|^2) acts through its exact gradient 2l*theta, i.e. weight decay 2l."""
     common = dict(method="xgblora", trainer="zo", max_steps=6, learning_rate=5e-2, zo_eps=1e-2,
                   xgblora_steps_per_iteration=4)
-    train.run(make_cfg(shared_data, tmp_path / "pen", xgblora_norm_penalty=0.25, **common))
-    train.run(make_cfg(shared_data, tmp_path / "wd", weight_decay=0.5, xgblora_norm_penalty=0.0, **common))
-    train.run(make_cfg(shared_data, tmp_path / "none", xgblora_norm_penalty=0.0, **common))
+    sft.run(make_cfg(shared_data, tmp_path / "pen", xgblora_norm_penalty=0.25, **common))
+    sft.run(make_cfg(shared_data, tmp_path / "wd", weight_decay=0.5, xgblora_norm_penalty=0.0, **common))
+    sft.run(make_cfg(shared_data, tmp_path / "none", xgblora_norm_penalty=0.0, **common))
     assert_same_tensors(adapter(tmp_path / "pen"), adapter(tmp_path / "wd"))
     assert not all(torch.equal(a, b) for a, b in zip(adapter(tmp_path / "pen").values(),
                                                       adapter(tmp_path / "none").values(), strict=True))
@@ -397,7 +398,7 @@ def test_classification_objective_on_a_generation_task_is_a_user_error(tmp_path)
                  trainer="regular", method="lora", max_steps=2, train_as_classification=True,
                  output_dir=str(tmp_path / "out"), result_file=str(tmp_path / "r.json"))
     with pytest.raises(UserError, match="needs answer candidates; custom is a generation task") as err:
-        train.run(cfg)
+        sft.run(cfg)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "out" / "results.json").exists()
 
@@ -405,7 +406,7 @@ def test_classification_objective_on_a_generation_task_is_a_user_error(tmp_path)
 @pytest.mark.parametrize("native", [False, True])
 def test_bf16_on_a_cpu_without_native_bf16_warns(shared_data, tmp_path, monkeypatch, capsys, native):
     monkeypatch.setattr(perf, "cpu_has_bf16", lambda: native)
-    train.run(make_cfg(shared_data, tmp_path, bf16=True, max_steps=1, save_strategy="no", no_eval=True))
+    sft.run(make_cfg(shared_data, tmp_path, bf16=True, max_steps=1, save_strategy="no", no_eval=True))
     warned = [line for line in capsys.readouterr().err.splitlines() if "no native bf16" in line]
     assert len(warned) == (0 if native else 1)
     assert not warned or "drop --bf16" in warned[0]

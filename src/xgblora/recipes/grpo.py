@@ -68,10 +68,10 @@ from xgblora.generation.grpo_objective import (
 )
 from xgblora.generation.rewards import Rewards
 from xgblora.models.sampler import Sample, Sampler, SamplingParams
+from xgblora.recipes.sft import finished_results, run_folder, start_over
 from xgblora.report import GRPO_PANELS, write_curves_report
 from xgblora.train.loop import Trainer, spreads_members
 from xgblora.train.results import write_results
-from xgblora.train.run import finished_results, run_folder, start_over
 from xgblora.train.setup import Method, RunSetup, autocast_dtype, load_policy, setup_method
 
 log = logging.getLogger("xgblora")

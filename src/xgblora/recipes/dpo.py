@@ -40,11 +40,11 @@ from xgblora.logs import setup_console_logging
 from xgblora.models.sampler import greedy_continuations
 from xgblora.preference.objective import Objective
 from xgblora.preference.scoring import PreferenceLoss, evaluate_pairs, reference_logps
+from xgblora.recipes.sft import finished_results, run_folder, start_over
 from xgblora.report import DPO_PANELS, write_curves_report
 from xgblora.train.loop import ExampleBatches, Trainer
 from xgblora.train.objective import TrainingSet
 from xgblora.train.results import write_model_card, write_results
-from xgblora.train.run import finished_results, run_folder, start_over
 from xgblora.train.setup import RunSetup, load_policy, setup_method
 
 log = logging.getLogger("xgblora")
