@@ -8,7 +8,9 @@ import copy
 
 import pytest
 import torch
+from helpers import adapter, assert_close_tensors, losses, make_cfg
 
+from xgblora import train
 from xgblora.adapters.lora import attach, lora_modules
 from xgblora.models import pretrained
 from xgblora.models.checkpointing import enable_checkpointing
@@ -98,3 +100,16 @@ def test_without_a_cache_it_is_plain_checkpointing():
                     strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert calls[0] == 2 * model.config.num_hidden_layers
+
+
+def test_train_with_gradient_checkpointing_trains_as_without(shared_data, tmp_path):
+    """`xgblora train --gradient_checkpointing`: the loop checkpoints the model, and the run's losses and adapter are
+    those of the run without it."""
+    runs = {}
+    for on in (False, True):
+        out = tmp_path / str(on)
+        train.run(make_cfg(shared_data, out, method="lora", max_steps=3, logging_steps=1, save_strategy="no",
+                           no_eval=True, gradient_checkpointing=on))
+        runs[on] = losses(out), adapter(out)
+    assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-5)
+    assert_close_tensors(runs[True][1], runs[False][1], rtol=1e-5, atol=1e-6)
