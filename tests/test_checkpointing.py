@@ -10,11 +10,11 @@ import pytest
 import torch
 from helpers import adapter, assert_close_tensors, losses, make_cfg
 
-from xgblora import train
 from xgblora.adapters.lora import attach, lora_modules
 from xgblora.models import pretrained
 from xgblora.models.checkpointing import enable_checkpointing
 from xgblora.models.scoring import shared_prefix_logits, token_logprobs
+from xgblora.recipes import sft
 
 
 def shared_prompt_batch(vocab: int) -> tuple[torch.Tensor, ...]:
@@ -108,7 +108,7 @@ def test_train_with_gradient_checkpointing_trains_as_without(shared_data, tmp_pa
     runs = {}
     for on in (False, True):
         out = tmp_path / str(on)
-        train.run(make_cfg(shared_data, out, method="lora", max_steps=3, logging_steps=1, save_strategy="no",
+        sft.run(make_cfg(shared_data, out, method="lora", max_steps=3, logging_steps=1, save_strategy="no",
                            no_eval=True, gradient_checkpointing=on))
         runs[on] = losses(out), adapter(out)
     assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-5)
