@@ -578,7 +578,7 @@ def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Genera
     device = next(model.parameters()).device
     objective = Objective(cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.use_bias_correction_kl, cfg.loss_type,
                           cfg.importance_sampling_level)
-    grpo_loss = GRPOLoss(model, objective, cfg.temperature, autocast_dtype(cfg, device))
+    grpo_loss = GRPOLoss(model, objective, cfg.temperature, autocast_dtype(cfg, device), fused=cfg.fused_lm_head)
     source = Generations(cfg, plan, model, tokenizer, method, rewards, grpo_loss.statistics, dist, reference)
     loss_fn = PolicyReward(source) if cfg.zo_objective == "reward" else grpo_loss
     heldout = list(range(len(source.heldout.ids))) if source.heldout else []

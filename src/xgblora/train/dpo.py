@@ -128,7 +128,7 @@ def prepare(cfg: DPOConfig, dist: distributed.Distributed, train: list[Preferenc
 
     ref_train = None if live else starting_logps(train_seqs)
     ref_eval = starting_logps(eval_seqs)
-    method = dataclasses.replace(method, preference=PreferenceLoss(objective, reference))
+    method = dataclasses.replace(method, preference=PreferenceLoss(objective, reference, fused=cfg.fused_lm_head))
 
     verifier = make_verifier(cfg.verifier) if cfg.verifier else None
     prompts = [encode(tokenizer, ex).prompt for ex in held_out] if verifier is not None else []
