@@ -142,24 +142,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from xgblora.export import export_gguf, export_run
+    from xgblora.export import FORMATS, export_run
 
-    gguf = args.format == "gguf"
-    wrong = [flag for flag, given in (("--output_dir", args.output_dir), ("--rank", args.rank)) if gguf and given]
-    wrong += [flag for flag, given in (("--output_file", args.output_file), ("--quantization", args.quantization),
-                                       ("--ollama_modelfile", args.ollama_modelfile)) if given and not gguf]
-    if wrong or (args.output_file if gguf else args.output_dir) is None:
-        raise UserError(f"xgblora export --format {args.format}: " + (f"{', '.join(wrong)} does not apply" if wrong else
-                        f"give {'--output_file FILE.gguf' if gguf else '--output_dir DIR'}"))
+    chosen = FORMATS[args.format]
+    options = {name: getattr(args, name) for f in FORMATS.values() for name in (f.output, *f.options)}
     for flag, value in (("--output_dir", args.output_dir), ("--output_file", args.output_file),
                         ("--ollama_modelfile", args.ollama_modelfile)):
         atomic.check_path(value, flag)
-    if gguf:
-        result = export_gguf(Path(args.run_dir), Path(args.output_file), args.quantization, args.checkpoint,
-                             args.trust_remote_code, args.ollama_modelfile and Path(args.ollama_modelfile))
-    else:
-        result = export_run(Path(args.run_dir), args.format, Path(args.output_dir), args.rank,
-                            trust_remote_code=args.trust_remote_code, checkpoint=args.checkpoint)
+    result = export_run(Path(args.run_dir), args.format, options.pop(chosen.output), args.checkpoint,
+                        args.trust_remote_code, **options)
     print(json.dumps(result, indent=2))
     return 0
 
