@@ -18,7 +18,7 @@ from xgblora.config import Config
 from xgblora.demo import LABEL_WORDS, TEMPLATE, write_data
 from xgblora.errors import UserError
 from xgblora.export import EXPORT_RECORD, FORMATS, export_run
-from xgblora.models import pretrained
+from xgblora.models import gguf_export, pretrained
 from xgblora.train import run
 
 CHECK = """
@@ -220,6 +220,7 @@ def test_the_clis_formats_and_their_flags_are_the_registrys(tmp_path: Path) -> N
     parser = cli.build_parser()._subparsers._group_actions[0].choices["export"]
     actions = {action.dest: action for action in parser._actions}
     assert actions["format"].choices == tuple(FORMATS)
+    assert set(actions["quantization"].metavar.split("|")) == set(gguf_export.TYPES)
     values = {"output_dir": tmp_path / "d", "output_file": tmp_path / "f.gguf", "rank": 2, "quantization": "f16",
               "ollama_modelfile": tmp_path / "Modelfile"}
     every = {name for f in FORMATS.values() for name in (f.output, *f.options)}
