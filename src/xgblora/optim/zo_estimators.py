@@ -306,7 +306,7 @@ def build_estimator(zo: ZOOptions, named_params: list[tuple[str, nn.Parameter]],
     --zo_optimizer momentum and adam). The processes of `dist` average their losses, or sum them where they share
     out ES's population. dual_modules, the adapters a doubled batch can perturb, serve an estimator whose
     perturbations are +z/-z pairs only: FZOO's and independent ES's are one-sided."""
-    members = spreads_members(zo, "zo")
+    members = spreads_members(zo, "zo")  # an estimator steps under --trainer zo only
     pairs = zo.zo_estimator != "fzoo" and zo.zo_es_sampling == "antithetic"
     return ESTIMATORS[zo.zo_estimator](
         named_params, lr, zo.zo_eps, weight_decay, zo.zo_stochastic_rounding, penalty=penalty,
