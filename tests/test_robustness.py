@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# faults and test_train are helpers in tests/ (not a package, so they are imported by module name)
+# faults and helpers are modules in tests/ (not a package, so they are imported by module name)
 from faults import KILLED, ForkServer, run_dying_on_write
 from helpers import adapter, assert_same_tensors, interrupt_at, make_cfg, records, snapshot
 from hypothesis import HealthCheck, given, settings

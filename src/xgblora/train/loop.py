@@ -32,6 +32,7 @@ from xgblora.data.order import BatchStream
 from xgblora.distributed import LOCAL, Distributed
 from xgblora.errors import UserError
 from xgblora.logs import MetricsLog, ProgressLine
+from xgblora.models.checkpointing import enable_checkpointing
 from xgblora.optim.fo import AdamWStepper
 from xgblora.optim.schedule import Schedule
 from xgblora.optim.zo import MeZO, ZOStepper
@@ -295,7 +296,7 @@ class Trainer:
         self.schedule = Schedule(cfg.lr_scheduler_type, cfg.learning_rate, span,
                                  cfg.warmup_steps or int(cfg.warmup_ratio * span))
         if cfg.gradient_checkpointing and cfg.trainer == "regular":
-            run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(run.model)
         self.loss_fn = loss_fn or TrainingLoss(torch.compile(run.model) if cfg.compile else run.model, run.autocast,
                                                method.contrastive, method.preference,
                                                fused_head=cfg.fused_lm_head and not cfg.compile)
