@@ -22,7 +22,7 @@ from xgblora.config import Config, check_ignored
 from xgblora.data.beir import read_retrieval_set
 from xgblora.data.pairs import NO_PREFIXES
 from xgblora.errors import UserError
-from xgblora.evaluation import beir
+from xgblora.evaluation import corpus as scoring
 from xgblora.export import export_run
 from xgblora.models import pretrained
 from xgblora.train import run
@@ -110,7 +110,7 @@ def test_ties_go_to_the_smaller_document_id_as_a_full_sort_orders_them():
     scores = torch.randint(0, 4, (50, 30), generator=gen).float() / 4  # 4 values over 30 columns: ties everywhere
     ranks = torch.stack([torch.randperm(30, generator=gen) for _ in range(50)])
     for k in (1, 7, 30, 100):
-        got = beir.ranked(scores, ranks, k)
+        got = scoring.ranked(scores, ranks, k)
         expected = [sorted(range(30), key=lambda c, r=r: (-scores[r, c].item(), ranks[r, c].item()))[:k]
                     for r in range(50)]
         assert got.tolist() == expected
@@ -128,7 +128,7 @@ def test_figures_equal_the_evaluators_own_on_ranked_lists():
     st = evaluator.compute_metrics([[{"corpus_id": d, "score": 1.0 - i / 100} for i, d in enumerate(ids)]
                                     for ids in hits])
     expected = {name.replace("@k", f"@{k}"): value for name, values in st.items() for k, value in values.items()}
-    got = beir.figures(hits, list(relevant.values()))
+    got = scoring.figures(hits, list(relevant.values()))
     assert got.keys() == expected.keys()
     assert max(abs(got[name] - expected[name]) for name in expected) <= 1e-12
 
@@ -139,13 +139,13 @@ def test_the_corpus_in_chunks_and_the_queries_in_blocks_rank_as_one_sort(monkeyp
     model, tokenizer = pretrained.load("tiny-bert", head="embed")
     data = read_retrieval_set(EXAMPLE / "corpus.jsonl", EXAMPLE / "queries.jsonl", EXAMPLE / "qrels" / "test.tsv")
     options = dict(pooling="mean", max_length=64, batch_size=8)
-    monkeypatch.setattr(beir, "CORPUS_CHUNK", 3)
-    monkeypatch.setattr(beir, "QUERY_BLOCK", 4)
-    got = beir.search(model, tokenizer, data, NO_PREFIXES, (None, 8), **options)
-    queries = beir.encode_texts(model, tokenizer, list(data.queries.values()), **options)
-    docs = beir.encode_texts(model, tokenizer, list(data.corpus.values()), **options)
+    monkeypatch.setattr(scoring, "CORPUS_CHUNK", 3)
+    monkeypatch.setattr(scoring, "QUERY_BLOCK", 4)
+    got = scoring.search(model, tokenizer, data, NO_PREFIXES, (None, 8), **options)
+    queries = scoring.encode_texts(model, tokenizer, list(data.queries.values()), **options)
+    docs = scoring.encode_texts(model, tokenizer, list(data.corpus.values()), **options)
     for dim in (None, 8):
-        scores = (beir.cut(queries, dim) @ beir.cut(docs, dim).T).tolist()
+        scores = (scoring.cut(queries, dim) @ scoring.cut(docs, dim).T).tolist()
         expected = [[doc for _, doc in sorted(zip([-s for s in row], data.corpus, strict=True))] for row in scores]
         assert got[dim] == expected
 

@@ -18,7 +18,7 @@ from xgblora.adapters import trained
 from xgblora.config import Config
 from xgblora.errors import UserError
 from xgblora.logs import setup_console_logging
-from xgblora.train.beir import evaluate_retrieval
+from xgblora.train.corpus_eval import evaluate_retrieval
 from xgblora.train.lock import run_lock
 from xgblora.train.loop import ExampleBatches, Hooks, Trainer
 from xgblora.train.results import write_model_card, write_predictions, write_results

@@ -1,6 +1,6 @@
 """`xgblora eval --beir_dir DIR` (or --corpus_file, --queries_file, --qrels_file): a model, or a trained run as it
 embeds, scored on a BEIR-format corpus as sentence-transformers' InformationRetrievalEvaluator scores it (see
-evaluation/beir.py), whole or at each --matryoshka_dims size. results.json holds the figures under the names that
+evaluation/corpus.py), whole or at each --matryoshka_dims size. results.json holds the figures under the names that
 evaluator gives them (cosine_ndcg@10; at a size, as its Matryoshka evaluators are named: dim_128_cosine_ndcg@10),
 report.html their table."""
 
@@ -19,7 +19,7 @@ from xgblora.config import Config
 from xgblora.data.beir import read_retrieval_set
 from xgblora.data.pairs import embedding_prefixes
 from xgblora.distributed import Distributed
-from xgblora.evaluation import beir
+from xgblora.evaluation import corpus
 from xgblora.models import pretrained
 from xgblora.report import write_retrieval_report
 from xgblora.train.setup import load_model, resolve_config, resolve_model
@@ -42,7 +42,7 @@ def evaluate_retrieval(cfg: Config, files: tuple[Path, Path, Path], dist: Distri
         parsing.dump(cfg, Path(cfg.output_dir) / "config.yaml")
     started = time.perf_counter()
     dims = cfg.matryoshka[0] or (None,)
-    scored = beir.evaluate(model, tokenizer, data, embedding_prefixes(cfg.instruction_format, cfg.query_instruction,
+    scored = corpus.evaluate(model, tokenizer, data, embedding_prefixes(cfg.instruction_format, cfg.query_instruction,
                                                                       cfg.doc_instruction),
                            dims, pooling=cfg.pooling, max_length=cfg.max_length,
                            batch_size=cfg.per_device_eval_batch_size, bidirectional=bool(cfg.bidirectional),
