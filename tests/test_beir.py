@@ -17,7 +17,7 @@ from conftest import needs_minilm
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
-from xgblora import cli
+from xgblora import cli, parsing
 from xgblora.config import Config, check_ignored
 from xgblora.data.beir import read_retrieval_set
 from xgblora.data.pairs import NO_PREFIXES
@@ -240,3 +240,11 @@ def test_a_retrieval_evaluation_embeds_and_reads_the_sizes():
     assert cfg.retrieval_files == (Path("beir/corpus.jsonl"), Path("beir/queries.jsonl"), Path("beir/qrels/test.tsv"))
     named = Config(model_name="tiny-bert", beir_dir="beir", qrels_file="dev.tsv", **cli.EVAL_DEFAULTS)
     assert named.retrieval_files[1:] == (Path("beir/queries.jsonl"), Path("dev.tsv"))
+
+
+def test_a_config_file_names_the_files_from_its_own_folder(tmp_path):
+    shutil.copytree(EXAMPLE, tmp_path / "data" / "beir")
+    (tmp_path / "data" / "eval.yaml").write_text("beir_dir: beir\nqrels_file: ./beir/qrels/test.tsv\n")
+    values = parsing.read_yaml(Config, str(tmp_path / "data" / "eval.yaml"))
+    assert values == {"beir_dir": str(tmp_path / "data" / "beir"),
+                      "qrels_file": str(tmp_path / "data" / "beir" / "qrels" / "test.tsv")}
