@@ -61,9 +61,12 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     cfg = _options(args)
     from xgblora.adapters.trained import run_options
+    from xgblora.models.pretrained import sentence_settings
     from xgblora.train import run
 
     trained = run_options(cfg.model_name, cfg.adapter)  # a trained run is scored on its own task, as it was trained
+    if not trained and cfg.retrieval_files is not None:  # a sentence-transformers model embeds as it says
+        trained = sentence_settings(cfg.model_name)
     if trained:
         cfg = _options(args, {**EVAL_DEFAULTS, **trained})
     print(json.dumps(run(cfg), indent=2))
@@ -332,7 +335,7 @@ TRAINING = (opts.ModelOptions, opts.InputOptions, opts.AdapterOptions, opts.Boos
 TASK_TRAINING = (*TRAINING, opts.TaskOptions, opts.HeadOptions, opts.EmbeddingOptions, opts.SupervisedOptions,
                  opts.ContrastiveOptions, opts.InstructionOptions, opts.BatchOptions)
 EVALUATION = (opts.ModelOptions, opts.InputOptions, opts.TaskOptions, opts.HeadOptions, opts.EmbeddingOptions,
-              opts.ComputeOptions, opts.RunOptions, opts.OutputOptions, opts.ResultFileOptions)
+              opts.RetrievalOptions, opts.ComputeOptions, opts.RunOptions, opts.OutputOptions, opts.ResultFileOptions)
 RUN_FOLDER = (opts.RunOptions, opts.OutputOptions)
 
 COMMANDS: dict[str, Command] = {
@@ -340,7 +343,7 @@ COMMANDS: dict[str, Command] = {
                      _train, config_mod.Config, (*TASK_TRAINING, *RUN_FOLDER, opts.ResultFileOptions)),
     "compare": Command("Run XGBLoRA and LoRA (or any methods) side by side over seeds; write a loss figure and tables.",
                        _compare, config_mod.CompareConfig, TASK_TRAINING),
-    "eval": Command("Zero-shot or in-context evaluation (k demonstrations with --num_train k); writes results.json.",
+    "eval": Command("Zero-shot or in-context evaluation (k demonstrations with --num_train k), or retrieval on BEIR files (--beir_dir); writes results.json.",
                     _eval, config_mod.Config, EVALUATION, EVAL_DEFAULTS),
     "mezo": Command("MeZO's run.py as it is: its flags and defaults (no training unless --trainer; result/ copy).",
                     _mezo, config_mod.Config, (*TASK_TRAINING, *RUN_FOLDER, opts.ResultFileOptions), MEZO_DEFAULTS),
