@@ -198,7 +198,8 @@ def _set_once(chosen: dict[str, tuple[str, Any]], option: str, setting: tuple[st
 # Options naming files or folders a run reads: in a YAML config they are relative to the config's own folder
 # (outputs stay relative to where the command runs).
 INPUT_PATHS = ("train_file", "eval_file", "grit_train_file", "chat_template", "data_dir", "input_file", "adapter",
-               "model_name", "sampler_model", "resume_from_checkpoint")
+               "model_name", "sampler_model", "resume_from_checkpoint", "beir_dir", "corpus_file", "queries_file",
+               "qrels_file")
 
 
 def _beside(folder: Path, value: str) -> str:

@@ -68,8 +68,9 @@ from xgblora.generation.grpo_objective import (
 )
 from xgblora.generation.rewards import Rewards
 from xgblora.models.sampler import Sample, Sampler, SamplingParams
+from xgblora.optim.zo_estimators import spreads_members
 from xgblora.report import GRPO_PANELS, write_curves_report
-from xgblora.train.loop import Trainer, spreads_members
+from xgblora.train.loop import Trainer
 from xgblora.train.results import write_results
 from xgblora.train.run import finished_results, run_folder, start_over
 from xgblora.train.setup import Method, RunSetup, autocast_dtype, load_policy, setup_method
@@ -239,7 +240,7 @@ class Generations:
         self.reference_factors = adapter_snapshot(method.modules) \
             if cfg.beta and cfg.adapter and cfg.method == "lora" else None
         # --zo_es_spread members: every process samples all of a step's prompts, with one seed, for its members
-        self.members_spread = spreads_members(cfg)
+        self.members_spread = spreads_members(cfg, cfg.trainer)
         self.prompts = self._read(cfg.train_file)
         self.heldout = self._read(cfg.eval_file) if cfg.eval_file else None
         self.max_steps = cfg.max_steps if cfg.max_steps > 0 else self.plan.cycle * max(
@@ -569,7 +570,7 @@ def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Genera
     warn_sequence_level(cfg)
     rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)
     # spread members: every process samples the step's whole batch, as one process would
-    plan = Plan.of(cfg, 1 if spreads_members(cfg) else dist.world_size)
+    plan = Plan.of(cfg, 1 if spreads_members(cfg, cfg.trainer) else dist.world_size)
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
     cfg, model, tokenizer = load_policy(cfg, dist, template)
     # full fine-tuning has no adapter to switch off: its reference is a frozen copy (only when beta needs it)

@@ -36,9 +36,8 @@ from torch import Tensor, nn
 from xgblora.data.batches import TokenBatch
 from xgblora.models.scoring import completion_scores
 
+# what row_weights knows (GRPOConfig's --loss_type choices, pinned to it by a test)
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-SCALE_REWARDS = ("group", "batch", "none")
 STD_EPS = 1e-4  # TRL's: A = (r - mean) / (std + 1e-4)
 
 

@@ -18,6 +18,7 @@ from xgblora.adapters import trained
 from xgblora.config import Config
 from xgblora.errors import UserError
 from xgblora.logs import setup_console_logging
+from xgblora.train.corpus_eval import evaluate_retrieval
 from xgblora.train.lock import run_lock
 from xgblora.train.loop import ExampleBatches, Hooks, Trainer
 from xgblora.train.results import write_model_card, write_predictions, write_results
@@ -104,14 +105,18 @@ def start_over(out: Path) -> None:
 
 def _run(cfg: Config, dist: distributed.Distributed, out: Path, hooks: Hooks | None) -> dict[str, Any]:
     """Inside the run lock (the folder checked): set up, evaluate or train, write results.json."""
-    setup = set_up_run(cfg, dist)
-    base = {"task": setup.task.name, "model": cfg.model_name, "head": setup.head, "trainer": cfg.trainer,
-            "seed": cfg.seed, "num_eval": len(setup.splits.eval), "device": str(setup.device),
-            "torch": torch.__version__}
-    results = {**base, **(_evaluate_only(setup, dist) if cfg.trainer == "none" else _train(setup, dist, hooks))}
+    if (files := cfg.retrieval_files) is not None:
+        cfg, results = evaluate_retrieval(cfg, files, dist)
+    else:
+        setup = set_up_run(cfg, dist)
+        base = {"task": setup.task.name, "model": cfg.model_name, "head": setup.head, "trainer": cfg.trainer,
+                "seed": cfg.seed, "num_eval": len(setup.splits.eval), "device": str(setup.device),
+                "torch": torch.__version__}
+        results = {**base, **(_evaluate_only(setup, dist) if cfg.trainer == "none" else _train(setup, dist, hooks))}
+        cfg = setup.cfg
     if dist.is_main:
-        write_model_card(setup.cfg, results)
-        write_results(setup.cfg, results)  # last: results.json marks a finished run
+        write_model_card(cfg, results)
+        write_results(cfg, results)  # last: results.json marks a finished run
     return results
 
 
