@@ -29,7 +29,7 @@ from xgblora.embeddings.contrastive import Contrastive
 from xgblora.logs import read_metrics
 from xgblora.models import pretrained
 from xgblora.optim.zo import MeZO
-from xgblora.train import run
+from xgblora.recipes.sft import run
 from xgblora.train.objective import (
     grit_training_set,
     per_example_loss,

@@ -10,11 +10,11 @@ import pytest
 import torch
 from helpers import adapter, assert_close_tensors, losses, make_cfg, shared_prompt_batch
 
-from xgblora import train
 from xgblora.adapters.lora import attach, lora_modules
 from xgblora.models import pretrained
 from xgblora.models.checkpointing import enable_checkpointing
 from xgblora.models.scoring import completion_scores
+from xgblora.recipes import sft
 
 
 def loss_and_grads(model: torch.nn.Module, batch: tuple[torch.Tensor, ...],
@@ -93,7 +93,7 @@ def test_train_with_gradient_checkpointing_trains_as_without(shared_data, tmp_pa
     runs = {}
     for on in (False, True):
         out = tmp_path / str(on)
-        train.run(make_cfg(shared_data, out, method="lora", max_steps=3, logging_steps=1, save_strategy="no",
+        sft.run(make_cfg(shared_data, out, method="lora", max_steps=3, logging_steps=1, save_strategy="no",
                            no_eval=True, gradient_checkpointing=on))
         runs[on] = losses(out), adapter(out)
     assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-5)

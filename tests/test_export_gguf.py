@@ -18,11 +18,12 @@ from helpers import tiny_causal_folder
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from xgblora import cli, train
+from xgblora import cli
 from xgblora.config import Config
 from xgblora.errors import UserError
 from xgblora.export import export_run
 from xgblora.models import gguf_export, modelfile, pretrained
+from xgblora.recipes import sft
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
 
@@ -42,7 +43,7 @@ def _rows(path: Path, chat: bool) -> str:
 
 def _train(tmp: Path, model_name: str, name: str = "run", chat: bool = True) -> Path:
     out = tmp / name
-    train.run(Config(model_name=model_name, task_name="custom", train_file=_rows(tmp / f"{name}.jsonl", chat),
+    sft.run(Config(model_name=model_name, task_name="custom", train_file=_rows(tmp / f"{name}.jsonl", chat),
                      method="lora", learning_rate=5e-2, max_steps=2, per_device_train_batch_size=4, num_dev=0,
                      group_by_length=False, output_dir=str(out), device="cpu", save_strategy="no", no_eval=True))
     return out

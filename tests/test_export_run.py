@@ -19,7 +19,7 @@ from xgblora.demo import LABEL_WORDS, TEMPLATE, write_data
 from xgblora.errors import UserError
 from xgblora.export import EXPORT_RECORD, FORMATS, export_run
 from xgblora.models import gguf_export, pretrained
-from xgblora.train import run
+from xgblora.recipes.sft import run
 
 CHECK = """
 import json, sys, torch

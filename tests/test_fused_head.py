@@ -11,12 +11,12 @@ import torch
 from helpers import adapter, losses, make_cfg, shared_prompt_batch
 from torch import nn
 
-from xgblora import train
 from xgblora.adapters.lora import attach
 from xgblora.bench import flags, sft
 from xgblora.data.tasks import Example
 from xgblora.models import fused_head, pretrained, scoring
 from xgblora.models.fused_head import fused_token_logprobs, split_head
+from xgblora.recipes.sft import run
 from xgblora.train.objective import causal_training_set, per_example_loss
 
 INSTRUCTIONS = [Example(p, (), (), answers=(a,)) for p, a in [
@@ -164,10 +164,10 @@ def test_a_run_trains_the_same_with_and_without_the_fused_head(shared_data, tmp_
     cfg = dict(model_name="tiny-llama", max_steps=6, logging_steps=1, save_strategy="no", no_eval=True,
                packing=packing)
     calls = counted(monkeypatch)
-    train.run(make_cfg(shared_data, tmp_path / "fused", **cfg))
+    run(make_cfg(shared_data, tmp_path / "fused", **cfg))
     assert calls
     calls.clear()
-    train.run(make_cfg(shared_data, tmp_path / "plain", fused_lm_head=False, **cfg))
+    run(make_cfg(shared_data, tmp_path / "plain", fused_lm_head=False, **cfg))
     assert not calls
     fused, plain = losses(tmp_path / "fused"), losses(tmp_path / "plain")
     assert len(fused) == 6

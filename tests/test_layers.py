@@ -16,6 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("cli",),
     ("demo",),
     ("compare", "env", "bench"),
+    ("recipes",),
     ("generation",),
     ("export",),
     ("train",),

@@ -52,7 +52,7 @@ def _options(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -
 
 def _train(args: argparse.Namespace) -> int:
     cfg = _options(args)
-    from xgblora.train import run
+    from xgblora.recipes.sft import run
 
     print(json.dumps(run(cfg), indent=2))
     return 0
@@ -62,7 +62,7 @@ def _eval(args: argparse.Namespace) -> int:
     cfg = _options(args)
     from xgblora.adapters.trained import run_options
     from xgblora.models.pretrained import sentence_settings
-    from xgblora.train import run
+    from xgblora.recipes.sft import run
 
     trained = run_options(cfg.model_name, cfg.adapter)  # a trained run is scored on its own task, as it was trained
     if not trained and cfg.retrieval_files is not None:  # a sentence-transformers model embeds as it says
@@ -75,7 +75,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _mezo(args: argparse.Namespace) -> int:
     cfg = _options(args)
-    from xgblora.train import run
+    from xgblora.recipes.sft import run
 
     print(json.dumps(run(cfg), indent=2))
     return 0
@@ -98,7 +98,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _rft(args: argparse.Namespace) -> int:
     cfg = _options(args)
-    from xgblora.generation.rft import run_rft
+    from xgblora.recipes.rft import run_rft
 
     done = run_rft(cfg)
     print(json.dumps(done["rounds"], indent=2))
@@ -108,14 +108,14 @@ def _rft(args: argparse.Namespace) -> int:
 
 def _grpo(args: argparse.Namespace) -> int:
     cfg = _options(args)
-    from xgblora.generation.grpo import run_grpo
+    from xgblora.recipes.grpo import run_grpo
 
     print(json.dumps(run_grpo(cfg), indent=2))
     return 0
 
 
 def _dpo(args: argparse.Namespace) -> int:
-    from xgblora.train.dpo import run_dpo
+    from xgblora.recipes.dpo import run_dpo
 
     print(json.dumps(run_dpo(_options(args)), indent=2))
     return 0

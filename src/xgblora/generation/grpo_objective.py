@@ -257,3 +257,7 @@ class GRPOLoss:
         self.statistics.add({**stats, "entropy": entropy}, mask)
         return (losses * mask).sum(1) * batch.nll_weight * batch.loss_scale
 
+    def metrics(self) -> dict[str, float]:
+        """This process's clip ratios, KL and entropy per token since the last call."""
+        return self.statistics.drain()
+

@@ -38,9 +38,9 @@ from xgblora.optim.schedule import Schedule
 from xgblora.optim.zo_estimators import build_estimator, stepper_type
 from xgblora.trackers import open_trackers, parse_report_to
 from xgblora.train.head import HeadTrainer
-from xgblora.train.objective import TrainingLoss, TrainingSet
+from xgblora.train.objective import TrainingSet
 from xgblora.train.results import adapter_task_type, save_final, write_adapter
-from xgblora.train.setup import Method, RunSetup
+from xgblora.train.setup import Method, TrainingRun
 
 log = logging.getLogger("xgblora")
 
@@ -60,11 +60,15 @@ class Stepper(Protocol):
 
 
 class Loss(Protocol):
-    """What the steppers call: per-example losses of a batch, from `model` (which a stepper may wrap, e.g. FSDP)."""
+    """What the steppers call: per-example losses of a batch, from `model` (which a stepper may wrap, e.g. FSDP);
+    `metrics()`: this process's statistics of the losses since the last call, which the Trainer averages over the
+    processes and logs (a loss without statistics returns {})."""
 
     model: torch.nn.Module
 
     def __call__(self, batch: Batch) -> torch.Tensor: ...
+
+    def metrics(self) -> dict[str, float]: ...
 
 
 class BatchSource(Protocol):
@@ -207,7 +211,7 @@ def graceful_stop() -> Iterator[dict[str, bool]]:
             signal.signal(s, h)
 
 
-def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Distributed,
+def build_stepper(cfg: Config, method: Method, loss_fn: Loss, dist: Distributed,
                   device: torch.device) -> Stepper:
     """AdamW (--trainer regular) or a zeroth-order estimator (--trainer zo, --zo_estimator) over the method's
     trainable parameters."""
@@ -248,11 +252,11 @@ def total_steps(cfg: Config, n_examples: int, global_batch: int) -> int:
 
 
 class Trainer:
-    """The state of one training run and the loop over it: `source` hands each step its batches, `loss_fn` (default:
-    the training loss of the run's objective) turns a batch into per-example losses for the stepper."""
+    """The state of one training run and the loop over it: `source` hands each step its batches, `loss` turns a
+    batch into per-example losses for the stepper (and its statistics into each logged record)."""
 
-    def __init__(self, run: RunSetup, method: Method, source: BatchSource, dist: Distributed,
-                 hooks: Hooks | None = None, loss_fn: Loss | None = None):
+    def __init__(self, run: TrainingRun, method: Method, source: BatchSource, loss: Loss, dist: Distributed,
+                 hooks: Hooks | None = None):
         cfg = self.cfg = run.cfg
         self.run, self.method, self.source, self.dist = run, method, source, dist
         self.hooks = hooks or Hooks()
@@ -267,9 +271,7 @@ class Trainer:
                                  cfg.warmup_steps or int(cfg.warmup_ratio * span))
         if cfg.gradient_checkpointing and cfg.trainer == "regular":
             enable_checkpointing(run.model)
-        self.loss_fn = loss_fn or TrainingLoss(torch.compile(run.model) if cfg.compile else run.model, run.autocast,
-                                               method.contrastive, method.preference,
-                                               fused_head=cfg.fused_lm_head and not cfg.compile)
+        self.loss_fn = loss
         self.stepper = build_stepper(cfg, method, self.loss_fn, dist, run.device)
         self.state = LoopState(source.stream, LossWindow(run.device))
         self.checkpointer = self._checkpointer()
@@ -279,8 +281,6 @@ class Trainer:
             self.state.resumes += 1
             log.info("resumed from %s at step %d", path, self.state.step)
         self.loss_fn.model = self.stepper.prepare(self.loss_fn.model)  # FSDP wraps after loading
-        if dist.sharded:  # FSDP gathers the root's weights in the wrapped model's forward: the backbone's skips it
-            self.loss_fn.fused_head = False
         self.progress_line = ProgressLine(self.max_steps, self.state.step, enabled=None if dist.is_main else False)
 
     def next_batches(self) -> Callable[[], Batch]:
@@ -402,13 +402,20 @@ class Trainer:
                             f"{saved} (a learning rate too high is the usual cause: try a lower --learning_rate, or "
                             f"--nan_policy skip)")
         self.state.last_loss = mean
-        preference = self.method.preference.statistics.drain() if self.method.preference is not None else {}
-        record = {"step": step, "loss": mean, "lr": lr, **preference, **self.source.metrics(),
+        record = {"step": step, "loss": mean, "lr": lr, **self._loss_metrics(), **self.source.metrics(),
                   **({"skipped": skipped} if skipped else {}), "elapsed_s": round(self.state.runtime_s(), 3)}
         self.metrics.log(record)
         shown = {PROGRESS_NAMES[k]: record[k] for k in PROGRESS_NAMES if record.get(k) is not None}
         self.progress.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
         self.progress_line.report(step, mean, lr, {k: v for k, v in shown.items() if k != "loss"})
+
+    def _loss_metrics(self) -> dict[str, float]:
+        """The loss's statistics since the last logging step, means over the processes."""
+        own = self.loss_fn.metrics()
+        if not own:
+            return {}
+        means = self.dist.all_mean(torch.tensor(list(own.values()), dtype=torch.float64, device=self.run.device))
+        return dict(zip(own, means.tolist(), strict=True))
 
     def _evaluate(self) -> dict[str, Any]:
         """Score the dev split (else the user's --eval_file); keep the best step (and its checkpoint with
@@ -416,9 +423,9 @@ class Trainer:
 
         The first metric decides: the highest accuracy or F1, the lowest loss (instruction data)."""
         state = self.state
-        if not self.run.splits.monitor:
+        if not self.run.monitor:
             return {}
-        dev, predictions = self.run.evaluate(self.run.model, self.run.splits.monitor)
+        dev, predictions = self.run.evaluate(self.run.model, self.run.monitor)
         samples = {"samples": predictions[:self.cfg.log_samples]} if self.cfg.log_samples and predictions else {}
         logged = {f"eval_{k}": v for k, v in dev.items()}
         self.metrics.log({"step": state.step, **logged, **samples})
@@ -459,7 +466,7 @@ class Trainer:
         final_state = self.dist.model_state(self.loss_fn.model)  # FSDP: the full weights (every rank takes part)
         if self.dist.is_main:
             save_final(cfg, self.run.model, self.run.tokenizer, method, final_state)
-        dev = self.run.evaluate(self.run.model, self.run.splits.dev)[0] if self.run.splits.dev and not cfg.no_eval else {}
+        dev = self.run.evaluate(self.run.model, self.run.dev)[0] if self.run.dev else {}
         return {"trainable_params": sum(p.numel() for _, p in method.named_params), "steps": state.step,
                 "train_runtime_s": round(runtime, 3),
                 "steps_per_second": round(state.step / runtime, 4) if runtime > 0 else None, "resumes": state.resumes,

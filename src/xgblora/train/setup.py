@@ -47,6 +47,7 @@ from xgblora.models.scoring import is_head_param, packing_supported
 from xgblora.preference.scoring import PreferenceLoss
 from xgblora.train.head import fit_probe
 from xgblora.train.objective import (
+    TrainingLoss,
     TrainingSet,
     causal_training_set,
     grit_training_set,
@@ -68,7 +69,6 @@ class Method:
     modules: dict[str, LoRALinear] = field(default_factory=dict)
     boosting: Boosting | None = None
     contrastive: Contrastive | None = None  # the embedding objective; its learnable temperature trains too
-    preference: PreferenceLoss | None = None  # the preference objective (xgblora dpo)
 
     def __post_init__(self) -> None:
         temperature = [("contrastive.log_scale", self.contrastive.log_scale)] \
@@ -186,6 +186,42 @@ class RunSetup:
     def autocast(self) -> torch.dtype | None:
         """The autocast dtype of training forwards (None: off)."""
         return autocast_dtype(self.cfg, self.device)
+
+    def training_run(self) -> TrainingRun:
+        """What the Trainer reads of this run: the dev split scored after training unless --no_eval."""
+        return TrainingRun(self.cfg, self.model, self.tokenizer, self.device, self.evaluate, self.splits.monitor,
+                           () if self.cfg.no_eval else self.splits.dev)
+
+
+@dataclass
+class TrainingRun:
+    """What a Trainer trains and scores: the resolved config, the model and its tokenizer (final/ holds both), its
+    device, and the evaluator with the examples it scores during training (`monitor`: --eval_on_start,
+    --evaluation_strategy steps, the best step) and after it (`dev`)."""
+
+    cfg: Config
+    model: torch.nn.Module
+    tokenizer: Any
+    device: torch.device
+    evaluate: Evaluator
+    monitor: Sequence = ()
+    dev: Sequence = ()
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """The autocast dtype of training forwards (None: off)."""
+        return autocast_dtype(self.cfg, self.device)
+
+
+def training_loss(run: TrainingRun, dist: Distributed, contrastive: Contrastive | None = None,
+                  preference: PreferenceLoss | None = None) -> TrainingLoss:
+    """The training forward of the run's batches (`TrainingLoss`), compiled under --compile; through the fused LM
+    head where asked, except compiled or under FSDP, whose wrapped model gathers the root's weights in its own
+    forward (the backbone's skips that)."""
+    cfg = run.cfg
+    model = torch.compile(run.model) if cfg.compile else run.model
+    fused = cfg.fused_lm_head and not cfg.compile and not dist.shards_model
+    return TrainingLoss(model, run.autocast, contrastive, preference, fused_head=fused)
 
 
 def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
