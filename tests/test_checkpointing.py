@@ -8,35 +8,20 @@ import copy
 
 import pytest
 import torch
-from helpers import adapter, assert_close_tensors, losses, make_cfg
+from helpers import adapter, assert_close_tensors, losses, make_cfg, shared_prompt_batch
 
 from xgblora.adapters.lora import attach, lora_modules
 from xgblora.models import pretrained
 from xgblora.models.checkpointing import enable_checkpointing
-from xgblora.models.scoring import shared_prefix_logits, token_logprobs
+from xgblora.models.scoring import completion_scores
 from xgblora.recipes import sft
 
 
-def shared_prompt_batch(vocab: int) -> tuple[torch.Tensor, ...]:
-    """Two left-padded prompts, each with two right-padded completions (GRPO's group, DPO's pair)."""
-    g = torch.Generator().manual_seed(3)
-    prompt_ids = torch.randint(3, vocab, (2, 7), generator=g)
-    prompt_mask = torch.ones(2, 7, dtype=torch.long)
-    prompt_mask[1, :3] = 0
-    completion = torch.randint(3, vocab, (4, 6), generator=g)
-    completion_mask = torch.ones(4, 6, dtype=torch.long)
-    completion_mask[1, 4:] = 0
-    completion_mask[3, 2:] = 0
-    return prompt_ids, prompt_mask, torch.tensor([0, 0, 1, 1]), completion, completion_mask
-
-
-def loss_and_grads(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def loss_and_grads(model: torch.nn.Module, batch: tuple[torch.Tensor, ...],
+                   fused: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """A GRPO-like weighted sum of the completions' token log-probabilities, and its gradients."""
-    prompt_ids, prompt_mask, row_prompt, completion, completion_mask = batch
-    logits = shared_prefix_logits(model, prompt_ids, prompt_mask, row_prompt, completion, completion_mask)
-    logps = torch.cat([token_logprobs(part, t) for part, t in zip(logits, (completion[:, :1], completion[:, 1:]),
-                                                                    strict=False)], 1)
-    loss = -(logps * completion_mask * torch.tensor([[1.0], [-0.5], [2.0], [0.3]])).sum()
+    logps = completion_scores(model, *batch, fused=fused).logprobs
+    loss = -(logps * torch.tensor([[1.0], [-0.5], [2.0], [0.3]])).sum()
     params = [p for p in model.parameters() if p.requires_grad]
     return loss.detach(), list(torch.autograd.grad(loss, params))
 
@@ -50,8 +35,8 @@ def attention_calls(model: torch.nn.Module) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_checkpointed_shared_prompt_forward_equals_the_plain_one(lora):
+@pytest.mark.parametrize(("lora", "fused"), [(False, False), (True, False), (True, True)])
+def test_checkpointed_shared_prompt_forward_equals_the_plain_one(lora, fused):
     model, _ = pretrained.random_model("tiny-llama", seed=1)
     if lora:
         attach(model, ["q_proj", "v_proj"], r=2, alpha=4)
@@ -61,9 +46,9 @@ def test_checkpointed_shared_prompt_forward_equals_the_plain_one(lora):
     checkpointed = copy.deepcopy(model)
     enable_checkpointing(checkpointed)
     batch = shared_prompt_batch(model.config.vocab_size)
-    plain_loss, plain_grads = loss_and_grads(model, batch)
+    plain_loss, plain_grads = loss_and_grads(model, batch, fused)
     calls = attention_calls(checkpointed)
-    loss, grads = loss_and_grads(checkpointed, batch)
+    loss, grads = loss_and_grads(checkpointed, batch, fused)
     layers = model.config.num_hidden_layers
     assert calls[0] == 2 * 2 * layers  # prompt and completion pass, each run and replayed: the replay happened
     torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-6)

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from xgblora import cli
 from xgblora.config import Config
 from xgblora.errors import UserError
-from xgblora.export import export_gguf, export_run
+from xgblora.export import export_run
 from xgblora.models import gguf_export, modelfile, pretrained
 from xgblora.recipes import sft
 
@@ -56,7 +56,7 @@ def exported(tmp_path_factory):
     run = _train(tmp, "tiny-llama-chat")  # the run folder is tmp / "run"
     export_run(run, "merged", tmp / "merged")
     for q in TOLERANCE:
-        export_gguf(run, tmp / f"model-{q}.gguf", q)
+        export_run(run, "gguf", tmp / f"model-{q}.gguf", quantization=q)
     return tmp
 
 
@@ -184,7 +184,7 @@ def test_a_run_trained_from_a_gguf_file_exports_to_that_files_type_and_tokenizer
     tokenizer.save_pretrained(tmp_path / "base")
     gguf_export.write(tmp_path / "base", source, "q4_1")
     run = _train(tmp_path, str(source))
-    result = export_gguf(run, tmp_path / "out.gguf")
+    result = export_run(run, "gguf", tmp_path / "out.gguf")
     assert result["quantization"] == "q4_1" and result["from_gguf"] == str(source)
     original, exported_file = GGUFReader(source), GGUFReader(tmp_path / "out.gguf")
     types = lambda r: {t.name: t.tensor_type.name for t in r.tensors}  # noqa: E731

@@ -18,7 +18,7 @@ from helpers import tiny_causal_folder
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from xgblora.config import Config
-from xgblora.export import export_gguf, export_run
+from xgblora.export import export_run
 from xgblora.models import gguf_export, pretrained
 from xgblora.recipes import sft
 
@@ -125,7 +125,7 @@ def _train(tmp: Path, folder: Path) -> Path:
 def test_a_lora_run_on_llama_exported_runs_in_llama_cpp_as_the_merged_model(tmp_path):
     run = _train(tmp_path, _folder(tmp_path, "llama"))
     export_run(run, "merged", tmp_path / "merged")
-    export_gguf(run, tmp_path / "model.gguf", "f32")
+    export_run(run, "gguf", tmp_path / "model.gguf", quantization="f32")
     _assert_same(compare(tmp_path / "model.gguf", tmp_path / "merged", TEXTS))
 
 

@@ -61,9 +61,12 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     cfg = _options(args)
     from xgblora.adapters.trained import run_options
+    from xgblora.models.pretrained import sentence_settings
     from xgblora.recipes.sft import run
 
     trained = run_options(cfg.model_name, cfg.adapter)  # a trained run is scored on its own task, as it was trained
+    if not trained and cfg.retrieval_files is not None:  # a sentence-transformers model embeds as it says
+        trained = sentence_settings(cfg.model_name)
     if trained:
         cfg = _options(args, {**EVAL_DEFAULTS, **trained})
     print(json.dumps(run(cfg), indent=2))
@@ -142,24 +145,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from xgblora.export import export_gguf, export_run
+    from xgblora.export import FORMATS, export_run
 
-    gguf = args.format == "gguf"
-    wrong = [flag for flag, given in (("--output_dir", args.output_dir), ("--rank", args.rank)) if gguf and given]
-    wrong += [flag for flag, given in (("--output_file", args.output_file), ("--quantization", args.quantization),
-                                       ("--ollama_modelfile", args.ollama_modelfile)) if given and not gguf]
-    if wrong or (args.output_file if gguf else args.output_dir) is None:
-        raise UserError(f"xgblora export --format {args.format}: " + (f"{', '.join(wrong)} does not apply" if wrong else
-                        f"give {'--output_file FILE.gguf' if gguf else '--output_dir DIR'}"))
+    chosen = FORMATS[args.format]
+    options = {name: getattr(args, name) for f in FORMATS.values() for name in (f.output, *f.options)}
     for flag, value in (("--output_dir", args.output_dir), ("--output_file", args.output_file),
                         ("--ollama_modelfile", args.ollama_modelfile)):
         atomic.check_path(value, flag)
-    if gguf:
-        result = export_gguf(Path(args.run_dir), Path(args.output_file), args.quantization, args.checkpoint,
-                             args.trust_remote_code, args.ollama_modelfile and Path(args.ollama_modelfile))
-    else:
-        result = export_run(Path(args.run_dir), args.format, Path(args.output_dir), args.rank,
-                            trust_remote_code=args.trust_remote_code, checkpoint=args.checkpoint)
+    result = export_run(Path(args.run_dir), args.format, options.pop(chosen.output), args.checkpoint,
+                        args.trust_remote_code, **options)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -341,7 +335,7 @@ TRAINING = (opts.ModelOptions, opts.InputOptions, opts.AdapterOptions, opts.Boos
 TASK_TRAINING = (*TRAINING, opts.TaskOptions, opts.HeadOptions, opts.EmbeddingOptions, opts.SupervisedOptions,
                  opts.ContrastiveOptions, opts.InstructionOptions, opts.BatchOptions)
 EVALUATION = (opts.ModelOptions, opts.InputOptions, opts.TaskOptions, opts.HeadOptions, opts.EmbeddingOptions,
-              opts.ComputeOptions, opts.RunOptions, opts.OutputOptions, opts.ResultFileOptions)
+              opts.RetrievalOptions, opts.ComputeOptions, opts.RunOptions, opts.OutputOptions, opts.ResultFileOptions)
 RUN_FOLDER = (opts.RunOptions, opts.OutputOptions)
 
 COMMANDS: dict[str, Command] = {
@@ -349,7 +343,7 @@ COMMANDS: dict[str, Command] = {
                      _train, config_mod.Config, (*TASK_TRAINING, *RUN_FOLDER, opts.ResultFileOptions)),
     "compare": Command("Run XGBLoRA and LoRA (or any methods) side by side over seeds; write a loss figure and tables.",
                        _compare, config_mod.CompareConfig, TASK_TRAINING),
-    "eval": Command("Zero-shot or in-context evaluation (k demonstrations with --num_train k); writes results.json.",
+    "eval": Command("Zero-shot or in-context evaluation (k demonstrations with --num_train k), or retrieval on BEIR files (--beir_dir); writes results.json.",
                     _eval, config_mod.Config, EVALUATION, EVAL_DEFAULTS),
     "mezo": Command("MeZO's run.py as it is: its flags and defaults (no training unless --trainer; result/ copy).",
                     _mezo, config_mod.Config, (*TASK_TRAINING, *RUN_FOLDER, opts.ResultFileOptions), MEZO_DEFAULTS),

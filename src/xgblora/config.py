@@ -33,6 +33,7 @@ from xgblora.options import (
     OptimizerOptions,
     OutputOptions,
     ResultFileOptions,
+    RetrievalOptions,
     RunOptions,
     SamplingOptions,
     SupervisedOptions,
@@ -73,7 +74,8 @@ class DataOptions:
 @dataclass(frozen=True)
 class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOptions, ComputeOptions, ZOOptions,
              OptimizerOptions, BoostingOptions, AdapterOptions, InstructionOptions, ContrastiveOptions,
-             SupervisedOptions, EmbeddingOptions, HeadOptions, TaskOptions, InputOptions, ModelOptions):
+             SupervisedOptions, RetrievalOptions, EmbeddingOptions, HeadOptions, TaskOptions, InputOptions,
+             ModelOptions):
     """Options of `xgblora train` (and `mezo`): every group but sampling; names follow MeZO's run.py and the XGBLoRA
     fork. `eval` reads a part of them (cli.COMMANDS), the other commands derive from it."""
 
@@ -87,6 +89,8 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         """Fill what depends on other options: the GGUF file into the model name, MeZO's --num_train for its tasks,
         the method --lora / --xgblora name, a classifier's prompt and classes; check the dev split's sizing."""
         self.resolve_gguf_file()
+        if self.retrieval_files is not None and self.objective == "lm":  # a retrieval evaluation embeds
+            object.__setattr__(self, "objective", "contrastive")
         if self.head == "classifier" and self.task_name == "custom" and not (self.template or self.label_words):
             # a classifier scores class indices, not words: the text is the prompt and the label names the classes
             object.__setattr__(self, "template", "{text}")
@@ -664,6 +668,10 @@ EMBEDDING_OPTIONS = ("query_instruction", "doc_instruction", "instruction_format
                      "embed_pieces", "matryoshka_dims", "matryoshka_weights", *GRIT_OPTIONS)
 # what only next-token training and its generations read: an embedding objective has neither
 GENERATION_TRAINING_OPTIONS = ("packing", "log_samples")
+# what a retrieval evaluation never reads: it scores the corpus, queries and judgements of its own files
+NOT_RETRIEVAL_OPTIONS = ("train_file", "eval_file", "columns", "chat_template", "task_name", "data_dir", "data_format",
+                         "template", "label_words", "label_names", "num_train", "num_eval", "train_set_seed", "sfc",
+                         "icl_sfc", "head")
 CLASSIFICATION_OPTIONS = ("template", "label_words", "label_names", "sfc", "icl_sfc", "train_as_classification")
 TRAINING_OPTIONS = ("lora", "xgblora", "method", *ADAPTER_OPTIONS, *XGBLORA_OPTIONS, *ZO_OPTIONS, "learning_rate",
                     "lr_scheduler_type", "warmup_steps", "warmup_ratio", "max_steps", "num_train_epochs",
@@ -672,7 +680,7 @@ TRAINING_OPTIONS = ("lora", "xgblora", "method", *ADAPTER_OPTIONS, *XGBLORA_OPTI
                     "fused_lm_head", "compile", "group_by_length", "packing", "loss_mean", "only_train_option",
                     "train_as_classification",
                     "head_init", "head_probe_l2", "contrastive_loss", "learnable_temperature", "mini_batch_size",
-                    "embed_pieces", "matryoshka_dims", "matryoshka_weights", *GRIT_OPTIONS, "logging_steps", "evaluation_strategy", "eval_steps", "eval_on_start",
+                    "embed_pieces", "matryoshka_weights", *GRIT_OPTIONS, "logging_steps", "evaluation_strategy", "eval_steps", "eval_on_start",
                     "log_samples", "save_strategy", "save_steps", "save_total_limit", "save_only_model",
                     "load_best_model_at_end", "resume_from_checkpoint", "report_to", "nan_policy", "no_eval")
 
@@ -692,6 +700,11 @@ def _training(cfg: Any) -> bool:
 
 
 IGNORED = (
+    Ignored(("matryoshka_dims",), lambda c: _training(c) and c.trainers_used == {"none"} and c.retrieval_files is None,
+            "nothing trains under --trainer none, and only a retrieval evaluation (--beir_dir) scores at each size"),
+    Ignored(NOT_RETRIEVAL_OPTIONS, lambda c: _training(c) and c.retrieval_files is not None,
+            "a retrieval evaluation reads the corpus, queries and judgements of --beir_dir (or --corpus_file, "
+            "--queries_file, --qrels_file) only"),
     Ignored(TRAINING_OPTIONS, lambda c: _training(c) and c.trainers_used == {"none"},
             "nothing trains under --trainer none (what xgblora eval and xgblora mezo run by default); drop it, or "
             "train with xgblora train"),

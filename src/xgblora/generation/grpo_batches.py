@@ -23,7 +23,7 @@ from xgblora.errors import UserError
 from xgblora.generation.generate import Prompts, sampling_params
 from xgblora.generation.grpo_objective import CompletionBatch, row_weights
 from xgblora.generation.rollout import Completions, Rollout
-from xgblora.train.loop import spreads_members
+from xgblora.optim.zo_estimators import spreads_members
 
 SAMPLES_LOGGED = 4  # completions per logging step under --log_completions
 
@@ -171,7 +171,7 @@ class Generations:
         self.dropout = not cfg.disable_dropout
         self.cfg, self.plan, self.rollout, self.prompts, self.dist = cfg, plan, rollout, prompts, dist
         # --zo_es_spread members: every process samples all of a step's prompts, with one seed, for its members
-        self.members_spread = spreads_members(cfg)
+        self.members_spread = spreads_members(cfg, cfg.trainer)
         self.max_steps = cfg.max_steps if cfg.max_steps > 0 else self.plan.cycle * max(
             1, round(cfg.num_train_epochs * len(prompts.ids) / self.plan.prompts))
         self.stream = BatchStream([len(ids) for ids in prompts.ids], 1, cfg.seed, group_by_length=False)

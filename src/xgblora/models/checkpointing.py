@@ -1,6 +1,6 @@
 """Gradient checkpointing that keeps the KV cache: every decoder layer recomputed in the backward pass, also where a
 forward runs on a cache, so that DPO's and GRPO's shared-prompt forward (a prompt's keys and values computed once and
-read by all its completions, `models.scoring.shared_prefix_logits`) keeps its cache under checkpointing.
+read by all its completions, `models.scoring.shared_prefix_outputs`) keeps its cache under checkpointing.
 
 transformers' own checkpointing (`gradient_checkpointing_enable`) drops the cache of a layer that writes it: the
 backward pass replays the layer's forward, and a replayed `cache.update` would append the layer's keys and values a

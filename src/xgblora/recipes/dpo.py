@@ -132,7 +132,7 @@ def prepare(cfg: DPOConfig, dist: Distributed, train: list[PreferenceExample],
     # TRL's disable_dropout: the policy scores a pair as the reference (taken without dropout) does, so the first
     # step's log ratios are 0 and the loss is log 2
     source = ExampleBatches(training_set(train_seqs, pad, ref_train), cfg, dist, dropout=not cfg.disable_dropout)
-    loss = training_loss(run, dist, preference=PreferenceLoss(objective, reference))
+    loss = training_loss(run, dist, preference=PreferenceLoss(objective, reference, fused=cfg.fused_lm_head))
     return DPORun(cfg, Trainer(run, method, source, loss, dist), len(train_seqs), eval_seqs, evaluate)
 
 

@@ -50,9 +50,10 @@ from xgblora.generation.grpo_batches import Generations, Plan, PolicyReward
 from xgblora.generation.grpo_objective import GRPOLoss, Objective
 from xgblora.generation.rewards import Rewards
 from xgblora.generation.rollout import Completions, Rollout
+from xgblora.optim.zo_estimators import spreads_members
 from xgblora.recipes.lifecycle import Prepared, run_recipe
 from xgblora.report import GRPO_PANELS
-from xgblora.train.loop import Trainer, spreads_members
+from xgblora.train.loop import Trainer
 from xgblora.train.setup import TrainingRun, autocast_dtype, load_policy, setup_method
 
 log = logging.getLogger("xgblora")
@@ -134,7 +135,7 @@ def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Genera
     warn_sequence_level(cfg)
     rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)
     # spread members: every process samples the step's whole batch, as one process would
-    plan = Plan.of(cfg, 1 if spreads_members(cfg) else dist.world_size)
+    plan = Plan.of(cfg, 1 if spreads_members(cfg, cfg.trainer) else dist.world_size)
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
     cfg, model, tokenizer = load_policy(cfg, dist, template)
     # full fine-tuning has no adapter to switch off: its reference is a frozen copy (only when beta needs it)
@@ -148,7 +149,7 @@ def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Genera
     objective = Objective(cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.use_bias_correction_kl, cfg.loss_type,
                           cfg.importance_sampling_level)
     loss = PolicyReward(source) if cfg.zo_objective == "reward" \
-        else GRPOLoss(model, objective, cfg.temperature, autocast)
+        else GRPOLoss(model, objective, cfg.temperature, autocast, fused=cfg.fused_lm_head)
     run = TrainingRun(cfg, model, tokenizer, device, HeldOut(rollout, heldout, source, dist).evaluate,
                       monitor=list(range(len(heldout.ids))) if heldout else [])
     return Trainer(run, method, source, loss, dist), source

@@ -13,6 +13,7 @@ from xgblora.config import Config
 from xgblora.distributed import Distributed
 from xgblora.embeddings.st_format import matryoshka_card
 from xgblora.recipes.lifecycle import Prepared, run_recipe
+from xgblora.recipes.retrieval import prepare_retrieval
 from xgblora.train.loop import ExampleBatches, Hooks, Trainer
 from xgblora.train.results import write_predictions
 from xgblora.train.setup import (
@@ -35,6 +36,8 @@ def run(cfg: Config, hooks: Hooks | None = None) -> dict[str, Any]:
 
 def prepare(cfg: Config, dist: Distributed, hooks: Hooks | None = None) -> Prepared:
     """Task, splits and model (`set_up_run`), then what trains, or under --trainer none the evaluation alone."""
+    if (files := cfg.retrieval_files) is not None:
+        return prepare_retrieval(cfg, files, dist)
     setup = set_up_run(cfg, dist)
     if cfg.trainer == "none":
         return _evaluation_only(setup)

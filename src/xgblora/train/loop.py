@@ -29,14 +29,13 @@ from xgblora.checkpoint import Checkpointer, prune, step_checkpoints
 from xgblora.config import Config
 from xgblora.data.batches import Batch
 from xgblora.data.order import BatchStream
-from xgblora.distributed import LOCAL, Distributed
+from xgblora.distributed import Distributed
 from xgblora.errors import UserError
 from xgblora.logs import MetricsLog, ProgressLine
 from xgblora.models.checkpointing import enable_checkpointing
 from xgblora.optim.fo import AdamWStepper
 from xgblora.optim.schedule import Schedule
-from xgblora.optim.zo import MeZO, ZOStepper
-from xgblora.optim.zo_estimators import ES, FZOO, NSPSA, MeZOSVRG, SVRGStepper
+from xgblora.optim.zo_estimators import build_estimator, stepper_type
 from xgblora.trackers import open_trackers, parse_report_to
 from xgblora.train.head import HeadTrainer
 from xgblora.train.objective import TrainingSet
@@ -226,52 +225,23 @@ def build_stepper(cfg: Config, method: Method, loss_fn: Loss, dist: Distributed,
                             accumulation=cfg.gradient_accumulation_steps, micro_batch=cfg.per_device_train_batch_size,
                             nan_policy=cfg.nan_policy, penalty=penalty, dist=dist)
     zo_params = method.zo_params(cfg.head_trainer)
-    # the doubled batch carries adapter perturbations only: not a full model, a zo-trained head, or grouped rows;
-    # and a +z/-z pair only, which FZOO's one-sided perturbations are not
+    # the doubled batch carries adapter perturbations only: not a full model, a zo-trained head, or grouped rows
     dual = cfg.zo_dual is not False and bool(method.modules) and len(zo_params) == len(method.trainable) \
-        and not cfg.train_as_classification and cfg.zo_estimator != "fzoo" and cfg.zo_es_sampling == "antithetic"
+        and not cfg.train_as_classification
     # the norm penalty l(|A|^2 + |B|^2) has the exact gradient 2l*theta, added to the estimate as AdamW adds it
     penalty = 2 * cfg.norm_penalty if boosting is not None else 0.0
-    estimator = ESTIMATORS[cfg.zo_estimator](
-        zo_params, cfg.learning_rate, cfg.zo_eps, cfg.weight_decay, cfg.zo_stochastic_rounding, penalty=penalty,
-        dual_modules=method.modules if dual else None, seed=cfg.seed,
-        reduce_losses=dist.zo_losses(total=spreads_members(cfg)),
-        optimizer=cfg.zo_optimizer, betas=(cfg.adam_beta1, cfg.adam_beta2), adam_eps=cfg.adam_epsilon,
-        **estimator_options(cfg, dist))
+    estimator = build_estimator(cfg, zo_params, cfg.learning_rate, seed=cfg.seed, weight_decay=cfg.weight_decay,
+                                betas=(cfg.adam_beta1, cfg.adam_beta2), adam_eps=cfg.adam_epsilon, penalty=penalty,
+                                dual_modules=method.modules if dual else None, dist=dist)
     head = HeadTrainer(loss_fn.model, method.head, cfg.head_learning_rate, reduce=dist.reduce_step) \
         if cfg.head_trainer == "first-order" and method.head else None
-    stepper = SVRGStepper if cfg.zo_estimator == "svrg" else ZOStepper
-    return stepper(estimator, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
+    return stepper_type(estimator)(estimator, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
 
 
 # What the progress bar and line show of a logged record, when it holds them: the loss, and what GRPO and DPO
 # users watch.
 PROGRESS_NAMES = {"loss": "loss", "reward": "reward", "accuracy": "acc", "completion_length": "len", "kl": "kl",
                   "rewards/accuracies": "pref_acc", "rewards/margins": "margin"}
-ESTIMATORS = {"mezo": MeZO, "nspsa": NSPSA, "fzoo": FZOO, "svrg": MeZOSVRG, "es": ES}
-
-
-def spreads_members(cfg: Config) -> bool:
-    """Whether the processes share out ES's population (each its members on all of a step's prompts) rather than the
-    step's prompts."""
-    return cfg.trainer == "zo" and cfg.zo_estimator == "es" and cfg.zo_es_spread == "members"
-
-
-def estimator_options(cfg: Config, dist: Distributed = LOCAL) -> dict[str, Any]:
-    """The estimator's own options: its queries per step (ES: its population and this process's share of it), or
-    SVRG's period, anchor batches and anchor rate (as a multiple of the scheduled rate, so that it follows the
-    schedule)."""
-    queries = {"queries": cfg.zo_queries} if cfg.zo_queries is not None else {}
-    if cfg.zo_estimator == "es":
-        share = (dist.rank, dist.world_size) if spreads_members(cfg) else (0, 1)
-        return {**queries, "sampling": cfg.zo_es_sampling, "share": share}
-    if cfg.zo_estimator in ("nspsa", "fzoo"):
-        return queries
-    if cfg.zo_estimator == "svrg":
-        anchor_rate = cfg.zo_svrg_anchor_learning_rate or cfg.learning_rate
-        return {"period": cfg.zo_svrg_period, "anchor_batches": cfg.zo_svrg_anchor_batches,
-                "anchor_lr_scale": anchor_rate / cfg.learning_rate}
-    return {}
 
 
 def total_steps(cfg: Config, n_examples: int, global_batch: int) -> int:

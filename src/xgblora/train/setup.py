@@ -227,8 +227,7 @@ def training_loss(run: TrainingRun, dist: Distributed, contrastive: Contrastive 
 def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
     """Task, splits, head and model; the config resolved against them and written to config.yaml."""
     transformers.set_seed(cfg.seed)
-    source = trained.resolve(cfg.model_name, cfg.adapter)  # a run or adapter folder names its base model
-    cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
+    cfg = resolve_model(cfg)
     embedding_run = cfg.objective != "lm"
     task = PairTask(cfg.data) if embedding_run else get_task(cfg.task_name, cfg.data)
     splits = sample_splits(task, cfg.data)
@@ -252,13 +251,7 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
                     ", ".join(w.strip() for w in words))
     if head != "lm" and (cfg.sfc or cfg.icl_sfc):
         raise UserError(f"--sfc/--icl_sfc calibrate a causal LM's candidate scores; --head {head} has no surface forms")
-    target = pretrained.choose_device(dist.device or cfg.device)
-    model, tokenizer = pretrained.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=attention(cfg, head),
-                                   device=str(target), trust_remote_code=cfg.trust_remote_code,
-                                   head=head, num_labels=len(words) or None, load_in_4bit=cfg.load_in_4bit,
-                                   compute_dtype=_compute_dtype(cfg, target))
-    if source.adapter is not None and cfg.trainer == "none":  # evaluation; training starts from it in setup_method
-        trained.apply_adapter(model, source.adapter, merge=not cfg.load_in_4bit)
+    model, tokenizer = load_model(cfg, dist, head, len(words) or None)
     if template is not None:
         tokenizer.chat_template = template
     device = next(model.parameters()).device
@@ -269,6 +262,26 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
     scoring = labels.build_scoring(head, tokenizer, words, cfg.pooling) if words else None
     evaluator = build_evaluator(cfg, task, tokenizer, scoring, formats.model_stop_ids(model, tokenizer))
     return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device, evaluator, generative)
+
+
+def resolve_model(cfg: Config) -> Config:
+    """cfg with --model_name the base model to load and --adapter the adapter folder to put on it (a run or
+    adapter folder names its base model)."""
+    source = trained.resolve(cfg.model_name, cfg.adapter)
+    return dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
+
+
+def load_model(cfg: Config, dist: Distributed, head: str, num_labels: int | None = None) -> tuple[torch.nn.Module, Any]:
+    """The model (`head`: pretrained.HEAD_CLASSES) and its tokenizer on this rank's device, in the run's dtype and
+    attention; an evaluation's --adapter merged in (training starts from it in setup_method)."""
+    target = pretrained.choose_device(dist.device or cfg.device)
+    model, tokenizer = pretrained.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=attention(cfg, head),
+                                       device=str(target), trust_remote_code=cfg.trust_remote_code, head=head,
+                                       num_labels=num_labels, load_in_4bit=cfg.load_in_4bit,
+                                       compute_dtype=_compute_dtype(cfg, target))
+    if cfg.adapter is not None and cfg.trainer == "none":
+        trained.apply_adapter(model, Path(cfg.adapter), merge=not cfg.load_in_4bit)
+    return model, tokenizer
 
 
 def write_config(run: RunSetup, dist: Distributed) -> None:
@@ -333,8 +346,7 @@ def load_policy(cfg: Config, dist: Distributed, template: str | None = None) -> 
     """The language model grpo and dpo train, and its tokenizer (a run or adapter folder names its base; the adapter
     itself is set up by setup_method), and the config resolved against them (`resolve_config`); TF32 on where asked."""
     transformers.set_seed(cfg.seed)
-    source = trained.resolve(cfg.model_name, cfg.adapter)
-    cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
+    cfg = resolve_model(cfg)
     target = pretrained.choose_device(dist.device or cfg.device)
     model, tokenizer = pretrained.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation,
                                        device=str(target), trust_remote_code=cfg.trust_remote_code,
@@ -371,16 +383,16 @@ def resolve_config(cfg: Config, model: torch.nn.Module, dist: Distributed, head:
 
 
 def check_matryoshka_dims(cfg: Config, model: torch.nn.Module) -> None:
-    """--matryoshka_dims within the model's embedding size, refused before training starts (the loss would fail at
-    the first step); a warning where the full size is not among them, as sentence-transformers warns (the uncut
-    embedding, what the model gives by default, is then not trained)."""
+    """--matryoshka_dims within the model's embedding size, refused before training or scoring starts (the loss
+    would fail at the first step); in training, a warning where the full size is not among them, as
+    sentence-transformers warns (the uncut embedding, what the model gives by default, is then not trained)."""
     dims, size = cfg.matryoshka[0], getattr(model.config, "hidden_size", None)
     if not dims or size is None:
         return
     if max(dims) > size:
         raise UserError(f"--matryoshka_dims {cfg.matryoshka_dims}: {max(dims)} is above {cfg.model_name}'s "
                         f"embedding size {size}; give sizes of at most {size}")
-    if size not in dims:
+    if size not in dims and cfg.trainer != "none":
         log.warning("--matryoshka_dims %s leaves out the full embedding size %d: the uncut embedding is not "
                     "trained; add %d unless the model is only used truncated", cfg.matryoshka_dims, size, size)
 
