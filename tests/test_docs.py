@@ -55,11 +55,11 @@ SLOW = ("xgblora mezo", "xgblora rft", "--objective grit", "xgblora chat", "mezo
         "--eval_file chat_eval.jsonl")
 
 
-def _shell_blocks(text: str) -> list[str]:
+def shell_blocks(text: str) -> list[str]:
     return re.findall(r"```(?:bash|sh|shell)\n(.*?)```", text, re.S)
 
 
-def _commands(block: str) -> list[str]:
+def block_commands(block: str) -> list[str]:
     """Each command of a shell block: continuation lines joined, comments dropped."""
     out = []
     for line in block.replace("\\\n", " ").splitlines():
@@ -74,7 +74,7 @@ def documented_commands() -> list[tuple[str, str]]:
     document order."""
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     found = [(str(page.relative_to(REPO)), c) for page in pages
-             for block in _shell_blocks(page.read_text(encoding="utf-8")) for c in _commands(block)]
+             for block in shell_blocks(page.read_text(encoding="utf-8")) for c in block_commands(block)]
     inline = re.findall(r"`((?:[A-Z_]+=\S+ )+bash examples/\S+)`", (REPO / "README.md").read_text(encoding="utf-8"))
     found += [("README.md", c) for c in inline]
     for path in sorted((REPO / "examples").rglob("*")):

@@ -52,7 +52,7 @@ def _options(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -
 
 def _train(args: argparse.Namespace) -> int:
     cfg = _options(args)
-    from xgblora.train import run
+    from xgblora.recipes.sft import run
 
     print(json.dumps(run(cfg), indent=2))
     return 0
@@ -61,9 +61,12 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     cfg = _options(args)
     from xgblora.adapters.trained import run_options
-    from xgblora.train import run
+    from xgblora.models.pretrained import sentence_settings
+    from xgblora.recipes.sft import run
 
     trained = run_options(cfg.model_name, cfg.adapter)  # a trained run is scored on its own task, as it was trained
+    if not trained and cfg.retrieval_files is not None:  # a sentence-transformers model embeds as it says
+        trained = sentence_settings(cfg.model_name)
     if trained:
         cfg = _options(args, {**EVAL_DEFAULTS, **trained})
     print(json.dumps(run(cfg.run_config()), indent=2))
@@ -72,7 +75,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _mezo(args: argparse.Namespace) -> int:
     cfg = _options(args)
-    from xgblora.train import run
+    from xgblora.recipes.sft import run
 
     print(json.dumps(run(cfg), indent=2))
     return 0
@@ -95,7 +98,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _rft(args: argparse.Namespace) -> int:
     cfg = _options(args)
-    from xgblora.generation.rft import run_rft
+    from xgblora.recipes.rft import run_rft
 
     done = run_rft(cfg)
     print(json.dumps(done["rounds"], indent=2))
@@ -105,14 +108,14 @@ def _rft(args: argparse.Namespace) -> int:
 
 def _grpo(args: argparse.Namespace) -> int:
     cfg = _options(args)
-    from xgblora.generation.grpo import run_grpo
+    from xgblora.recipes.grpo import run_grpo
 
     print(json.dumps(run_grpo(cfg), indent=2))
     return 0
 
 
 def _dpo(args: argparse.Namespace) -> int:
-    from xgblora.train.dpo import run_dpo
+    from xgblora.recipes.dpo import run_dpo
 
     print(json.dumps(run_dpo(_options(args)), indent=2))
     return 0
@@ -142,24 +145,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from xgblora.export import export_gguf, export_run
+    from xgblora.export import FORMATS, export_run
 
-    gguf = args.format == "gguf"
-    wrong = [flag for flag, given in (("--output_dir", args.output_dir), ("--rank", args.rank)) if gguf and given]
-    wrong += [flag for flag, given in (("--output_file", args.output_file), ("--quantization", args.quantization),
-                                       ("--ollama_modelfile", args.ollama_modelfile)) if given and not gguf]
-    if wrong or (args.output_file if gguf else args.output_dir) is None:
-        raise UserError(f"xgblora export --format {args.format}: " + (f"{', '.join(wrong)} does not apply" if wrong else
-                        f"give {'--output_file FILE.gguf' if gguf else '--output_dir DIR'}"))
+    chosen = FORMATS[args.format]
+    options = {name: getattr(args, name) for f in FORMATS.values() for name in (f.output, *f.options)}
     for flag, value in (("--output_dir", args.output_dir), ("--output_file", args.output_file),
                         ("--ollama_modelfile", args.ollama_modelfile)):
         atomic.check_path(value, flag)
-    if gguf:
-        result = export_gguf(Path(args.run_dir), Path(args.output_file), args.quantization, args.checkpoint,
-                             args.trust_remote_code, args.ollama_modelfile and Path(args.ollama_modelfile))
-    else:
-        result = export_run(Path(args.run_dir), args.format, Path(args.output_dir), args.rank,
-                            trust_remote_code=args.trust_remote_code, checkpoint=args.checkpoint)
+    result = export_run(Path(args.run_dir), args.format, options.pop(chosen.output), args.checkpoint,
+                        args.trust_remote_code, **options)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -338,7 +332,7 @@ COMMANDS: dict[str, Command] = {
                      _train, config_mod.Config),
     "compare": Command("Run XGBLoRA and LoRA (or any methods) side by side over seeds; write a loss figure and tables.",
                        _compare, config_mod.CompareConfig),
-    "eval": Command("Zero-shot or in-context evaluation (k demonstrations with --num_train k); writes results.json.",
+    "eval": Command("Zero-shot or in-context evaluation (k demonstrations with --num_train k), or retrieval on BEIR files (--beir_dir); writes results.json.",
                     _eval, config_mod.EvalConfig, EVAL_DEFAULTS),
     "mezo": Command("MeZO's run.py as it is: its flags and defaults (no training unless --trainer; result/ copy).",
                     _mezo, config_mod.Config, MEZO_DEFAULTS),

@@ -58,6 +58,7 @@ from xgblora.options import (
     OptimizerOptions,
     OutputOptions,
     ResultFileOptions,
+    RetrievalOptions,
     RunOptions,
     SamplingOptions,
     SplitOptions,
@@ -119,6 +120,12 @@ def carried_over(cfg: Any, cls: type) -> dict[str, Any]:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in names}
 
 
+def resolve_retrieval(cfg: RetrievalOptions | TaskOptions) -> None:
+    """A retrieval evaluation (BEIR files) embeds: --objective lm becomes contrastive."""
+    if cfg.retrieval_files is not None and cfg.objective == "lm":
+        object.__setattr__(cfg, "objective", "contrastive")
+
+
 def refuse_no_trainer(cfg: MethodOptions, command: str) -> None:
     """A command that trains takes --trainer regular or zo; evaluating alone is xgblora eval's."""
     if cfg.trainer == "none":
@@ -129,12 +136,12 @@ def refuse_no_trainer(cfg: MethodOptions, command: str) -> None:
 # ----------------------------------------------------------------------------- what trains and how
 
 @dataclass(frozen=True)
-class TrainingOptions(LoopOptions, ComputeOptions, ZOOptions, AdamWOptions, MomentumOptions, OptimizerOptions,
-                      AdaptiveBoostingOptions, BoostingOptions, AdapterOptions, MethodOptions, InputOptions,
-                      ModelOptions):
+class TrainingOptions(LoopOptions, ComputeOptions, MemoryOptions, ZOOptions, AdamWOptions, MomentumOptions,
+                      OptimizerOptions, AdaptiveBoostingOptions, BoostingOptions, AdapterOptions, MethodOptions,
+                      InputOptions, ModelOptions):
     """What trains and how: the model and its rows, the method and its adapter or boosters, the optimiser (AdamW or
-    MeZO's estimators), the numerics and the loop; every training command's options, with the rules among them.
-    Names follow MeZO's run.py, the XGBLoRA fork and TRL."""
+    MeZO's estimators), the backward pass's memory, the numerics and the loop; every training command's options,
+    with the rules among them. Names follow MeZO's run.py, the XGBLoRA fork and TRL."""
 
     def __post_init__(self) -> None:
         self.resolve_gguf_file()
@@ -334,7 +341,7 @@ class TrainerConfig(OutputOptions, RunOptions, TrainingOptions):
 # ----------------------------------------------------------------------------- training on a task's examples
 
 @dataclass(frozen=True)
-class TaskTrainingOptions(BatchOptions, ZOHeadOptions, MemoryOptions, NextTokenOptions, InstructionOptions,
+class TaskTrainingOptions(BatchOptions, ZOHeadOptions, NextTokenOptions, InstructionOptions,
                           GritOptions, ContrastiveOptions, SupervisedOptions, SplitOptions, EmbeddingOptions,
                           HeadOptions, ClassificationOptions, TaskOptions, TrainingOptions):
     """Training on a task's examples (MeZO's tasks, custom classification or instruction data, embedding pairs):
@@ -430,9 +437,17 @@ class TaskTrainingOptions(BatchOptions, ZOHeadOptions, MemoryOptions, NextTokenO
 
 
 @dataclass(frozen=True)
-class Config(ResultFileOptions, TaskTrainingOptions, TrainerConfig):
+class Config(ResultFileOptions, RetrievalOptions, TaskTrainingOptions, TrainerConfig):
     """Options of `xgblora train` and `xgblora mezo`: training on a task's examples in a run folder, with MeZO's result
-    file; `xgblora eval` runs on them too (EvalConfig.run_config), as rft's and compare's runs do."""
+    file, or under --trainer none evaluating (on BEIR files too); `xgblora eval` runs on them (EvalConfig.run_config),
+    as rft's and compare's runs do."""
+
+    def __post_init__(self) -> None:
+        resolve_retrieval(self)
+        super().__post_init__()
+        if self.retrieval_files is not None and self.trainer != "none":
+            raise UserError(f"--beir_dir (or --corpus_file, --queries_file, --qrels_file) names a retrieval "
+                            f"evaluation, which trains nothing; drop --trainer {self.trainer}, or run xgblora eval")
 
 
 @dataclass(frozen=True)
@@ -463,13 +478,14 @@ class CompareConfig(TaskTrainingOptions):
 
 
 @dataclass(frozen=True)
-class EvalConfig(ResultFileOptions, OutputOptions, RunOptions, ComputeOptions, EmbeddingOptions, HeadOptions,
-                 ClassificationOptions, TaskOptions, InputOptions, ModelOptions):
-    """Options of `xgblora eval`: a model (a trained run's too), the task and its rows, the head or embedding that
-    scores them, the numerics, the seed and the run folder; nothing trains."""
+class EvalConfig(ResultFileOptions, OutputOptions, RunOptions, ComputeOptions, RetrievalOptions, EmbeddingOptions,
+                 HeadOptions, ClassificationOptions, TaskOptions, InputOptions, ModelOptions):
+    """Options of `xgblora eval`: a model (a trained run's too), the task and its rows or BEIR files, the head or
+    embedding that scores them, the numerics, the seed and the run folder; nothing trains."""
 
     def __post_init__(self) -> None:
         self.resolve_gguf_file()
+        resolve_retrieval(self)
         check_finite(self)
         check_choices(self)
         check_model(self)
@@ -478,6 +494,11 @@ class EvalConfig(ResultFileOptions, OutputOptions, RunOptions, ComputeOptions, E
         check_run(self)
         check_positive(self, "per_device_eval_batch_size", "max_length")
         check_output_paths(self)
+
+    @property
+    def trainers_used(self) -> set[str]:
+        """The trainers the command runs: none."""
+        return {"none"}
 
     def run_config(self) -> Config:
         """The options of the run that evaluates: train's, with this evaluation's values and --trainer none."""
@@ -536,8 +557,7 @@ class GenerateConfig(SamplerConfig):
 # ----------------------------------------------------------------------------- sampling and reinforcement
 
 @dataclass(frozen=True)
-class RFTConfig(SamplingOptions, BatchOptions, MemoryOptions, NextTokenOptions, InstructionOptions, RunOptions,
-                TrainingOptions):
+class RFTConfig(SamplingOptions, BatchOptions, NextTokenOptions, InstructionOptions, RunOptions, TrainingOptions):
     """Options of `xgblora rft`: the training options of every round (an `xgblora train` run on instruction rows:
     training_config) plus sampling and verification. --train_file holds the questions with their reference answers, --eval_file the held-out ones."""
 
@@ -816,9 +836,18 @@ TRAINING_GROUPS = (AdapterOptions, BoostingOptions, AdaptiveBoostingOptions, Opt
                    AdamWOptions, ZOOptions, ZOHeadOptions, LoopOptions, SupervisedOptions, ContrastiveOptions,
                    GritOptions, NextTokenOptions, MemoryOptions, BatchOptions)
 ZO_GROUPS = (ZOOptions, ZOHeadOptions)
+# what a retrieval evaluation never reads besides a classification task's options: it scores the corpus, queries and
+# judgements of its own files
+NOT_RETRIEVAL_OPTIONS = ("train_file", "eval_file", "columns", "chat_template", "task_name", "data_dir", "data_format",
+                         "num_train", "num_eval", "train_set_seed", "head")
 BOOSTING_GROUPS = (BoostingOptions, AdaptiveBoostingOptions)
 
 IGNORED = (
+    Ignored(("matryoshka_dims",), RetrievalOptions, lambda c: c.trainers_used == {"none"} and c.retrieval_files is None,
+            "nothing trains under --trainer none, and only a retrieval evaluation (--beir_dir) scores at each size"),
+    Ignored((ClassificationOptions, *NOT_RETRIEVAL_OPTIONS), RetrievalOptions, lambda c: c.retrieval_files is not None,
+            "a retrieval evaluation reads the corpus, queries and judgements of --beir_dir (or --corpus_file, "
+            "--queries_file, --qrels_file) only"),
     Ignored(TRAINING_GROUPS, MethodOptions, lambda c: c.trainers_used == {"none"},
             "nothing trains under --trainer none (what xgblora eval and xgblora mezo run by default); drop it, or "
             "train with xgblora train"),

@@ -140,7 +140,7 @@ class HeadOptions:
 @dataclass(frozen=True)
 class EmbeddingOptions:
     """What an embedding model embeds: the instructions before queries and documents, the pooling of the
-    instruction, attention both ways."""
+    instruction, attention both ways, the Matryoshka sizes (trained, and scored by a retrieval evaluation)."""
 
     query_instruction: str = _opt("", "Contrastive/GRIT: text put before every query (e.g. 'query: '); with --instruction_format gritlm the task instruction that GritLM's format wraps.")
     doc_instruction: str = _opt("", "Contrastive/GRIT: text put before every document (e.g. 'passage: '); with --instruction_format gritlm wrapped the same way.")
@@ -148,6 +148,30 @@ class EmbeddingOptions:
                                    ("plain", "gritlm"))
     include_prompt: bool | None = _opt(None, "Contrastive/GRIT: the instruction's tokens count in the mean pooling (they are always attended to). Default: off for grit, on for contrastive.")
     bidirectional: bool | None = _opt(None, "Contrastive/GRIT with a causal LM: the embedding pass attends both ways (GritLM; checked). Default: on for grit, off for contrastive.")
+    matryoshka_dims: str | None = _opt(None, "Contrastive/GRIT: Matryoshka embeddings (sentence-transformers' MatryoshkaLoss): the loss summed over the embeddings cut to each of these sizes, e.g. 384,256,128,64 (each cut normalised anew); a retrieval evaluation (--beir_dir) scores at each size (truncate_dim).")
+
+
+@dataclass(frozen=True)
+class RetrievalOptions:
+    """Retrieval evaluation on BEIR-format files (a corpus, queries, relevance judgements), scored as sentence-transformers' InformationRetrievalEvaluator: nDCG@10, MRR@10, MAP@100, accuracy, precision and recall at 1, 3, 5, 10 (and 100)."""
+
+    beir_dir: str | None = _opt(None, "A BEIR-format folder: corpus.jsonl (_id, title, text), queries.jsonl (_id, text) and qrels/test.tsv (query-id, corpus-id, score, after a header line; a score above 0 is relevant); each file can be named apart instead.")
+    corpus_file: str | None = _opt(None, "The corpus JSONL (_id, text, optional title) instead of --beir_dir's corpus.jsonl.")
+    queries_file: str | None = _opt(None, "The queries JSONL (_id, text) instead of --beir_dir's queries.jsonl.")
+    qrels_file: str | None = _opt(None, "The relevance judgements TSV (query-id, corpus-id, score) instead of --beir_dir's qrels/test.tsv (e.g. qrels/dev.tsv).")
+
+    @property
+    def retrieval_files(self) -> tuple[Path, Path, Path] | None:
+        """The corpus, queries and qrels files of a retrieval evaluation; None when none is named."""
+        given = {"corpus_file": self.corpus_file, "queries_file": self.queries_file, "qrels_file": self.qrels_file}
+        if self.beir_dir is None and not any(given.values()):
+            return None
+        if self.beir_dir is None and not all(given.values()):
+            missing = ", ".join(f"--{name}" for name, path in given.items() if not path)
+            raise UserError(f"a retrieval evaluation reads three files: give --beir_dir DIR, or also {missing}")
+        folder = Path(self.beir_dir or ".")
+        return (Path(self.corpus_file or folder / "corpus.jsonl"), Path(self.queries_file or folder / "queries.jsonl"),
+                Path(self.qrels_file or folder / "qrels" / "test.tsv"))
 
 
 @dataclass(frozen=True)
@@ -183,7 +207,6 @@ class ContrastiveOptions:
                                  ("infonce", "symmetric"))
     learnable_temperature: bool = _opt(False, "Contrastive: learn the temperature (as CLIP does, its log-scale trained by AdamW from --contrastive_temperature).")
     mini_batch_size: int = _opt(0, "Contrastive/GRIT gradient caching (GradCache): embed this many rows at a time, keeping every in-batch negative at one mini-batch's memory; 0: off.")
-    matryoshka_dims: str | None = _opt(None, "Contrastive/GRIT: Matryoshka embeddings (sentence-transformers' MatryoshkaLoss): the loss summed over the embeddings cut to each of these sizes, e.g. 384,256,128,64 (each cut normalised anew).")
     matryoshka_weights: str | None = _opt(None, "Contrastive/GRIT: the weight of each --matryoshka_dims size's loss, as many as sizes (default: 1 each).")
     embed_pieces: bool | None = _opt(None, "Contrastive/GRIT without gradient caching: embed in length-sorted pieces, each padded to its own longest row. Default: on for the CPU, off on CUDA.")
 
@@ -400,9 +423,10 @@ class SamplingOptions:
     top_p: float = _opt(1.0, "Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.")
     max_batch_tokens: int = _opt(32768, "Memory budget of a generation batch: rows x (longest prompt + max_new_tokens) tokens of KV cache.")
 
+
 # Every group, in the order a command's help shows them.
-GROUPS = (ModelOptions, InputOptions, TaskOptions, ClassificationOptions, HeadOptions, EmbeddingOptions, SplitOptions,
-          SupervisedOptions, ContrastiveOptions, GritOptions, InstructionOptions, NextTokenOptions, MemoryOptions,
-          MethodOptions, AdapterOptions, BoostingOptions, AdaptiveBoostingOptions, OptimizerOptions, MomentumOptions,
-          AdamWOptions, ZOOptions, ZOHeadOptions, ComputeOptions, BatchOptions, RunOptions, OutputOptions,
-          ResultFileOptions, LoopOptions, SamplingOptions)
+GROUPS = (ModelOptions, InputOptions, TaskOptions, ClassificationOptions, HeadOptions, EmbeddingOptions,
+          RetrievalOptions, SplitOptions, SupervisedOptions, ContrastiveOptions, GritOptions, InstructionOptions,
+          NextTokenOptions, MemoryOptions, MethodOptions, AdapterOptions, BoostingOptions, AdaptiveBoostingOptions,
+          OptimizerOptions, MomentumOptions, AdamWOptions, ZOOptions, ZOHeadOptions, ComputeOptions, BatchOptions,
+          RunOptions, OutputOptions, ResultFileOptions, LoopOptions, SamplingOptions)

@@ -168,9 +168,6 @@ OPTIMIZER = "xgblora trains with AdamW (fused_adamw picks its kernel) or MeZO's 
 TOKENS = "xgblora uses the tokenizer's own special tokens and the chat template's end of turn"
 REFERENCE = "the reference stays the starting model"
 VLLM = "read only with use_vllm; xgblora samples with its own shared-prefix sampler"
-# dpo and grpo score a prompt once for all its completions, through the prompt's key-value cache, which transformers
-# does not keep inside recomputed (checkpointed) layers
-SHARED_PROMPT = "xgblora keeps each prompt's key-value cache for its completions; recomputed activations would drop it"
 LABEL_KEYS = "TRL's label_names, the batch keys that hold the labels, has no meaning here: xgblora builds its own batches"
 NO_USE = "TRL's trainers do not read it either"
 
@@ -315,8 +312,6 @@ DPO: dict[str, Entry] = {
     "ref_model_sync_steps": Ignorable("read only with sync_ref_model; " + REFERENCE),
     "train_sampling_strategy": _sampling("group_by_length"),
     "average_tokens_across_devices": Ignorable("the loss is a mean over pairs", (True, False)),
-    "gradient_checkpointing": Refused(SHARED_PROMPT, (False,)),
-    "activation_checkpointing": Refused(SHARED_PROMPT, (False,)),
     "label_names": Refused(LABEL_KEYS),
 }
 
@@ -364,8 +359,6 @@ GRPO: dict[str, Entry] = {
     "train_sampling_strategy": _sampling(None),
     "scale_rewards": Mapped(("scale_rewards",), _scale_rewards),
     "average_tokens_across_devices": Ignorable("loss_type sets how tokens count over processes", (True, False)),
-    "gradient_checkpointing": Refused(SHARED_PROMPT, (False,)),
-    "activation_checkpointing": Refused(SHARED_PROMPT, (False,)),
     "torch_compile": Refused("xgblora grpo runs its loss uncompiled", (False,)),
     "label_names": Refused(LABEL_KEYS),
 }

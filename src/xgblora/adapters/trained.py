@@ -31,7 +31,7 @@ from xgblora.options import ModelOptions
 _ADAPTER_CONFIG = "adapter_config.json"
 # how an embedding run's model embeds: an evaluation of the run folder embeds the same way unless told otherwise
 _EMBEDDING_OPTIONS = ("objective", "pooling", "bidirectional", "instruction_format", "query_instruction",
-                      "doc_instruction", "include_prompt", "max_length")
+                      "doc_instruction", "include_prompt", "max_length", "matryoshka_dims")
 _PAIR_OPTIONS = ("model_name", "eval_file", "columns")
 # the base model, task, data, evaluation sample and head a run was trained on: its evaluation takes them unless told
 # otherwise

@@ -34,7 +34,7 @@ from xgblora.config import DPOConfig
 from xgblora.data.preference import read_preferences
 from xgblora.distributed import LOCAL
 from xgblora.models import pretrained
-from xgblora.train.dpo import DPORun, prepare
+from xgblora.recipes.dpo import DPORun, prepare
 
 DPO_MODELS = ("llama-100m-random",)
 LORA = dict(r=8, alpha=16.0)

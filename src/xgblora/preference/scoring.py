@@ -19,27 +19,21 @@ from torch import Tensor, nn
 
 from xgblora.data.batches import PreferenceBatch
 from xgblora.data.preference import PreferenceSeq, collate_preferences
-from xgblora.models.scoring import eval_mode, shared_prefix_logits, token_logprobs
+from xgblora.models.scoring import completion_scores, eval_mode
 from xgblora.preference.objective import Objective, PairScores, Statistics, pair_losses
 
 
-def completion_logps(model: nn.Module, batch: PreferenceBatch,
-                     with_logits: bool = False) -> tuple[Tensor, Tensor | None]:
+def completion_logps(model: nn.Module, batch: PreferenceBatch, with_logits: bool = False,
+                     fused: bool = True) -> tuple[Tensor, Tensor | None]:
     """Summed log-probabilities of each completion row [rows] and, when asked, the sum over its tokens of the mean
-    logit (TRL's logits/*), [rows], no gradient."""
+    logit (TRL's logits/*), [rows], no gradient; fused: through the fused LM head where the model allows it."""
     rows = batch.completion_ids.shape[0]
     per_half = batch.prompt_ids.shape[0] // batch.halves  # pairs of a half
     index = torch.arange(rows, device=batch.completion_ids.device)
     row_prompt = index // (2 * per_half) * per_half + index % per_half  # half h's rows: its chosen, its rejected
-    ids, cmask = batch.completion_ids, batch.completion_mask
-    logits = shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, row_prompt, ids, cmask)
-    logps = torch.cat([token_logprobs(part, t) for part, t in zip(logits, (ids[:, :1], ids[:, 1:]), strict=False)], 1)
-    sums = (logps * cmask).sum(1)
-    if not with_logits:
-        return sums, None
-    with torch.no_grad():
-        mean_logits = torch.cat([part.float().mean(-1) for part in logits], dim=1)
-        return sums, (mean_logits * cmask).sum(1)
+    scores = completion_scores(model, batch.prompt_ids, batch.prompt_mask, row_prompt, batch.completion_ids,
+                               batch.completion_mask, statistics=with_logits, fused=fused)
+    return scores.logprobs.sum(1), scores.mean_logit.sum(1) if with_logits else None
 
 
 def scores(batch: PreferenceBatch, logps: Tensor, ref_logps: Tensor | None) -> list[PairScores]:
@@ -57,19 +51,20 @@ class PreferenceLoss:
     """loss(model, batch) -> each pair's loss [halves x pairs], for the steppers (AdamW and MeZO); the reference is
     the batch's precomputed log-probabilities, else the model inside `reference()` (its adapters off)."""
 
-    def __init__(self, objective: Objective, reference: Callable[[], AbstractContextManager] | None = None):
-        self.objective, self.reference = objective, reference
+    def __init__(self, objective: Objective, reference: Callable[[], AbstractContextManager] | None = None,
+                 fused: bool = True):
+        self.objective, self.reference, self.fused = objective, reference, fused
         self.statistics = Statistics()
 
     def __call__(self, model: nn.Module, batch: PreferenceBatch) -> Tensor:
-        logps, logit_sums = completion_logps(model, batch, with_logits=True)
+        logps, logit_sums = completion_logps(model, batch, with_logits=True, fused=self.fused)
         ref = batch.ref_logps
         if ref is None and self.objective.needs_reference:
             if self.reference is None:
                 raise ValueError("this objective needs the reference's log-probabilities: precompute them or give "
                                  "a reference")
             with torch.no_grad(), self.reference():  # the halves of MeZO's dual batch are copies: one suffices
-                ref = completion_logps(model, first_half(batch))[0].repeat(batch.halves)
+                ref = completion_logps(model, first_half(batch), fused=self.fused)[0].repeat(batch.halves)
         losses = []
         for s, (lc, lr) in zip(scores(batch, logps, ref), _halves(logit_sums, batch.halves), strict=True):
             losses.append(pair_losses(self.objective, s))

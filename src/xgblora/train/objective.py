@@ -137,6 +137,11 @@ class TrainingLoss:
         with torch.autocast(device.type, dtype=self.autocast):
             return per_example_loss(self.model, batch, self.contrastive, self.preference, self.fused_head)
 
+    def metrics(self) -> dict[str, float]:
+        """This process's statistics of the losses since the last call, for the logs: DPO's rewards and
+        log-probabilities (`PreferenceLoss`); none for the other batch kinds."""
+        return self.preference.statistics.drain() if self.preference is not None else {}
+
 
 def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrastive | None = None,
                      preference: PreferenceLoss | None = None, fused_head: bool = False) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 from xgblora import atomic
 from xgblora.adapters.peft import to_peft
 from xgblora.config import Config, TrainerConfig
-from xgblora.embeddings.st_format import embedding_export, matryoshka_card
+from xgblora.embeddings.st_format import embedding_export
 from xgblora.models.pretrained import RANDOM_MODELS
 from xgblora.train.setup import Method
 
@@ -112,10 +113,10 @@ def _auto_class(final: Path, adapter: bool) -> str:
     return "AutoModel" if architectures[0].endswith("Model") else "AutoModelForCausalLM"  # an encoder's body
 
 
-def write_model_card(cfg: TrainerConfig, results: dict[str, Any], data: str, matryoshka_dims: str | None = None
-                     ) -> None:
-    """final/README.md: what was trained from what, on which `data` (a task's name or a file), with which results,
-    and how to load it; `matryoshka_dims`: an embedding model's Matryoshka sizes."""
+def write_model_card(cfg: TrainerConfig, results: dict[str, Any], data: str, tags: Sequence[str] = (),
+                     notes: str = "") -> None:
+    """final/README.md: what was trained from what, on which data (`data`: a task or a file), with which results,
+    and how to load it; `tags` join the card's, `notes` end it."""
     final = Path(cfg.output_dir) / "final"
     if not final.is_dir():
         return
@@ -131,7 +132,7 @@ def write_model_card(cfg: TrainerConfig, results: dict[str, Any], data: str, mat
     card = f"""---
 base_model: {cfg.model_name}
 library_name: {"peft" if adapter else "transformers"}
-tags: [xgblora, {cfg.method}, {"mezo" if cfg.trainer == "zo" else "adamw"}{", matryoshka" if matryoshka_dims else ""}]
+tags: [{", ".join(["xgblora", cfg.method, "mezo" if cfg.trainer == "zo" else "adamw", *tags])}]
 ---
 
 # {Path(cfg.output_dir).name}
@@ -154,6 +155,4 @@ from transformers import AutoTokenizer
 tokenizer = AutoTokenizer.from_pretrained("{final}")
 ```
 """
-    if matryoshka_dims:
-        card += "\n" + matryoshka_card(matryoshka_dims)
-    atomic.write_text(final / "README.md", card)
+    atomic.write_text(final / "README.md", card + (f"\n{notes}" if notes else ""))

@@ -44,7 +44,6 @@ from xgblora.evaluation.evaluators import Candidates, EvalSizes, Evaluator, Inst
 from xgblora.models import pretrained
 from xgblora.models.quant import is_quantized
 from xgblora.models.scoring import is_head_param, packing_supported
-from xgblora.options import BatchOptions, MemoryOptions
 from xgblora.preference.scoring import PreferenceLoss
 from xgblora.train.head import fit_probe
 from xgblora.train.objective import (
@@ -70,7 +69,6 @@ class Method:
     modules: dict[str, LoRALinear] = field(default_factory=dict)
     boosting: Boosting | None = None
     contrastive: Contrastive | None = None  # the embedding objective; its learnable temperature trains too
-    preference: PreferenceLoss | None = None  # the preference objective (xgblora dpo)
 
     def __post_init__(self) -> None:
         temperature = [("contrastive.log_scale", self.contrastive.log_scale)] \
@@ -189,12 +187,47 @@ class RunSetup:
         """The autocast dtype of training forwards (None: off)."""
         return autocast_dtype(self.cfg, self.device)
 
+    def training_run(self) -> TrainingRun:
+        """What the Trainer reads of this run: the dev split scored after training unless --no_eval."""
+        return TrainingRun(self.cfg, self.model, self.tokenizer, self.device, self.evaluate, self.splits.monitor,
+                           () if self.cfg.no_eval else self.splits.dev)
+
+
+@dataclass
+class TrainingRun:
+    """What a Trainer trains and scores: the resolved config, the model and its tokenizer (final/ holds both), its
+    device, and the evaluator with the examples it scores during training (`monitor`: --eval_on_start,
+    --evaluation_strategy steps, the best step) and after it (`dev`)."""
+
+    cfg: TrainerConfig
+    model: torch.nn.Module
+    tokenizer: Any
+    device: torch.device
+    evaluate: Evaluator
+    monitor: Sequence = ()
+    dev: Sequence = ()
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """The autocast dtype of training forwards (None: off)."""
+        return autocast_dtype(self.cfg, self.device)
+
+
+def training_loss(run: TrainingRun, dist: Distributed, compile: bool, contrastive: Contrastive | None = None,
+                  preference: PreferenceLoss | None = None) -> TrainingLoss:
+    """The training forward of the run's batches (`TrainingLoss`), through torch.compile with `compile` (the
+    command's --compile); through the fused LM head where asked, except compiled or under FSDP, whose wrapped model
+    gathers the root's weights in its own forward (the backbone's skips that)."""
+    cfg = run.cfg
+    model = torch.compile(run.model) if compile else run.model
+    fused = cfg.fused_lm_head and not compile and not dist.shards_model
+    return TrainingLoss(model, run.autocast, contrastive, preference, fused_head=fused)
+
 
 def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
     """Task, splits, head and model; the config resolved against them and written to config.yaml."""
     transformers.set_seed(cfg.seed)
-    source = trained.resolve(cfg.model_name, cfg.adapter)  # a run or adapter folder names its base model
-    cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
+    cfg = resolve_model(cfg)
     embedding_run = cfg.objective != "lm"
     task = PairTask(cfg.data) if embedding_run else get_task(cfg.task_name, cfg.data)
     splits = sample_splits(task, cfg.data)
@@ -218,13 +251,7 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
                     ", ".join(w.strip() for w in words))
     if head != "lm" and (cfg.sfc or cfg.icl_sfc):
         raise UserError(f"--sfc/--icl_sfc calibrate a causal LM's candidate scores; --head {head} has no surface forms")
-    target = pretrained.choose_device(dist.device or cfg.device)
-    model, tokenizer = pretrained.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=attention(cfg, head),
-                                   device=str(target), trust_remote_code=cfg.trust_remote_code,
-                                   head=head, num_labels=len(words) or None, load_in_4bit=cfg.load_in_4bit,
-                                   compute_dtype=_compute_dtype(cfg, target))
-    if source.adapter is not None and cfg.trainer == "none":  # evaluation; training starts from it in setup_method
-        trained.apply_adapter(model, source.adapter, merge=not cfg.load_in_4bit)
+    model, tokenizer = load_model(cfg, dist, head, len(words) or None)
     if template is not None:
         tokenizer.chat_template = template
     device = next(model.parameters()).device
@@ -235,6 +262,26 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
     scoring = labels.build_scoring(head, tokenizer, words, cfg.pooling) if words else None
     evaluator = build_evaluator(cfg, task, tokenizer, scoring, formats.model_stop_ids(model, tokenizer))
     return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device, evaluator, generative)
+
+
+def resolve_model(cfg: Config) -> Config:
+    """cfg with --model_name the base model to load and --adapter the adapter folder to put on it (a run or
+    adapter folder names its base model)."""
+    source = trained.resolve(cfg.model_name, cfg.adapter)
+    return dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
+
+
+def load_model(cfg: Config, dist: Distributed, head: str, num_labels: int | None = None) -> tuple[torch.nn.Module, Any]:
+    """The model (`head`: pretrained.HEAD_CLASSES) and its tokenizer on this rank's device, in the run's dtype and
+    attention; an evaluation's --adapter merged in (training starts from it in setup_method)."""
+    target = pretrained.choose_device(dist.device or cfg.device)
+    model, tokenizer = pretrained.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=attention(cfg, head),
+                                       device=str(target), trust_remote_code=cfg.trust_remote_code, head=head,
+                                       num_labels=num_labels, load_in_4bit=cfg.load_in_4bit,
+                                       compute_dtype=_compute_dtype(cfg, target))
+    if cfg.adapter is not None and cfg.trainer == "none":
+        trained.apply_adapter(model, Path(cfg.adapter), merge=not cfg.load_in_4bit)
+    return model, tokenizer
 
 
 def write_config(run: RunSetup, dist: Distributed) -> None:
@@ -300,8 +347,7 @@ def load_policy(cfg: TrainerConfig, dist: Distributed, template: str | None = No
     """The language model grpo and dpo train, and its tokenizer (a run or adapter folder names its base; the adapter
     itself is set up by setup_method), and the config resolved against them (`resolve_config`); TF32 on where asked."""
     transformers.set_seed(cfg.seed)
-    source = trained.resolve(cfg.model_name, cfg.adapter)
-    cfg = dataclasses.replace(cfg, model_name=source.base, adapter=str(source.adapter) if source.adapter else None)
+    cfg = resolve_model(cfg)
     target = pretrained.choose_device(dist.device or cfg.device)
     model, tokenizer = pretrained.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation,
                                        device=str(target), trust_remote_code=cfg.trust_remote_code,
@@ -343,16 +389,16 @@ def resolve_task_config(cfg: Config, model: torch.nn.Module, dist: Distributed, 
 
 
 def check_matryoshka_dims(cfg: Config, model: torch.nn.Module) -> None:
-    """--matryoshka_dims within the model's embedding size, refused before training starts (the loss would fail at
-    the first step); a warning where the full size is not among them, as sentence-transformers warns (the uncut
-    embedding, what the model gives by default, is then not trained)."""
+    """--matryoshka_dims within the model's embedding size, refused before training or scoring starts (the loss
+    would fail at the first step); in training, a warning where the full size is not among them, as
+    sentence-transformers warns (the uncut embedding, what the model gives by default, is then not trained)."""
     dims, size = cfg.matryoshka[0], getattr(model.config, "hidden_size", None)
     if not dims or size is None:
         return
     if max(dims) > size:
         raise UserError(f"--matryoshka_dims {cfg.matryoshka_dims}: {max(dims)} is above {cfg.model_name}'s "
                         f"embedding size {size}; give sizes of at most {size}")
-    if size not in dims:
+    if size not in dims and cfg.trainer != "none":
         log.warning("--matryoshka_dims %s leaves out the full embedding size %d: the uncut embedding is not "
                     "trained; add %d unless the model is only used truncated", cfg.matryoshka_dims, size, size)
 
@@ -432,18 +478,6 @@ def build_contrastive(run: RunSetup, dist: Distributed) -> Contrastive | None:
                        symmetric=cfg.contrastive_loss == "symmetric", split_cost=split_cost(cfg.embed_pieces, run.device),
                        dims=cfg.matryoshka[0], dim_weights=cfg.matryoshka[1]).to(run.device)
 
-
-
-def training_loss(run: RunSetup, method: Method, batches: BatchOptions,
-                  memory: MemoryOptions | None = None) -> TrainingLoss:
-    """The loss of the run's objective as the steppers call it: the model through torch.compile with --compile; with
-    train's memory options, activations recomputed in AdamW's backward (--gradient_checkpointing) and the LM head
-    fused (--fused_lm_head, not under --compile)."""
-    if memory is not None and memory.gradient_checkpointing and run.cfg.trainer == "regular":
-        run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    fused = memory is not None and memory.fused_lm_head and not batches.compile
-    return TrainingLoss(torch.compile(run.model) if batches.compile else run.model, run.autocast, method.contrastive,
-                        method.preference, fused_head=fused)
 
 
 def packing_enabled(run: RunSetup) -> bool:

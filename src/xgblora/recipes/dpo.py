@@ -11,16 +11,13 @@ log-probabilities of every pair, computed once before the first step, so no seco
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from xgblora import distributed, parsing
 from xgblora.adapters.lora import adapters_off
 from xgblora.config import DPOConfig
 from xgblora.data import formats
@@ -32,7 +29,7 @@ from xgblora.data.preference import (
     encode_all,
     read_preferences,
 )
-from xgblora.data.splits import Splits
+from xgblora.distributed import Distributed
 from xgblora.errors import located
 from xgblora.evaluation.answers import make_verifier
 from xgblora.evaluation.evaluators import Evaluator
@@ -40,12 +37,11 @@ from xgblora.logs import setup_console_logging
 from xgblora.models.sampler import greedy_continuations
 from xgblora.preference.objective import Objective
 from xgblora.preference.scoring import PreferenceLoss, evaluate_pairs, reference_logps
-from xgblora.report import DPO_PANELS, write_curves_report
+from xgblora.recipes.lifecycle import Prepared, run_recipe
+from xgblora.report import DPO_PANELS
 from xgblora.train.loop import ExampleBatches, Trainer
 from xgblora.train.objective import TrainingSet
-from xgblora.train.results import write_model_card, write_results
-from xgblora.train.run import finished_results, run_folder, start_over
-from xgblora.train.setup import RunSetup, load_policy, setup_method, training_loss
+from xgblora.train.setup import TrainingRun, load_policy, setup_method, training_loss
 
 log = logging.getLogger("xgblora")
 
@@ -61,11 +57,7 @@ def run_dpo(cfg: DPOConfig) -> dict[str, Any]:
             raise located(*missing.where, "reference", "missing: --verifier checks each --eval_file prompt's greedy "
                                                        "completion against its row's reference answer")
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
-    dist = distributed.setup(cfg)
-    if (done := finished_results(cfg, Path(cfg.output_dir))) is not None:
-        return done
-    with run_folder(cfg, dist):
-        return _run(cfg, dist, train, held_out, template)
+    return run_recipe(cfg, lambda dist: _recipe(prepare(cfg, dist, train, held_out, template)))
 
 
 def objective_of(cfg: DPOConfig) -> Objective:
@@ -75,39 +67,32 @@ def objective_of(cfg: DPOConfig) -> Objective:
 
 @dataclass
 class DPORun:
-    """A set-up preference run: its resolved config, its Trainer (`fit()` trains), and the held-out pairs with
-    their evaluator."""
+    """A set-up preference run: its resolved config, its Trainer (`fit()` trains), the number of training pairs, and
+    the held-out pairs with their evaluator."""
 
     cfg: DPOConfig
     trainer: Trainer
+    num_train: int
     eval_seqs: list[PreferenceSeq]
     evaluate: Evaluator
 
 
-def _run(cfg: DPOConfig, dist: distributed.Distributed, train: list[PreferenceExample],
-         held_out: list[PreferenceExample], template: str | None) -> dict[str, Any]:
-    run = prepare(cfg, dist, train, held_out, template)  # the last checks: a refused run writes nothing
-    cfg, model = run.cfg, run.trainer.run.model
-    if dist.is_main:
-        if cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
-            start_over(Path(cfg.output_dir))
-        parsing.dump(cfg, Path(cfg.output_dir) / "config.yaml")
-    summary = run.trainer.fit()
-    before = {f"before_{k}": v for k, v in run.trainer.state.before.items()}
-    results = {"model": cfg.model_name, "method": cfg.method, "trainer": cfg.trainer, "seed": cfg.seed,
-               "loss_type": list(cfg.loss_terms[0]), "beta": cfg.beta, "num_train": len(run.trainer.run.splits.train),
-               "num_eval": len(run.eval_seqs), "device": str(run.trainer.run.device), "torch": torch.__version__,
-               **summary, **before}
-    if run.eval_seqs:
-        results.update({f"eval_{k}": v for k, v in run.evaluate(model, run.eval_seqs)[0].items()})
-    if dist.is_main:
-        write_model_card(cfg, results, cfg.train_file)
-        write_curves_report(Path(cfg.output_dir), results, "dpo", DPO_PANELS)
-        write_results(cfg, results)  # last: results.json marks a finished run
-    return results
+def _recipe(run: DPORun) -> Prepared:
+    """The run in the lifecycle's terms: after fit(), the held-out pairs' reward accuracy (and pass@1)."""
+    cfg = run.cfg
+
+    def results() -> dict[str, Any]:
+        done = {"loss_type": list(cfg.loss_terms[0]), "beta": cfg.beta, "num_train": run.num_train,
+                "num_eval": len(run.eval_seqs)}
+        if run.eval_seqs:
+            done.update({f"eval_{k}": v for k, v in run.evaluate(run.trainer.run.model, run.eval_seqs)[0].items()})
+        return done
+
+    return Prepared(cfg, run.trainer.run.device, run.trainer, results, data=cfg.train_file, tags=("dpo",),
+                    curves=("dpo", DPO_PANELS))
 
 
-def prepare(cfg: DPOConfig, dist: distributed.Distributed, train: list[PreferenceExample],
+def prepare(cfg: DPOConfig, dist: Distributed, train: list[PreferenceExample],
             held_out: list[PreferenceExample], template: str | None = None) -> DPORun:
     """Load the model, tokenise the pairs, set up what trains and the reference (see the module docstring)."""
     cfg, model, tokenizer = load_policy(cfg, dist, template)
@@ -128,7 +113,6 @@ def prepare(cfg: DPOConfig, dist: distributed.Distributed, train: list[Preferenc
 
     ref_train = None if live else starting_logps(train_seqs)
     ref_eval = starting_logps(eval_seqs)
-    method = dataclasses.replace(method, preference=PreferenceLoss(objective, reference))
 
     verifier = make_verifier(cfg.verifier) if cfg.verifier else None
     prompts = [encode(tokenizer, ex).prompt for ex in held_out] if verifier is not None else []
@@ -144,14 +128,14 @@ def prepare(cfg: DPOConfig, dist: distributed.Distributed, train: list[Preferenc
                                     for text, ex in zip(texts, held_out, strict=True)) / len(held_out)
         return metrics, []
 
-    splits = Splits(train=list(train_seqs), dev=[], eval=list(eval_seqs), eval_is_own=True)
-    run = RunSetup(cfg, task=None, splits=splits, head="lm", model=model, tokenizer=tokenizer, scoring=None,
-                   device=device, evaluate=evaluate)
+    run = TrainingRun(cfg, model, tokenizer, device, evaluate, monitor=eval_seqs)
     # TRL's disable_dropout: the policy scores a pair as the reference (taken without dropout) does, so the first
     # step's log ratios are 0 and the loss is log 2
     source = ExampleBatches(training_set(train_seqs, pad, ref_train), cfg, dist, cfg.group_by_length is not False,
                             dropout=not cfg.disable_dropout)
-    return DPORun(cfg, Trainer(run, method, source, dist, training_loss(run, method, cfg)), eval_seqs, evaluate)
+    loss = training_loss(run, dist, cfg.compile,
+                         preference=PreferenceLoss(objective, reference, fused=cfg.fused_lm_head))
+    return DPORun(cfg, Trainer(run, method, source, loss, dist), len(train_seqs), eval_seqs, evaluate)
 
 
 def training_set(seqs: Sequence[PreferenceSeq], pad_id: int, ref: torch.Tensor | None) -> TrainingSet:
