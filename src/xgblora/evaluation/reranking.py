@@ -130,12 +130,14 @@ def samples_of(examples: Sequence[Example]) -> list[Sample]:
 
 def evaluate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], *, max_length: int,
              batch_size: int) -> dict[str, Any]:
-    """The reranker's figures over the examples' queries, each ranking its own positives and negatives."""
+    """The reranker's figures over the examples' queries, each ranking its own positives and negatives; nDCG@10
+    first (the evaluator's primary metric: the one that picks a run's best step)."""
     samples = samples_of(examples)
     if not samples:
-        return {"map": 0.0, f"mrr@{AT_K}": 0.0, f"ndcg@{AT_K}": 0.0, "num_queries": 0}
+        return {f"ndcg@{AT_K}": 0.0, "map": 0.0, f"mrr@{AT_K}": 0.0, "num_queries": 0}
 
     def score(pairs: Sequence[tuple[str, str]]) -> np.ndarray:
         return score_pairs(model, tokenizer, pairs, max_length, batch_size).numpy()
 
-    return {**rerank(samples, score), "num_queries": len(samples)}
+    figures = rerank(samples, score)
+    return {f"ndcg@{AT_K}": figures[f"ndcg@{AT_K}"], **figures, "num_queries": len(samples)}
