@@ -214,11 +214,13 @@ def test_the_three_row_forms_read_as_labelled_passages(tmp_path):
         ("q3", ("p", "n1", "n2"), (1.0, 0.0, 0.0), (0,))]
 
 
-def test_a_trained_reranker_loads_in_cross_encoder_and_scores_as_xgblora(tmp_path):
-    """Full fine-tuning: final/ is the CrossEncoder (with a short max_length, so pairs are cut); CrossEncoder.predict
-    equals xgblora's scores of the run; the run's dev figures are the reranking figures."""
+@pytest.mark.parametrize("name", ["tiny-bert", "tiny-llama"])
+def test_a_trained_reranker_loads_in_cross_encoder_and_scores_as_xgblora(tmp_path, name):
+    """Full fine-tuning of an encoder and of a causal LM: final/ is the CrossEncoder (with a short max_length, so
+    pairs are cut); CrossEncoder.predict equals xgblora's scores of the run; the run's dev figures are the
+    reranking figures."""
     out = tmp_path / "run"
-    results = run(Config(model_name="tiny-bert", objective="rerank", train_file=str(write_rows(tmp_path / "r.jsonl")),
+    results = run(Config(model_name=name, objective="rerank", train_file=str(write_rows(tmp_path / "r.jsonl")),
                          num_dev=4, max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3, max_length=12,
                          save_strategy="no", device="cpu", output_dir=str(out)))
     assert {"dev_map", "dev_mrr@10", "dev_ndcg@10"} <= results.keys() and results["head"] == "classifier"
@@ -301,23 +303,24 @@ def test_mezo_dual_batch_on_pairs_equals_the_two_pass_step():
     assert steps[0] == pytest.approx(steps[1], abs=1e-6)
 
 
-def test_the_first_order_head_under_mezo_takes_adamws_step_on_the_rerank_loss():
+@pytest.mark.parametrize(("name", "head"), [("tiny-bert", "classifier"), ("tiny-llama", "score")])
+def test_the_first_order_head_under_mezo_takes_adamws_step_on_the_rerank_loss(name, head):
     """The head's update from the features MeZO's forwards recorded equals AdamW's first step on the gradient of
-    the reranker's loss through the whole forward."""
-    model, tokenizer = pretrained.load("tiny-bert", head="classifier", num_labels=1)
+    the reranker's loss through the whole forward: an encoder's head reads the pooled vector, a causal LM's score
+    head every position (of which its forward reads the last token's, padding on either side)."""
+    model, tokenizer = pretrained.load(name, head="classifier", num_labels=1)
     model.eval()
     reranker = Reranker("bce")
     batch = collate_rerank(tokenizer, rows(4), 64)
     batch.weight = reranker.weights(batch)
-    loss = per_example_loss(model, batch, reranker=reranker).mean()
-    reference = torch.autograd.grad(loss, model.classifier.weight)[0]
-    before = model.classifier.weight.detach().clone()
-    named = [(n, p) for n, p in model.named_parameters() if n.startswith("classifier")]
+    weight = getattr(model, head).weight
+    reference = torch.autograd.grad(per_example_loss(model, batch, reranker=reranker).mean(), weight)[0]
+    before = weight.detach().clone()
+    named = [(n, p) for n, p in model.named_parameters() if n.startswith(head)]
     trainer = HeadTrainer(model, named, 1e-3, TrainingLoss(model, reranker=reranker).head_loss)
     with torch.no_grad():
         trainer.train_on(lambda: per_example_loss(model, batch.doubled(), reranker=reranker), batch)
-    torch.testing.assert_close(model.classifier.weight - before, -1e-3 * reference / (reference.abs() + 1e-8),
-                               rtol=1e-3, atol=1e-7)
+    torch.testing.assert_close(weight - before, -1e-3 * reference / (reference.abs() + 1e-8), rtol=1e-3, atol=1e-7)
 
 
 @pytest.mark.parametrize(("method", "trainer"), [("xgblora", "zo"), ("lora", "regular")])

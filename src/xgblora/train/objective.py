@@ -165,6 +165,10 @@ class TrainingLoss:
         """The mean loss of a new classification head's outputs [forwards x rows, outputs], the outputs of every
         forward MeZO ran on the batch (a doubled batch's too) stacked: cross-entropy over a label head's labels, a
         reranker's loss of its pair logits (what `train.head.HeadTrainer` trains the head on)."""
+        if logits.dim() == 3:  # a causal LM's score head runs on every position; its forward reads the last token's
+            ids = batch.input_ids.repeat(logits.shape[0] // batch.input_ids.shape[0], 1)
+            real = (ids != self.model.config.pad_token_id) * torch.arange(ids.shape[1], device=ids.device)
+            logits = logits[torch.arange(ids.shape[0], device=ids.device), real.argmax(-1)]
         if isinstance(batch, RerankBatch):
             forwards = logits.shape[0] // batch.label.shape[0]
             return torch.stack([self.reranker.from_scores(scores, batch).mean()
