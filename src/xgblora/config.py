@@ -57,6 +57,8 @@ from xgblora.options import (
     NextTokenOptions,
     OptimizerOptions,
     OutputOptions,
+    RerankEvalOptions,
+    RerankOptions,
     ResultFileOptions,
     RetrievalOptions,
     RunOptions,
@@ -120,10 +122,26 @@ def carried_over(cfg: Any, cls: type) -> dict[str, Any]:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in names}
 
 
-def resolve_retrieval(cfg: RetrievalOptions | TaskOptions) -> None:
-    """A retrieval evaluation (BEIR files) embeds: --objective lm becomes contrastive."""
+def resolve_retrieval(cfg: Config | EvalConfig) -> None:
+    """A retrieval evaluation (BEIR files) embeds: --objective lm becomes contrastive; a reranker is its second
+    stage, never its first."""
+    if cfg.retrieval_files is not None and cfg.objective == "rerank":
+        raise UserError("--beir_dir scores an embedding model, the first stage of a retrieval; a reranker "
+                        "reranks its best documents: give it as --reranker")
     if cfg.retrieval_files is not None and cfg.objective == "lm":
         object.__setattr__(cfg, "objective", "contrastive")
+
+
+def check_reranking(cfg: Config | EvalConfig) -> None:
+    """A retrieval evaluation's second stage: it reranks the first stage's (the whole embedding's) best documents."""
+    check_positive(cfg, "rerank_top_k")
+    if cfg.reranker is not None and cfg.retrieval_files is None:
+        raise UserError("--reranker reranks the best documents of a retrieval evaluation's first stage: give "
+                        "--beir_dir DIR (or --corpus_file, --queries_file and --qrels_file) and the first-stage "
+                        "embedding model as --model_name")
+    if cfg.reranker is not None and cfg.matryoshka_dims:
+        raise UserError("--reranker reranks one first-stage ranking, the whole embedding's; drop "
+                        "--matryoshka_dims (evaluate the sizes in a run of their own)")
 
 
 def refuse_no_trainer(cfg: MethodOptions, command: str) -> None:
@@ -341,7 +359,7 @@ class TrainerConfig(OutputOptions, RunOptions, TrainingOptions):
 # ----------------------------------------------------------------------------- training on a task's examples
 
 @dataclass(frozen=True)
-class TaskTrainingOptions(BatchOptions, ZOHeadOptions, NextTokenOptions, InstructionOptions,
+class TaskTrainingOptions(BatchOptions, ZOHeadOptions, NextTokenOptions, InstructionOptions, RerankOptions,
                           GritOptions, ContrastiveOptions, SupervisedOptions, SplitOptions, EmbeddingOptions,
                           HeadOptions, ClassificationOptions, TaskOptions, TrainingOptions):
     """Training on a task's examples (MeZO's tasks, custom classification or instruction data, embedding pairs):
@@ -354,6 +372,9 @@ class TaskTrainingOptions(BatchOptions, ZOHeadOptions, NextTokenOptions, Instruc
         check_task(self)
         check_positive(self, "head_learning_rate", "head_probe_l2", "contrastive_temperature",
                        "grit_generative_batch_size")
+        if self.rerank_num_negatives < -1:
+            raise UserError(f"--rerank_num_negatives must be 0 or more (-1: every passage of the batch's other rows), "
+                            f"got {self.rerank_num_negatives}")
         if self.trainer == "none" and self.method != "ft":
             named = "--xgblora" if self.xgblora else "--lora" if self.lora else f"--method {self.method}"
             raise UserError(f"{named} {self.method!r} does nothing here: nothing trains under --trainer none (what "
@@ -396,7 +417,7 @@ class TaskTrainingOptions(BatchOptions, ZOHeadOptions, NextTokenOptions, Instruc
         if self.grit_train_file and self.objective != "grit":
             raise UserError(f"--grit_train_file feeds GRIT's generative loss; it has no use with --objective "
                             f"{self.objective} (pass --objective grit)")
-        if self.mini_batch_size < 0 or (self.mini_batch_size and self.objective == "lm"):
+        if self.mini_batch_size < 0 or (self.mini_batch_size and not self.embeds):
             raise UserError(f"--mini_batch_size (gradient caching) takes a number of rows with --objective "
                             f"contrastive or grit, got {self.mini_batch_size} with --objective {self.objective}")
         parse_matryoshka(self.matryoshka_dims, self.matryoshka_weights)
@@ -437,7 +458,7 @@ class TaskTrainingOptions(BatchOptions, ZOHeadOptions, NextTokenOptions, Instruc
 
 
 @dataclass(frozen=True)
-class Config(ResultFileOptions, RetrievalOptions, TaskTrainingOptions, TrainerConfig):
+class Config(ResultFileOptions, RerankEvalOptions, RetrievalOptions, TaskTrainingOptions, TrainerConfig):
     """Options of `xgblora train` and `xgblora mezo`: training on a task's examples in a run folder, with MeZO's result
     file, or under --trainer none evaluating (on BEIR files too); `xgblora eval` runs on them (EvalConfig.run_config),
     as rft's and compare's runs do."""
@@ -445,6 +466,7 @@ class Config(ResultFileOptions, RetrievalOptions, TaskTrainingOptions, TrainerCo
     def __post_init__(self) -> None:
         resolve_retrieval(self)
         super().__post_init__()
+        check_reranking(self)
         if self.retrieval_files is not None and self.trainer != "none":
             raise UserError(f"--beir_dir (or --corpus_file, --queries_file, --qrels_file) names a retrieval "
                             f"evaluation, which trains nothing; drop --trainer {self.trainer}, or run xgblora eval")
@@ -478,8 +500,8 @@ class CompareConfig(TaskTrainingOptions):
 
 
 @dataclass(frozen=True)
-class EvalConfig(ResultFileOptions, OutputOptions, RunOptions, ComputeOptions, RetrievalOptions, EmbeddingOptions,
-                 HeadOptions, ClassificationOptions, TaskOptions, InputOptions, ModelOptions):
+class EvalConfig(ResultFileOptions, OutputOptions, RunOptions, ComputeOptions, RerankEvalOptions, RetrievalOptions,
+                 EmbeddingOptions, HeadOptions, ClassificationOptions, TaskOptions, InputOptions, ModelOptions):
     """Options of `xgblora eval`: a model (a trained run's too), the task and its rows or BEIR files, the head or
     embedding that scores them, the numerics, the seed and the run folder; nothing trains."""
 
@@ -494,6 +516,7 @@ class EvalConfig(ResultFileOptions, OutputOptions, RunOptions, ComputeOptions, R
         check_run(self)
         check_positive(self, "per_device_eval_batch_size", "max_length")
         check_output_paths(self)
+        check_reranking(self)
 
     @property
     def trainers_used(self) -> set[str]:
@@ -834,7 +857,7 @@ class Ignored:
 # What nothing reads when nothing trains (--trainer none): every group that only training reads
 TRAINING_GROUPS = (AdapterOptions, BoostingOptions, AdaptiveBoostingOptions, OptimizerOptions, MomentumOptions,
                    AdamWOptions, ZOOptions, ZOHeadOptions, LoopOptions, SupervisedOptions, ContrastiveOptions,
-                   GritOptions, NextTokenOptions, MemoryOptions, BatchOptions)
+                   GritOptions, RerankOptions, NextTokenOptions, MemoryOptions, BatchOptions)
 ZO_GROUPS = (ZOOptions, ZOHeadOptions)
 # what a retrieval evaluation never reads besides a classification task's options: it scores the corpus, queries and
 # judgements of its own files
@@ -867,14 +890,26 @@ IGNORED = (
             "an XGBLoRA booster option, unused by plain LoRA; pass --method xgblora"),
     Ignored((AdaptiveBoostingOptions,), BoostingOptions, lambda c: not c.xgblora_adaptive,
             "the adaptive merge's option; pass --xgblora_adaptive"),
-    Ignored((EmbeddingOptions, ContrastiveOptions, GritOptions), TaskOptions, lambda c: c.objective == "lm",
-            "an embedding option, unused by --objective lm; pass --objective contrastive or grit"),
+    Ignored((EmbeddingOptions, ContrastiveOptions, GritOptions), TaskOptions, lambda c: not c.embeds,
+            "an embedding option, unused by --objective lm or rerank; pass --objective contrastive or grit"),
     Ignored((GritOptions,), TaskOptions, lambda c: c.objective == "contrastive",
             "a GRIT option, unused by --objective contrastive; pass --objective grit"),
-    Ignored((NextTokenOptions,), TaskOptions, lambda c: c.objective == "contrastive",
-            "a next-token training option, unused by --objective contrastive (pairs are embedded, not generated)"),
+    Ignored((NextTokenOptions,), TaskOptions, lambda c: c.objective in ("contrastive", "rerank"),
+            "a next-token training option, unused by --objective contrastive or rerank (pairs are scored, not "
+            "generated)"),
     Ignored((ClassificationOptions, "train_as_classification"), TaskOptions, lambda c: c.objective != "lm",
-            "a MeZO-task/classification option; an embedding objective trains on pairs"),
+            "a MeZO-task/classification option; an embedding or reranker objective trains on pairs"),
+    Ignored((HeadOptions,), TaskOptions, lambda c: c.objective == "rerank",
+            "a reranker is a sequence classifier with one output, read as the model's own classification head "
+            "reads it (as sentence-transformers' CrossEncoder)"),
+    Ignored((RerankOptions,), TaskOptions, lambda c: c.objective != "rerank",
+            "a reranker training option, unused by --objective lm, contrastive or grit; pass --objective rerank"),
+    Ignored(("rerank_num_negatives",), RerankOptions, lambda c: c.rerank_loss != "mnrl",
+            "the in-batch negatives of --rerank_loss mnrl"),
+    Ignored(("rerank_weighting_scheme",), RerankOptions, lambda c: c.rerank_loss != "lambda",
+            "the weighting scheme of --rerank_loss lambda"),
+    Ignored(("rerank_top_k", "always_rerank_positives"), RerankEvalOptions, lambda c: c.reranker is None,
+            "an option of the reranking evaluation; pass --reranker"),
 )
 
 

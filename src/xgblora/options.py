@@ -101,8 +101,8 @@ class TaskOptions:
     data_dir: str | None = _opt(None, "Folder with <task>/{train,dev}.jsonl in GLUE/SuperGLUE field names (else HF datasets).")
     data_format: str = _opt("auto", "Custom instruction data: messages (chat turns), prompt_completion (also prompt/response; a conversational prompt/completion is a chat), text (language modelling); auto: from each row's fields.",
                             ("auto", "messages", "prompt_completion", "text"))
-    objective: str = _opt("lm", "What the model learns: lm (the task's own loss), contrastive (an embedding model on query/positive pairs) or grit (a causal LM that embeds and generates).",
-                          ("lm", "contrastive", "grit"))
+    objective: str = _opt("lm", "What the model learns: lm (the task's own loss), contrastive (an embedding model on query/positive pairs), grit (a causal LM that embeds and generates) or rerank (a cross-encoder scoring a (query, passage) pair with one logit, as sentence-transformers' CrossEncoder).",
+                          ("lm", "contrastive", "grit", "rerank"))
     num_train: int | None = _opt(None, "Training examples drawn from the train split (demonstrations when --trainer none). Default: every row of your own data; 1000 for MeZO's tasks.")
     num_eval: int | None = _opt(None, "Evaluation examples drawn from the validation split (all when unset).")
     train_set_seed: int = _opt(0, "Seed of the train/dev sampling.")
@@ -113,6 +113,11 @@ class TaskOptions:
         """Whether the rows are the user's own (--task_name custom, or pairs for an embedding objective) rather than
         one of MeZO's tasks: their defaults are every row for training and no dev split."""
         return self.task_name.lower() == "custom" or self.objective != "lm"
+
+    @property
+    def embeds(self) -> bool:
+        """Whether the run trains or scores an embedding model (--objective contrastive or grit)."""
+        return self.objective in ("contrastive", "grit")
 
 
 @dataclass(frozen=True)
@@ -172,6 +177,28 @@ class RetrievalOptions:
         folder = Path(self.beir_dir or ".")
         return (Path(self.corpus_file or folder / "corpus.jsonl"), Path(self.queries_file or folder / "queries.jsonl"),
                 Path(self.qrels_file or folder / "qrels" / "test.tsv"))
+
+
+@dataclass(frozen=True)
+class RerankEvalOptions:
+    """A second stage for a retrieval evaluation: a cross-encoder reranking the first stage's best documents, scored
+    as sentence-transformers' CrossEncoderRerankingEvaluator: MAP, MRR@10 and nDCG@10, before and after."""
+
+    reranker: str | None = _opt(None, "With --beir_dir: a cross-encoder (an xgblora rerank run, a sentence-transformers CrossEncoder folder, a hub id or pkg:) that reranks the first stage's --rerank_top_k documents of each query.")
+    rerank_top_k: int = _opt(100, "How many of the first stage's best documents the --reranker reranks per query (sentence-transformers' rerank_k).")
+    always_rerank_positives: bool = _opt(True, "The --reranker also ranks the relevant documents the first stage left out of its top k, so its figures can reach 1 (sentence-transformers' default); false: it ranks the first stage's top k alone.")
+
+
+@dataclass(frozen=True)
+class RerankOptions:
+    """Training a cross-encoder reranker (--objective rerank): the loss, as sentence-transformers' CrossEncoder
+    losses compute it."""
+
+    rerank_loss: str = _opt("bce", "Rerank: bce (BinaryCrossEntropyLoss on each pair's label), mnrl (MultipleNegativesRankingLoss: each query's positive against its hard negatives and --rerank_num_negatives passages of other rows, on 10 x sigmoid(logit)) or lambda (LambdaLoss: each query's passages ranked by their labels).",
+                            ("bce", "mnrl", "lambda"))
+    rerank_num_negatives: int = _opt(4, "Rerank with mnrl: passages of the batch's other rows scored as each query's negatives, drawn at random (sentence-transformers' num_negatives); -1: all of them.")
+    rerank_weighting_scheme: str = _opt("ndcg_loss2pp", "Rerank with lambda: LambdaLoss's weighting scheme: ndcg_loss2pp (NDCGLoss2++, mu 10), ndcg_loss2, ndcg_loss1, lambdarank or none.",
+                                        ("ndcg_loss2pp", "ndcg_loss2", "ndcg_loss1", "lambdarank", "none"))
 
 
 @dataclass(frozen=True)
@@ -426,7 +453,8 @@ class SamplingOptions:
 
 # Every group, in the order a command's help shows them.
 GROUPS = (ModelOptions, InputOptions, TaskOptions, ClassificationOptions, HeadOptions, EmbeddingOptions,
-          RetrievalOptions, SplitOptions, SupervisedOptions, ContrastiveOptions, GritOptions, InstructionOptions,
-          NextTokenOptions, MemoryOptions, MethodOptions, AdapterOptions, BoostingOptions, AdaptiveBoostingOptions,
-          OptimizerOptions, MomentumOptions, AdamWOptions, ZOOptions, ZOHeadOptions, ComputeOptions, BatchOptions,
-          RunOptions, OutputOptions, ResultFileOptions, LoopOptions, SamplingOptions)
+          RetrievalOptions, RerankEvalOptions, SplitOptions, SupervisedOptions, ContrastiveOptions, GritOptions,
+          RerankOptions, InstructionOptions, NextTokenOptions, MemoryOptions, MethodOptions, AdapterOptions,
+          BoostingOptions, AdaptiveBoostingOptions, OptimizerOptions, MomentumOptions, AdamWOptions, ZOOptions,
+          ZOHeadOptions, ComputeOptions, BatchOptions, RunOptions, OutputOptions, ResultFileOptions, LoopOptions,
+          SamplingOptions)

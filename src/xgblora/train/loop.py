@@ -237,7 +237,8 @@ def build_stepper(cfg: TrainerConfig, method: Method, loss_fn: Loss, dist: Distr
     estimator = build_estimator(cfg, zo_params, cfg.learning_rate, seed=cfg.seed, weight_decay=cfg.weight_decay,
                                 betas=(cfg.adam_beta1, cfg.adam_beta2), adam_eps=cfg.adam_epsilon, penalty=penalty,
                                 dual_modules=method.modules if dual else None, dist=dist)
-    head = HeadTrainer(loss_fn.model, method.head, task.head_learning_rate, reduce=dist.reduce_step) \
+    # a new head exists on classifier and reranker runs only, whose loss is a TrainingLoss
+    head = HeadTrainer(loss_fn.model, method.head, task.head_learning_rate, loss_fn.head_loss, reduce=dist.reduce_step) \
         if task is not None and task.head_trainer == "first-order" and method.head else None
     return stepper_type(estimator)(estimator, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
 
@@ -323,7 +324,7 @@ class Trainer:
                             save_only_model=self.cfg.save_only_model, is_main=self.dist.is_main,
                             write_adapter=functools.partial(
                                 write_adapter, self.cfg, self.method,
-                                task_type=adapter_task_type(self.method, self.run.model))
+                                task_type=adapter_task_type(self.task, self.run.model))
                             if self.method.modules else None)
 
     def fit(self) -> dict[str, Any]:
@@ -473,7 +474,7 @@ class Trainer:
             log.info("loaded the best dev checkpoint (step %d, %.4f)", state.best["step"], state.best["value"])
         final_state = self.dist.model_state(self.loss_fn.model)  # FSDP: the full weights (every rank takes part)
         if self.dist.is_main:
-            save_final(cfg, self.run.model, self.run.tokenizer, method, final_state)
+            save_final(cfg, self.run.model, self.run.tokenizer, method, final_state, self.task)
         dev = self.run.evaluate(self.run.model, self.run.dev)[0] if self.run.dev else {}
         return {"trainable_params": sum(p.numel() for _, p in method.named_params), "steps": state.step,
                 "train_runtime_s": round(runtime, 3),

@@ -14,8 +14,8 @@ import torch
 
 from xgblora import atomic
 from xgblora.adapters.peft import to_peft
-from xgblora.config import Config, TrainerConfig
-from xgblora.embeddings.st_format import embedding_export
+from xgblora.config import Config, TaskTrainingOptions, TrainerConfig
+from xgblora.embeddings.st_format import embedding_export, write_cross_encoder
 from xgblora.models.pretrained import RANDOM_MODELS
 from xgblora.train.setup import Method
 
@@ -70,10 +70,10 @@ def write_predictions(cfg: TrainerConfig, records: list[dict[str, Any]]) -> None
         atomic.write_jsonl(Path(cfg.output_dir) / "predictions.jsonl", records)
 
 
-def adapter_task_type(method: Method, model: torch.nn.Module) -> str | None:
+def adapter_task_type(task: TaskTrainingOptions | None, model: torch.nn.Module) -> str | None:
     """PEFT's task_type of the run's adapter: FEATURE_EXTRACTION for an embedding body (no LM head), else PEFT's
     default for the model."""
-    return "FEATURE_EXTRACTION" if method.contrastive is not None and not hasattr(model, "lm_head") else None
+    return "FEATURE_EXTRACTION" if task is not None and task.embeds and not hasattr(model, "lm_head") else None
 
 
 def write_adapter(cfg: TrainerConfig, method: Method, folder: Path, task_type: str | None = None) -> None:
@@ -84,12 +84,14 @@ def write_adapter(cfg: TrainerConfig, method: Method, folder: Path, task_type: s
 
 
 def save_final(cfg: TrainerConfig, model: torch.nn.Module, tokenizer: Any, method: Method,
-               state: dict[str, torch.Tensor] | None = None) -> None:
-    """final/: a PEFT adapter (boosters concatenated) for lora/xgblora, the whole model for full fine-tuning."""
-    embedding = method.contrastive is not None
+               state: dict[str, torch.Tensor] | None = None, task: TaskTrainingOptions | None = None) -> None:
+    """final/: a PEFT adapter (boosters concatenated) for lora/xgblora, the whole model for full fine-tuning (an
+    embedding model's as a sentence-transformers model, a reranker's as a CrossEncoder); `task`: the options of
+    training on a task's examples, which say whether the model embeds or reranks (none for dpo and grpo)."""
+    embedding = task is not None and task.embeds
     with atomic.replaced_folder(Path(cfg.output_dir) / "final") as final:
         if method.modules:
-            write_adapter(cfg, method, final, adapter_task_type(method, model))
+            write_adapter(cfg, method, final, adapter_task_type(task, model))
         else:
             model.save_pretrained(final, state_dict=state)
             if embedding:  # the whole model: a sentence-transformers model as it stands
@@ -98,6 +100,8 @@ def save_final(cfg: TrainerConfig, model: torch.nn.Module, tokenizer: Any, metho
         tokenizer.padding_side = "right" if embedding else side  # embeddings read right-padded inputs
         tokenizer.save_pretrained(final)
         tokenizer.padding_side = side  # with an adapter too: the tokenizer and its chat template travel with it
+        if task is not None and task.objective == "rerank" and not method.modules:
+            write_cross_encoder(final, cfg.max_length)
 
 
 def _auto_class(final: Path, adapter: bool) -> str:
