@@ -27,6 +27,7 @@ from xgblora.data.pairs import PairSeq, collate_pairs
 from xgblora.data.tasks import Example
 from xgblora.embeddings.contrastive import Contrastive
 from xgblora.models.scoring import label_logits, packed_mean_logprobs, target_logprobs
+from xgblora.preference.kto import KTOLoss
 from xgblora.preference.scoring import PreferenceLoss
 
 
@@ -126,7 +127,7 @@ class TrainingLoss:
     model: torch.nn.Module
     autocast: torch.dtype | None = None
     contrastive: Contrastive | None = None
-    preference: PreferenceLoss | None = None
+    preference: PreferenceLoss | KTOLoss | None = None
     fused_head: bool = False
 
     def __call__(self, batch: Batch) -> torch.Tensor:
@@ -139,12 +140,13 @@ class TrainingLoss:
 
     def metrics(self) -> dict[str, float]:
         """This process's statistics of the losses since the last call, for the logs: DPO's rewards and
-        log-probabilities (`PreferenceLoss`); none for the other batch kinds."""
+        log-probabilities (`PreferenceLoss`), KTO's and its KL estimate (`KTOLoss`); none for the other batch
+        kinds."""
         return self.preference.statistics.drain() if self.preference is not None else {}
 
 
 def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrastive | None = None,
-                     preference: PreferenceLoss | None = None, fused_head: bool = False) -> torch.Tensor:
+                     preference: PreferenceLoss | KTOLoss | None = None, fused_head: bool = False) -> torch.Tensor:
     """Loss of each example in the batch, shape [n_examples], times the batch's loss_scale.
 
     TokenBatch / PackedBatch: the mean negative log-likelihood of each example's target tokens (the gold candidate
@@ -152,7 +154,8 @@ def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrast
     mean over examples is the mean over the batch's tokens. CandidateBatch: cross-entropy over each example's candidates, scored by their mean token
     log-probability. LabelBatch (a classifier or masked LM): cross-entropy over the label logits. PairBatch: each
     query's InfoNCE term (`Contrastive`); GritBatch: w_c times that plus w_g times the generative batch's mean loss.
-    PreferenceBatch: each pair's preference loss (`PreferenceLoss`: DPO and its family; it applies loss_scale).
+    PreferenceBatch: each pair's or row's preference loss (`PreferenceLoss`: DPO and its family; `KTOLoss`; they
+    apply loss_scale).
     fused_head: TokenBatch and PackedBatch (GRIT's generative part too) score their targets through the fused LM
     head (`models.fused_head`: no [tokens, vocab] logits) where the model allows it.
     """
