@@ -14,7 +14,7 @@ from xgblora import cli
 from xgblora.adapters.lora import adapters_off, attach
 from xgblora.data.unpaired import check_unpaired_row, collate_unpaired, encode_all, read_unpaired
 from xgblora.models import pretrained
-from xgblora.preference.kto import KTOLoss, KTOObjective, block
+from xgblora.preference.kto import KTOLoss, KTOObjective, block, row_losses
 from xgblora.preference.scoring import completion_logps, reference_logps
 
 
@@ -127,6 +127,49 @@ def test_a_dual_batch_halves_each_give_the_batch_loss():
     assert twice.shape == (12,) and torch.allclose(twice[:6], once, atol=1e-6)
     assert torch.allclose(twice[6:], once, atol=1e-6)
     assert not torch.allclose(once, torch.full_like(once, 0.5))  # the adapter moved the policy off the reference
+
+
+class OtherProcess:
+    """A data-parallel world of two: this process and one whose sums are `other` (None: record this one's)."""
+
+    world_size = 2
+
+    def __init__(self, other: torch.Tensor | None = None):
+        self.other, self.seen = other, None
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        self.seen = t.clone()
+        return t + (self.other if self.other is not None else t)
+
+
+def test_the_kl_estimate_and_metrics_are_over_every_process():
+    """Two processes' batches: each row's loss reads the mean of the two KL estimates (clamped), and the logged
+    means pool both processes' rows, as TRL's gathers do."""
+    torch.manual_seed(0)
+    model, tokenizer = pretrained.load("tiny-llama")
+    ref = perturbed(model)
+    examples = [check_unpaired_row(("rows", i), row) for i, row in enumerate(sums_rows(6), 1)]
+    seqs = encode_all(tokenizer, examples, 64, 3)
+    ref_logps = reference_logps(ref, seqs, lambda r: collate_unpaired(r, tokenizer.pad_token_id), 6,
+                                torch.device("cpu"))
+    a, b = (collate_unpaired(seqs[i:i + 3], tokenizer.pad_token_id, ref_logps[i:i + 3]) for i in (0, 3))
+    objective = KTOObjective(beta=0.5)
+    seen = {}
+    with torch.no_grad():
+        for name, batch in (("a", a), ("b", b)):
+            recorder = OtherProcess()
+            KTOLoss(objective, dist=recorder)(model, batch)
+            seen[name] = recorder.seen[0]
+        loss = KTOLoss(objective, dist=OtherProcess(seen["b"][None]))
+        got = loss(model, a)
+        ratios = completion_logps(model, block(a, 0))[0] - ref_logps[:3, 0]
+    kl = ((seen["a"][0] + seen["b"][0]) / 2).clamp(min=0)
+    assert torch.allclose(got, row_losses(objective, ratios, a.label, kl), atol=1e-6)
+    both = seen["a"] + seen["b"]
+    logged = loss.statistics.drain()
+    assert logged["kl"] == pytest.approx(float(kl), abs=1e-6)
+    assert logged["rewards/chosen"] == pytest.approx(float(both[2] / both[1]), abs=1e-6)
+    assert logged["logps/rejected"] == pytest.approx(float(both[8] / both[6]), abs=1e-6)
 
 
 @pytest.fixture(scope="module")

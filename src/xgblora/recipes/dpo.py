@@ -5,7 +5,9 @@ XGBLoRA, full; AdamW or --trainer zo); the loss is `PreferenceLoss` on `Preferen
 the model with its LoRA adapter switched off, for a LoRA run that starts from the base; otherwise (XGBLoRA, whose
 merged boosters change the base weights; full fine-tuning; a continued --adapter) the starting model's
 log-probabilities of every pair, computed once before the first step, so no second model is kept. Held-out pairs
-(--eval_file) are scored with their reference log-probabilities computed at the start, the same way.
+(--eval_file) are scored with their reference log-probabilities computed at the start, the same way. That
+reference and the Trainer over the rows' batches are written once here for every preference recipe (`xgblora kto`
+too).
 """
 
 from __future__ import annotations
