@@ -240,6 +240,7 @@ def test_bad_rows_stop_before_the_model_loads(tmp_path, capsys, row, field, what
     (("--per_device_train_batch_size", "1"), "must be 2 or more"),
     (("--beta", "0"), "--beta must be positive"),
     (("--undesirable_weight", "-1"), "--undesirable_weight must be 0 or more"),
+    (("--trainer", "none"), "xgblora kto trains"),
 ])
 def test_bad_options(tmp_path, rows_file, capsys, flags, message):
     code = cli.main(["kto", "--train_file", rows_file, "--output_dir", str(tmp_path / "out"), *flags])

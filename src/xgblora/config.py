@@ -660,6 +660,8 @@ class KTOConfig(KTOOptions, Config):
         super().__post_init__()
         if not self.train_file:
             raise UserError("xgblora kto needs --train_file (unpaired rows: prompt, completion, label)")
+        if self.trainer == "none":
+            raise UserError("--trainer none trains nothing, and xgblora kto trains: pass --trainer regular or zo")
         if self.beta <= 0:
             raise UserError(f"--beta must be positive, got {self.beta}")
         for name in ("desirable_weight", "undesirable_weight"):

@@ -23,7 +23,7 @@ from xgblora.data.preference import PreferenceSeq, collate_preferences
 from xgblora.models.scoring import completion_scores, eval_mode
 from xgblora.preference.objective import Objective, PairScores, Statistics, pair_losses
 
-S = TypeVar("S")  # a row of tokens: a pair, or KTO's row
+Row = TypeVar("Row")  # a row of tokens: a pair, or KTO's row
 
 
 def completion_logps(model: nn.Module, batch: PreferenceBatch, with_logits: bool = False,
@@ -90,7 +90,7 @@ def _halves(t: Tensor, halves: int) -> list[tuple[Tensor, Tensor]]:
 
 
 @torch.no_grad()
-def reference_logps(model: nn.Module, seqs: Sequence[S], collate: Callable[[Sequence[S]], PreferenceBatch],
+def reference_logps(model: nn.Module, seqs: Sequence[Row], collate: Callable[[Sequence[Row]], PreferenceBatch],
                     batch_size: int, device: torch.device,
                     reference: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> Tensor:
     """The reference's summed completion log-probabilities of every row [rows, k] (a pair's chosen and rejected;

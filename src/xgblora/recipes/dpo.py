@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -41,7 +41,7 @@ from xgblora.logs import setup_console_logging
 from xgblora.models.sampler import greedy_continuations
 from xgblora.preference.kto import KTOLoss
 from xgblora.preference.objective import Objective
-from xgblora.preference.scoring import PreferenceLoss, evaluate_pairs, reference_logps
+from xgblora.preference.scoring import PreferenceLoss, Row, evaluate_pairs, reference_logps
 from xgblora.recipes.lifecycle import Prepared, run_recipe
 from xgblora.report import DPO_PANELS
 from xgblora.train.loop import ExampleBatches, Trainer
@@ -50,8 +50,7 @@ from xgblora.train.setup import Method, TrainingRun, load_policy, setup_method, 
 
 log = logging.getLogger("xgblora")
 
-S = TypeVar("S")  # a row of tokens: a pair, or KTO's row
-Collate = Callable[[Sequence[S], torch.Tensor | None], PreferenceBatch]  # rows, their reference sums -> a batch
+Collate = Callable[[Sequence[Row], torch.Tensor | None], PreferenceBatch]  # rows, their reference sums -> a batch
 
 
 def run_dpo(cfg: DPOConfig) -> dict[str, Any]:
@@ -152,7 +151,7 @@ def live_reference(cfg: DPOConfig | KTOConfig, method: Method) -> Callable[[], A
     return (lambda: adapters_off(method.modules)) if live else None
 
 
-def starting_logps(cfg: DPOConfig | KTOConfig, model: torch.nn.Module, seqs: Sequence[S], collate: Collate,
+def starting_logps(cfg: DPOConfig | KTOConfig, model: torch.nn.Module, seqs: Sequence[Row], collate: Collate,
                    reference: Callable[[], AbstractContextManager] | None) -> torch.Tensor:
     """The reference's summed log-probabilities of every completion of every row [rows, k], computed once, in
     batches of --precompute_ref_batch_size (default --per_device_eval_batch_size)."""
@@ -160,7 +159,7 @@ def starting_logps(cfg: DPOConfig | KTOConfig, model: torch.nn.Module, seqs: Seq
                            next(model.parameters()).device, reference or contextlib.nullcontext)
 
 
-def rows_of(seqs: Sequence[S], collate: Collate,
+def rows_of(seqs: Sequence[Row], collate: Collate,
             ref: torch.Tensor | None) -> Callable[[Sequence[int]], PreferenceBatch]:
     """A batch of the given rows, with their precomputed reference sums where there are some."""
     def batch(idx: Sequence[int]) -> PreferenceBatch:
