@@ -5,6 +5,7 @@ rewards apart, TRL's metrics reach metrics.jsonl, bad rows and options stop the 
 import copy
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,12 @@ import torch
 
 from xgblora import cli
 from xgblora.adapters.lora import adapters_off, attach
+from xgblora.config import KTOConfig
 from xgblora.data.unpaired import check_unpaired_row, collate_unpaired, encode_all, read_unpaired
 from xgblora.models import pretrained
 from xgblora.preference.kto import KTOLoss, KTOObjective, block, row_losses
 from xgblora.preference.scoring import completion_logps, reference_logps
+from xgblora.recipes.kto import weight_advice
 
 
 def write_rows(path: Path, rows: list[dict]) -> str:
@@ -52,10 +55,10 @@ def perturbed(model: torch.nn.Module) -> torch.nn.Module:
 
 @pytest.mark.parametrize(("model_name", "rows"), [("tiny-llama", sums_rows(8)), ("tiny-llama-chat", chat_rows(8))])
 @pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
-def test_tokens_logps_loss_and_metrics_equal_trl_kto_trainer(tmp_path, model_name, rows, loss_type):
+def test_tokens_logps_loss_and_metrics_equal_trl_kto_trainer(tmp_path, caplog, model_name, rows, loss_type):
     """TRL's KTOTrainer and ours on the same model, reference model and rows: the same prompt, completion and KL
     tokens; the log-probabilities of both (TRL's full rows, our shared-prompt forward); the first batch's loss (to
-    1e-6) and logged metrics."""
+    1e-6) and logged metrics; the same advice on the weights for 5 desirable and 3 undesirable rows."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     policy, tokenizer = pretrained.load(model_name)
@@ -65,7 +68,11 @@ def test_tokens_logps_loss_and_metrics_equal_trl_kto_trainer(tmp_path, model_nam
     trainer = trl.KTOTrainer(model=copy.deepcopy(policy), ref_model=perturbed(policy), args=config,
                              train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
     kl = loss_type == "kto"
-    seqs = encode_all(tokenizer, read_unpaired(write_rows(tmp_path / "rows.jsonl", rows)), 1024, 4 if kl else None)
+    examples = read_unpaired(write_rows(tmp_path / "rows.jsonl", rows))
+    advice = weight_advice(KTOConfig(train_file="x", desirable_weight=1.2), examples)
+    bounds = re.compile(r"\[[\d.]+, [\d.]+\]")
+    assert bounds.findall(advice) == bounds.findall(caplog.text) == ["[0.6, 0.8]", "[1.5, 2.0]"]
+    seqs = encode_all(tokenizer, examples, 1024, 4 if kl else None)
     for seq, theirs in zip(seqs, trainer.train_dataset, strict=True):
         assert (seq.prompt, seq.completion, seq.label) == (theirs["prompt_ids"], theirs["completion_ids"],
                                                            theirs["label"])
