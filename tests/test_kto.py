@@ -37,6 +37,12 @@ def sums_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def long_rows(n: int) -> list[dict]:
+    """Completions long beside their prompts (the KL completions then take a gradient-free pass of their own)."""
+    return [{**row, "completion": row["completion"] + ", as adding the units, then the tens, then the hundreds shows"}
+            for row in sums_rows(n)]
+
+
 def chat_rows(n: int) -> list[dict]:
     return [{"prompt": [{"role": "user", "content": row["prompt"]}],
              "completion": [{"role": "assistant", "content": row["completion"].strip()}], "label": row["label"]}
@@ -53,8 +59,9 @@ def perturbed(model: torch.nn.Module) -> torch.nn.Module:
     return ref
 
 
-@pytest.mark.parametrize(("model_name", "rows"), [("tiny-llama", sums_rows(8)), ("tiny-llama-chat", chat_rows(8))])
-@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+@pytest.mark.parametrize(("model_name", "rows", "loss_type"), [
+    ("tiny-llama", sums_rows(8), "kto"), ("tiny-llama-chat", chat_rows(8), "kto"), ("tiny-llama", long_rows(8), "kto"),
+    ("tiny-llama", sums_rows(8), "apo_zero_unpaired"), ("tiny-llama-chat", chat_rows(8), "apo_zero_unpaired")])
 def test_tokens_logps_loss_and_metrics_equal_trl_kto_trainer(tmp_path, caplog, model_name, rows, loss_type):
     """TRL's KTOTrainer and ours on the same model, reference model and rows: the same prompt, completion and KL
     tokens; the log-probabilities of both (TRL's full rows, our shared-prompt forward); the first batch's loss (to
@@ -87,6 +94,8 @@ def test_tokens_logps_loss_and_metrics_equal_trl_kto_trainer(tmp_path, caplog, m
     ours_ref = reference_logps(perturbed(policy), seqs[:4], lambda r: collate_unpaired(r, tokenizer.pad_token_id), 4,
                                torch.device("cpu"))
     batch = collate_unpaired(seqs[:4], tokenizer.pad_token_id, ours_ref)
+    # the KL completions on the prompts' forward with gradients, or on a gradient-free pass of their own
+    assert (batch.prompt_ids.shape[1] > 2 * batch.completion_ids.shape[1]) == (rows[0]["completion"][-1] != "s")
     with torch.no_grad():
         assert torch.allclose(completion_logps(policy, block(batch, 0))[0], trl_policy[0], atol=1e-5)
         assert torch.allclose(ours_ref[:, 0], trl_ref[0], atol=1e-5)
@@ -99,7 +108,7 @@ def test_tokens_logps_loss_and_metrics_equal_trl_kto_trainer(tmp_path, caplog, m
     logged, metrics = loss.statistics.drain(), trainer._metrics["train"]
     assert logged.keys() == metrics.keys() - {"entropy", "num_tokens"}
     for name, value in logged.items():
-        assert value == pytest.approx(metrics[name][0], abs=1e-5), name
+        assert value == pytest.approx(metrics[name][0], rel=1e-6, abs=1e-5), name
 
 
 @pytest.mark.parametrize("implicit", [False, True])

@@ -1,8 +1,8 @@
 """`xgblora bench --suite dpo`: xgblora's DPO step against TRL's `DPOTrainer` + PEFT LoRA.
 
 Both sides train the same random Llama-shaped model (LoRA r=8, alpha 16, every linear layer of the blocks, no
-dropout, fp32, AdamW lr 1e-5 constant, clip 1.0, loss sigmoid, beta 0.1, the reference computed each step with
-the adapter off: TRL's defaults with PEFT) on the same pairs: `--batch_size` pairs a step, every pair a prompt of
+dropout, fp32 (TRL's default bf16 autocast turned off), AdamW lr 1e-5 constant, clip 1.0, loss sigmoid, beta 0.1,
+the reference computed each step with the adapter off: TRL's defaults with PEFT, its gradient checkpointing on) on the same pairs: `--batch_size` pairs a step, every pair a prompt of
 `--dpo_prompt_len` tokens and two completions of `--dpo_completion_len` (words that are one token each, so every
 batch has the same shape on both sides whatever order they draw it in). One xgblora optimizer step (the call
 `Trainer.fit` makes) runs inside each TRL `on_step_end`, so the two alternate step by step (`InterleavedSteps`).
@@ -100,11 +100,13 @@ def options(case: PreferenceCase, pairs: Path, output_dir: str) -> dict[str, Any
 
 
 def trl_options(case: PreferenceCase, output_dir: str) -> dict[str, Any]:
-    """TRL's config of a case, for either trainer."""
+    """TRL's config of a case, for either trainer: fp32 as xgblora's side (TRL's configs turn bf16 autocast on by
+    default, on the CPU too); its other defaults stay (gradient checkpointing on)."""
     return dict(output_dir=output_dir, max_steps=case.warmup + case.steps, per_device_train_batch_size=case.batch,
                 learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, beta=BETA, max_length=1024,
                 report_to="none", save_strategy="no", logging_steps=10**9, disable_tqdm=True,
-                dataloader_num_workers=0, seed=0, use_cpu=pretrained.choose_device(case.device).type == "cpu")
+                dataloader_num_workers=0, seed=0, use_cpu=pretrained.choose_device(case.device).type == "cpu",
+                bf16=False)
 
 
 def xgblora_run(case: PreferenceCase, pairs: Path, output_dir: str) -> DPORun:

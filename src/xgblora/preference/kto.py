@@ -9,8 +9,9 @@ the processes and clamped at 0; TRL's `kl`):
 - apo_zero_unpaired (no KL term): desirable_weight (1 - sigmoid(beta r)) and undesirable_weight sigmoid(beta r).
 
 The batch's loss is the mean over its rows. The rewards TRL logs are beta r, per label. The forwards are the
-shared-prompt ones of preference/scoring.py: a row's prompt runs once for its completion (with gradients) and once
-for its KL completion (without, as TRL's KL forward).
+shared-prompt ones of preference/scoring.py: a row's prompt runs once for its completion and its KL completion (the
+latter's log-probabilities detached: TRL scores them without gradient), or, where the completions are long beside
+the prompts, once more without gradient for the KL completion, whichever costs less.
 """
 
 from __future__ import annotations
@@ -133,15 +134,10 @@ class KTOLoss:
         self.statistics = Statistics()
 
     def __call__(self, model: nn.Module, batch: PreferenceBatch) -> Tensor:
-        halves, n, rows = batch.halves, batch.n_examples, block(batch, 0)
-        logps, logit_sums = completion_logps(model, rows, with_logits=True, fused=self.fused)
-        kl_logps = None
-        if self.objective.estimates_kl:
-            with torch.no_grad():
-                kl_logps = completion_logps(model, block(batch, 1), fused=self.fused)[0].view(halves, n)
+        halves, n = batch.halves, batch.n_examples
+        logps, kl_logps, logit_sums = self._policy(model, batch)
         ref = self._reference(model, batch).view(halves, -1, n)
-        label, tokens = batch.label.view(halves, n), rows.completion_mask.sum(1).view(halves, n)
-        logps, logit_sums = logps.view(halves, n), logit_sums.view(halves, n)
+        label, tokens = batch.label.view(halves, n), block(batch, 0).completion_mask.sum(1).view(halves, n)
         ratios = logps - ref[:, 0]
         per_half = torch.stack([
             totals(self.objective, kl_estimate(None if kl_logps is None else kl_logps[h], ref[h, -1]), logps[h],
@@ -155,6 +151,23 @@ class KTOLoss:
             losses.append(row_losses(self.objective, ratios[h], label[h], per_half[h, 0]))
             self.statistics.add(per_half[h])
         return torch.cat(losses) * batch.loss_scale
+
+    def _policy(self, model: nn.Module, batch: PreferenceBatch) -> tuple[Tensor, Tensor | None, Tensor]:
+        """The rows' summed log-probabilities (with gradients where they flow) and mean-logit sums, and their KL
+        completions' (without gradients, as TRL's KL forward), each [halves, rows]. All on the prompts' one forward
+        where no gradient flows or where the prompts are over twice as wide as the completions (the KL completions'
+        backward then costs less than a second prompt pass); else the KL completions on a gradient-free pass of
+        their own."""
+        halves, n, k = batch.halves, batch.n_examples, batch.completions_per_prompt
+        joint = not torch.is_grad_enabled() or batch.prompt_ids.shape[1] > 2 * batch.completion_ids.shape[1]
+        if k == 1 or joint:
+            logps, logit_sums = (t.view(halves, k, n) for t in
+                                 completion_logps(model, batch, with_logits=True, fused=self.fused))
+            return logps[:, 0], logps[:, 1].detach() if k == 2 else None, logit_sums[:, 0]
+        logps, logit_sums = completion_logps(model, block(batch, 0), with_logits=True, fused=self.fused)
+        with torch.no_grad():
+            kl_logps = completion_logps(model, block(batch, 1), fused=self.fused)[0]
+        return logps.view(halves, n), kl_logps.view(halves, n), logit_sums.view(halves, n)
 
     def _reference(self, model: nn.Module, batch: PreferenceBatch) -> Tensor:
         """The reference's sums of every completion row [halves x k x rows] (its blocks in the batch's order)."""
