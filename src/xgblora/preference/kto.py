@@ -31,10 +31,6 @@ from xgblora.distributed import Distributed
 from xgblora.models.scoring import eval_mode
 from xgblora.preference.scoring import completion_logps, first_half
 
-# The sums each forward adds to the statistics, over this process's rows (then over every process)
-TOTALS = ("kl", "chosen", "rewards/chosen", "logps/chosen", "logits/chosen", "chosen_tokens", "rejected",
-          "rewards/rejected", "logps/rejected", "logits/rejected", "rejected_tokens")
-
 
 @dataclass(frozen=True)
 class KTOObjective:
@@ -70,8 +66,9 @@ def kl_estimate(kl_logps: Tensor | None, ref_kl_logps: Tensor | None) -> Tensor:
 
 def totals(obj: KTOObjective, kl: Tensor, logps: Tensor, log_ratios: Tensor, label: Tensor, logit_sums: Tensor,
            tokens: Tensor) -> Tensor:
-    """TOTALS of one forward's rows [len(TOTALS)]: its KL estimate, and per label the count, the sums of the
-    rewards, the log-probabilities and the mean logits, and the tokens."""
+    """One forward's sums over its rows [11], what the statistics and the KL term read (summed over the processes):
+    the KL estimate, then for the desirable rows and for the undesirable ones their count, the sums of their
+    rewards, log-probabilities and mean logits, and their tokens."""
     rewards = obj.beta * log_ratios.detach()
     parts = [kl.to(logps.device)]
     for rows in (label, ~label):
@@ -82,7 +79,7 @@ def totals(obj: KTOObjective, kl: Tensor, logps: Tensor, log_ratios: Tensor, lab
 
 
 class Statistics:
-    """TRL's logged KTO metrics: each forward's values from its TOTALS (a label's means where the forward had rows
+    """TRL's logged KTO metrics: each forward's values from its `totals` (a label's means where the forward had rows
     of it), averaged over the forwards since the last drain, as TRL averages each batch's; summed on the device."""
 
     NAMES = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
@@ -92,7 +89,7 @@ class Statistics:
         self.sums: Tensor | None = None  # each metric's sum over forwards, then the forwards that had it
 
     def add(self, t: Tensor) -> None:
-        """Add one forward's TOTALS (kl already averaged over processes and clamped)."""
+        """Add one forward's `totals` (kl already averaged over processes and clamped)."""
         kl, n_c, r_c, lp_c, lg_c, tok_c, n_r, r_r, lp_r, lg_r, tok_r = t
         values = torch.stack([kl, r_c / n_c, r_r / n_r, r_c / n_c - r_r / n_r, lp_c / n_c, lp_r / n_r,
                               lg_c / tok_c, lg_r / tok_r])
