@@ -342,9 +342,10 @@ class Command:
 TRAINING = (opts.ModelOptions, opts.InputOptions, opts.AdapterOptions, opts.BoostingOptions, opts.OptimizerOptions,
             opts.ZOOptions, opts.ComputeOptions, opts.LoopOptions)
 TASK_TRAINING = (*TRAINING, opts.TaskOptions, opts.HeadOptions, opts.EmbeddingOptions, opts.SupervisedOptions,
-                 opts.ContrastiveOptions, opts.InstructionOptions, opts.BatchOptions)
+                 opts.ContrastiveOptions, opts.RerankOptions, opts.InstructionOptions, opts.BatchOptions)
 EVALUATION = (opts.ModelOptions, opts.InputOptions, opts.TaskOptions, opts.HeadOptions, opts.EmbeddingOptions,
-              opts.RetrievalOptions, opts.ComputeOptions, opts.RunOptions, opts.OutputOptions, opts.ResultFileOptions)
+              opts.RetrievalOptions, opts.RerankEvalOptions, opts.ComputeOptions, opts.RunOptions, opts.OutputOptions,
+              opts.ResultFileOptions)
 RUN_FOLDER = (opts.RunOptions, opts.OutputOptions)
 
 COMMANDS: dict[str, Command] = {

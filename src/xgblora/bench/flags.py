@@ -7,7 +7,7 @@ import argparse
 from xgblora.errors import UserError
 
 SUITES = ("train", "sft", "icl", "compile", "grpo", "embed", "gpu", "dpo", "kto")
-GPU_PARTS = ("cuda_tests", "bench", "sft", "sft_shapes", "grpo", "embed", "icl", "compile")
+GPU_PARTS = ("cuda_tests", "bench", "sft", "sft_128k", "sft_shapes", "grpo", "dpo", "embed", "icl", "compile")
 # Sizes and counts that must be at least 1 (a batch of no rows, or no timed repetition, has no figure to report), and
 # those where 0 has a meaning (the help says which).
 POSITIVE = ("batch_size", "seq_len", "repeats", "eval_examples", "max_length", "icl_demos", "grpo_prompts",
