@@ -834,6 +834,41 @@ class DPOConfig(BatchOptions, TrainerConfig):
         return (*self.loss_type, "sft"), (*weights, self.rpo_alpha)
 
 
+# ----------------------------------------------------------------------------- preference training on unpaired rows
+
+@dataclass(frozen=True)
+class KTOConfig(BatchOptions, TrainerConfig):
+    """Options of `xgblora kto`: the Trainer's options (method, trainer, optimiser, checkpoints) plus KTO's on unpaired
+    rows (a completion and whether it is desirable), under TRL's KTOConfig names. --train_file holds the rows
+    (prompt, completion, label), --eval_file held-out ones."""
+
+    loss_type: str = _opt("kto", "kto (KTO's loss, with its KL estimate from mismatched prompt/completion pairs) or apo_zero_unpaired (APO-zero's unpaired loss: no KL term).",
+                          ("kto", "apo_zero_unpaired"))
+    beta: float = _opt(0.1, "How far the policy may move from the reference: the rewards are beta times the log ratios; higher keeps it closer.")
+    desirable_weight: float = _opt(1.0, "Weight of the desirable rows' losses (to balance unequal numbers of desirable and undesirable rows).")
+    undesirable_weight: float = _opt(1.0, "Weight of the undesirable rows' losses.")
+    precompute_ref_log_probs: bool = _opt(False, "Compute the reference's log-probabilities of every row (and its KL completion) once before training (always so for XGBLoRA, full fine-tuning and a continued --adapter).")
+    precompute_ref_batch_size: int | None = _opt(None, "Rows per forward while precomputing (default: per_device_eval_batch_size).")
+    disable_dropout: bool = _opt(True, "Training forwards without the model's dropout (TRL's default), so the policy scores a row as the reference does and the first step's log ratios are 0; false keeps the model's dropout (--trainer zo never applies it).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        refuse_no_trainer(self, "kto")
+        if not self.train_file:
+            raise UserError("xgblora kto needs --train_file (unpaired rows: prompt, completion, label)")
+        if self.beta <= 0:
+            raise UserError(f"--beta must be positive, got {self.beta}")
+        for name in ("desirable_weight", "undesirable_weight"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name} must be 0 or more, got {getattr(self, name)}")
+        check_positive(self, "precompute_ref_batch_size")
+        if self.loss_type == "kto" and self.per_device_train_batch_size < 2:
+            raise UserError("--loss_type kto estimates its KL term from each row's prompt with another row's "
+                            "completion in the batch: --per_device_train_batch_size must be 2 or more (with 1, the "
+                            "KL term would be the row's own reward)")
+
+
+
 # ----------------------------------------------------------------------------- options a run would ignore
 
 @dataclass(frozen=True)
@@ -942,7 +977,8 @@ def check_ignored(cfg: Any, defaults: dict[str, Any] | None = None) -> None:
 
 # Every command's options class, for the options a YAML config may name at their default though the command lacks
 # them (a config.yaml another command wrote)
-COMMAND_CLASSES = (Config, EvalConfig, CompareConfig, ChatConfig, GenerateConfig, RFTConfig, GRPOConfig, DPOConfig)
+COMMAND_CLASSES = (Config, EvalConfig, CompareConfig, ChatConfig, GenerateConfig, RFTConfig, GRPOConfig, DPOConfig,
+                   KTOConfig)
 
 
 def defaults_elsewhere(name: str) -> list[Any]:
