@@ -88,14 +88,14 @@ def run_config(args: argparse.Namespace, name: str, task: str, seed: int, lr: fl
 # ----------------------------------------------------------------------------- one run, in its own process
 
 def xgblora_run(values: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Train and evaluate through `xgblora.train.run`."""
-    from xgblora import train
+    """Train and evaluate through `xgblora.recipes.sft.run`."""
     from xgblora.config import Config
+    from xgblora.recipes import sft
 
     cfg = Config(**{**values, "output_dir": str(out), "result_file": str(out / "mezo_result.json"),
                     "overwrite_output_dir": True})
     started = time.perf_counter()
-    result = train.run(cfg)
+    result = sft.run(cfg)
     return {"accuracy": result["accuracy"], "dev_accuracy": result.get("dev_accuracy"),
             "predicted_shares": result["predicted_shares"], "train_loss": result["train_loss"],
             "trainable_params": result["trainable_params"], "train_s": result["train_runtime_s"],

@@ -24,7 +24,7 @@ from rft_smollm2 import prepare, write_questions
 
 from xgblora.config import DPOConfig, GenerateConfig
 from xgblora.generation.generate import generate_file
-from xgblora.train.dpo import run_dpo
+from xgblora.recipes.dpo import run_dpo
 
 NUMBER = re.compile(r"-?\d[\d,]*")
 

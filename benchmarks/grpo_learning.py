@@ -19,8 +19,8 @@ from pathlib import Path
 
 from xgblora.config import Config, GRPOConfig
 from xgblora.export import export_run
-from xgblora.generation.grpo import run_grpo
-from xgblora.train import run
+from xgblora.recipes.grpo import run_grpo
+from xgblora.recipes.sft import run
 
 
 def write_questions(path: Path, pairs: list[tuple[int, int]]) -> None:

@@ -31,10 +31,10 @@ from pathlib import Path
 
 from rft_smollm2 import LAST_NUMBER, prepare, write_chat_turns, write_questions
 
-from xgblora import train
 from xgblora.checkpoint import step_checkpoints
 from xgblora.config import Config, GRPOConfig
-from xgblora.generation.grpo import run_grpo
+from xgblora.recipes import sft
+from xgblora.recipes.grpo import run_grpo
 
 
 def parse_args() -> argparse.Namespace:
@@ -79,7 +79,7 @@ def sft_adapter(args: argparse.Namespace, model: str, train_file: Path, seed: in
     chat = write_chat_turns(train_file, out / f"sft-seed{seed}.jsonl")
     folder = out / f"sft-seed{seed}"
     if not (folder / "results.json").exists():
-        train.run(Config(model_name=model, task_name="custom", train_file=str(chat), method="lora",
+        sft.run(Config(model_name=model, task_name="custom", train_file=str(chat), method="lora",
                          lora_target_modules=args.lora_target_modules, max_steps=args.sft_steps,
                          per_device_train_batch_size=8, learning_rate=1e-3, seed=seed, no_eval=True,
                          save_strategy="no", device=args.device, output_dir=str(folder), overwrite_output_dir=True))

@@ -131,9 +131,9 @@ def adapter_geometry(folder: Path) -> dict[str, float]:
 
 def run_one(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[str, Any]:
     """One (row, seed, learning rate), reused from --out when finished with the same settings and protocol."""
-    from xgblora import train
     from xgblora.checkpoint import step_checkpoints
     from xgblora.config import Config
+    from xgblora.recipes import sft
 
     path = Path(args.out) / f"{slug(name)}-lr{lr:g}-seed{seed}.json"
     config = run_config(args, name, seed, lr)
@@ -144,7 +144,7 @@ def run_one(args: argparse.Namespace, name: str, seed: int, lr: float) -> dict[s
     folder = path.with_suffix("")
     # checkpoints every evaluation: a rerun of an interrupted run resumes it (they are not part of the protocol)
     resume = "latest" if step_checkpoints(folder / "checkpoints") else None
-    result = train.run(Config(**config, save_strategy="steps", save_steps=config["eval_steps"], save_total_limit=1,
+    result = sft.run(Config(**config, save_strategy="steps", save_steps=config["eval_steps"], save_total_limit=1,
                               resume_from_checkpoint=resume, overwrite_output_dir=resume is None,
                               output_dir=str(folder)))
     geometry = adapter_geometry(folder / "final")

@@ -53,7 +53,7 @@ def write_splits(data_dir: Path, out: Path, test_queries: int) -> dict[str, Path
 
 def xgblora_run(args: argparse.Namespace, files: dict[str, Path], seed: int, name: str, **overrides: Any) -> dict:
     from xgblora.config import Config
-    from xgblora.train import run
+    from xgblora.recipes.sft import run
 
     out = Path(args.out) / f"{name}-seed{seed}"
     cfg = Config(model_name=MODEL, objective="contrastive", train_file=str(files["train"]),

@@ -105,7 +105,7 @@ def mined(files: dict[str, Path], out: Path, max_length: int) -> Path:
 def xgblora_run(args: argparse.Namespace, train: Path, evaluate: Path, seed: int, name: str, lr: float,
                 batch: int) -> dict:
     from xgblora.config import Config
-    from xgblora.train import run
+    from xgblora.recipes.sft import run
 
     out = Path(args.out) / "runs" / f"{name}-seed{seed}"
     cfg = Config(model_name=MODEL, objective="contrastive", train_file=str(train), eval_file=str(evaluate),

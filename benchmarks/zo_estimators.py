@@ -83,14 +83,14 @@ def run_config(args: argparse.Namespace, name: str, seed: int, lr: float, budget
 
 def worker(spec: str) -> None:
     """A run's process: train, test at the best dev checkpoint, print the result and the dev curve as JSON."""
-    from xgblora import train
     from xgblora.config import Config
     from xgblora.logs import read_metrics
+    from xgblora.recipes import sft
 
     values = json.loads(spec)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Config(**{**values, "output_dir": tmp, "result_file": None, "overwrite_output_dir": True})
-        result = train.run(cfg)
+        result = sft.run(cfg)
         curve = [(r["step"], r["eval_accuracy"]) for r in read_metrics(Path(tmp) / "metrics.jsonl")
                  if "eval_accuracy" in r]
     print(json.dumps({"accuracy": result["accuracy"], "dev_accuracy": result.get("dev_accuracy"),

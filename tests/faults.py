@@ -57,7 +57,7 @@ KILLED = -signal.SIGKILL
 FORK_SERVER = """
 import json, os, sys, traceback
 from xgblora import cli  # torch, transformers and xgblora imported once, before any fork
-from xgblora import train
+from xgblora.recipes import sft
 
 for line in sys.stdin:
     args, stderr_path = json.loads(line)

@@ -29,7 +29,7 @@ from xgblora.embeddings.contrastive import Contrastive
 from xgblora.logs import read_metrics
 from xgblora.models import pretrained
 from xgblora.optim.zo import MeZO
-from xgblora.train import run
+from xgblora.recipes.sft import run
 from xgblora.train.objective import (
     grit_training_set,
     per_example_loss,
@@ -326,3 +326,18 @@ def tiny_causal_folder(tmp: Path, model_type: str, **shape) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+# the shared-prompt forward of dpo and grpo
+
+def shared_prompt_batch(vocab: int) -> tuple[torch.Tensor, ...]:
+    """Two left-padded prompts, each with two right-padded completions (GRPO's group, DPO's pair)."""
+    g = torch.Generator().manual_seed(3)
+    prompt_ids = torch.randint(3, vocab, (2, 7), generator=g)
+    prompt_mask = torch.ones(2, 7, dtype=torch.long)
+    prompt_mask[1, :3] = 0
+    completion = torch.randint(3, vocab, (4, 6), generator=g)
+    completion_mask = torch.ones(4, 6, dtype=torch.long)
+    completion_mask[1, 4:] = 0
+    completion_mask[3, 2:] = 0
+    return prompt_ids, prompt_mask, torch.tensor([0, 0, 1, 1]), completion, completion_mask

@@ -17,7 +17,7 @@ from xgblora.config import Config
 from xgblora.demo import LABEL_WORDS, TEMPLATE, write_data
 from xgblora.export import export_run
 from xgblora.models import pretrained
-from xgblora.train import run
+from xgblora.recipes.sft import run
 from xgblora.train.setup import setup_method
 
 PEFT_LOGITS = """

@@ -6,6 +6,7 @@ import os
 import pytest
 
 from xgblora import atomic
+from xgblora.errors import UserError
 
 
 def test_write_text_replaces_whole_and_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
@@ -19,6 +20,34 @@ def test_write_text_replaces_whole_and_a_failed_write_keeps_the_old_file(tmp_pat
     with pytest.raises(OSError, match="No space left"):
         atomic.write_text(path, "new")
     assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+
+
+def test_write_errors_end_a_failed_write_in_one_line_and_disk_only_lets_other_errors_through(tmp_path):
+    """Every OSError of the block becomes failed_write's line (the space needed computed only then); disk_only
+    converts the writes the disk refused, by errno or by safetensors' message, and lets a permission error be."""
+    out, asked = tmp_path / "out.jsonl", []
+
+    def needed() -> int:
+        asked.append(out)
+        return 3 * 2**20
+
+    with atomic.write_errors(out, "Free some space.", needed):
+        out.write_text("fits")
+    assert asked == []
+    for error, disk_only in ((OSError(errno.ENOSPC, "No space left on device"), True),
+                             (PermissionError(errno.EACCES, "Permission denied"), False)):
+        with pytest.raises(UserError) as info, atomic.write_errors(out, "Free some space.", needed,
+                                                                   disk_only=disk_only):
+            raise error
+        assert str(info.value).startswith(f"could not write {out} ({type(error).__name__}: {error}); it needs "
+                                          f"about 3.0 MiB and ") and str(info.value).endswith(" Free some space.")
+    with pytest.raises(PermissionError), atomic.write_errors(out, "advice", disk_only=True):
+        raise PermissionError(errno.EACCES, "Permission denied")
+    serializing = ValueError("Error while serializing: I/O error: No space left on device (os error 28)")
+    with pytest.raises(UserError, match="^could not export "), atomic.write_errors(
+            out, "advice", what="export", errors=(ValueError,), disk_only=True):
+        raise serializing
+    assert asked == [out, out]
 
 
 def test_replaced_folder_swaps_in_the_new_folder_only_when_the_block_ends(tmp_path):

@@ -12,9 +12,10 @@ import pytest
 from helpers import ADAPTER, assert_close_tensors, flags, free_port, losses, worker_env
 from safetensors.torch import load_file
 
-from xgblora import distributed, train
+from xgblora import distributed
 from xgblora.config import Config
 from xgblora.models import pretrained
+from xgblora.recipes import sft
 
 # One rank of a test run: tiny-opt without dropout (so 1 x 2b and 2 x b see the same function); gradient buckets of
 # XGBLORA_TEST_BUCKET_BYTES; rank 1 dies or stalls after step XGBLORA_TEST_FAIL_AT_STEP. These variables are read
@@ -25,6 +26,7 @@ from xgblora import cli
 from xgblora import distributed
 from xgblora.models import pretrained
 from xgblora import train
+from xgblora.recipes import sft
 distributed.BUCKET_BYTES = int(os.environ.get("XGBLORA_TEST_BUCKET_BYTES", distributed.BUCKET_BYTES))
 kind, shape = pretrained.RANDOM_MODELS["tiny-opt"]
 pretrained.RANDOM_MODELS["tiny-opt"] = (kind, {**shape, "dropout": 0.0})
@@ -35,8 +37,8 @@ if at and os.environ["RANK"] == "1":
             if os.environ["XGBLORA_TEST_FAIL_HOW"] == "exit":
                 os._exit(17)
             time.sleep(600)
-    run = train.run
-    train.run = lambda cfg: run(cfg, hooks=train.Hooks(on_step_end=[fail]))
+    run = sft.run
+    sft.run = lambda cfg: run(cfg, hooks=train.Hooks(on_step_end=[fail]))
 sys.exit(cli.main(["train", *sys.argv[1:]]))
 '''
 
@@ -64,7 +66,7 @@ def run_one(monkeypatch: pytest.MonkeyPatch, values: dict) -> dict:
     """The single-process reference, in this process (tiny-opt without dropout, as in WORKER)."""
     kind, shape = pretrained.RANDOM_MODELS["tiny-opt"]
     monkeypatch.setitem(pretrained.RANDOM_MODELS, "tiny-opt", (kind, {**shape, "dropout": 0.0}))
-    return train.run(Config(**values))
+    return sft.run(Config(**values))
 
 
 def torchrun(tmp_path: Path, values: dict, nproc: int = 2, **env: str) -> dict:

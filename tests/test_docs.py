@@ -55,11 +55,11 @@ SLOW = ("xgblora mezo", "xgblora rft", "--objective grit", "xgblora chat", "mezo
         "--eval_file chat_eval.jsonl")
 
 
-def _shell_blocks(text: str) -> list[str]:
+def shell_blocks(text: str) -> list[str]:
     return re.findall(r"```(?:bash|sh|shell)\n(.*?)```", text, re.S)
 
 
-def _commands(block: str) -> list[str]:
+def block_commands(block: str) -> list[str]:
     """Each command of a shell block: continuation lines joined, comments dropped."""
     out = []
     for line in block.replace("\\\n", " ").splitlines():
@@ -74,7 +74,7 @@ def documented_commands() -> list[tuple[str, str]]:
     document order."""
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     found = [(str(page.relative_to(REPO)), c) for page in pages
-             for block in _shell_blocks(page.read_text(encoding="utf-8")) for c in _commands(block)]
+             for block in shell_blocks(page.read_text(encoding="utf-8")) for c in block_commands(block)]
     inline = re.findall(r"`((?:[A-Z_]+=\S+ )+bash examples/\S+)`", (REPO / "README.md").read_text(encoding="utf-8"))
     found += [("README.md", c) for c in inline]
     for path in sorted((REPO / "examples").rglob("*")):
@@ -124,6 +124,12 @@ def _preferences(numbers) -> list[dict]:
     return rows
 
 
+def _feedback(numbers) -> list[dict]:
+    """Unpaired rows (KTO): each pair's chosen completion desirable, its rejected one not."""
+    return [{"prompt": p["prompt"], "completion": p[name], "label": name == "chosen"}
+            for p in _preferences(numbers) for name in ("chosen", "rejected")]
+
+
 def _write_jsonl(path: Path, rows) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -159,6 +165,8 @@ def workspace(tmp_path_factory) -> tuple[Path, dict[str, str]]:
             {"prompt": r["question"], "completion": r["answer"]} for r in gsm8k[8:]]),
         "preferences.jsonl": _write_jsonl(root / "preferences.jsonl", _preferences(range(8))),
         "preferences_eval.jsonl": _write_jsonl(root / "preferences_eval.jsonl", _preferences(range(8, 12))),
+        "feedback.jsonl": _write_jsonl(root / "feedback.jsonl", _feedback(range(8))),
+        "feedback_eval.jsonl": _write_jsonl(root / "feedback_eval.jsonl", _feedback(range(8, 12))),
     }
     reviews = [("a fine and moving film", "pos"), ("dull and far too long", "neg")] * 8
     for name, rows in (("reviews.csv", reviews), ("test.csv", reviews[:4])):

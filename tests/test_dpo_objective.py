@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from xgblora.preference.objective import Objective, PairScores, Statistics, pair_losses, rewards
+from xgblora.config import DPO_LOSS_TYPES, DPO_POLICY_ONLY
+from xgblora.preference.objective import LOSSES, Objective, PairScores, Statistics, pair_losses, rewards
 
 trl = pytest.importorskip("trl")
 from trl import DPOTrainer  # noqa: E402
@@ -59,6 +60,12 @@ def ours(objective: Objective, seed=0, with_ref=True):
     loss = pair_losses(objective, s).mean()
     grad, = torch.autograd.grad(loss, token_lp)
     return loss.detach(), grad, s
+
+
+def test_the_loss_types_dpo_accepts_are_the_ones_with_a_loss():
+    """config.DPO_LOSS_TYPES (torch-free: --loss_type is checked before the heavy imports) names exactly LOSSES,
+    and the policy-only types are among them."""
+    assert tuple(LOSSES) == DPO_LOSS_TYPES and set(DPO_POLICY_ONLY) < set(LOSSES)
 
 
 @pytest.mark.parametrize(("loss_type", "weights", "label_smoothing"), [

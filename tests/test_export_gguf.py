@@ -18,11 +18,12 @@ from helpers import tiny_causal_folder
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from xgblora import cli, train
+from xgblora import cli
 from xgblora.config import Config
 from xgblora.errors import UserError
-from xgblora.export import export_gguf, export_run
+from xgblora.export import export_run
 from xgblora.models import gguf_export, modelfile, pretrained
+from xgblora.recipes import sft
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
 
@@ -42,7 +43,7 @@ def _rows(path: Path, chat: bool) -> str:
 
 def _train(tmp: Path, model_name: str, name: str = "run", chat: bool = True) -> Path:
     out = tmp / name
-    train.run(Config(model_name=model_name, task_name="custom", train_file=_rows(tmp / f"{name}.jsonl", chat),
+    sft.run(Config(model_name=model_name, task_name="custom", train_file=_rows(tmp / f"{name}.jsonl", chat),
                      method="lora", learning_rate=5e-2, max_steps=2, per_device_train_batch_size=4, num_dev=0,
                      group_by_length=False, output_dir=str(out), device="cpu", save_strategy="no", no_eval=True))
     return out
@@ -55,7 +56,7 @@ def exported(tmp_path_factory):
     run = _train(tmp, "tiny-llama-chat")  # the run folder is tmp / "run"
     export_run(run, "merged", tmp / "merged")
     for q in TOLERANCE:
-        export_gguf(run, tmp / f"model-{q}.gguf", q)
+        export_run(run, "gguf", tmp / f"model-{q}.gguf", quantization=q)
     return tmp
 
 
@@ -183,7 +184,7 @@ def test_a_run_trained_from_a_gguf_file_exports_to_that_files_type_and_tokenizer
     tokenizer.save_pretrained(tmp_path / "base")
     gguf_export.write(tmp_path / "base", source, "q4_1")
     run = _train(tmp_path, str(source))
-    result = export_gguf(run, tmp_path / "out.gguf")
+    result = export_run(run, "gguf", tmp_path / "out.gguf")
     assert result["quantization"] == "q4_1" and result["from_gguf"] == str(source)
     original, exported_file = GGUFReader(source), GGUFReader(tmp_path / "out.gguf")
     types = lambda r: {t.name: t.tensor_type.name for t in r.tensors}  # noqa: E731

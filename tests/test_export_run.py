@@ -17,9 +17,9 @@ from xgblora import cli
 from xgblora.config import Config
 from xgblora.demo import LABEL_WORDS, TEMPLATE, write_data
 from xgblora.errors import UserError
-from xgblora.export import EXPORT_RECORD, export_run
-from xgblora.models import pretrained
-from xgblora.train import run
+from xgblora.export import EXPORT_RECORD, FORMATS, export_run
+from xgblora.models import gguf_export, pretrained
+from xgblora.recipes.sft import run
 
 CHECK = """
 import json, sys, torch
@@ -146,10 +146,10 @@ def test_rank_one_retained_energy_matches_svdvals(runs: dict) -> None:
     ("missing", "no such run folder"),
     ("no_config", "no config.yaml"),
     ("unfinished", "not finished"),
-    ("rank_merged", "--format peft only"),
+    ("rank_merged", "--format merged: --rank does not apply"),
     ("rank_zero", "at least 1"),
     ("ft_peft", "full fine-tuning"),
-    ("bad_format", "unknown export format"),
+    ("bad_format", "unknown export format 'onnx': choose peft, merged, gguf"),
     ("remote_code", "pass --trust_remote_code to export it merged"),
 ])
 def test_user_errors_are_one_line(runs: dict, tmp_path: Path, case: str, message: str) -> None:
@@ -165,7 +165,7 @@ def test_user_errors_are_one_line(runs: dict, tmp_path: Path, case: str, message
     args = {"missing": (tmp_path / "nope", "peft", None), "no_config": (tmp_path / "empty", "peft", None),
             "unfinished": (unfinished, "peft", None), "rank_merged": (runs["xgb"], "merged", 4),
             "rank_zero": (runs["xgb"], "peft", 0), "ft_peft": (runs["ft"], "peft", None),
-            "bad_format": (runs["xgb"], "gguf", None), "remote_code": (remote, "merged", None)}[case]
+            "bad_format": (runs["xgb"], "onnx", None), "remote_code": (remote, "merged", None)}[case]
     with pytest.raises(UserError, match=message) as info:
         export_run(args[0], args[1], tmp_path / "out", rank=args[2])
     assert "\n" not in str(info.value)
@@ -211,3 +211,24 @@ def test_export_replaces_its_own_folder_whole_and_never_a_folder_of_other_files(
     with pytest.raises(UserError, match="holds files that xgblora export did not write"):
         export_run(runs["xgb"], "peft", mine)
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_the_clis_formats_and_their_flags_are_the_registrys(tmp_path: Path) -> None:
+    """--format offers FORMATS' names and every format's options are flags of the command; an option of one format
+    given to another, or a format without its output, is refused in one line before the run folder is read (it
+    does not exist here)."""
+    parser = cli.build_parser()._subparsers._group_actions[0].choices["export"]
+    actions = {action.dest: action for action in parser._actions}
+    assert actions["format"].choices == tuple(FORMATS)
+    assert set(actions["quantization"].metavar.split("|")) == set(gguf_export.TYPES)
+    values = {"output_dir": tmp_path / "d", "output_file": tmp_path / "f.gguf", "rank": 2, "quantization": "f16",
+              "ollama_modelfile": tmp_path / "Modelfile"}
+    every = {name for f in FORMATS.values() for name in (f.output, *f.options)}
+    assert every == set(values) and every <= set(actions)
+    for name, fmt in FORMATS.items():
+        for other in sorted(every - {fmt.output, *fmt.options}):
+            with pytest.raises(UserError, match=f"^--format {name}: --{other} does not apply$"):
+                export_run(tmp_path / "nope", name, values[fmt.output], **{other: values[other]})
+        with pytest.raises(UserError, match=f"^--format {name}: give --{fmt.output} {fmt.target}$"):
+            export_run(tmp_path / "nope", name, None)
+    assert list(tmp_path.iterdir()) == []

@@ -8,15 +8,15 @@ import argparse
 
 import pytest
 import torch
-from helpers import adapter, losses, make_cfg
+from helpers import adapter, losses, make_cfg, shared_prompt_batch
 from torch import nn
 
-from xgblora import train
 from xgblora.adapters.lora import attach
 from xgblora.bench import flags, sft
 from xgblora.data.tasks import Example
 from xgblora.models import fused_head, pretrained, scoring
 from xgblora.models.fused_head import fused_token_logprobs, split_head
+from xgblora.recipes.sft import run
 from xgblora.train.objective import causal_training_set, per_example_loss
 
 INSTRUCTIONS = [Example(p, (), (), answers=(a,)) for p, a in [
@@ -164,10 +164,10 @@ def test_a_run_trains_the_same_with_and_without_the_fused_head(glue_data, tmp_pa
     cfg = dict(model_name="tiny-llama", max_steps=6, logging_steps=1, save_strategy="no", no_eval=True,
                packing=packing)
     calls = counted(monkeypatch)
-    train.run(make_cfg(glue_data, tmp_path / "fused", **cfg))
+    run(make_cfg(glue_data, tmp_path / "fused", **cfg))
     assert calls
     calls.clear()
-    train.run(make_cfg(glue_data, tmp_path / "plain", fused_lm_head=False, **cfg))
+    run(make_cfg(glue_data, tmp_path / "plain", fused_lm_head=False, **cfg))
     assert not calls
     fused, plain = losses(tmp_path / "fused"), losses(tmp_path / "plain")
     assert len(fused) == 6
@@ -212,3 +212,37 @@ def test_a_peft_wrapped_model_with_lora_on_the_head(small_chunks, monkeypatch):
     calls = counted(monkeypatch)
     assert_same_loss_and_grads(model, batch, params)
     assert calls
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_prompt_scores_are_the_same_through_the_fused_head(small_chunks, monkeypatch, temperature):
+    """DPO's and GRPO's completions (a shared prompt's KV cache, LoRA on the head): log-probabilities at temperature,
+    their gradients, and the logged entropy and mean logit, fused as through the full logits."""
+    model, _, params = tiny(targets=["q_proj", "lm_head"])
+    batch = shared_prompt_batch(model.config.vocab_size)
+    calls = []
+    monkeypatch.setattr(scoring, "fused_token_scores",
+                        lambda hidden, *args, **kw: calls.append(len(hidden)) or fused_head.fused_token_scores(
+                            hidden, *args, **kw))
+    fused = scoring.completion_scores(model, *batch, temperature, statistics=True, fused=True)
+    plain = scoring.completion_scores(model, *batch, temperature, statistics=True, fused=False)
+    assert calls == [int(batch[-1].sum())]  # the completion tokens only went through the head
+    for a, b in zip(fused, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    weights = torch.randn(fused.logprobs.shape, generator=torch.Generator().manual_seed(0))
+    for a, b in zip(grads((fused.logprobs * weights).sum(), params), grads((plain.logprobs * weights).sum(), params),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # float32 sums of 23 tokens
+
+
+def test_fused_statistics_follow_their_formulas():
+    """The chunk's entropy at temperature T and mean logit against torch's softmax of the full logits."""
+    torch.manual_seed(4)
+    head = nn.Linear(8, 30)
+    hidden, targets = torch.randn(11, 8), torch.randint(0, 30, (11,))
+    scores = fused_head.fused_token_scores(hidden, head, targets, chunk=4, temperature=0.5)
+    logits = head(hidden).detach()
+    logp = torch.log_softmax(logits / 0.5, -1)
+    torch.testing.assert_close(scores.logprobs, logp.gather(1, targets[:, None]).squeeze(1))
+    torch.testing.assert_close(scores.entropy, -(logp.exp() * logp).sum(-1))
+    torch.testing.assert_close(scores.mean_logit, logits.mean(-1))

@@ -216,7 +216,7 @@ def test_generate_gives_the_same_greedy_completions_from_a_run_its_peft_export_i
         tmp_path):
     from xgblora.config import Config
     from xgblora.export import export_run
-    from xgblora.train import run
+    from xgblora.recipes.sft import run
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Say {w}", "completion": w}) + "\n" for w in
@@ -243,7 +243,7 @@ def test_generate_gives_the_same_greedy_completions_from_a_run_its_peft_export_i
 
 def _train_chat_run(base: str, out, data) -> None:
     from xgblora.config import Config
-    from xgblora.train import run
+    from xgblora.recipes.sft import run
 
     run(Config(model_name=base, task_name="custom", train_file=str(data), method="lora", learning_rate=5e-2,
                max_steps=2, per_device_train_batch_size=4, no_eval=True, save_strategy="no", output_dir=str(out),

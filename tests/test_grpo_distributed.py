@@ -18,29 +18,32 @@ from safetensors.torch import load_file
 from xgblora.config import GRPOConfig
 from xgblora.distributed import LOCAL
 from xgblora.errors import UserError
-from xgblora.generation.grpo import Generation, GenerationBuffer, Plan, run_grpo
+from xgblora.generation.grpo_batches import Generation, GenerationBuffer, Plan
 from xgblora.logs import read_metrics
+from xgblora.recipes.grpo import run_grpo
 
 # One rank of a test run. Its sampler is replaced by one whose completions (of random lengths and tokens) depend
-# only on the prompt, the generation batch and the sample's number, never on the rank or the batch it is drawn
-# in: so 2 ranks and 1 process see the same completions, and the comparison tests everything after sampling. The
+# only on the prompt, the generation batch (read from the sampling seed) and the sample's number, never on the rank
+# or the batch it is drawn in: so 2 ranks and 1 process see the same completions, and the comparison tests everything after sampling. The
 # training sampler's seed on each rank is appended to XGBLORA_TEST_SEEDS.RANK. These variables are read here only.
 WORKER = '''
 import hashlib, os, sys
 import torch
 from xgblora import cli
-from xgblora.generation import grpo
+from xgblora.generation import rollout
 from xgblora.models.sampler import Sample
 
 def fixed_samples(self, prompts, indices, params):
     if params.temperature > 0:  # training, not the greedy held-out pass
         with open(f"{os.environ['XGBLORA_TEST_SEEDS']}.{os.environ['RANK']}", "a") as seeds:
             seeds.write(f"{params.seed}\\n")
+    # a training seed is (base + generation batch) x ranks + rank; the greedy held-out pass is batch -1
+    batch = params.seed // int(os.environ["WORLD_SIZE"]) if params.temperature > 0 else -1
     drawn = []
     for i in indices:
         group = []
         for j in range(params.num_samples):
-            key = hashlib.sha256(f"{prompts.ids[i]}:{self.generations}:{j}".encode()).digest()
+            key = hashlib.sha256(f"{prompts.ids[i]}:{batch}:{j}".encode()).digest()
             g = torch.Generator().manual_seed(int.from_bytes(key[:7], "little"))
             n = int(torch.randint(1, params.max_new_tokens + 1, (1,), generator=g))
             ids = tuple(torch.randint(3, 200, (n,), generator=g).tolist())
@@ -49,7 +52,7 @@ def fixed_samples(self, prompts, indices, params):
         drawn.append(group)
     return drawn
 
-grpo.Generations.sample = fixed_samples
+rollout.Rollout.sample = fixed_samples
 sys.exit(cli.main(["grpo", *sys.argv[1:]]))
 '''
 ADAPTER = "final/adapter_model.safetensors"

@@ -11,7 +11,9 @@ import torch
 from conftest import completion_batch
 
 from xgblora.adapters.lora import adapters_off, attach
+from xgblora.config import GRPOConfig
 from xgblora.generation.grpo_objective import (
+    LOSS_TYPES,
     GRPOLoss,
     Objective,
     advantages,
@@ -75,7 +77,10 @@ def _ours(logps, old, ref, adv, mask, loss_type, objective, max_len, *, steps=1,
     return ((losses * mask).sum(1) * weights).mean()
 
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"]
+def test_the_loss_types_grpo_offers_are_the_ones_row_weights_knows():
+    """--loss_type's choices (config, torch-free) are LOSS_TYPES, over which every test below runs."""
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(GRPOConfig)}
+    assert choices["loss_type"] == LOSS_TYPES
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

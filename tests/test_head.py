@@ -8,7 +8,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from xgblora import train
 from xgblora.adapters.lora import attach
 from xgblora.config import Config
 from xgblora.data.labels import collate_labels, encode_labels
@@ -19,6 +18,7 @@ from xgblora.distributed import LOCAL
 from xgblora.evaluation import labels
 from xgblora.models import pretrained
 from xgblora.models.scoring import is_head_param
+from xgblora.recipes import sft
 from xgblora.train import head
 from xgblora.train.loop import build_stepper
 from xgblora.train.objective import TrainingLoss
@@ -120,8 +120,8 @@ def test_a_run_fits_its_probe_with_the_cross_validated_l2_unless_given(tmp_path,
     monkeypatch.setattr(head, "cross_validated_l2", lambda x, y, n: asked.append(len(y)) or 0.125)
     solve = head.logistic_regression
     monkeypatch.setattr(head, "logistic_regression", lambda x, y, n, l2: fitted.append(l2) or solve(x, y, n, l2))
-    train.run(_cfg(tmp_path / "auto", max_steps=1))
-    train.run(_cfg(tmp_path / "given", max_steps=1, head_probe_l2=0.25))
+    sft.run(_cfg(tmp_path / "auto", max_steps=1))
+    sft.run(_cfg(tmp_path / "given", max_steps=1, head_probe_l2=0.25))
     assert asked == [64]  # once, on the 64 training examples, and not when the L2 is given
     assert fitted == [0.125, 0.25]
 
@@ -146,7 +146,7 @@ def _final_head(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("head_trainer", ["frozen", "first-order", "zo"])
 def test_a_mezo_run_starts_from_the_probe_and_each_head_trainer_does_what_it_says(tmp_path, head_trainer):
     cfg = _cfg(tmp_path, head_trainer=head_trainer, learning_rate=5e-2)
-    train.run(cfg)
+    sft.run(cfg)
     fresh, tok = pretrained.load("tiny-bert", head="classifier", num_labels=2)  # the same weights as the run's
     examples = sample_splits(get_task("custom", cfg.data), cfg.data).train
     x = _features_by_hand(fresh, tok, examples, "mean")
@@ -175,7 +175,7 @@ def test_first_order_head_steps_on_the_autograd_gradient_of_detached_features():
     reference = torch.autograd.grad(loss, model.classifier.weight)[0]  # through the whole forward
     before = model.classifier.weight.detach().clone()
     lr = 1e-3
-    trainer = head.HeadTrainer(model, named, lr)
+    trainer = head.HeadTrainer(model, named, lr, TrainingLoss(model).head_loss)
     with torch.no_grad():  # as MeZO's forwards run: on the doubled batch, without autograd
         trainer.train_on(lambda: labels.label_logits(model, batch.doubled()), batch)
     adam_first_step = -lr * reference / (reference.abs() + 1e-8)  # AdamW's first step: lr * m / (sqrt(v) + eps)
@@ -209,7 +209,7 @@ def test_a_classifier_on_the_users_text_and_labels_needs_no_template_or_label_wo
                   label_names="neg,pos", method="lora", max_steps=2, device="cpu", save_strategy="no")
     results = {}
     for name, extra in {"bare": {}, "explicit": {"template": "{text}", "label_words": "neg,pos"}}.items():
-        results[name] = train.run(Config(**common, **extra, output_dir=str(tmp_path / name)))
+        results[name] = sft.run(Config(**common, **extra, output_dir=str(tmp_path / name)))
         assert Config(**common, **extra).template == "{text}"
     assert results["bare"]["accuracy"] == results["explicit"]["accuracy"]
     bare, explicit = (load_file(tmp_path / n / "final" / "adapter_model.safetensors") for n in ("bare", "explicit"))

@@ -15,7 +15,7 @@ from peft import PeftModel
 from tokenizers import processors
 from transformers import AutoTokenizer
 
-from xgblora import parsing, train
+from xgblora import parsing
 from xgblora.config import Config
 from xgblora.data import formats
 from xgblora.data.collation import collate, collate_packed
@@ -27,6 +27,7 @@ from xgblora.evaluation.answers import Verifier, make_extractor
 from xgblora.logs import read_metrics
 from xgblora.models import pretrained, scoring
 from xgblora.models.sampler import greedy_continuations
+from xgblora.recipes import sft
 from xgblora.train.objective import per_example_loss
 
 CONVERSATION = (("system", "Be brief."), ("user", "2+2?"), ("assistant", "4"), ("user", "and 3+3?"),
@@ -285,7 +286,7 @@ def test_a_chat_model_trains_on_gsm8k_as_messages_prompt_completion_and_renamed_
             "csv": dict(train_file=str(tmp_path / "qa.csv"), columns="prompt=question,completion=answer")}
     for name, data in runs.items():
         out = tmp_path / name
-        results = train.run(Config(model_name="tiny-llama-chat", task_name="custom", method="lora", num_train=40,
+        results = sft.run(Config(model_name="tiny-llama-chat", task_name="custom", method="lora", num_train=40,
                                    num_dev=4, num_eval=4, learning_rate=1e-2, max_steps=16, logging_steps=1,
                                    per_device_train_batch_size=4, max_length=256, max_new_tokens=4,
                                    output_dir=str(out), device="cpu", save_strategy="no", **data))
@@ -314,7 +315,7 @@ def test_the_example_configs_run(glue_data, tmp_path, monkeypatch, name):
                       eval_file=str(glue_data / "gsm8k" / "test.jsonl"), num_train=16, num_dev=2, num_eval=2)
     values.update(output_dir=str(tmp_path / "out"), max_steps=2, eval_steps=1, save_steps=1, max_new_tokens=4,
                   max_length=128, device="cpu")
-    results = train.run(Config(**values))
+    results = sft.run(Config(**values))
     assert results["steps"] == 2 and math.isfinite(results["dev_loss"])  # your own rows: a dev split, no eval carved
 
 
@@ -325,7 +326,7 @@ def test_the_best_checkpoint_of_instruction_data_has_the_lowest_dev_loss(glue_da
     (tmp_path / "pc.jsonl").write_text("".join(json.dumps({"prompt": r["question"], "completion": r["answer"]}) + "\n"
                                                for r in rows))
     out = tmp_path / "run"
-    train.run(Config(model_name="tiny-llama-chat", task_name="custom", train_file=str(tmp_path / "pc.jsonl"),
+    sft.run(Config(model_name="tiny-llama-chat", task_name="custom", train_file=str(tmp_path / "pc.jsonl"),
                      method="lora", num_train=32, num_dev=4, num_eval=2, learning_rate=3e-2, max_steps=8,
                      per_device_train_batch_size=4, max_length=128, max_new_tokens=2, evaluation_strategy="steps",
                      eval_steps=2, save_steps=2, load_best_model_at_end=True, output_dir=str(out), device="cpu"))

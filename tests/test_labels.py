@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
-from xgblora import train
 from xgblora.adapters.lora import attach
 from xgblora.adapters.peft import to_peft
 from xgblora.config import Config
@@ -24,6 +23,7 @@ from xgblora.evaluation import labels
 from xgblora.export import export_run
 from xgblora.models import pretrained
 from xgblora.optim.zo import MeZO
+from xgblora.recipes import sft
 from xgblora.train.objective import per_example_loss
 
 WORDS = (" terrible", " great")  # one token each in the built-in tokenizer
@@ -171,8 +171,8 @@ def _custom_cfg(tmp_path: Path, **overrides) -> Config:
     ("ft", "classifier", dict(learning_rate=1e-3, max_steps=60)),
 ])
 def test_adamw_training_learns_the_task(tmp_path, method, head, overrides):
-    untrained = train.run(_custom_cfg(tmp_path / "zero", trainer="none", head=head))
-    result = train.run(_custom_cfg(tmp_path, method=method, head=head, **overrides))
+    untrained = sft.run(_custom_cfg(tmp_path / "zero", trainer="none", head=head))
+    result = sft.run(_custom_cfg(tmp_path, method=method, head=head, **overrides))
     assert result["head"] == head
     assert untrained["accuracy"] < 0.7 and result["accuracy"] >= 0.9, (untrained, result)
     if method == "xgblora":
@@ -183,7 +183,7 @@ def test_mezo_trains_the_new_head_with_the_boosters(tmp_path):
     """MeZO on a random encoder learns slowly (the MiniLM benchmark measures learning); here: what trains."""
     cfg = _custom_cfg(tmp_path, method="xgblora", trainer="zo", xgblora_steps_per_iteration=5, max_steps=20,
                       learning_rate=1e-2, zo_eps=1e-2)
-    result = train.run(cfg)
+    result = sft.run(cfg)
     assert result["boosters"] == 4 and math.isfinite(result["train_loss"])
     saved = load_file(str(Path(cfg.output_dir) / "final" / "adapter_model.safetensors"))
     initial, _ = _model("classifier")
@@ -193,7 +193,7 @@ def test_mezo_trains_the_new_head_with_the_boosters(tmp_path):
 
 def test_merged_export_of_a_classifier_run_reproduces_its_accuracy(tmp_path):
     cfg = _custom_cfg(tmp_path, max_steps=20)
-    result = train.run(cfg)
+    result = sft.run(cfg)
     out = tmp_path / "merged"
     export_run(Path(cfg.output_dir), "merged", out)
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
@@ -209,7 +209,7 @@ def test_merged_export_of_a_classifier_run_reproduces_its_accuracy(tmp_path):
 
 def test_sfc_with_an_encoder_head_is_a_one_line_error(tmp_path):
     with pytest.raises(UserError, match="--sfc/--icl_sfc calibrate a causal LM"):
-        train.run(_custom_cfg(tmp_path, sfc=True))
+        sft.run(_custom_cfg(tmp_path, sfc=True))
 
 
 @pytest.mark.slow
@@ -219,7 +219,7 @@ def test_minilm_from_its_package_trains_sst2(tmp_path, real_data):
                  num_eval=128, trainer="regular", method="lora", learning_rate=1e-3, max_steps=40,
                  per_device_train_batch_size=16, per_device_eval_batch_size=64, max_length=128,
                  output_dir=str(tmp_path / "run"), result_file=str(tmp_path / "r.json"), device="cpu", seed=0)
-    result = train.run(cfg)
+    result = sft.run(cfg)
     assert result["head"] == "classifier"
     assert result["accuracy"] >= 0.6  # a real pretrained encoder learns SST-2 quickly; a random one stays at chance
 
@@ -260,5 +260,5 @@ def test_a_run_resolves_auto_pooling_and_writes_it(tmp_path):
                   template="{text} It was", label_words="terrible,great", num_train=16, trainer="none")
     for pooling, expected in (("auto", "cls"), ("mean", "mean")):
         out = tmp_path / pooling
-        train.run(Config(**common, pooling=pooling, output_dir=str(out), result_file=str(out / "r.json")))
+        sft.run(Config(**common, pooling=pooling, output_dir=str(out), result_file=str(out / "r.json")))
         assert f"pooling: {expected}" in (out / "config.yaml").read_text()

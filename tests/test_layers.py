@@ -1,9 +1,9 @@
 """The package's imports run one way: no cycle, and no import from a lower layer to a higher one.
 
-The layers are written once, here, top to bottom; the README's layout section states the same list. A unit is a
-top-level module or package of `xgblora`; modules inside one package may import each other (the cycle check still
-covers them), units of one layer may not import each other. Function-local imports count like any other: a local
-import does not get round a cycle or a layer.
+The layers are written once, here, top to bottom; docs/architecture.md states the same list (tests/test_doc_pages.py
+holds the two equal). A unit is a top-level module or package of `xgblora`; modules inside one package may import each
+other (the cycle check still covers them), units of one layer may not import each other. Function-local imports count
+like any other: a local import does not get round a cycle or a layer.
 """
 
 import ast
@@ -16,6 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("cli",),
     ("demo",),
     ("compare", "env", "bench"),
+    ("recipes",),
     ("generation",),
     ("export",),
     ("train",),
@@ -83,7 +84,7 @@ def layer_of(name: str) -> int:
     for depth, names in enumerate(LAYERS):
         if name in names:
             return depth
-    raise AssertionError(f"xgblora.{name} is in no layer: add it to LAYERS here and to the README's layout")
+    raise AssertionError(f"xgblora.{name} is in no layer: add it to LAYERS here and to docs/architecture.md")
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

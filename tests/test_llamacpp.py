@@ -17,10 +17,10 @@ import torch
 from helpers import tiny_causal_folder
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from xgblora import train
 from xgblora.config import Config
-from xgblora.export import export_gguf, export_run
+from xgblora.export import export_run
 from xgblora.models import gguf_export, pretrained
+from xgblora.recipes import sft
 
 pytest.importorskip("gguf", reason="needs the gguf package (pip install gguf)")
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's Python binding is not installed: pip install -e "
@@ -116,7 +116,7 @@ def _train(tmp: Path, folder: Path) -> Path:
     """Two LoRA steps on the model folder: a merged model whose weights are not the random start's."""
     rows = [{"prompt": f"What is {i} plus 1?", "completion": f" {i} + 1 = {i + 1}."} for i in range(8)]
     (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    train.run(Config(model_name=str(folder), task_name="custom", train_file=str(tmp / "rows.jsonl"), method="lora",
+    sft.run(Config(model_name=str(folder), task_name="custom", train_file=str(tmp / "rows.jsonl"), method="lora",
                      learning_rate=5e-2, max_steps=2, per_device_train_batch_size=4, num_dev=0, group_by_length=False,
                      output_dir=str(tmp / "run"), device="cpu", save_strategy="no", no_eval=True))
     return tmp / "run"
@@ -125,7 +125,7 @@ def _train(tmp: Path, folder: Path) -> Path:
 def test_a_lora_run_on_llama_exported_runs_in_llama_cpp_as_the_merged_model(tmp_path):
     run = _train(tmp_path, _folder(tmp_path, "llama"))
     export_run(run, "merged", tmp_path / "merged")
-    export_gguf(run, tmp_path / "model.gguf", "f32")
+    export_run(run, "gguf", tmp_path / "model.gguf", quantization="f32")
     _assert_same(compare(tmp_path / "model.gguf", tmp_path / "merged", TEXTS))
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from helpers import make_cfg
 
-from xgblora import train
 from xgblora.errors import UserError
+from xgblora.recipes import sft
 from xgblora.train import lock
 from xgblora.train.lock import LOCK_NAME, run_lock
 
@@ -64,7 +64,7 @@ def test_two_runs_racing_for_one_folder_one_stops_at_once_naming_the_other(glue_
 
     # the killed run's lock file stays; the next run takes it over, saying whose it was, and removes it at the end
     assert json.loads((out / LOCK_NAME).read_text())["pid"] == winner.pid
-    train.run(make_cfg(glue_data, out, max_steps=2, overwrite_output_dir=True, save_strategy="no", no_eval=True))
+    sft.run(make_cfg(glue_data, out, max_steps=2, overwrite_output_dir=True, save_strategy="no", no_eval=True))
     taken = [r.getMessage() for r in xgblora_log.records if "taking over the lock" in r.getMessage()]
     assert len(taken) == 1 and f"process {winner.pid} on host" in taken[0], taken
     assert (out / "results.json").is_file() and not (out / LOCK_NAME).exists()

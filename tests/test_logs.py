@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from xgblora import train
 from xgblora.config import Config
 from xgblora.data.batches import LabelBatch
 from xgblora.errors import UserError
 from xgblora.logs import MetricsLog, ProgressLine, read_metrics, setup_console_logging
 from xgblora.models.pretrained import random_model
+from xgblora.recipes import sft
 from xgblora.trackers import open_trackers
 
 
@@ -176,7 +176,7 @@ def test_report_to_several_trackers_in_a_run(glue_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     out = tmp_path / "run"
-    train.run(Config(model_name="tiny-opt", task_name="SST2", data_dir=str(glue_data), num_train=16, num_eval=4,
+    sft.run(Config(model_name="tiny-opt", task_name="SST2", data_dir=str(glue_data), num_train=16, num_eval=4,
                      max_steps=4, logging_steps=1, method="lora", max_length=64, device="cpu", save_strategy="no",
                      output_dir=str(out), report_to="tensorboard,mlflow"))
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]

@@ -16,7 +16,7 @@ from xgblora.embeddings.contrastive import Contrastive, info_nce
 from xgblora.embeddings.pooling import embed
 from xgblora.errors import UserError
 from xgblora.models import pretrained
-from xgblora.train import run
+from xgblora.recipes.sft import run
 from xgblora.train.objective import per_example_loss
 
 DIMS, WEIGHTS = (384, 128, 64), (1.0, 0.5, 2.0)

@@ -6,13 +6,13 @@ import pytest
 import torch
 from helpers import adapter, make_cfg
 
-from xgblora import train
 from xgblora.config import Config
 from xgblora.data.tasks import Example
 from xgblora.distributed import LOCAL
 from xgblora.errors import UserError
 from xgblora.models import pretrained
 from xgblora.optim import fo
+from xgblora.recipes import sft
 from xgblora.train import objective
 from xgblora.train.loop import build_stepper
 from xgblora.train.objective import causal_training_set, per_example_loss
@@ -101,11 +101,11 @@ def test_run_with_out_of_memory_finishes_warns_once_and_trains_as_without(glue_d
     monkeypatch.setitem(pretrained.RANDOM_MODELS, "tiny-opt",
                         (pretrained.RANDOM_MODELS["tiny-opt"][0], {**pretrained.RANDOM_MODELS["tiny-opt"][1], "dropout": 0.0}))
     cfg = dict(max_steps=6, logging_steps=1, save_strategy="no", no_eval=True)
-    whole = train.run(make_cfg(glue_data, tmp_path / "whole", **cfg))
+    whole = sft.run(make_cfg(glue_data, tmp_path / "whole", **cfg))
     assert "out of memory" not in capsys.readouterr().err
 
     monkeypatch.setattr(objective, "per_example_loss", rows_over(5))
-    split = train.run(make_cfg(glue_data, tmp_path / "split", **cfg))
+    split = sft.run(make_cfg(glue_data, tmp_path / "split", **cfg))
     err = capsys.readouterr().err
     assert err.count("CUDA out of memory") == 1 and "redoing the step with micro-batch 4" in err
     assert split["steps"] == whole["steps"] == 6

@@ -8,7 +8,6 @@ import pytest
 import torch
 from helpers import adapter, make_cfg
 
-from xgblora import train
 from xgblora.adapters.lora import attach
 from xgblora.config import Config
 from xgblora.data.splits import sample_splits
@@ -19,6 +18,7 @@ from xgblora.models.scoring import packing_supported
 from xgblora.optim import fo
 from xgblora.optim.fo import micro_batches
 from xgblora.optim.zo import MeZO
+from xgblora.recipes import sft
 from xgblora.train import setup
 from xgblora.train.objective import causal_training_set, per_example_loss
 
@@ -124,8 +124,8 @@ def test_packing_support_is_detected(autocast):
 def test_packed_run_trains_like_the_padded_run(glue_data, tmp_path, trainer):
     cfg = dict(model_name="tiny-llama", trainer=trainer, max_steps=6, save_strategy="no", no_eval=True,
                learning_rate=1e-2 if trainer == "zo" else 3e-3)
-    padded = train.run(make_cfg(glue_data, tmp_path / "padded", packing=False, **cfg))
-    packed = train.run(make_cfg(glue_data, tmp_path / "packed", packing=True, **cfg))
+    padded = sft.run(make_cfg(glue_data, tmp_path / "padded", packing=False, **cfg))
+    packed = sft.run(make_cfg(glue_data, tmp_path / "packed", packing=True, **cfg))
     assert packed["train_loss"] == pytest.approx(padded["train_loss"], rel=1e-4)
     # MeZO multiplies the losses' rounding differences by 1 / (2 eps) in its projected gradient
     atol = 1e-4 if trainer == "zo" else 1e-5
@@ -141,13 +141,13 @@ def test_packed_run_trains_like_the_padded_run(glue_data, tmp_path, trainer):
 ])
 def test_packing_where_it_cannot_work_is_a_user_error(glue_data, tmp_path, overrides, message):
     with pytest.raises(UserError, match=message):
-        train.run(make_cfg(glue_data, tmp_path, packing=True, max_steps=1, **overrides))
+        sft.run(make_cfg(glue_data, tmp_path, packing=True, max_steps=1, **overrides))
 
 
 def test_packing_defaults_off_with_sdpa(glue_data, tmp_path, monkeypatch):
     seen = []
     real = setup.causal_training_set
     monkeypatch.setattr(setup, "causal_training_set", lambda *a, **k: seen.append(k["packed"]) or real(*a, **k))
-    train.run(make_cfg(glue_data, tmp_path, model_name="tiny-llama", max_steps=1, save_strategy="no",
+    sft.run(make_cfg(glue_data, tmp_path, model_name="tiny-llama", max_steps=1, save_strategy="no",
                        no_eval=True))
     assert seen == [False]

@@ -13,7 +13,8 @@ from xgblora.config import Config
 from xgblora.demo import LABEL_WORDS, TEMPLATE, write_data
 from xgblora.errors import UserError
 from xgblora.models import pretrained, quant
-from xgblora.train import loop, run
+from xgblora.recipes.sft import run
+from xgblora.train import loop
 
 pytest.importorskip("bitsandbytes")
 IDS = torch.randint(3, 400, (2, 10), generator=torch.Generator().manual_seed(0))

@@ -10,7 +10,8 @@ import json
 import pytest
 from helpers import interrupt_at, killed_at_step, make_cfg, snapshot
 
-from xgblora import checkpoint, cli, train
+from xgblora import checkpoint, cli
+from xgblora.recipes import sft
 
 
 def one_line_error(capsys) -> str:
@@ -24,7 +25,7 @@ def test_a_rerun_after_ctrl_c_refuses_and_starting_over_removes_the_earlier_chec
     out = tmp_path / "run"
     cfg = make_cfg(glue_data, out, max_steps=8, save_steps=3, no_eval=True)
     with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):
-        train.run(cfg, hooks=interrupt_at(7))
+        sft.run(cfg, hooks=interrupt_at(7))
     before, _ = snapshot(out), capsys.readouterr()
     args = ["train", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(glue_data),
             "--num_train", "64", "--num_eval", "16", "--method", "lora", "--max_steps", "8", "--save_steps", "3",
@@ -35,17 +36,17 @@ def test_a_rerun_after_ctrl_c_refuses_and_starting_over_removes_the_earlier_chec
 
     # started over and stopped before the old run's step-7: 'latest' must not find the old run's checkpoint
     with pytest.raises(KeyboardInterrupt, match="stopped at step 4"):
-        train.run(make_cfg(glue_data, out, max_steps=8, save_steps=3, no_eval=True, overwrite_output_dir=True),
+        sft.run(make_cfg(glue_data, out, max_steps=8, save_steps=3, no_eval=True, overwrite_output_dir=True),
                   hooks=interrupt_at(4))
     assert [p.name for p in checkpoint.step_checkpoints(out / "checkpoints")] == ["step-3", "step-4"]
 
 
 def test_resuming_a_finished_run_says_so_and_changes_nothing(glue_data, tmp_path, capsys):
     out = tmp_path / "run"
-    results = train.run(make_cfg(glue_data, out, max_steps=4, save_steps=2, no_eval=True))
+    results = sft.run(make_cfg(glue_data, out, max_steps=4, save_steps=2, no_eval=True))
     capsys.readouterr()
     before = snapshot(out)
-    again = train.run(make_cfg(glue_data, out, max_steps=4, save_steps=2, no_eval=True,
+    again = sft.run(make_cfg(glue_data, out, max_steps=4, save_steps=2, no_eval=True,
                                resume_from_checkpoint="latest"))
     assert again == json.loads(json.dumps(results))
     assert snapshot(out) == before

@@ -24,10 +24,11 @@ from xgblora.evaluation.answers import (
     same_answer,
 )
 from xgblora.export import export_run
-from xgblora.generation import generate, rft
-from xgblora.generation.rft import Questions, hint_questions, keep_question, pass_at_k, run_rft
+from xgblora.generation import generate
 from xgblora.models import pretrained
-from xgblora.train import run
+from xgblora.recipes import rft
+from xgblora.recipes.rft import Questions, hint_questions, keep_question, pass_at_k, run_rft
+from xgblora.recipes.sft import run
 
 
 @pytest.mark.parametrize("spec, text, answer", [

@@ -27,12 +27,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from xgblora import checkpoint, cli, train
+from xgblora import checkpoint, cli
 from xgblora.config import Config
 from xgblora.data.sources import read_jsonl
 from xgblora.data.splits import load_rows
 from xgblora.data.tasks import Task, get_task
 from xgblora.errors import UserError
+from xgblora.recipes import sft
 from xgblora.train import objective
 
 # ----------------------------------------------------------------------------- data files: any input, clean errors
@@ -350,7 +351,7 @@ def test_mezo_skips_a_non_finite_step_like_a_zero_gradient_one_and_runs_on(glue_
 
         monkeypatch.setattr(objective, "per_example_loss", loss_at_step_3)
         out = tmp_path / name
-        results = train.run(make_cfg(glue_data, out, trainer="zo", method=method, learning_rate=1e-3,
+        results = sft.run(make_cfg(glue_data, out, trainer="zo", method=method, learning_rate=1e-3,
                                      max_steps=6, logging_steps=1, nan_policy="skip", no_eval=True))
         assert results["steps"] == 6 and len(calls) == 6 * forwards
         return [r for r in records(out) if "loss" in r]
@@ -429,14 +430,14 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_the_resume_is_still_exac
     overrides = dict(method="xgblora", max_steps=10, save_steps=3, xgblora_steps_per_iteration=4,
                      logging_steps=1, no_eval=True)
     whole, split = tmp_path / "whole", tmp_path / "split"
-    expected = train.run(make_cfg(glue_data, whole, **overrides))
+    expected = sft.run(make_cfg(glue_data, whole, **overrides))
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train.run(make_cfg(glue_data, split, **overrides), hooks=interrupt_at(8, how="crash"))
+        sft.run(make_cfg(glue_data, split, **overrides), hooks=interrupt_at(8, how="crash"))
     weights = split / "checkpoints" / "step-6" / checkpoint.WEIGHTS
     data = bytearray(weights.read_bytes())
     data[-5] ^= 0x01  # one bit of one weight: the file still loads, with another number in it
     weights.write_bytes(bytes(data))
-    got = train.run(make_cfg(glue_data, split, resume_from_checkpoint="latest", **overrides))
+    got = sft.run(make_cfg(glue_data, split, resume_from_checkpoint="latest", **overrides))
     messages = [r.getMessage() for r in xgblora_log.records]
     assert any("step-6: damaged checkpoint" in m and checkpoint.WEIGHTS in m for m in messages), messages
     assert any("resumed from" in m and m.endswith("step-3 at step 3") for m in messages), messages

@@ -11,10 +11,11 @@ import pytest
 import torch
 from helpers import adapter, make_cfg
 
-from xgblora import checkpoint, parsing, train
+from xgblora import checkpoint, parsing
 from xgblora.config import Config
 from xgblora.errors import UserError
 from xgblora.logs import read_metrics
+from xgblora.recipes import sft
 from xgblora.train import results as results_mod
 
 # ----------------------------------------------------------------------------- outputs
@@ -25,7 +26,7 @@ def test_metrics_results_and_config_of_a_run(glue_data, tmp_path):
                    xgblora_preset="plain",  # every layer carries each booster: final/ holds all the adapters
                    evaluation_strategy="steps", eval_steps=4, num_dev=16, tag="t1")
     asked = dataclasses.replace(cfg)
-    results = train.run(cfg)
+    results = sft.run(cfg)
 
     log = read_metrics(out / "metrics.jsonl")
     steps = [r for r in log if "loss" in r]
@@ -59,7 +60,7 @@ def adapter_params(out: Path) -> dict[str, torch.Tensor]:
 
 def test_result_copy_only_when_asked_and_never_over_another_runs_file(glue_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    train.run(make_cfg(glue_data, tmp_path / "plain", trainer="zo", max_steps=1, result_file=None))
+    sft.run(make_cfg(glue_data, tmp_path / "plain", trainer="zo", max_steps=1, result_file=None))
     assert not (tmp_path / "result").exists()  # nothing lands in the working directory unasked
 
     cfg = make_cfg(glue_data, tmp_path / "run", trainer="zo", max_steps=2, result_file="auto", num_dev=8)
@@ -67,7 +68,7 @@ def test_result_copy_only_when_asked_and_never_over_another_runs_file(glue_data,
     assert expected.name == "SST2-tiny-opt-sampleeval16-ntrain64-ndev8-trainset0.json"
     expected.parent.mkdir()
     expected.write_text("a user's file")
-    train.run(cfg)
+    sft.run(cfg)
     assert expected.read_text() == "a user's file"
     second = expected.with_name(expected.stem + "-2.json")
     assert json.loads(second.read_text()) == json.loads((tmp_path / "run" / "results.json").read_text())
@@ -76,14 +77,14 @@ def test_result_copy_only_when_asked_and_never_over_another_runs_file(glue_data,
 @pytest.mark.parametrize("flags", [dict(load_best_model_at_end=True), dict(evaluation_strategy="steps", eval_steps=1)])
 def test_choosing_on_dev_needs_a_dev_split(glue_data, tmp_path, flags):
     with pytest.raises(UserError, match=r"needs a dev split.*pass --num_dev N"):
-        train.run(make_cfg(glue_data, tmp_path / "run", max_steps=2, num_dev=None, **flags))
+        sft.run(make_cfg(glue_data, tmp_path / "run", max_steps=2, num_dev=None, **flags))
 
 
 def test_save_total_limit_and_load_best_model_at_end(glue_data, tmp_path):
     out = tmp_path / "run"
     cfg = make_cfg(glue_data, out, max_steps=12, save_steps=2, save_total_limit=2, evaluation_strategy="steps",
                    eval_steps=2, num_dev=32, load_best_model_at_end=True, learning_rate=2e-2)
-    train.run(cfg)
+    sft.run(cfg)
     root = out / "checkpoints"
     assert [p.name for p in checkpoint.step_checkpoints(root)] == ["step-8", "step-10"]
 
@@ -105,7 +106,7 @@ def test_load_best_model_at_end_with_xgblora_exports_the_best_model(glue_data, t
     cfg = make_cfg(glue_data, out, method="xgblora", xgblora_steps_per_iteration=2, max_steps=8, save_strategy="no",
                    evaluation_strategy="steps", eval_steps=2, num_dev=32, load_best_model_at_end=True,
                    learning_rate=5e-2)
-    train.run(cfg)
+    sft.run(cfg)
     _, state, blobs = checkpoint.read_checkpoint(out / "checkpoints" / "best")
     history = blobs["boosting"]["history"]
     assert len(history) == state["step"] // 2 >= 1  # a merge every 2 steps, each before that step's evaluation

@@ -17,6 +17,7 @@ from helpers import adapter, assert_same_tensors, interrupt_at, make_cfg, record
 
 from xgblora import checkpoint, cli, train
 from xgblora.logs import read_metrics
+from xgblora.recipes import sft
 from xgblora.train import loop
 
 # ----------------------------------------------------------------------------- exact resume
@@ -46,14 +47,14 @@ RESUME_CASES = {
 def test_sigint_then_resume_equals_an_uninterrupted_run(glue_data, tmp_path, monkeypatch, case):
     overrides = RESUME_CASES[case]
     whole = tmp_path / "whole"
-    expected = train.run(make_cfg(glue_data, whole, **overrides))
+    expected = sft.run(make_cfg(glue_data, whole, **overrides))
 
     split = tmp_path / "split"
     with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):  # mid logging window (3), between merges
-        train.run(make_cfg(glue_data, split, **overrides), hooks=interrupt_at(7))
+        sft.run(make_cfg(glue_data, split, **overrides), hooks=interrupt_at(7))
     assert checkpoint.load_requested(split / "checkpoints", "latest")[0].name == "step-7"
     assert not (split / "results.json").exists()
-    got = train.run(make_cfg(glue_data, split, resume_from_checkpoint="latest", **overrides))
+    got = sft.run(make_cfg(glue_data, split, resume_from_checkpoint="latest", **overrides))
 
     assert_same_tensors(adapter(split), adapter(whole))
     assert records(split) == records(whole)
@@ -66,14 +67,14 @@ def test_sigint_then_resume_equals_an_uninterrupted_run(glue_data, tmp_path, mon
 def test_crash_after_a_periodic_checkpoint_resumes_exactly(glue_data, tmp_path, monkeypatch):
     overrides = dict(RESUME_CASES["xgblora-adamw"], save_steps=5)
     whole = tmp_path / "whole"
-    train.run(make_cfg(glue_data, whole, **overrides))
+    sft.run(make_cfg(glue_data, whole, **overrides))
 
     split = tmp_path / "split"
     with pytest.raises(RuntimeError, match="simulated crash"):  # the last checkpoint is step-5; 6..9 are redone
-        train.run(make_cfg(glue_data, split, **overrides), hooks=interrupt_at(9, how="crash"))
+        sft.run(make_cfg(glue_data, split, **overrides), hooks=interrupt_at(9, how="crash"))
     assert [p.name for p in checkpoint.step_checkpoints(split / "checkpoints")] == ["step-5"]
     assert any(r["step"] > 5 for r in read_metrics(split / "metrics.jsonl"))  # logged before the crash
-    train.run(make_cfg(glue_data, split, resume_from_checkpoint="latest", **overrides))
+    sft.run(make_cfg(glue_data, split, resume_from_checkpoint="latest", **overrides))
 
     assert_same_tensors(adapter(split), adapter(whole))
     assert records(split) == records(whole)
@@ -119,10 +120,10 @@ def test_save_total_limit_counts_the_stop_checkpoint_and_never_prunes_best(glue_
                    eval_steps=2, num_dev=16, load_best_model_at_end=True)
     root = out / "checkpoints"
     with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):
-        train.run(cfg, hooks=interrupt_at(7))
+        sft.run(cfg, hooks=interrupt_at(7))
     assert [p.name for p in checkpoint.step_checkpoints(root)] == ["step-6", "step-7"]
     best_step = checkpoint.read_checkpoint(root / "best")[1]["step"]
-    train.run(dataclasses.replace(cfg, resume_from_checkpoint="latest"))
+    sft.run(dataclasses.replace(cfg, resume_from_checkpoint="latest"))
     assert [p.name for p in checkpoint.step_checkpoints(root)] == ["step-8", "step-10"]
     assert checkpoint.read_checkpoint(root / "best")[1]["step"] >= best_step  # kept (or bettered), never pruned
 
@@ -138,10 +139,10 @@ def test_a_resumed_run_counts_the_time_of_every_part_and_its_resumes(glue_data, 
     out = tmp_path / "run"
     cfg = make_cfg(glue_data, out, max_steps=14, logging_steps=1, save_strategy="no", no_eval=True)
     with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):
-        train.run(cfg, hooks=train.Hooks(on_step_end=tick(10.0).on_step_end + interrupt_at(7).on_step_end))
+        sft.run(cfg, hooks=train.Hooks(on_step_end=tick(10.0).on_step_end + interrupt_at(7).on_step_end))
     saved = checkpoint.read_checkpoint(out / "checkpoints" / "step-7")[1]
     assert (saved["runtime_s"], saved["resumes"]) == (70.0, 0)
-    results = train.run(dataclasses.replace(cfg, resume_from_checkpoint="latest"), hooks=tick(1.0))
+    results = sft.run(dataclasses.replace(cfg, resume_from_checkpoint="latest"), hooks=tick(1.0))
     assert (results["train_runtime_s"], results["resumes"]) == (77.0, 1)
     assert results["steps_per_second"] == round(14 / 77, 4)
     assert json.loads((out / "results.json").read_text())["resumes"] == 1

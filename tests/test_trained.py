@@ -15,7 +15,8 @@ from xgblora.adapters import trained
 from xgblora.config import Config
 from xgblora.demo import LABEL_WORDS, TEMPLATE, write_data
 from xgblora.errors import UserError
-from xgblora.train import Hooks, loop, run
+from xgblora.recipes.sft import run
+from xgblora.train import Hooks, loop
 
 FRESH = """
 import json, sys, torch

@@ -8,11 +8,11 @@ import pytest
 import torch
 from helpers import make_cfg, records
 
-from xgblora import train
 from xgblora.adapters.boosting import block_of
 from xgblora.config import Config
 from xgblora.distributed import LOCAL
 from xgblora.models import pretrained
+from xgblora.recipes import sft
 from xgblora.train.loop import build_stepper
 from xgblora.train.objective import TrainingLoss
 from xgblora.train.setup import setup_method
@@ -76,7 +76,7 @@ def test_paper_preset_adds_the_norm_penalty_and_merges_with_alpha_t_one():
 def test_num_boosters_splits_the_run_and_the_schedule_can_restart_per_booster(glue_data, tmp_path):
     cfg = make_cfg(glue_data, tmp_path / "run", method="xgblora", max_steps=12, xgblora_num_boosters=3,
                    lr_scheduler_type="linear", xgblora_restart_schedule=True, logging_steps=1, save_strategy="no")
-    result = train.run(cfg)
+    result = sft.run(cfg)
     log = records(tmp_path / "run")
     assert [r["step"] for r in log if r.get("event") == "merge"] == [4, 8, 12] and result["boosters"] == 3
     lrs = [r["lr"] for r in log if "lr" in r]
@@ -85,12 +85,12 @@ def test_num_boosters_splits_the_run_and_the_schedule_can_restart_per_booster(gl
 
 def test_a_run_that_would_merge_fewer_than_two_boosters_says_so(glue_data, tmp_path, caplog):
     with caplog.at_level("INFO", logger="xgblora"):  # the default's one booster in a short run: said, not warned
-        train.run(make_cfg(glue_data, tmp_path / "a", method="xgblora", max_steps=6, save_strategy="no"))
+        sft.run(make_cfg(glue_data, tmp_path / "a", method="xgblora", max_steps=6, save_strategy="no"))
     said = [r for r in caplog.records if "this run is rank-1 LoRA" in r.getMessage()]
     assert [(r.levelname, r.getMessage()[:55]) for r in said] == [
         ("INFO", "XGBLoRA: 6 steps at 6 steps per booster merge 1 booster")]
     caplog.clear()
     with caplog.at_level("WARNING", logger="xgblora"):
-        train.run(make_cfg(glue_data, tmp_path / "b", method="xgblora", max_steps=6, save_strategy="no",
+        sft.run(make_cfg(glue_data, tmp_path / "b", method="xgblora", max_steps=6, save_strategy="no",
                            xgblora_steps_per_iteration=10))
     assert "6 steps at 10 steps per booster merge 0 booster(s): this run is rank-1 LoRA" in caplog.text

@@ -4,6 +4,7 @@ each paper's update rule, with z rebuilt from the documented seed recipe (optim/
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import math
 
@@ -16,9 +17,19 @@ from xgblora.compare import parse_method
 from xgblora.config import Config
 from xgblora.errors import UserError
 from xgblora.models.pretrained import load
-from xgblora.optim.zo import MeZO, ZOStepper
-from xgblora.optim.zo_estimators import ES, FZOO, NSPSA, MeZOSVRG, SVRGStepper
-from xgblora.train.loop import ESTIMATORS, estimator_options
+from xgblora.optim.zo import ZO_OPTIMIZERS, MeZO, ZOStepper
+from xgblora.optim.zo_estimators import (
+    ES,
+    ESTIMATORS,
+    FZOO,
+    NSPSA,
+    MeZOSVRG,
+    SVRGStepper,
+    build_estimator,
+    spreads_members,
+    stepper_type,
+)
+from xgblora.options import ZO_ESTIMATORS, ZOOptions
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +218,7 @@ def test_zo_estimator_es_builds_the_population_the_flags_ask_for():
     for queries, sampling, seeds in ((None, "antithetic", 15), (6, "antithetic", 6), (None, "independent", 30),
                                      (7, "independent", 7)):  # default: the reference's population of 30
         cfg = Config(trainer="zo", method="lora", zo_estimator="es", zo_queries=queries, zo_es_sampling=sampling)
-        estimator = ESTIMATORS[cfg.zo_estimator]([("w", weight)], lr=1e-3, eps=1e-3, **estimator_options(cfg))
+        estimator = build_estimator(cfg, [("w", weight)], cfg.learning_rate, seed=0)
         assert (type(estimator), estimator.queries, estimator.sampling, estimator.share) == \
             (ES, seeds, sampling, (0, 1))
     assert parse_method("lora:es", "regular") == ("lora", "zo", "es")
@@ -264,13 +275,14 @@ def test_svrg_anchor_then_variance_reduced_step(tiny, dual, anchor_scale):
 def test_svrg_anchor_learning_rate_is_eta_1_and_learning_rate_eta_2():
     """The reference script's rates, --zo_svrg_anchor_learning_rate 1e-3 (full batch) and --learning_rate 1e-6 (the
     steps between): the anchor steps at 1000x the scheduled rate; the option is refused off svrg."""
-    from xgblora.config import Config
-    from xgblora.errors import UserError
-    from xgblora.train.loop import estimator_options
-
-    cfg = Config(trainer="zo", zo_estimator="svrg", learning_rate=1e-6, zo_svrg_anchor_learning_rate=1e-3)
-    assert estimator_options(cfg)["anchor_lr_scale"] == pytest.approx(1000.0)
-    assert estimator_options(Config(trainer="zo", zo_estimator="svrg"))["anchor_lr_scale"] == 1.0
+    weight = [("w", nn.Parameter(torch.zeros(3)))]
+    cfg = Config(trainer="zo", zo_estimator="svrg", learning_rate=1e-6, zo_svrg_anchor_learning_rate=1e-3,
+                 zo_svrg_period=4, zo_svrg_anchor_batches=3)
+    estimator = build_estimator(cfg, weight, cfg.learning_rate, seed=0)
+    assert (type(estimator), estimator.period, estimator.anchor_batches, stepper_type(estimator)) == \
+        (MeZOSVRG, 4, 3, SVRGStepper)
+    assert estimator.anchor_lr_scale == pytest.approx(1000.0)
+    assert build_estimator(Config(trainer="zo", zo_estimator="svrg"), weight, 1e-6, seed=0).anchor_lr_scale == 1.0
     with pytest.raises(UserError, match="svrg only"):
         Config(trainer="zo", zo_svrg_anchor_learning_rate=1e-3)
 
@@ -296,18 +308,18 @@ def test_svrg_stepper_takes_an_anchor_every_period_steps(tiny):
 
 
 def test_default_estimator_is_mezo_and_its_trajectory_is_the_formula_run(tiny64):
-    """--zo_estimator's default builds MeZO with no extra options; 5 steps through ZOStepper equal the formula
+    """--zo_estimator's default builds MeZO (SGD, eps 1e-3) driven by ZOStepper; 5 steps equal the formula
     theta <- theta (1 - lr wd) - lr g z applied 5 times with the documented seeds (float64 full model)."""
     cfg = Config(trainer="zo", method="lora")
-    assert (cfg.zo_estimator, cfg.zo_optimizer, ESTIMATORS[cfg.zo_estimator], estimator_options(cfg)) == \
-        ("mezo", "sgd", MeZO, {})
     model = copy.deepcopy(tiny64)
     named = list(model.named_parameters())
     reference = copy.deepcopy(model)
     names, theta = [n for n, _ in named], state(named)
     start = theta
     lr, eps, wd = 1e-3, 1e-3, 0.01
-    stepper = ZOStepper(MeZO(named, lr=lr, eps=eps, weight_decay=wd, seed=5), ce_loss_fn(model))
+    estimator = build_estimator(cfg, named, lr, seed=5, weight_decay=wd)
+    assert (type(estimator), stepper_type(estimator), estimator.eps) == (MeZO, ZOStepper, eps)
+    stepper = ZOStepper(estimator, ce_loss_fn(model))
     batches = [random_batch(tiny64.config.vocab_size, seed=k) for k in range(5)]
     feed = iter(batches)
     for batch, s in zip(batches, step_seeds(5, 5), strict=True):
@@ -500,6 +512,50 @@ def test_losses_are_reduced_over_ranks_before_the_estimate():
 def test_flags_an_estimator_cannot_use_are_refused_with_the_reason(overrides, message):
     with pytest.raises(UserError, match=message):
         Config(**{"trainer": "zo", "method": "lora", **overrides})
+
+
+def test_the_names_help_offers_are_the_registered_ones():
+    """--zo_estimator's choices (options.ZO_ESTIMATORS, torch-free for --help and compare) are the registry's names;
+    --zo_optimizer's and --zo_es_sampling's are the ones the estimators accept."""
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(ZOOptions)}
+    assert choices["zo_estimator"] == ZO_ESTIMATORS and sorted(ZO_ESTIMATORS) == sorted(ESTIMATORS)
+    assert (choices["zo_optimizer"], choices["zo_es_sampling"]) == (ZO_OPTIMIZERS, ES.SAMPLINGS)
+
+
+@pytest.mark.parametrize("estimator, sampling, rows", [
+    ("mezo", "antithetic", [8]), ("nspsa", "antithetic", [8, 8]), ("es", "antithetic", [8, 8]),
+    ("fzoo", "antithetic", [4, 4, 4]), ("es", "independent", [4, 4])])
+def test_the_doubled_batch_goes_to_the_estimators_that_perturb_in_pairs(tiny, estimator, sampling, rows):
+    """Offered the adapters, an estimator of +z/-z pairs scores each pair in one forward over the doubled batch (8
+    rows); FZOO's and independent ES's one-sided perturbations take one forward of the batch (4 rows) each. Built
+    from the ZO options group alone."""
+    model, named, modules = lora_model(tiny)
+    seen = []
+    loss = ce_loss_fn(model)
+    zo = ZOOptions(zo_estimator=estimator, zo_queries=2, zo_es_sampling=sampling)
+    built = build_estimator(zo, named, 1e-3, seed=0, dual_modules=modules)
+    built.step(lambda batch: seen.append(batch.input_ids.shape[0]) or loss(batch), random_batch(tiny.config.vocab_size, seed=0))
+    assert (type(built), seen) == (ESTIMATORS[estimator], rows)
+
+
+def test_es_spread_over_the_processes_takes_this_processs_share_and_sums_the_losses():
+    """--zo_es_spread members (trainer zo, estimator es): the process scores its share (rank, world) of the
+    population and its losses are summed over the processes, not averaged; elsewhere, the whole population."""
+
+    class Rank1Of2:
+        rank, world_size = 1, 2
+
+        def zo_losses(self, total: bool):
+            summed.append(total)
+            return lambda values: values
+
+    summed: list[bool] = []
+    weight = [("w", nn.Parameter(torch.zeros(3)))]
+    spread, prompts = ZOOptions(zo_estimator="es", zo_es_spread="members"), ZOOptions(zo_estimator="es")
+    shares = [build_estimator(zo, weight, 1e-3, seed=0, dist=Rank1Of2()).share for zo in (spread, prompts)]
+    assert (shares, summed) == ([(1, 2), (0, 1)], [True, False])
+    assert [spreads_members(spread, trainer) for trainer in ("zo", "regular")] == [True, False]
+    assert not spreads_members(ZOOptions(zo_estimator="mezo", zo_es_spread="members"), "zo")
 
 
 def test_compare_accepts_estimators_as_trainers():

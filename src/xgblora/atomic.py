@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +192,20 @@ def failed_write(path: Path, exc: BaseException, needed: int | None, advice: str
     need = f"it needs about {size(needed)} and " if needed else ""
     return UserError(f"could not {what} {path} ({exc.__class__.__name__}: {exc}); {need}{size(free)} are free on "
                      f"that disk. {advice}")
+
+
+@contextlib.contextmanager
+def write_errors(path: Path, advice: str, needed: Callable[[], int] | None = None, what: str = "write",
+                 errors: tuple[type[BaseException], ...] = (OSError,), disk_only: bool = False) -> Iterator[None]:
+    """An error of `errors` raised in the block ends in failed_write's one line for path (with the space `needed`
+    tells, computed only then). disk_only: only a write the disk refused does (disk_refused); any other error goes
+    on as it was, for a block that also reads or loads, whose failures are no write's."""
+    try:
+        yield
+    except errors as exc:
+        if disk_only and not disk_refused(exc):
+            raise
+        raise failed_write(path, exc, needed() if needed else None, advice, what) from None
 
 
 def check_path(value: str | None, flag: str) -> None:

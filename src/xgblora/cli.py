@@ -32,6 +32,8 @@ GRPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5}
 # DPO trains a LoRA adapter by default, at a learning rate for adapters (TRL's 1e-6 is for full fine-tuning), on
 # TRL's max_length of 1024 tokens.
 DPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5, "max_length": 1024}
+# KTO too (TRL's KTOConfig has DPOConfig's learning rate and max_length).
+KTO_DEFAULTS = DPO_DEFAULTS
 
 
 
@@ -52,7 +54,7 @@ def _options(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -
 
 def _train(args: argparse.Namespace) -> int:
     cfg = _options(args)
-    from xgblora.train import run
+    from xgblora.recipes.sft import run
 
     print(json.dumps(run(cfg), indent=2))
     return 0
@@ -61,9 +63,12 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     cfg = _options(args)
     from xgblora.adapters.trained import run_options
-    from xgblora.train import run
+    from xgblora.models.pretrained import sentence_settings
+    from xgblora.recipes.sft import run
 
     trained = run_options(cfg.model_name, cfg.adapter)  # a trained run is scored on its own task, as it was trained
+    if not trained and cfg.retrieval_files is not None:  # a sentence-transformers model embeds as it says
+        trained = sentence_settings(cfg.model_name)
     if trained:
         cfg = _options(args, {**EVAL_DEFAULTS, **trained})
     print(json.dumps(run(cfg), indent=2))
@@ -72,7 +77,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _mezo(args: argparse.Namespace) -> int:
     cfg = _options(args)
-    from xgblora.train import run
+    from xgblora.recipes.sft import run
 
     print(json.dumps(run(cfg), indent=2))
     return 0
@@ -95,7 +100,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _rft(args: argparse.Namespace) -> int:
     cfg = _options(args)
-    from xgblora.generation.rft import run_rft
+    from xgblora.recipes.rft import run_rft
 
     done = run_rft(cfg)
     print(json.dumps(done["rounds"], indent=2))
@@ -105,16 +110,23 @@ def _rft(args: argparse.Namespace) -> int:
 
 def _grpo(args: argparse.Namespace) -> int:
     cfg = _options(args)
-    from xgblora.generation.grpo import run_grpo
+    from xgblora.recipes.grpo import run_grpo
 
     print(json.dumps(run_grpo(cfg), indent=2))
     return 0
 
 
 def _dpo(args: argparse.Namespace) -> int:
-    from xgblora.train.dpo import run_dpo
+    from xgblora.recipes.dpo import run_dpo
 
     print(json.dumps(run_dpo(_options(args)), indent=2))
+    return 0
+
+
+def _kto(args: argparse.Namespace) -> int:
+    from xgblora.recipes.kto import run_kto
+
+    print(json.dumps(run_kto(_options(args)), indent=2))
     return 0
 
 
@@ -142,24 +154,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from xgblora.export import export_gguf, export_run
+    from xgblora.export import FORMATS, export_run
 
-    gguf = args.format == "gguf"
-    wrong = [flag for flag, given in (("--output_dir", args.output_dir), ("--rank", args.rank)) if gguf and given]
-    wrong += [flag for flag, given in (("--output_file", args.output_file), ("--quantization", args.quantization),
-                                       ("--ollama_modelfile", args.ollama_modelfile)) if given and not gguf]
-    if wrong or (args.output_file if gguf else args.output_dir) is None:
-        raise UserError(f"xgblora export --format {args.format}: " + (f"{', '.join(wrong)} does not apply" if wrong else
-                        f"give {'--output_file FILE.gguf' if gguf else '--output_dir DIR'}"))
+    chosen = FORMATS[args.format]
+    options = {name: getattr(args, name) for f in FORMATS.values() for name in (f.output, *f.options)}
     for flag, value in (("--output_dir", args.output_dir), ("--output_file", args.output_file),
                         ("--ollama_modelfile", args.ollama_modelfile)):
         atomic.check_path(value, flag)
-    if gguf:
-        result = export_gguf(Path(args.run_dir), Path(args.output_file), args.quantization, args.checkpoint,
-                             args.trust_remote_code, args.ollama_modelfile and Path(args.ollama_modelfile))
-    else:
-        result = export_run(Path(args.run_dir), args.format, Path(args.output_dir), args.rank,
-                            trust_remote_code=args.trust_remote_code, checkpoint=args.checkpoint)
+    result = export_run(Path(args.run_dir), args.format, options.pop(chosen.output), args.checkpoint,
+                        args.trust_remote_code, **options)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -339,9 +342,10 @@ class Command:
 TRAINING = (opts.ModelOptions, opts.InputOptions, opts.AdapterOptions, opts.BoostingOptions, opts.OptimizerOptions,
             opts.ZOOptions, opts.ComputeOptions, opts.LoopOptions)
 TASK_TRAINING = (*TRAINING, opts.TaskOptions, opts.HeadOptions, opts.EmbeddingOptions, opts.SupervisedOptions,
-                 opts.ContrastiveOptions, opts.InstructionOptions, opts.BatchOptions)
+                 opts.ContrastiveOptions, opts.RerankOptions, opts.InstructionOptions, opts.BatchOptions)
 EVALUATION = (opts.ModelOptions, opts.InputOptions, opts.TaskOptions, opts.HeadOptions, opts.EmbeddingOptions,
-              opts.ComputeOptions, opts.RunOptions, opts.OutputOptions, opts.ResultFileOptions)
+              opts.RetrievalOptions, opts.RerankEvalOptions, opts.ComputeOptions, opts.RunOptions, opts.OutputOptions,
+              opts.ResultFileOptions)
 RUN_FOLDER = (opts.RunOptions, opts.OutputOptions)
 
 COMMANDS: dict[str, Command] = {
@@ -349,7 +353,7 @@ COMMANDS: dict[str, Command] = {
                      _train, config_mod.Config, (*TASK_TRAINING, *RUN_FOLDER, opts.ResultFileOptions)),
     "compare": Command("Run XGBLoRA and LoRA (or any methods) side by side over seeds; write a loss figure and tables.",
                        _compare, config_mod.CompareConfig, TASK_TRAINING),
-    "eval": Command("Zero-shot or in-context evaluation (k demonstrations with --num_train k); writes results.json.",
+    "eval": Command("Zero-shot or in-context evaluation (k demonstrations with --num_train k), or retrieval on BEIR files (--beir_dir); writes results.json.",
                     _eval, config_mod.Config, EVALUATION, EVAL_DEFAULTS),
     "mezo": Command("MeZO's run.py as it is: its flags and defaults (no training unless --trainer; result/ copy).",
                     _mezo, config_mod.Config, (*TASK_TRAINING, *RUN_FOLDER, opts.ResultFileOptions), MEZO_DEFAULTS),
@@ -364,6 +368,9 @@ COMMANDS: dict[str, Command] = {
                     _grpo, config_mod.GRPOConfig, (*TRAINING, *RUN_FOLDER, opts.SamplingOptions), GRPO_DEFAULTS),
     "dpo": Command("Preference training on chosen/rejected pairs (DPO, IPO, hinge, robust, SimPO, ORPO; TRL's options).",
                    _dpo, config_mod.DPOConfig, (*TRAINING, *RUN_FOLDER, opts.BatchOptions), DPO_DEFAULTS),
+    "kto": Command("Preference training on unpaired rows: a completion and whether it is desirable (KTO; TRL's options).",
+                   _kto, config_mod.KTOConfig, (*TRAINING, *RUN_FOLDER, opts.BatchOptions, opts.KTOOptions),
+                   KTO_DEFAULTS),
     "bench": Command("Measure speed and memory against baselines.", _bench, add_flags=add_bench_arguments),
     "env": Command("Print the environment report (versions, device, attention backends, chosen defaults).", _env),
     "export": Command("Export a run as a PEFT adapter, a merged model, or a GGUF file (llama.cpp, Ollama).", _export,

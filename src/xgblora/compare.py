@@ -1,4 +1,4 @@
-"""`xgblora compare`: run methods x seeds through train.run (reusing finished runs), then write the report."""
+"""`xgblora compare`: run methods x seeds through the train recipe (`recipes.sft.run`, reusing finished runs), then write the report."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from xgblora import checkpoint, outputs, report, train
+from xgblora import checkpoint, outputs, report
 from xgblora.config import CompareConfig, Config
 from xgblora.errors import UserError
 from xgblora.logs import setup_console_logging
 from xgblora.options import ZO_ESTIMATORS
+from xgblora.recipes import sft
 
 log = logging.getLogger("xgblora")
 
@@ -72,7 +73,7 @@ def run_all(configs: list[Config], output_root: Path, loss_figure_path: Path | N
         if not run_cfg.overwrite_output_dir and checkpoint.step_checkpoints(out / "checkpoints"):
             run_cfg = dataclasses.replace(run_cfg, resume_from_checkpoint="latest")
         try:
-            train.run(run_cfg)
+            sft.run(run_cfg)
             finished.append(out)
         except UserError as exc:
             failed.append((name, str(exc)))

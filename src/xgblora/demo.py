@@ -7,8 +7,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-from xgblora import compare, outputs, train
+from xgblora import compare, outputs
 from xgblora.config import CompareConfig, Config
+from xgblora.recipes import sft
 
 POSITIVE = ("great", "good", "fun", "funny", "lovely", "superb", "moving", "brilliant")
 NEGATIVE = ("bad", "terrible", "boring", "dull", "awful", "weak", "tedious", "bland")
@@ -72,6 +73,6 @@ def run_demo(out: Path = Path("xgblora-demo"), steps: int = 300, num_eval: int =
     configs = demo_configs(out, steps, num_eval)
     baseline_cfg = Config(**{**vars(configs[0]), "trainer": "none", "num_train": 0,
                              "output_dir": str(out / "untrained"), "result_file": str(out / "untrained" / "mezo.json")})
-    baseline = train.run(baseline_cfg)
+    baseline = sft.run(baseline_cfg)
     done = compare.run_all(configs, out, out / "loss.png")
     return {**done, "untrained_accuracy": baseline["accuracy"]}

@@ -95,6 +95,11 @@ class Distributed:
         return model, optimizer
 
     @property
+    def shards_model(self) -> bool:
+        """Whether prepare() wraps the model in FSDP (more than one process under an FSDP config)."""
+        return self.world_size > 1 and self._fsdp
+
+    @property
     def _fsdp(self) -> bool:
         from accelerate.utils import DistributedType
 

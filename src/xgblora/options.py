@@ -123,16 +123,60 @@ class HeadOptions:
 
 @dataclass(frozen=True)
 class EmbeddingOptions:
-    """What an embedding model embeds: the objective, the instructions before queries and documents, the pooling of the instruction, attention both ways."""
+    """What an embedding model embeds: the objective, the instructions before queries and documents, the pooling of the instruction, attention both ways, the Matryoshka sizes."""
 
-    objective: str = _opt("lm", "What the model learns: lm (the task's own loss), contrastive (an embedding model on query/positive pairs) or grit (a causal LM that embeds and generates).",
-                          ("lm", "contrastive", "grit"))
+    objective: str = _opt("lm", "What the model learns: lm (the task's own loss), contrastive (an embedding model on query/positive pairs), grit (a causal LM that embeds and generates) or rerank (a cross-encoder scoring a (query, passage) pair with one logit, as sentence-transformers' CrossEncoder).",
+                          ("lm", "contrastive", "grit", "rerank"))
     query_instruction: str = _opt("", "Contrastive/GRIT: text put before every query (e.g. 'query: '); with --instruction_format gritlm the task instruction that GritLM's format wraps.")
     doc_instruction: str = _opt("", "Contrastive/GRIT: text put before every document (e.g. 'passage: '); with --instruction_format gritlm wrapped the same way.")
     instruction_format: str = _opt("plain", "Contrastive/GRIT: plain (the instructions as they are) or gritlm (GritLM's format: '<|user|>\\n{instruction}\\n<|embed|>\\n', or '<|embed|>\\n' without an instruction, for queries and documents alike).",
                                    ("plain", "gritlm"))
     include_prompt: bool | None = _opt(None, "Contrastive/GRIT: the instruction's tokens count in the mean pooling (they are always attended to). Default: off for grit, on for contrastive.")
     bidirectional: bool | None = _opt(None, "Contrastive/GRIT with a causal LM: the embedding pass attends both ways (GritLM; checked). Default: on for grit, off for contrastive.")
+    matryoshka_dims: str | None = _opt(None, "Contrastive/GRIT: Matryoshka embeddings (sentence-transformers' MatryoshkaLoss): the loss summed over the embeddings cut to each of these sizes, e.g. 384,256,128,64 (each cut normalised anew); a retrieval evaluation (--beir_dir) scores at each size (truncate_dim).")
+
+
+@dataclass(frozen=True)
+class RetrievalOptions:
+    """Retrieval evaluation on BEIR-format files (a corpus, queries, relevance judgements), scored as sentence-transformers' InformationRetrievalEvaluator: nDCG@10, MRR@10, MAP@100, accuracy, precision and recall at 1, 3, 5, 10 (and 100)."""
+
+    beir_dir: str | None = _opt(None, "A BEIR-format folder: corpus.jsonl (_id, title, text), queries.jsonl (_id, text) and qrels/test.tsv (query-id, corpus-id, score, after a header line; a score above 0 is relevant); each file can be named apart instead.")
+    corpus_file: str | None = _opt(None, "The corpus JSONL (_id, text, optional title) instead of --beir_dir's corpus.jsonl.")
+    queries_file: str | None = _opt(None, "The queries JSONL (_id, text) instead of --beir_dir's queries.jsonl.")
+    qrels_file: str | None = _opt(None, "The relevance judgements TSV (query-id, corpus-id, score) instead of --beir_dir's qrels/test.tsv (e.g. qrels/dev.tsv).")
+
+    @property
+    def retrieval_files(self) -> tuple[Path, Path, Path] | None:
+        """The corpus, queries and qrels files of a retrieval evaluation; None when none is named."""
+        given = {"corpus_file": self.corpus_file, "queries_file": self.queries_file, "qrels_file": self.qrels_file}
+        if self.beir_dir is None and not any(given.values()):
+            return None
+        if self.beir_dir is None and not all(given.values()):
+            missing = ", ".join(f"--{name}" for name, path in given.items() if not path)
+            raise UserError(f"a retrieval evaluation reads three files: give --beir_dir DIR, or also {missing}")
+        folder = Path(self.beir_dir or ".")
+        return (Path(self.corpus_file or folder / "corpus.jsonl"), Path(self.queries_file or folder / "queries.jsonl"),
+                Path(self.qrels_file or folder / "qrels" / "test.tsv"))
+
+
+@dataclass(frozen=True)
+class RerankEvalOptions:
+    """A second stage for a retrieval evaluation: a cross-encoder reranking the first stage's best documents, scored as sentence-transformers' CrossEncoderRerankingEvaluator: MAP, MRR@10 and nDCG@10, before and after."""
+
+    reranker: str | None = _opt(None, "With --beir_dir: a cross-encoder (an xgblora rerank run, a sentence-transformers CrossEncoder folder, a hub id or pkg:) that reranks the first stage's --rerank_top_k documents of each query.")
+    rerank_top_k: int = _opt(100, "How many of the first stage's best documents the --reranker reranks per query (sentence-transformers' rerank_k).")
+    always_rerank_positives: bool = _opt(True, "The --reranker also ranks the relevant documents the first stage left out of its top k, so its figures can reach 1 (sentence-transformers' default); false: it ranks the first stage's top k alone.")
+
+
+@dataclass(frozen=True)
+class RerankOptions:
+    """Training a cross-encoder reranker (--objective rerank): the loss, as sentence-transformers' CrossEncoder losses compute it."""
+
+    rerank_loss: str = _opt("bce", "Rerank: bce (BinaryCrossEntropyLoss on each pair's label), mnrl (MultipleNegativesRankingLoss: each query's positive against its hard negatives and --rerank_num_negatives passages of other rows, on 10 x sigmoid(logit)) or lambda (LambdaLoss: each query's passages ranked by their labels).",
+                             ("bce", "mnrl", "lambda"))
+    rerank_num_negatives: int = _opt(4, "Rerank with mnrl: passages of the batch's other rows scored as each query's negatives, drawn at random (sentence-transformers' num_negatives); -1: all of them.")
+    rerank_weighting_scheme: str = _opt("ndcg_loss2pp", "Rerank with lambda: LambdaLoss's weighting scheme: ndcg_loss2pp (NDCGLoss2++, mu 10), ndcg_loss2, ndcg_loss1, lambdarank or none.",
+                                        ("ndcg_loss2pp", "ndcg_loss2", "ndcg_loss1", "lambdarank", "none"))
 
 
 @dataclass(frozen=True)
@@ -163,7 +207,6 @@ class ContrastiveOptions:
                                  ("infonce", "symmetric"))
     learnable_temperature: bool = _opt(False, "Contrastive: learn the temperature (as CLIP does, its log-scale trained by AdamW from --contrastive_temperature).")
     mini_batch_size: int = _opt(0, "Contrastive/GRIT gradient caching (GradCache): embed this many rows at a time, keeping every in-batch negative at one mini-batch's memory; 0: off.")
-    matryoshka_dims: str | None = _opt(None, "Contrastive/GRIT: Matryoshka embeddings (sentence-transformers' MatryoshkaLoss): the loss summed over the embeddings cut to each of these sizes, e.g. 384,256,128,64 (each cut normalised anew).")
     matryoshka_weights: str | None = _opt(None, "Contrastive/GRIT: the weight of each --matryoshka_dims size's loss, as many as sizes (default: 1 each).")
     embed_pieces: bool | None = _opt(None, "Contrastive/GRIT without gradient caching: embed in length-sorted pieces, each padded to its own longest row. Default: on for the CPU, off on CUDA.")
     grit_train_file: str | None = _opt(None, "GRIT: instruction data for the generative loss, in any form --train_file takes (messages, prompt/completion, text).")
@@ -329,7 +372,22 @@ class SamplingOptions:
     max_batch_tokens: int = _opt(32768, "Memory budget of a generation batch: rows x (longest prompt + max_new_tokens) tokens of KV cache.")
 
 
+@dataclass(frozen=True)
+class KTOOptions:
+    """KTO on unpaired rows (a completion and whether it is desirable), under TRL's KTOConfig names."""
+
+    loss_type: str = _opt("kto", "kto (KTO's loss, with its KL estimate from mismatched prompt/completion pairs) or apo_zero_unpaired (APO-zero's unpaired loss: no KL term).",
+                          ("kto", "apo_zero_unpaired"))
+    beta: float = _opt(0.1, "How far the policy may move from the reference: the rewards are beta times the log ratios; higher keeps it closer.")
+    desirable_weight: float = _opt(1.0, "Weight of the desirable rows' losses (to balance unequal numbers of desirable and undesirable rows).")
+    undesirable_weight: float = _opt(1.0, "Weight of the undesirable rows' losses.")
+    precompute_ref_log_probs: bool = _opt(False, "Compute the reference's log-probabilities of every row (and its KL completion) once before training (always so for XGBLoRA, full fine-tuning and a continued --adapter).")
+    precompute_ref_batch_size: int | None = _opt(None, "Rows per forward while precomputing (default: per_device_eval_batch_size).")
+    disable_dropout: bool = _opt(True, "Training forwards without the model's dropout (TRL's default), so the policy scores a row as the reference does and the first step's log ratios are 0; false keeps the model's dropout (--trainer zo never applies it).")
+
+
 # Every group: a command's options are the fields of the groups it names and those of its own classes.
-GROUPS = (ModelOptions, InputOptions, TaskOptions, HeadOptions, EmbeddingOptions, SupervisedOptions, ContrastiveOptions,
-          InstructionOptions, AdapterOptions, BoostingOptions, OptimizerOptions, ZOOptions, ComputeOptions,
-          BatchOptions, RunOptions, OutputOptions, ResultFileOptions, LoopOptions, SamplingOptions)
+GROUPS = (ModelOptions, InputOptions, TaskOptions, HeadOptions, EmbeddingOptions, RetrievalOptions, RerankEvalOptions,
+          SupervisedOptions, ContrastiveOptions, RerankOptions, InstructionOptions, AdapterOptions, BoostingOptions,
+          OptimizerOptions, ZOOptions, ComputeOptions, BatchOptions, RunOptions, OutputOptions, ResultFileOptions,
+          LoopOptions, SamplingOptions, KTOOptions)

@@ -453,12 +453,15 @@ GRPO_PANELS = (("reward", "reward (total)"), ("accuracy", "accuracy (training sa
 DPO_PANELS = (("loss", "loss"), ("rewards/accuracies", "preference accuracy (chosen > rejected)"),
               ("rewards/margins", "reward margin"), ("rewards/chosen", "reward of chosen"),
               ("rewards/rejected", "reward of rejected"))
+KTO_PANELS = (("loss", "loss"), ("rewards/margins", "reward margin (desirable - undesirable)"),
+              ("rewards/chosen", "reward of desirable rows"), ("rewards/rejected", "reward of undesirable rows"),
+              ("kl", "KL estimate"))
 
 
 def write_curves_report(run_dir: Path, results: dict[str, Any], name: str,
                         panels: Sequence[tuple[str, str]]) -> dict[str, Path]:
     """NAME.png (the panels' metrics per logged training step) and report.html with the run's results, from the
-    run's metrics.jsonl (grpo: GRPO_PANELS, dpo: DPO_PANELS)."""
+    run's metrics.jsonl (grpo: GRPO_PANELS, dpo: DPO_PANELS, kto: KTO_PANELS)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -489,3 +492,35 @@ def write_curves_report(run_dir: Path, results: dict[str, Any], name: str,
 
 def _fmt_cell(value: Any) -> str:
     return "" if value is None else f"{value:.3f}" if isinstance(value, float) else html.escape(str(value))
+
+
+def _figure_table(first: str, figures: dict[str, dict[str, float]]) -> str:
+    """An HTML table of figures: one row per label, one column per figure name."""
+    names = list(next(iter(figures.values())))
+    head = "".join(f"<th>{html.escape(n)}</th>" for n in (first, *names))
+    rows = "".join(f"<tr><td>{html.escape(label)}</td>" + "".join(f"<td>{values[n]:.4f}</td>" for n in names)
+                   + "</tr>\n" for label, values in figures.items())
+    return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{rows}</tbody>\n</table>\n"
+
+
+def write_retrieval_report(run_dir: Path, results: dict[str, Any], figures: dict[str, dict[str, float]],
+                           reranking: dict[str, dict[str, float]] | None = None) -> Path:
+    """report.html of a retrieval evaluation: what was scored (the results' other entries), then the figures, one
+    row per embedding size (`figures`: size label -> figure name -> value), and a reranker's figures before and
+    after (`reranking`: row label -> figure name -> value)."""
+    about = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{_fmt_cell(v)}</td></tr>" for k, v in results.items()
+                    if not isinstance(v, float))
+    reranked = ("<h2>Reranking</h2>\n" + _figure_table("ranking", reranking) +
+                '<p class="note">As sentence-transformers\' CrossEncoderRerankingEvaluator: the mean over the queries '
+                "of MAP, MRR@10 and nDCG@10 of the first stage's top k and of the reranker's order of them.</p>\n"
+                ) if reranking else ""
+    page = ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+            f"<title>xgblora retrieval report</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
+            f"<h1>xgblora retrieval report</h1>\n<table>\n<tbody>\n{about}</tbody>\n</table>\n"
+            f"<h2>Cosine similarity</h2>\n{_figure_table('embedding', figures)}"
+            '<p class="note">As sentence-transformers\' InformationRetrievalEvaluator: each figure is the mean over '
+            f"the queries that have a relevant document; ties go to the smaller document id.</p>\n{reranked}"
+            "</body>\n</html>\n")
+    path = Path(run_dir) / "report.html"
+    atomic.write_text(path, page)
+    return path

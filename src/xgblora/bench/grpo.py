@@ -33,8 +33,8 @@ from xgblora.bench.sft import chat_tokenizer, generated_conversations
 from xgblora.bench.timing import InterleavedSteps, against_trainer
 from xgblora.config import GRPOConfig
 from xgblora.errors import UserError
-from xgblora.generation.grpo import prepare
 from xgblora.models import pretrained
+from xgblora.recipes.grpo import prepare
 from xgblora.train.loop import Trainer
 
 GRPO_MODELS = ("llama-100m-random",)

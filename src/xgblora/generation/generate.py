@@ -85,11 +85,9 @@ class PartialOutput:
             self._check_settings(settings)
         else:
             text = json.dumps(settings, indent=2, sort_keys=True)
-            try:
+            with atomic.write_errors(self.settings_file, "Free some space and run the command again",
+                                     lambda: len(text.encode("utf-8"))):
                 atomic.write_text(self.settings_file, text)
-            except OSError as exc:
-                raise atomic.failed_write(self.settings_file, exc, len(text.encode("utf-8")),
-                                          "Free some space and run the command again") from None
         self.lines = self._complete_lines()
 
     def _check_settings(self, settings: dict[str, Any]) -> None:
@@ -118,14 +116,12 @@ class PartialOutput:
     def append(self, records: list[dict[str, Any]]) -> None:
         """Add one batch's lines durably (one write, then fsync). A failed write (a full disk) ends in one line; what
         it left (whole lines, perhaps a torn last one) is what the next run resumes from."""
-        try:
-            with open(self.partial, "ab") as handle:
-                handle.write(atomic.jsonl(records).encode("utf-8"))
-                handle.flush()
-                os.fsync(handle.fileno())
-        except OSError as exc:
-            raise atomic.failed_write(self.partial, exc, None, f"The {len(self.lines)} prompts done are kept: free "
-                                      f"some space and run the same command again to continue") from None
+        advice = (f"The {len(self.lines)} prompts done are kept: free some space and run the same command again to "
+                  f"continue")
+        with atomic.write_errors(self.partial, advice), open(self.partial, "ab") as handle:
+            handle.write(atomic.jsonl(records).encode("utf-8"))
+            handle.flush()
+            os.fsync(handle.fileno())
         self.lines.update((r["index"], r) for r in records)
 
     def finish(self, rows: list[dict[str, Any]]) -> None:
@@ -133,12 +129,10 @@ class PartialOutput:
         and every completion in OUTPUT.partial."""
         merged = [{**row, **{k: v for k, v in self.lines[i].items() if k != "index"}} for i, row in enumerate(rows)]
         text = atomic.jsonl(merged)
-        try:
+        advice = (f"Every completion is kept in {self.partial}: free some space and run the same command again to "
+                  f"write {self.output.name}")
+        with atomic.write_errors(self.output, advice, lambda: len(text.encode("utf-8"))):
             atomic.write_text(self.output, text)
-        except OSError as exc:
-            raise atomic.failed_write(self.output, exc, len(text.encode("utf-8")), f"Every completion is kept in "
-                                      f"{self.partial}: free some space and run the same command again to write "
-                                      f"{self.output.name}") from None
         self.partial.unlink()
         self.settings_file.unlink()
 

@@ -34,11 +34,10 @@ import torch
 from torch import Tensor, nn
 
 from xgblora.data.batches import TokenBatch
-from xgblora.models.scoring import shared_prefix_logits, token_logprobs
+from xgblora.models.scoring import completion_scores
 
+# what row_weights knows (GRPOConfig's --loss_type choices, pinned to it by a test)
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-SCALE_REWARDS = ("group", "batch", "none")
 STD_EPS = 1e-4  # TRL's: A = (r - mean) / (std + 1e-4)
 
 
@@ -177,10 +176,11 @@ class CompletionBatch(TokenBatch):
         return self.attention_mask.sum(1) - self.prompt_length
 
 
-def completion_logprobs(model: nn.Module, batch: CompletionBatch, temperature: float,
-                        with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+def completion_logprobs(model: nn.Module, batch: CompletionBatch, temperature: float, with_entropy: bool = False,
+                        fused: bool = True) -> tuple[Tensor, Tensor | None]:
     """log p(token) of the completion tokens at temperature [rows, k] (the last k columns, as target_mask; zero off
-    the mask), and, when asked, the entropy of each of those positions' distributions (no gradient).
+    the mask), and, when asked, the entropy of each of those positions' distributions (no gradient); fused: through
+    the fused LM head where the model allows it.
 
     Each distinct prompt of the batch runs through the model once and its KV cache serves all its completions, so
     G completions of a P-token prompt cost P + G C tokens of forward and backward, not G (P + C). Gradients reach
@@ -191,16 +191,12 @@ def completion_logprobs(model: nn.Module, batch: CompletionBatch, temperature: f
     steps = torch.arange(longest, device=lengths.device)
     columns = (batch.input_ids.shape[1] - lengths)[:, None] + steps  # right-aligned completions, read left-aligned
     completion = batch.input_ids.gather(1, columns.clamp(max=batch.input_ids.shape[1] - 1))
-    logits = shared_prefix_logits(model, prompt_ids, prompt_mask, row_prompt, completion,
-                                  (steps < lengths[:, None]).long())
-    if temperature != 1.0:
-        logits = [part / temperature for part in logits]
-    targets = (completion[:, :1], completion[:, 1:])  # predicted by the prompt's logits, by the completion's
-    logps = torch.cat([token_logprobs(part, t) for part, t in zip(logits, targets, strict=False)], dim=1)
+    scores = completion_scores(model, prompt_ids, prompt_mask, row_prompt, completion,
+                               (steps < lengths[:, None]).long(), temperature, statistics=with_entropy, fused=fused)
     k = batch.target_mask.shape[1]
     window = (torch.arange(k, device=lengths.device) - (k - lengths)[:, None]).clamp(0, longest - 1)
-    entropy = torch.cat([_entropy(part) for part in logits], dim=1).gather(1, window) if with_entropy else None
-    return logps.gather(1, window) * batch.target_mask, entropy
+    entropy = scores.entropy.gather(1, window) if with_entropy else None
+    return scores.logprobs.gather(1, window) * batch.target_mask, entropy
 
 
 def _prompts(batch: CompletionBatch, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -215,16 +211,6 @@ def _prompts(batch: CompletionBatch, lengths: Tensor) -> tuple[Tensor, Tensor, T
     columns = end[:, None] - width + torch.arange(width, device=end.device)
     mask = (columns >= (end - length)[:, None]).long()
     return batch.input_ids[owner].gather(1, columns.clamp(min=0)), mask, row_prompt
-
-
-@torch.no_grad()
-def _entropy(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) at every position, one row at a time (no [rows, k, vocab] fp32 copy at once)."""
-    out = []
-    for row in logits:
-        logp = torch.log_softmax(row.float(), dim=-1)
-        out.append(-(logp.exp() * logp).sum(-1))
-    return torch.stack(out)
 
 
 class Statistics:
@@ -255,17 +241,23 @@ class GRPOLoss:
     """loss_fn(batch) -> [rows]: each completion's w_i sum_t l_it m_it, for the steppers (AdamW and MeZO)."""
 
     def __init__(self, model: nn.Module, objective: Objective, temperature: float,
-                 autocast: torch.dtype | None = None):
+                 autocast: torch.dtype | None = None, fused: bool = True):
         self.model, self.objective, self.temperature, self.autocast = model, objective, temperature, autocast
+        self.fused = fused
         self.statistics = Statistics()
 
     def __call__(self, batch: CompletionBatch) -> Tensor:
         device = batch.input_ids.device
         with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
-            logps, entropy = completion_logprobs(self.model, batch, self.temperature, with_entropy=True)
+            logps, entropy = completion_logprobs(self.model, batch, self.temperature, with_entropy=True,
+                                                 fused=self.fused)
         old = logps.detach() if batch.old_logps is None else batch.old_logps
         mask = batch.target_mask
         losses, stats = token_losses(logps, old, batch.ref_logps, batch.advantages, self.objective, mask)
         self.statistics.add({**stats, "entropy": entropy}, mask)
         return (losses * mask).sum(1) * batch.nll_weight * batch.loss_scale
+
+    def metrics(self) -> dict[str, float]:
+        """This process's clip ratios, KL and entropy per token since the last call."""
+        return self.statistics.drain()
 

@@ -8,6 +8,9 @@ are not the head's output alone, and the logits path must stay).
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -21,15 +24,25 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier
                     "logits_scaling")
 
 
-def fused_token_logprobs(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor,
-                         chunk: int | None = None) -> torch.Tensor:
-    """log softmax(head(hidden))[target] in fp32, shape [N], for hidden states [N, H] and targets [N].
+class TokenScores(NamedTuple):
+    """Per scored token: log p(target) (with gradients), and, no gradient, the entropy of the token's distribution
+    and its mean logit (what GRPO and DPO log)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    mean_logit: torch.Tensor | None = None
+
+
+def fused_token_logprobs(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk: int | None = None,
+                         temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(head(hidden) / temperature)[target] in fp32, shape [N], for hidden states [N, H] and targets [N].
 
     Each chunk of `chunk` tokens (default `chunk_tokens(head)`: HEAD_CHUNK_BYTES of fp32 logits) runs under a
     non-reentrant checkpoint: the forward keeps only the chunk's inputs and its log-probabilities, and the backward
     recomputes the chunk's logits, turns them into their own gradient in place (`_ChunkLogprob`), backpropagates
     that through the head and frees it before the next chunk's. The peak holds one chunk's logits, not N rows of
-    them; the price is one more head projection per token (a third more head FLOPs).
+    them; the price is one more head projection per token (a third more head FLOPs). Without gradients the chunks
+    run once, each freed before the next.
 
     Against TRL's `add_fused_lm_head` (an autograd.Function over the head's weight and bias tensors, which also
     applies the logit scale and softcapping some families have) and Liger's `LigerFusedLinearCrossEntropyLoss` (a
@@ -40,15 +53,30 @@ def fused_token_logprobs(hidden: torch.Tensor, head: nn.Module, targets: torch.T
     (per-example means, token means, packed sequences). Models whose logits are scaled or softcapped keep the
     logits path (`split_head`).
     """
+    return _chunked(hidden, head, targets, chunk, temperature, statistics=False)[0]
+
+
+def fused_token_scores(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk: int | None = None,
+                       temperature: float = 1.0) -> TokenScores:
+    """`fused_token_logprobs`, and from the same chunk of logits each token's entropy (at temperature) and mean
+    logit: the statistics GRPO and DPO log, at no more memory than the log-probabilities'."""
+    return TokenScores(*_chunked(hidden, head, targets, chunk, temperature, statistics=True))
+
+
+def _chunked(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk: int | None, temperature: float,
+             statistics: bool) -> list[torch.Tensor]:
+    """The chunks' outputs of `_ChunkLogprob`, each concatenated over the chunks."""
     if hidden.shape[0] == 0:
-        return hidden.sum(-1).float()  # empty, but connected to the graph: backward() still runs
+        empty = hidden.sum(-1).float()  # empty, but connected to the graph: backward() still runs
+        return [empty] + [empty.detach()] * (2 * statistics)
     chunk = chunk or chunk_tokens(head)
-    if not torch.is_grad_enabled():
-        return torch.cat([_chunk_logprobs(head, hidden[start:start + chunk], targets[start:start + chunk])
-                          for start in range(0, hidden.shape[0], chunk)])
-    return torch.cat([checkpoint(_chunk_logprobs, head, hidden[start:start + chunk], targets[start:start + chunk],
-                                 use_reentrant=False)
-                      for start in range(0, hidden.shape[0], chunk)])
+    run = functools.partial(_chunk_scores, head, temperature=temperature, statistics=statistics)
+    pieces = (slice(start, start + chunk) for start in range(0, hidden.shape[0], chunk))
+    if torch.is_grad_enabled():
+        parts = [checkpoint(run, hidden[s], targets[s], use_reentrant=False) for s in pieces]
+    else:
+        parts = [run(hidden[s], targets[s]) for s in pieces]
+    return [torch.cat(column) for column in zip(*parts, strict=True)]
 
 
 def chunk_tokens(head: nn.Module) -> int:
@@ -57,29 +85,43 @@ def chunk_tokens(head: nn.Module) -> int:
     return max(1, HEAD_CHUNK_BYTES // (4 * vocab))
 
 
-def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return _ChunkLogprob.apply(head(hidden), targets)
+def _chunk_scores(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                  statistics: bool) -> tuple[torch.Tensor, ...]:
+    return _ChunkLogprob.apply(head(hidden), targets, temperature, statistics)
 
 
 class _ChunkLogprob(torch.autograd.Function):
-    """log softmax(logits)[target] in fp32 for one chunk [c, vocab]; the backward writes the logits' gradient over
-    the logits (fp32; a bf16 chunk's fp32 copy): only this function reads them, the head's backward keeps its input
-    and weight, not its output. Autograd's log_softmax + gather would hold an fp32 copy, the log-softmax and two
-    [c, vocab] gradients."""
+    """log softmax(logits / T)[target] in fp32 for one chunk [c, vocab] (and, asked for statistics, the entropy at T
+    and the mean logit, no gradient); the backward writes the logits' gradient over the logits (fp32; a bf16
+    chunk's fp32 copy): only this function reads them, the head's backward keeps its input and weight, not its
+    output. Autograd's log_softmax + gather would hold an fp32 copy, the log-softmax and two [c, vocab] gradients."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        lse = torch.logsumexp(logits.float(), dim=-1)
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                statistics: bool) -> tuple[torch.Tensor, ...]:
+        z = logits.float() / temperature if temperature != 1.0 else logits.float()
+        lse = torch.logsumexp(z, dim=-1)
         ctx.save_for_backward(logits, targets, lse)
-        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).float() - lse
+        ctx.temperature = temperature
+        logprobs = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        if not statistics:
+            return (logprobs,)
+        entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)  # -sum p log p, log p = z - lse
+        mean_logit = logits.float().mean(-1)
+        ctx.mark_non_differentiable(entropy, mean_logit)
+        return logprobs, entropy, mean_logit
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx, grad_out: torch.Tensor, *_: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits, targets, lse = ctx.saved_tensors
+        t = ctx.temperature
         grad = grad_out.float().unsqueeze(-1)
-        grad_logits = logits.float().sub_(lse.unsqueeze(-1)).exp_().mul_(-grad)  # -softmax, in place when fp32
+        z = logits.float() if t == 1.0 else logits.float().div_(t)  # in place when fp32: see the class docstring
+        grad_logits = z.sub_(lse.unsqueeze(-1)).exp_().mul_(-grad)  # -softmax(z)
         grad_logits.scatter_add_(-1, targets.unsqueeze(-1), grad)  # + onehot(target)
-        return grad_logits.to(logits.dtype), None
+        if t != 1.0:
+            grad_logits.div_(t)  # dz/dlogits
+        return grad_logits.to(logits.dtype), None, None, None
 
 
 def split_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:

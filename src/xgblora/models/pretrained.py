@@ -178,23 +178,48 @@ def embedding_head(name_or_path: str, objective: str, trust_remote_code: bool = 
     return "embed" if encoder else "lm"
 
 
+def _sentence_config(name_or_path: str, module: str | None, file: str) -> dict[str, Any]:
+    """A JSON file of a local sentence-transformers checkpoint: in the folder of its module of that type (by
+    modules.json) or, module None, at its root; {} where there is none."""
+    if name_or_path in RANDOM_MODELS:
+        return {}
+    root = Path(resolve_path(name_or_path))
+    try:
+        if module is not None:
+            modules = json.loads((root / "modules.json").read_text(encoding="utf-8"))
+            root = root / next(m["path"] for m in modules if m.get("type", "").endswith(f"models.{module}"))
+        config = json.loads((root / file).read_text(encoding="utf-8"))
+    except (OSError, ValueError, StopIteration, TypeError, KeyError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def sentence_pooling(name_or_path: str) -> str | None:
     """The pooling a sentence-transformers checkpoint was trained with ('cls', 'mean' or 'last'), read from its
     modules.json and Pooling config; None when the model has none (or uses a mode a classifier head cannot read)."""
-    if name_or_path in RANDOM_MODELS:
-        return None
-    root = Path(resolve_path(name_or_path))
-    try:
-        modules = json.loads((root / "modules.json").read_text(encoding="utf-8"))
-        folder = next(m["path"] for m in modules if m.get("type", "").endswith("models.Pooling"))
-        config = json.loads((root / folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, StopIteration, TypeError, KeyError):
-        return None
+    config = _sentence_config(name_or_path, "Pooling", "config.json")
     for mode, name in (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),
                        ("pooling_mode_lasttoken", "last")):
         if config.get(mode):
             return name
     return None
+
+
+def sentence_settings(name_or_path: str) -> dict[str, Any]:
+    """How a sentence-transformers checkpoint embeds, as xgblora's options: max_length (its max_seq_length),
+    query_instruction and doc_instruction (its "query" and "document" prompts) and include_prompt (its Pooling's);
+    only those it sets, {} for another model."""
+    settings: dict[str, Any] = {}
+    length = _sentence_config(name_or_path, None, "sentence_bert_config.json").get("max_seq_length")
+    if isinstance(length, int) and not isinstance(length, bool) and length > 1:
+        settings["max_length"] = length
+    prompts = _sentence_config(name_or_path, None, "config_sentence_transformers.json").get("prompts")
+    for name, option in (("query", "query_instruction"), ("document", "doc_instruction")):
+        if isinstance(prompts, dict) and isinstance(prompts.get(name), str) and prompts[name]:
+            settings[option] = prompts[name]
+    if _sentence_config(name_or_path, "Pooling", "config.json").get("include_prompt") is False:
+        settings["include_prompt"] = False
+    return settings
 
 
 def choose_attention(requested: str, device: torch.device) -> str:

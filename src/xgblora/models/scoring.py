@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from xgblora.data.batches import LabelBatch, PackedBatch, TokenBatch
-from xgblora.models.fused_head import fused_token_logprobs, split_head
+from xgblora.models.fused_head import TokenScores, fused_token_logprobs, fused_token_scores, split_head
 
 
 @contextlib.contextmanager
@@ -93,25 +93,69 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def shared_prefix_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                         row_prompt: torch.Tensor, completion: torch.Tensor,
-                         completion_mask: torch.Tensor) -> list[torch.Tensor]:
-    """The logits that predict each completion token, its prompt run once: the distinct (left-padded) prompts go
-    through the model once, their KV cache is repeated to the completion rows (`row_prompt`: each row's prompt),
-    and the completions (right-padded) run on it. Returns [the prompt's last position's logits [rows, 1, vocab],
-    the completion's [rows, W - 1, vocab]] (the second only when W > 1). A prompt shared by G completions costs
-    P + G C tokens, not G (P + C); gradients reach the prompt's forward through the cache."""
+def shared_prefix_outputs(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                          row_prompt: torch.Tensor, completion: torch.Tensor, completion_mask: torch.Tensor,
+                          head: bool = True) -> list[torch.Tensor]:
+    """What predicts each completion token, its prompt run once: the distinct (left-padded) prompts go through the
+    model once, their KV cache is repeated to the completion rows (`row_prompt`: each row's prompt), and the
+    completions (right-padded) run on it. Returns the logits (head), or the backbone's final states when `model`
+    is a backbone (head=False), in two parts: the prompt's last position [rows, 1, *], which predicts the first
+    token, and the completion's [rows, W - 1, *] (only when W > 1); kept apart, as a concatenation would copy the
+    logits. A prompt shared by G completions costs P + G C tokens, not G (P + C); gradients reach the prompt's
+    forward through the cache."""
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
-                position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
+                position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True,
+                **({"logits_to_keep": 1} if head else {}))
     out.cache.batch_select_indices(row_prompt)
-    logits = [out.logits[:, -1][row_prompt].unsqueeze(1)]  # the prompt's last position predicts the first token
+    parts = [(out.logits if head else out.last_hidden_state)[:, -1:][row_prompt]]  # predicts the first token
     if completion.shape[1] > 1:
         attention = torch.cat([prompt_mask[row_prompt], completion_mask[:, :-1]], dim=1)
         position = prompt_mask.sum(1)[row_prompt, None] + torch.arange(completion.shape[1] - 1,
                                                                        device=completion.device)
-        logits.append(model(input_ids=completion[:, :-1], attention_mask=attention, position_ids=position,
-                            cache=out.cache, use_cache=True).logits)
-    return logits
+        rest = model(input_ids=completion[:, :-1], attention_mask=attention, position_ids=position,
+                     cache=out.cache, use_cache=True)
+        parts.append(rest.logits if head else rest.last_hidden_state)
+    return parts
+
+
+def completion_scores(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                      row_prompt: torch.Tensor, completion: torch.Tensor, completion_mask: torch.Tensor,
+                      temperature: float = 1.0, statistics: bool = False, fused: bool = True) -> TokenScores:
+    """Each completion token's log p at temperature [rows, W] (zero off completion_mask) on the shared-prompt forward
+    (`shared_prefix_outputs`), and when asked (statistics) each token's entropy at temperature and mean logit, no
+    gradient. fused (where `split_head` finds the head): the head projects the completion tokens only, a chunk at a
+    time (`fused_head`), with or without gradients; else the logits of every position are built."""
+    mask = completion_mask.bool()
+    split = split_head(model) if fused else None
+    if split is not None:
+        backbone, head = split
+        hidden = torch.cat(shared_prefix_outputs(backbone, prompt_ids, prompt_mask, row_prompt, completion,
+                                                 completion_mask, head=False), dim=1)
+        score = fused_token_scores if statistics else fused_token_logprobs
+        scores = score(hidden[mask], head, completion[mask], temperature=temperature)
+        return TokenScores(*(x.new_zeros(mask.shape).masked_scatter(mask, x)
+                             for x in (scores if statistics else (scores,))))
+    logits = shared_prefix_outputs(model, prompt_ids, prompt_mask, row_prompt, completion, completion_mask)
+    if temperature != 1.0:
+        logits = [part / temperature for part in logits]
+    targets = (completion[:, :1], completion[:, 1:])
+    logprobs = torch.cat([token_logprobs(part, t) for part, t in zip(logits, targets, strict=False)], 1) * mask
+    if not statistics:
+        return TokenScores(logprobs)
+    with torch.no_grad():
+        entropy = torch.cat([_entropy(part) for part in logits], 1)
+        mean_logit = torch.cat([part.float().mean(-1) for part in logits], 1) * temperature  # the raw logits' mean
+        return TokenScores(logprobs, entropy * mask, mean_logit * mask)
+
+
+@torch.no_grad()
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) at every position, one row at a time (no [rows, W, vocab] fp32 copy at once)."""
+    out = []
+    for row in logits:
+        logp = torch.log_softmax(row.float(), dim=-1)
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.stack(out)
 
 
 def target_logprobs(model: nn.Module, batch: TokenBatch, fused: bool = False) -> torch.Tensor:

@@ -28,18 +28,26 @@
   population's losses over processes (0 stands for another process's member): every process then holds all N.
 
 Each `step(loss_fn, batch, lr)` returns the losses it measured: their mean is the step's training loss.
+
+`ESTIMATORS` names every estimator --zo_estimator chooses (MeZO's from optim.zo among them) and `build_estimator`
+builds the chosen one from the ZO options: adding an estimator is its class, its entry, and the options it reads
+in `_own_options`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from xgblora.adapters.lora import LoRALinear
 from xgblora.data.batches import Batch
-from xgblora.optim.zo import SeededZO, Trainable, ZOStepper
+from xgblora.distributed import LOCAL, Distributed
+from xgblora.optim.zo import MeZO, SeededZO, Trainable, ZOStepper
+from xgblora.options import ZOOptions
 
 
 class NSPSA(SeededZO):
@@ -283,3 +291,52 @@ class SVRGStepper(ZOStepper):
             return super().step(next_batch, lr)
         batches = [next_batch() for _ in range(self.mezo.anchor_batches)]
         return self._report(self.mezo.anchor(self.loss_fn, batches, lr=lr))
+
+
+# --zo_estimator NAME -> its estimator (options.ZO_ESTIMATORS, the names --help offers, is pinned to it by a test)
+ESTIMATORS: dict[str, type[SeededZO]] = {"mezo": MeZO, "nspsa": NSPSA, "fzoo": FZOO, "svrg": MeZOSVRG, "es": ES}
+
+
+def build_estimator(zo: ZOOptions, named_params: list[tuple[str, nn.Parameter]], lr: float, *, seed: int,
+                    weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
+                    penalty: float = 0.0, dual_modules: dict[str, LoRALinear] | None = None,
+                    dist: Distributed = LOCAL) -> SeededZO:
+    """The estimator --zo_estimator names, over named_params, with its perturbation and update from `zo` (an object
+    with ZOOptions' fields) and the run's peak rate lr, decay, seed and AdamW betas and epsilon (for
+    --zo_optimizer momentum and adam). The processes of `dist` average their losses, or sum them where they share
+    out ES's population. dual_modules, the adapters a doubled batch can perturb, serve an estimator whose
+    perturbations are +z/-z pairs only: FZOO's and independent ES's are one-sided."""
+    members = spreads_members(zo, "zo")  # an estimator steps under --trainer zo only
+    pairs = zo.zo_estimator != "fzoo" and zo.zo_es_sampling == "antithetic"
+    return ESTIMATORS[zo.zo_estimator](
+        named_params, lr, zo.zo_eps, weight_decay, zo.zo_stochastic_rounding, penalty=penalty,
+        dual_modules=dual_modules if pairs else None, seed=seed, reduce_losses=dist.zo_losses(total=members),
+        optimizer=zo.zo_optimizer, betas=betas, adam_eps=adam_eps,
+        **_own_options(zo, lr, (dist.rank, dist.world_size) if members else (0, 1)))
+
+
+def _own_options(zo: ZOOptions, lr: float, share: tuple[int, int]) -> dict[str, Any]:
+    """An estimator's own options: its queries per step (ES: its population, sampling and this process's share of
+    it), or SVRG's period, anchor batches and anchor rate (as a multiple of the scheduled rate lr, so that it
+    follows the schedule)."""
+    queries = {"queries": zo.zo_queries} if zo.zo_queries is not None else {}
+    if zo.zo_estimator == "es":
+        return {**queries, "sampling": zo.zo_es_sampling, "share": share}
+    if zo.zo_estimator in ("nspsa", "fzoo"):
+        return queries
+    if zo.zo_estimator == "svrg":
+        anchor_rate = zo.zo_svrg_anchor_learning_rate or lr
+        return {"period": zo.zo_svrg_period, "anchor_batches": zo.zo_svrg_anchor_batches,
+                "anchor_lr_scale": anchor_rate / lr}
+    return {}
+
+
+def spreads_members(zo: ZOOptions, trainer: str) -> bool:
+    """Whether the processes share out ES's population (each its members on all of a step's prompts) rather than
+    the step's prompts."""
+    return trainer == "zo" and zo.zo_estimator == "es" and zo.zo_es_spread == "members"
+
+
+def stepper_type(estimator: SeededZO) -> type[ZOStepper]:
+    """The stepper that drives an estimator: SVRG's draws the batches of its anchor steps."""
+    return SVRGStepper if isinstance(estimator, MeZOSVRG) else ZOStepper

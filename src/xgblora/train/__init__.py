@@ -1,8 +1,7 @@
 """Training runs: `setup` (task, model, what trains, the evaluator), `objective` (the loss of each batch kind),
 `head` (a new classifier head: probe, first-order training beside MeZO), `loop` (the Trainer and its state), `lock`
-(one run per output folder), `results` (results.json, final/), and `run`, which ties them together."""
+(one run per output folder), `results` (results.json, final/). The commands that run them are in `recipes/`."""
 
 from xgblora.train.loop import Hooks, LoopState, Trainer
-from xgblora.train.run import run
 
-__all__ = ["Hooks", "LoopState", "Trainer", "run"]
+__all__ = ["Hooks", "LoopState", "Trainer"]

@@ -29,18 +29,18 @@ from xgblora.checkpoint import Checkpointer, prune, step_checkpoints
 from xgblora.config import Config
 from xgblora.data.batches import Batch
 from xgblora.data.order import BatchStream
-from xgblora.distributed import LOCAL, Distributed
+from xgblora.distributed import Distributed
 from xgblora.errors import UserError
 from xgblora.logs import MetricsLog, ProgressLine
+from xgblora.models.checkpointing import enable_checkpointing
 from xgblora.optim.fo import AdamWStepper
 from xgblora.optim.schedule import Schedule
-from xgblora.optim.zo import MeZO, ZOStepper
-from xgblora.optim.zo_estimators import ES, FZOO, NSPSA, MeZOSVRG, SVRGStepper
+from xgblora.optim.zo_estimators import build_estimator, stepper_type
 from xgblora.trackers import open_trackers, parse_report_to
 from xgblora.train.head import HeadTrainer
-from xgblora.train.objective import TrainingLoss, TrainingSet
+from xgblora.train.objective import TrainingSet
 from xgblora.train.results import adapter_task_type, save_final, write_adapter
-from xgblora.train.setup import Method, RunSetup
+from xgblora.train.setup import Method, TrainingRun
 
 log = logging.getLogger("xgblora")
 
@@ -60,11 +60,15 @@ class Stepper(Protocol):
 
 
 class Loss(Protocol):
-    """What the steppers call: per-example losses of a batch, from `model` (which a stepper may wrap, e.g. FSDP)."""
+    """What the steppers call: per-example losses of a batch, from `model` (which a stepper may wrap, e.g. FSDP);
+    `metrics()`: this process's statistics of the losses since the last call, which the Trainer averages over the
+    processes and logs (a loss without statistics returns {})."""
 
     model: torch.nn.Module
 
     def __call__(self, batch: Batch) -> torch.Tensor: ...
+
+    def metrics(self) -> dict[str, float]: ...
 
 
 class BatchSource(Protocol):
@@ -207,7 +211,7 @@ def graceful_stop() -> Iterator[dict[str, bool]]:
             signal.signal(s, h)
 
 
-def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Distributed,
+def build_stepper(cfg: Config, method: Method, loss_fn: Loss, dist: Distributed,
                   device: torch.device) -> Stepper:
     """AdamW (--trainer regular) or a zeroth-order estimator (--trainer zo, --zo_estimator) over the method's
     trainable parameters."""
@@ -221,52 +225,24 @@ def build_stepper(cfg: Config, method: Method, loss_fn: TrainingLoss, dist: Dist
                             accumulation=cfg.gradient_accumulation_steps, micro_batch=cfg.per_device_train_batch_size,
                             nan_policy=cfg.nan_policy, penalty=penalty, dist=dist)
     zo_params = method.zo_params(cfg.head_trainer)
-    # the doubled batch carries adapter perturbations only: not a full model, a zo-trained head, or grouped rows;
-    # and a +z/-z pair only, which FZOO's one-sided perturbations are not
+    # the doubled batch carries adapter perturbations only: not a full model, a zo-trained head, or grouped rows
     dual = cfg.zo_dual is not False and bool(method.modules) and len(zo_params) == len(method.trainable) \
-        and not cfg.train_as_classification and cfg.zo_estimator != "fzoo" and cfg.zo_es_sampling == "antithetic"
+        and not cfg.train_as_classification
     # the norm penalty l(|A|^2 + |B|^2) has the exact gradient 2l*theta, added to the estimate as AdamW adds it
     penalty = 2 * cfg.norm_penalty if boosting is not None else 0.0
-    estimator = ESTIMATORS[cfg.zo_estimator](
-        zo_params, cfg.learning_rate, cfg.zo_eps, cfg.weight_decay, cfg.zo_stochastic_rounding, penalty=penalty,
-        dual_modules=method.modules if dual else None, seed=cfg.seed,
-        reduce_losses=dist.zo_losses(total=spreads_members(cfg)),
-        optimizer=cfg.zo_optimizer, betas=(cfg.adam_beta1, cfg.adam_beta2), adam_eps=cfg.adam_epsilon,
-        **estimator_options(cfg, dist))
-    head = HeadTrainer(loss_fn.model, method.head, cfg.head_learning_rate, reduce=dist.reduce_step) \
+    estimator = build_estimator(cfg, zo_params, cfg.learning_rate, seed=cfg.seed, weight_decay=cfg.weight_decay,
+                                betas=(cfg.adam_beta1, cfg.adam_beta2), adam_eps=cfg.adam_epsilon, penalty=penalty,
+                                dual_modules=method.modules if dual else None, dist=dist)
+    # a new head exists on classifier and reranker runs only, whose loss is a TrainingLoss
+    head = HeadTrainer(loss_fn.model, method.head, cfg.head_learning_rate, loss_fn.head_loss, reduce=dist.reduce_step) \
         if cfg.head_trainer == "first-order" and method.head else None
-    stepper = SVRGStepper if cfg.zo_estimator == "svrg" else ZOStepper
-    return stepper(estimator, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
+    return stepper_type(estimator)(estimator, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
 
 
 # What the progress bar and line show of a logged record, when it holds them: the loss, and what GRPO and DPO
 # users watch.
 PROGRESS_NAMES = {"loss": "loss", "reward": "reward", "accuracy": "acc", "completion_length": "len", "kl": "kl",
                   "rewards/accuracies": "pref_acc", "rewards/margins": "margin"}
-ESTIMATORS = {"mezo": MeZO, "nspsa": NSPSA, "fzoo": FZOO, "svrg": MeZOSVRG, "es": ES}
-
-
-def spreads_members(cfg: Config) -> bool:
-    """Whether the processes share out ES's population (each its members on all of a step's prompts) rather than the
-    step's prompts."""
-    return cfg.trainer == "zo" and cfg.zo_estimator == "es" and cfg.zo_es_spread == "members"
-
-
-def estimator_options(cfg: Config, dist: Distributed = LOCAL) -> dict[str, Any]:
-    """The estimator's own options: its queries per step (ES: its population and this process's share of it), or
-    SVRG's period, anchor batches and anchor rate (as a multiple of the scheduled rate, so that it follows the
-    schedule)."""
-    queries = {"queries": cfg.zo_queries} if cfg.zo_queries is not None else {}
-    if cfg.zo_estimator == "es":
-        share = (dist.rank, dist.world_size) if spreads_members(cfg) else (0, 1)
-        return {**queries, "sampling": cfg.zo_es_sampling, "share": share}
-    if cfg.zo_estimator in ("nspsa", "fzoo"):
-        return queries
-    if cfg.zo_estimator == "svrg":
-        anchor_rate = cfg.zo_svrg_anchor_learning_rate or cfg.learning_rate
-        return {"period": cfg.zo_svrg_period, "anchor_batches": cfg.zo_svrg_anchor_batches,
-                "anchor_lr_scale": anchor_rate / cfg.learning_rate}
-    return {}
 
 
 def total_steps(cfg: Config, n_examples: int, global_batch: int) -> int:
@@ -277,11 +253,11 @@ def total_steps(cfg: Config, n_examples: int, global_batch: int) -> int:
 
 
 class Trainer:
-    """The state of one training run and the loop over it: `source` hands each step its batches, `loss_fn` (default:
-    the training loss of the run's objective) turns a batch into per-example losses for the stepper."""
+    """The state of one training run and the loop over it: `source` hands each step its batches, `loss` turns a
+    batch into per-example losses for the stepper (and its statistics into each logged record)."""
 
-    def __init__(self, run: RunSetup, method: Method, source: BatchSource, dist: Distributed,
-                 hooks: Hooks | None = None, loss_fn: Loss | None = None):
+    def __init__(self, run: TrainingRun, method: Method, source: BatchSource, loss: Loss, dist: Distributed,
+                 hooks: Hooks | None = None):
         cfg = self.cfg = run.cfg
         self.run, self.method, self.source, self.dist = run, method, source, dist
         self.hooks = hooks or Hooks()
@@ -295,10 +271,8 @@ class Trainer:
         self.schedule = Schedule(cfg.lr_scheduler_type, cfg.learning_rate, span,
                                  cfg.warmup_steps or int(cfg.warmup_ratio * span))
         if cfg.gradient_checkpointing and cfg.trainer == "regular":
-            run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.loss_fn = loss_fn or TrainingLoss(torch.compile(run.model) if cfg.compile else run.model, run.autocast,
-                                               method.contrastive, method.preference,
-                                               fused_head=cfg.fused_lm_head and not cfg.compile)
+            enable_checkpointing(run.model)
+        self.loss_fn = loss
         self.stepper = build_stepper(cfg, method, self.loss_fn, dist, run.device)
         self.state = LoopState(source.stream, LossWindow(run.device))
         self.checkpointer = self._checkpointer()
@@ -308,8 +282,6 @@ class Trainer:
             self.state.resumes += 1
             log.info("resumed from %s at step %d", path, self.state.step)
         self.loss_fn.model = self.stepper.prepare(self.loss_fn.model)  # FSDP wraps after loading
-        if dist.sharded:  # FSDP gathers the root's weights in the wrapped model's forward: the backbone's skips it
-            self.loss_fn.fused_head = False
         self.progress_line = ProgressLine(self.max_steps, self.state.step, enabled=None if dist.is_main else False)
 
     def next_batches(self) -> Callable[[], Batch]:
@@ -431,13 +403,20 @@ class Trainer:
                             f"{saved} (a learning rate too high is the usual cause: try a lower --learning_rate, or "
                             f"--nan_policy skip)")
         self.state.last_loss = mean
-        preference = self.method.preference.statistics.drain() if self.method.preference is not None else {}
-        record = {"step": step, "loss": mean, "lr": lr, **preference, **self.source.metrics(),
+        record = {"step": step, "loss": mean, "lr": lr, **self._loss_metrics(), **self.source.metrics(),
                   **({"skipped": skipped} if skipped else {}), "elapsed_s": round(self.state.runtime_s(), 3)}
         self.metrics.log(record)
         shown = {PROGRESS_NAMES[k]: record[k] for k in PROGRESS_NAMES if record.get(k) is not None}
         self.progress.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
         self.progress_line.report(step, mean, lr, {k: v for k, v in shown.items() if k != "loss"})
+
+    def _loss_metrics(self) -> dict[str, float]:
+        """The loss's statistics since the last logging step, means over the processes."""
+        own = self.loss_fn.metrics()
+        if not own:
+            return {}
+        means = self.dist.all_mean(torch.tensor(list(own.values()), dtype=torch.float64, device=self.run.device))
+        return dict(zip(own, means.tolist(), strict=True))
 
     def _evaluate(self) -> dict[str, Any]:
         """Score the dev split (else the user's --eval_file); keep the best step (and its checkpoint with
@@ -445,9 +424,9 @@ class Trainer:
 
         The first metric decides: the highest accuracy or F1, the lowest loss (instruction data)."""
         state = self.state
-        if not self.run.splits.monitor:
+        if not self.run.monitor:
             return {}
-        dev, predictions = self.run.evaluate(self.run.model, self.run.splits.monitor)
+        dev, predictions = self.run.evaluate(self.run.model, self.run.monitor)
         samples = {"samples": predictions[:self.cfg.log_samples]} if self.cfg.log_samples and predictions else {}
         logged = {f"eval_{k}": v for k, v in dev.items()}
         self.metrics.log({"step": state.step, **logged, **samples})
@@ -488,7 +467,7 @@ class Trainer:
         final_state = self.dist.model_state(self.loss_fn.model)  # FSDP: the full weights (every rank takes part)
         if self.dist.is_main:
             save_final(cfg, self.run.model, self.run.tokenizer, method, final_state)
-        dev = self.run.evaluate(self.run.model, self.run.splits.dev)[0] if self.run.splits.dev and not cfg.no_eval else {}
+        dev = self.run.evaluate(self.run.model, self.run.dev)[0] if self.run.dev else {}
         return {"trainable_params": sum(p.numel() for _, p in method.named_params), "steps": state.step,
                 "train_runtime_s": round(runtime, 3),
                 "steps_per_second": round(state.step / runtime, 4) if runtime > 0 else None, "resumes": state.resumes,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 from xgblora import atomic
 from xgblora.adapters.peft import to_peft
 from xgblora.config import Config
-from xgblora.embeddings.st_format import embedding_export, matryoshka_card
+from xgblora.embeddings.st_format import embedding_export, write_cross_encoder
 from xgblora.models.pretrained import RANDOM_MODELS
 from xgblora.train.setup import Method
 
@@ -68,7 +69,7 @@ def write_predictions(cfg: Config, records: list[dict[str, Any]]) -> None:
 def adapter_task_type(cfg: Config, model: torch.nn.Module) -> str | None:
     """PEFT's task_type of the run's adapter: FEATURE_EXTRACTION for an embedding body (no LM head), else PEFT's
     default for the model."""
-    return "FEATURE_EXTRACTION" if cfg.objective != "lm" and not hasattr(model, "lm_head") else None
+    return "FEATURE_EXTRACTION" if cfg.embeds and not hasattr(model, "lm_head") else None
 
 
 def write_adapter(cfg: Config, method: Method, folder: Path, task_type: str | None = None) -> None:
@@ -80,8 +81,9 @@ def write_adapter(cfg: Config, method: Method, folder: Path, task_type: str | No
 
 def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Method,
                state: dict[str, torch.Tensor] | None = None) -> None:
-    """final/: a PEFT adapter (boosters concatenated) for lora/xgblora, the whole model for full fine-tuning."""
-    embedding = cfg.objective != "lm"
+    """final/: a PEFT adapter (boosters concatenated) for lora/xgblora, the whole model for full fine-tuning (an
+    embedding model's as a sentence-transformers model, a reranker's as a CrossEncoder)."""
+    embedding = cfg.embeds
     with atomic.replaced_folder(Path(cfg.output_dir) / "final") as final:
         if method.modules:
             write_adapter(cfg, method, final, adapter_task_type(cfg, model))
@@ -93,6 +95,8 @@ def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Meth
         tokenizer.padding_side = "right" if embedding else side  # embeddings read right-padded inputs
         tokenizer.save_pretrained(final)
         tokenizer.padding_side = side  # with an adapter too: the tokenizer and its chat template travel with it
+        if cfg.objective == "rerank" and not method.modules:
+            write_cross_encoder(final, cfg.max_length)
 
 
 def _auto_class(final: Path, adapter: bool) -> str:
@@ -108,13 +112,14 @@ def _auto_class(final: Path, adapter: bool) -> str:
     return "AutoModel" if architectures[0].endswith("Model") else "AutoModelForCausalLM"  # an encoder's body
 
 
-def write_model_card(cfg: Config, results: dict[str, Any]) -> None:
-    """final/README.md: what was trained from what, on which data, with which results, and how to load it."""
+def write_model_card(cfg: Config, results: dict[str, Any], data: str, tags: Sequence[str] = (),
+                     notes: str = "") -> None:
+    """final/README.md: what was trained from what, on which data (`data`: a task or a file), with which results,
+    and how to load it; `tags` join the card's, `notes` end it."""
     final = Path(cfg.output_dir) / "final"
     if not final.is_dir():
         return
     adapter = (final / "adapter_config.json").exists()
-    data = cfg.train_file if cfg.task_name.lower() == "custom" else cfg.task_name
     metrics = {k: v for k, v in results.items() if isinstance(v, float) and k not in ("train_runtime_s",)}
     rows = "".join(f"| {k} | {v:.4g} |\n" for k, v in sorted(metrics.items()))
     auto = _auto_class(final, adapter)
@@ -126,7 +131,7 @@ def write_model_card(cfg: Config, results: dict[str, Any]) -> None:
     card = f"""---
 base_model: {cfg.model_name}
 library_name: {"peft" if adapter else "transformers"}
-tags: [xgblora, {cfg.method}, {"mezo" if cfg.trainer == "zo" else "adamw"}{", matryoshka" if cfg.matryoshka_dims else ""}]
+tags: [{", ".join(["xgblora", cfg.method, "mezo" if cfg.trainer == "zo" else "adamw", *tags])}]
 ---
 
 # {Path(cfg.output_dir).name}
@@ -149,6 +154,4 @@ from transformers import AutoTokenizer
 tokenizer = AutoTokenizer.from_pretrained("{final}")
 ```
 """
-    if cfg.objective != "lm" and cfg.matryoshka_dims:
-        card += "\n" + matryoshka_card(cfg.matryoshka_dims)
-    atomic.write_text(final / "README.md", card)
+    atomic.write_text(final / "README.md", card + (f"\n{notes}" if notes else ""))

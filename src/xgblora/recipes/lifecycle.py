@@ -1,4 +1,7 @@
-"""`xgblora train` / `xgblora eval`: set the run up, then evaluate only or train, then write the results."""
+"""The run lifecycle, written once for every training command: join the processes, return a finished run's results
+when asked to resume it, check and lock the output folder, set up (the recipe's `prepare`: the last checks, so a
+refused run writes nothing), start over where asked, write config.yaml, fit, and write the model card, the curves
+report and results.json (last: its presence marks a finished run)."""
 
 from __future__ import annotations
 
@@ -6,42 +9,65 @@ import contextlib
 import functools
 import json
 import logging
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from xgblora import atomic, checkpoint, distributed, outputs
-from xgblora.adapters import trained
+from xgblora import atomic, checkpoint, distributed, outputs, parsing
 from xgblora.config import Config
 from xgblora.errors import UserError
 from xgblora.logs import setup_console_logging
+from xgblora.report import write_curves_report
 from xgblora.train.lock import run_lock
-from xgblora.train.loop import ExampleBatches, Hooks, Trainer
-from xgblora.train.results import write_model_card, write_predictions, write_results
-from xgblora.train.setup import (
-    RunSetup,
-    build_contrastive,
-    init_head,
-    set_up_run,
-    setup_method,
-    training_set,
-    write_config,
-)
+from xgblora.train.loop import Trainer
+from xgblora.train.results import write_model_card, write_results
 
 log = logging.getLogger("xgblora")
 
 
-def run(cfg: Config, hooks: Hooks | None = None) -> dict[str, Any]:
-    """Run what cfg asks for and return the final metrics (also written to results.json)."""
+@dataclass
+class Prepared:
+    """A recipe's run, set up inside the folder lock: its resolved config and device, its Trainer (None: evaluation
+    only), and what it adds to results.json after fit() (`results`: its evaluation and counts); the model card's
+    `data` (what it trained on), extra `tags` and `notes`; the curves report's (name, panels), if it draws one."""
+
+    cfg: Config
+    device: torch.device
+    trainer: Trainer | None
+    results: Callable[[], dict[str, Any]]
+    data: str
+    tags: Sequence[str] = ()
+    notes: str = ""
+    curves: tuple[str, Sequence[tuple[str, str]]] | None = None
+
+
+def run_recipe(cfg: Config, prepare: Callable[[distributed.Distributed], Prepared]) -> dict[str, Any]:
+    """Run a recipe through the lifecycle (see the module docstring); return its results (also results.json)."""
     setup_console_logging()
     dist = distributed.setup(cfg)  # before the model loads: it picks this rank's GPU
     if (done := finished_results(cfg, Path(cfg.output_dir))) is not None:
         return done
     with run_folder(cfg, dist) as out:
-        return _run(cfg, dist, out, hooks)
+        run = prepare(dist)
+        if dist.is_main:
+            if run.trainer is not None and cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
+                start_over(out)
+            parsing.dump(run.cfg, out / "config.yaml")
+        summary = run.trainer.fit() if run.trainer is not None else {}
+        before = run.trainer.state.before if run.trainer is not None else {}  # --eval_on_start
+        # the model as the user named it: a run folder evaluated stays that folder, not the base it resolves to
+        results = {"model": cfg.model_name, "method": run.cfg.method, "trainer": run.cfg.trainer,
+                   "seed": run.cfg.seed, "device": str(run.device), "torch": torch.__version__, **summary,
+                   **{f"before_{k}": v for k, v in before.items()}, **run.results()}
+        if dist.is_main:
+            write_model_card(run.cfg, results, run.data, run.tags, run.notes)
+            if run.curves is not None:
+                write_curves_report(out, results, *run.curves)
+            write_results(run.cfg, results)  # last: results.json marks a finished run
+    return results
 
 
 @contextlib.contextmanager
@@ -100,50 +126,3 @@ def start_over(out: Path) -> None:
     """--overwrite_output_dir: an earlier run's results and checkpoints go before this run writes its own."""
     (out / "results.json").unlink(missing_ok=True)  # first: a kill from here on leaves an unfinished run
     checkpoint.clear(out / "checkpoints")
-
-
-def _run(cfg: Config, dist: distributed.Distributed, out: Path, hooks: Hooks | None) -> dict[str, Any]:
-    """Inside the run lock (the folder checked): set up, evaluate or train, write results.json."""
-    setup = set_up_run(cfg, dist)
-    base = {"task": setup.task.name, "model": cfg.model_name, "head": setup.head, "trainer": cfg.trainer,
-            "seed": cfg.seed, "num_eval": len(setup.splits.eval), "device": str(setup.device),
-            "torch": torch.__version__}
-    results = {**base, **(_evaluate_only(setup, dist) if cfg.trainer == "none" else _train(setup, dist, hooks))}
-    if dist.is_main:
-        write_model_card(setup.cfg, results)
-        write_results(setup.cfg, results)  # last: results.json marks a finished run
-    return results
-
-
-def _evaluate_only(setup: RunSetup, dist: distributed.Distributed) -> dict[str, Any]:
-    """Zero-shot, or in-context with the training examples as demonstrations (causal LMs)."""
-    if setup.head == "classifier" and not trained.carries_head(setup.cfg.model_name, setup.cfg.adapter):
-        log.warning("--head classifier without training scores with a new, untrained head: expect chance accuracy")
-    write_config(setup, dist)
-    started = time.perf_counter()
-    demos = setup.splits.train if setup.scoring is None else ()
-    metrics, predictions = setup.evaluate(setup.model, setup.splits.eval, demos)
-    write_predictions(setup.cfg, predictions)
-    return {**metrics, "method": "none", "num_demos": len(demos),
-            "eval_runtime_s": round(time.perf_counter() - started, 3)}
-
-
-def _train(setup: RunSetup, dist: distributed.Distributed, hooks: Hooks | None) -> dict[str, Any]:
-    """Train, then evaluate on the evaluation split (every rank evaluates: FSDP needs them all)."""
-    cfg = setup.cfg
-    train_set = training_set(setup)  # before the adapters: the packing probe runs on the plain model
-    method = setup_method(setup.model, cfg, build_contrastive(setup, dist))
-    init_head(setup, method)
-    trainer = Trainer(setup, method, ExampleBatches(train_set, cfg, dist), dist, hooks)  # the last checks: a refused run writes nothing
-    if cfg.overwrite_output_dir and not cfg.resume_from_checkpoint and dist.is_main:
-        start_over(Path(cfg.output_dir))
-    write_config(setup, dist)
-    summary = trainer.fit()
-    results = {**summary, "method": cfg.method, "num_train": len(setup.splits.train)}
-    if method.contrastive is not None:  # learnt or fixed, the temperature the embeddings were trained at
-        results["temperature"] = round(1 / float(method.contrastive.scale), 6)
-    if not cfg.no_eval and setup.splits.eval:
-        metrics, predictions = setup.evaluate(setup.model, setup.splits.eval)
-        write_predictions(cfg, predictions)
-        results.update(metrics)
-    return results

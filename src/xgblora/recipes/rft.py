@@ -48,8 +48,8 @@ from xgblora.evaluation.answers import MathVerifier, Verifier, equations_hold, k
 from xgblora.export import export_run
 from xgblora.generation.generate import Prompts, read_prompts, sampling_params, write_completions
 from xgblora.models.sampler import SamplingParams
+from xgblora.recipes.sft import run
 from xgblora.report import write_rft_report
-from xgblora.train import run
 
 log = logging.getLogger("xgblora")
 

@@ -1,0 +1,68 @@
+"""One run lifecycle for every training command: `train`, `dpo` and `grpo` leave the same outputs (config.yaml,
+final/ with its model card, results.json with the device and the torch version), and the card's own loading code
+loads the trained model, as PEFT loads the adapter."""
+
+import json
+import re
+
+import pytest
+import torch
+import yaml
+from peft import PeftModel
+
+from xgblora import cli
+from xgblora.models import pretrained
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lifecycle")
+    questions = [{"question": f"Which is larger, {a} or {b}?", "answer": f"#### {max(a, b)}"}
+                 for a, b in [(1, 2), (5, 3), (4, 9), (8, 6)]]
+    (folder / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in questions))
+    pairs = [{"prompt": f"{a}+{b}=", "chosen": f" {a + b}", "rejected": f" {a + b + 1}"} for a, b in [(1, 2), (3, 4)]]
+    (folder / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    # a random model is never right: a reward it earns half the time (an odd first token) gives advantages
+    (folder / "parity_reward.py").write_text(
+        "def odd_first(completion_ids, **kwargs):\n    return [float(ids[0] % 2) for ids in completion_ids]\n")
+    return folder
+
+
+COMMON = ["--model_name", "tiny-llama", "--method", "lora", "--learning_rate", "1e-2", "--max_steps", "2",
+          "--save_strategy", "no", "--device", "cpu"]
+COMMANDS = {
+    "train": (["train", "--task_name", "custom", "--train_file", "q.jsonl", "--columns",
+               "prompt=question,completion=answer", "--per_device_train_batch_size", "2", "--no_eval"], "q.jsonl"),
+    "dpo": (["dpo", "--train_file", "pairs.jsonl", "--per_device_train_batch_size", "2"], "pairs.jsonl"),
+    "grpo": (["grpo", "--train_file", "q.jsonl", "--columns", "prompt=question,completion=answer", "--reward_funcs",
+              "parity_reward:odd_first", "--num_generations", "4", "--per_device_train_batch_size", "4", "--max_new_tokens", "4",
+              "--eval_on_start", "false"], "q.jsonl"),
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_writes_config_model_card_and_results_alike(command, files, monkeypatch, capsys):
+    args, data = COMMANDS[command]
+    out = files / command
+    monkeypatch.chdir(files)
+    monkeypatch.syspath_prepend(str(files))
+    assert cli.main([*args, *COMMON, "--output_dir", str(out)]) == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["device"] == "cpu" and results["torch"] == torch.__version__
+    assert {k: results[k] for k in ("model", "method", "trainer", "steps")} == \
+        {"model": "tiny-llama", "method": "lora", "trainer": "regular", "steps": 2}
+    assert yaml.safe_load((out / "config.yaml").read_text())["model_name"] == "tiny-llama"
+    card = (out / "final" / "README.md").read_text()
+    assert "base_model: tiny-llama" in card and f"on {results['num_train']} examples of `{data}`" in card
+    assert (command in re.search(r"tags: \[(.*)\]", card)[1]) == (command != "train")
+
+    scope: dict = {}
+    exec(re.search(r"```python\n(.*?)```", card, re.S)[1], scope)  # the card's own loading code
+    base, _ = pretrained.random_model("tiny-llama")
+    ids = torch.tensor([[1, 5, 9, 13]])
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+        theirs = PeftModel.from_pretrained(base, out / "final").eval()(input_ids=ids).logits
+        ours = scope["model"].eval()(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(ours, plain)  # trained: the adapter is not zero
