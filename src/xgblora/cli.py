@@ -32,6 +32,10 @@ GRPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5}
 # DPO trains a LoRA adapter by default, at a learning rate for adapters (TRL's 1e-6 is for full fine-tuning), on
 # TRL's max_length of 1024 tokens.
 DPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5, "max_length": 1024}
+# A reward model trains a LoRA adapter and its new score head by default, at TRL's RewardConfig learning rate and
+# max_length; the head is a sequence classifier's, trained with the body (under MeZO, perturbed with it).
+REWARD_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-4, "max_length": 1024,
+                   "head_trainer": "zo"}
 
 
 
@@ -118,6 +122,13 @@ def _dpo(args: argparse.Namespace) -> int:
     from xgblora.recipes.dpo import run_dpo
 
     print(json.dumps(run_dpo(_options(args)), indent=2))
+    return 0
+
+
+def _reward(args: argparse.Namespace) -> int:
+    from xgblora.recipes.reward import run_reward
+
+    print(json.dumps(run_reward(_options(args)), indent=2))
     return 0
 
 
@@ -354,10 +365,14 @@ COMMANDS: dict[str, Command] = {
     "rft": Command("Rejection-sampling fine-tuning: rounds of sample -> verify -> train -> evaluate (pass@1, pass@k).",
                    _rft, config_mod.RFTConfig, (*TRAINING, opts.InstructionOptions, opts.BatchOptions,
                                                 opts.RunOptions, opts.SamplingOptions), RFT_DEFAULTS),
-    "grpo": Command("Online RL with verifiable rewards (GRPO, TRL's options): sample G answers per prompt, reward, update.",
-                    _grpo, config_mod.GRPOConfig, (*TRAINING, *RUN_FOLDER, opts.SamplingOptions), GRPO_DEFAULTS),
+    "grpo": Command("Online RL with verifiable rewards (GRPO or RLOO, TRL's options): sample G answers per prompt, reward, update.",
+                    _grpo, config_mod.GRPOConfig, (*TRAINING, *RUN_FOLDER, opts.SamplingOptions, opts.RLOOOptions),
+                    GRPO_DEFAULTS),
     "dpo": Command("Preference training on chosen/rejected pairs (DPO, IPO, hinge, robust, SimPO, ORPO; TRL's options).",
                    _dpo, config_mod.DPOConfig, (*TRAINING, *RUN_FOLDER, opts.BatchOptions), DPO_DEFAULTS),
+    "reward": Command("Train a reward model (a sequence classifier with one score) on chosen/rejected pairs, as TRL's RewardTrainer.",
+                      _reward, config_mod.RewardConfig, (*TRAINING, *RUN_FOLDER, opts.BatchOptions, opts.RewardOptions),
+                      REWARD_DEFAULTS),
     "bench": Command("Measure speed and memory against baselines.", _bench, add_flags=add_bench_arguments),
     "env": Command("Print the environment report (versions, device, attention backends, chosen defaults).", _env),
     "export": Command("Export a run as a PEFT adapter, a merged model, or a GGUF file (llama.cpp, Ollama).", _export,

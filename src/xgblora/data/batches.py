@@ -7,6 +7,7 @@
 - `PairBatch`: right-padded queries and their documents (a positive, then hard negatives), for a contrastive loss.
 - `GritBatch`: a `PairBatch` and a `TokenBatch` of instruction data, trained together (GRIT).
 - `PreferenceBatch`: preference pairs, each prompt once and its chosen and rejected completions (DPO).
+- `RewardBatch`: preference pairs as whole right-padded sequences, chosen rows then rejected rows (reward models).
 
 Every batch carries `loss_scale`, the share of a data-parallel global batch that this process's shard stands for
 (1.0 with one process): the objective multiplies each example's loss by it, so a plain mean over processes is the
@@ -280,6 +281,37 @@ class PreferenceBatch(Batch):
             self, prompt_ids=self.prompt_ids[start:stop], prompt_mask=self.prompt_mask[start:stop],
             completion_ids=self.completion_ids[rows], completion_mask=self.completion_mask[rows],
             ref_logps=None if self.ref_logps is None else self.ref_logps[rows])
+
+    def doubled(self: B) -> B:
+        """Every tensor twice: rows [:n] of each are the first half (chosen then rejected), [n:] the copy."""
+        return dataclasses.replace(super().doubled(), halves=2)
+
+
+@dataclass(kw_only=True)
+class RewardBatch(Batch):
+    """Preference pairs as a reward model reads them (TRL's DataCollatorForPreference): input_ids / attention_mask
+    [2P, W] right-padded, prompt + chosen for the P pairs, then prompt + rejected; margin [P], each pair's margin
+    column (None: the rows have none). `halves` is 2 in MeZO's dual batch: every tensor twice, rows [:n] and [n:] of
+    each scored apart."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    margin: Tensor | None = None
+    halves: int = 1
+
+    @property
+    def n_examples(self) -> int:
+        """Pairs (of one half)."""
+        return self.input_ids.shape[0] // (2 * self.halves)
+
+    def split(self: B, start: int, stop: int) -> B:
+        """Pairs start..stop-1: their chosen and rejected rows and margins."""
+        if self.halves != 1:
+            raise ValueError("a doubled reward batch is not split")
+        n = self.n_examples
+        rows = torch.cat([torch.arange(start, stop), torch.arange(n + start, n + stop)]).to(self.input_ids.device)
+        return dataclasses.replace(self, input_ids=self.input_ids[rows], attention_mask=self.attention_mask[rows],
+                                   margin=None if self.margin is None else self.margin[start:stop])
 
     def doubled(self: B) -> B:
         """Every tensor twice: rows [:n] of each are the first half (chosen then rejected), [n:] the copy."""

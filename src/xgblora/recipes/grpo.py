@@ -48,8 +48,9 @@ from xgblora.errors import UserError
 from xgblora.generation.generate import Prompts, read_prompts, sampling_params
 from xgblora.generation.grpo_batches import Generations, Plan, PolicyReward
 from xgblora.generation.grpo_objective import GRPOLoss, Objective
-from xgblora.generation.rewards import Rewards
+from xgblora.generation.rewards import RewardModel, Rewards, load_reward_model
 from xgblora.generation.rollout import Completions, Rollout
+from xgblora.models import pretrained
 from xgblora.optim.zo_estimators import spreads_members
 from xgblora.recipes.lifecycle import Prepared, run_recipe
 from xgblora.report import GRPO_PANELS
@@ -129,13 +130,24 @@ class HeldOut:
         return self.rollout.score(self.prompts, indices, done, self.source.trainer_state())
 
 
+def reward_model_of(cfg: GRPOConfig, dist: Distributed) -> RewardModel | None:
+    """--reward_model, loaded once on the policy's device and in its dtype, before the policy (a bad one stops the
+    run first); None without one."""
+    if not cfg.reward_model:
+        return None
+    return load_reward_model(cfg.reward_model, dtype=cfg.dtype_name,
+                             device=str(pretrained.choose_device(dist.device or cfg.device)),
+                             attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code,
+                             batch_size=cfg.per_device_eval_batch_size)
+
+
 def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Generations]:
     """The run's Trainer, on GRPO's loss and its generation batches (the reward functions and the batch plan
     checked before the model loads)."""
     warn_sequence_level(cfg)
-    rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)
     # spread members: every process samples the step's whole batch, as one process would
     plan = Plan.of(cfg, 1 if spreads_members(cfg, cfg.trainer) else dist.world_size)
+    rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance, reward_model_of(cfg, dist))
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
     cfg, model, tokenizer = load_policy(cfg, dist, template)
     # full fine-tuning has no adapter to switch off: its reference is a frozen copy (only when beta needs it)

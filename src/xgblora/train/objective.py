@@ -1,6 +1,6 @@
 """Training sets and the loss of each batch kind: the gold continuation's tokens, cross-entropy over candidates
 (MeZO's classification objective), over a label head's labels, InfoNCE over query/document pairs (contrastive), or
-InfoNCE plus the instruction loss (GRIT)."""
+InfoNCE plus the instruction loss (GRIT), or a preference loss over pairs (DPO's, or a reward model's)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from xgblora.data.batches import (
     PackedBatch,
     PairBatch,
     PreferenceBatch,
+    RewardBatch,
     TokenBatch,
 )
 from xgblora.data.collation import TokenSeq, collate, collate_packed, training_seqs
@@ -27,6 +28,7 @@ from xgblora.data.pairs import PairSeq, collate_pairs
 from xgblora.data.tasks import Example
 from xgblora.embeddings.contrastive import Contrastive
 from xgblora.models.scoring import label_logits, packed_mean_logprobs, target_logprobs
+from xgblora.preference.reward import RewardLoss
 from xgblora.preference.scoring import PreferenceLoss
 
 
@@ -126,7 +128,7 @@ class TrainingLoss:
     model: torch.nn.Module
     autocast: torch.dtype | None = None
     contrastive: Contrastive | None = None
-    preference: PreferenceLoss | None = None
+    preference: PreferenceLoss | RewardLoss | None = None
     fused_head: bool = False
 
     def __call__(self, batch: Batch) -> torch.Tensor:
@@ -139,12 +141,13 @@ class TrainingLoss:
 
     def metrics(self) -> dict[str, float]:
         """This process's statistics of the losses since the last call, for the logs: DPO's rewards and
-        log-probabilities (`PreferenceLoss`); none for the other batch kinds."""
+        log-probabilities (`PreferenceLoss`), a reward model's accuracy and rewards (`RewardLoss`); none for the
+        other batch kinds."""
         return self.preference.statistics.drain() if self.preference is not None else {}
 
 
 def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrastive | None = None,
-                     preference: PreferenceLoss | None = None, fused_head: bool = False) -> torch.Tensor:
+                     preference: PreferenceLoss | RewardLoss | None = None, fused_head: bool = False) -> torch.Tensor:
     """Loss of each example in the batch, shape [n_examples], times the batch's loss_scale.
 
     TokenBatch / PackedBatch: the mean negative log-likelihood of each example's target tokens (the gold candidate
@@ -152,12 +155,13 @@ def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrast
     mean over examples is the mean over the batch's tokens. CandidateBatch: cross-entropy over each example's candidates, scored by their mean token
     log-probability. LabelBatch (a classifier or masked LM): cross-entropy over the label logits. PairBatch: each
     query's InfoNCE term (`Contrastive`); GritBatch: w_c times that plus w_g times the generative batch's mean loss.
-    PreferenceBatch: each pair's preference loss (`PreferenceLoss`: DPO and its family; it applies loss_scale).
+    PreferenceBatch: each pair's preference loss (`PreferenceLoss`: DPO and its family; it applies loss_scale);
+    RewardBatch: each pair's reward-model loss (`RewardLoss`; it applies loss_scale).
     fused_head: TokenBatch and PackedBatch (GRIT's generative part too) score their targets through the fused LM
     head (`models.fused_head`: no [tokens, vocab] logits) where the model allows it.
     """
     match batch:
-        case PreferenceBatch():
+        case PreferenceBatch() | RewardBatch():
             return preference(model, batch)
         case GritBatch():
             losses = contrastive.grit(model, batch, per_example_loss(model, batch.generative, fused_head=fused_head))

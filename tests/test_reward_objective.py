@@ -1,0 +1,123 @@
+"""The reward model's tokens, loss and metrics against TRL's own RewardTrainer: the same tiny classifier and rows,
+TRL's dataset preparation and DataCollatorForPreference beside ours, and `RewardTrainer.compute_loss` on its batch
+beside `RewardLoss` on ours (values, gradients, logged metrics)."""
+
+import json
+
+import pytest
+import torch
+
+from xgblora.data.preference import check_margins, check_row, collate_rewards, read_preferences, reward_seqs
+from xgblora.errors import UserError
+from xgblora.models import pretrained
+from xgblora.preference.reward import RewardLoss
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+from trl.trainer.reward_trainer import DataCollatorForPreference  # noqa: E402
+
+STANDARD = [{"prompt": "12+30=", "chosen": " 42", "rejected": " 43", "margin": 0.5},
+            {"prompt": "Is it good? ", "chosen": "Yes, it was great.", "rejected": "No.", "margin": 0.0},
+            {"prompt": "The movie", "chosen": " was great fun", "rejected": " was boring", "margin": 2.0}]
+IMPLICIT = [{"chosen": "The movie was great fun", "rejected": "The movie was boring"},
+            {"chosen": "Yes or No? Yes", "rejected": "Yes or No? No"}]
+CONVERSATIONAL = [
+    {"prompt": [{"role": "user", "content": "What is 2+2?"}], "chosen": [{"role": "assistant", "content": "4"}],
+     "rejected": [{"role": "assistant", "content": "5, I think"}]},
+    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+     "chosen": [{"role": "assistant", "content": "Hello"}], "rejected": [{"role": "assistant", "content": "Go away"}]}]
+IMPLICIT_CONVERSATIONAL = [
+    {"chosen": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}],
+     "rejected": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "no"}]}]
+
+
+def trl_trainer(model, tokenizer, rows, tmp_path, center=None):
+    args = trl.RewardConfig(output_dir=str(tmp_path / "trl"), report_to="none", bf16=False, use_cpu=True,
+                            center_rewards_coefficient=center, save_strategy="no", logging_steps=1)
+    return trl.RewardTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                             processing_class=tokenizer)
+
+
+def ours(tokenizer, rows):
+    examples = [check_row(("rows", i + 1), row) for i, row in enumerate(rows)]
+    return collate_rewards(reward_seqs(tokenizer, examples, None), tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize(("name", "rows", "center"), [("tiny-llama", STANDARD, None), ("tiny-llama", IMPLICIT, 0.01),
+                                                       ("tiny-llama-chat", CONVERSATIONAL, 0.1),
+                                                       ("tiny-llama-chat", IMPLICIT_CONVERSATIONAL, None)])
+def test_loss_gradient_and_metrics_equal_trls(tmp_path, name, rows, center):
+    model, tokenizer = pretrained.load(name, head="classifier", num_labels=1)
+    trainer = trl_trainer(model, tokenizer, rows, tmp_path, center)
+    theirs_batch = DataCollatorForPreference(tokenizer.pad_token_id)(list(trainer.train_dataset))
+    batch = ours(tokenizer, rows)
+    assert torch.equal(batch.input_ids, theirs_batch["input_ids"])
+    assert torch.equal(batch.attention_mask, theirs_batch["attention_mask"])
+    model.train()
+    theirs = trainer.compute_loss(model, dict(theirs_batch))
+    want = torch.autograd.grad(theirs, [p for p in model.parameters() if p.requires_grad])
+    loss = RewardLoss(center)
+    got = loss(model, batch).mean()
+    grads = torch.autograd.grad(got, [p for p in model.parameters() if p.requires_grad])
+    assert abs(float(got) - float(theirs)) < 1e-6
+    assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-5) for g, w in zip(grads, want, strict=True))
+    metrics = {k: v[0] for k, v in trainer._metrics["train"].items()}
+    logged = loss.statistics.drain()
+    for name in ("accuracy", "margin", "mean_reward", "min_reward", "max_reward"):
+        assert logged[name] == pytest.approx(metrics[name], abs=1e-6), name
+
+
+def test_the_margin_enters_the_loss():
+    """Without the margin column the loss is TRL's plain -log sigmoid(r_c - r_r): the margins shift it."""
+    model, tokenizer = pretrained.load("tiny-llama", head="classifier", num_labels=1)
+    with_margin = ours(tokenizer, STANDARD)
+    without = ours(tokenizer, [{k: v for k, v in row.items() if k != "margin"} for row in STANDARD])
+    assert without.margin is None and torch.equal(with_margin.input_ids, without.input_ids)
+    with torch.no_grad():
+        rewards = model(input_ids=without.input_ids, attention_mask=without.attention_mask).logits[:, 0]
+        chosen, rejected = rewards.chunk(2)
+        gap = chosen - rejected
+        assert torch.allclose(RewardLoss()(model, without), -torch.nn.functional.logsigmoid(gap), atol=1e-6)
+        assert torch.allclose(RewardLoss()(model, with_margin),
+                              -torch.nn.functional.logsigmoid(gap - torch.tensor([0.5, 0.0, 2.0])), atol=1e-6)
+
+
+def test_halves_and_micro_batches():
+    """MeZO's dual batch scores its copy apart (the same losses twice); split micro-batches keep their pairs."""
+    model, tokenizer = pretrained.load("tiny-llama", head="classifier", num_labels=1)
+    batch = ours(tokenizer, STANDARD)
+    with torch.no_grad():
+        whole = RewardLoss(0.01)(model, batch)
+        assert torch.allclose(RewardLoss(0.01)(model, batch.doubled()), whole.repeat(2), atol=1e-6)
+        parts = torch.cat([RewardLoss(0.01)(model, batch.split(i, i + 1)) for i in range(batch.n_examples)])
+        assert torch.allclose(parts, whole, atol=1e-5)
+
+
+def test_sequences_longer_than_max_length_are_dropped_as_trl_filters_them(tmp_path):
+    model, tokenizer = pretrained.load("tiny-llama", head="classifier", num_labels=1)
+    examples = [check_row(("rows", i + 1), row) for i, row in enumerate(STANDARD)]
+    lengths = [max(len(s.chosen), len(s.rejected)) for s in reward_seqs(tokenizer, examples, None)]
+    limit = sorted(lengths)[1]
+    kept = reward_seqs(tokenizer, examples, limit)
+    theirs = trl_trainer(model, tokenizer, STANDARD, tmp_path)  # TRL's default max_length 1024 keeps them all
+    assert len(theirs.train_dataset) == 3
+    assert len(kept) == sum(n <= limit for n in lengths) == 2
+    with pytest.raises(UserError, match="every pair has a sequence longer than --max_length 1"):
+        reward_seqs(tokenizer, examples, 1)
+
+
+@pytest.mark.parametrize(("rows", "field", "what"), [
+    ([{"prompt": "a", "chosen": " b"}], "rejected", "missing"),
+    ([{"prompt": "a", "chosen": " b", "rejected": " c", "margin": "big"}], "margin", "expected a finite number"),
+    ([{"prompt": "a", "chosen": " b", "rejected": " c", "margin": 1.0},
+      {"prompt": "a", "chosen": " b", "rejected": " d"}], "margin", "missing: the rows before it give a margin"),
+    ([{"prompt": "a", "chosen": " b", "rejected": " c"},
+      {"prompt": "a", "chosen": " b", "rejected": " d", "margin": 1.0}], "margin", "the first row has none")])
+def test_bad_rows_name_the_file_row_and_field(tmp_path, rows, field, what):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserError) as err:
+        check_margins(read_preferences(str(path)))
+    message = str(err.value)
+    assert f"{path}:{len(rows)}" in message and f'"{field}"' in message and what in message
+    assert "\n" not in message
