@@ -73,7 +73,9 @@ def _recipe(cfg: GRPOConfig, dist: Distributed) -> Prepared:
 
     def results() -> dict[str, Any]:
         after = run.evaluate(run.model, run.monitor)[0] if run.monitor else {}
-        return {"loss_type": run.cfg.loss_type, "num_train": len(source.prompts.ids),
+        estimator = run.cfg.advantage_estimator
+        return {"advantage_estimator": estimator, "loss_type": run.cfg.loss_type if estimator == "grpo" else "rloo",
+                "num_train": len(source.prompts.ids),
                 "generation_batches": source.generations, **{f"eval_{k}": v for k, v in after.items()}}
 
     return Prepared(run.cfg, run.device, trainer, results, data=cfg.train_file, tags=("grpo",),
@@ -158,10 +160,8 @@ def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Genera
     rollout = Rollout(cfg, model, tokenizer, method, rewards, plan.group, dist, autocast, reference)
     source = Generations(cfg, plan, rollout, read_grpo_prompts(cfg, cfg.train_file, tokenizer, rewards), dist)
     heldout = read_grpo_prompts(cfg, cfg.eval_file, tokenizer, rewards) if cfg.eval_file else None
-    objective = Objective(cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.use_bias_correction_kl, cfg.loss_type,
-                          cfg.importance_sampling_level)
     loss = PolicyReward(source) if cfg.zo_objective == "reward" \
-        else GRPOLoss(model, objective, cfg.temperature, autocast, fused=cfg.fused_lm_head)
+        else GRPOLoss(model, Objective.of(cfg), cfg.temperature, autocast, fused=cfg.fused_lm_head)
     run = TrainingRun(cfg, model, tokenizer, device, HeldOut(rollout, heldout, source, dist).evaluate,
                       monitor=list(range(len(heldout.ids))) if heldout else [])
     return Trainer(run, method, source, loss, dist), source
