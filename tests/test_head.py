@@ -175,7 +175,7 @@ def test_first_order_head_steps_on_the_autograd_gradient_of_detached_features():
     reference = torch.autograd.grad(loss, model.classifier.weight)[0]  # through the whole forward
     before = model.classifier.weight.detach().clone()
     lr = 1e-3
-    trainer = head.HeadTrainer(model, named, lr)
+    trainer = head.HeadTrainer(model, named, lr, TrainingLoss(model).head_loss)
     with torch.no_grad():  # as MeZO's forwards run: on the doubled batch, without autograd
         trainer.train_on(lambda: labels.label_logits(model, batch.doubled()), batch)
     adam_first_step = -lr * reference / (reference.abs() + 1e-8)  # AdamW's first step: lr * m / (sqrt(v) + eps)

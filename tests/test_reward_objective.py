@@ -59,7 +59,7 @@ def test_loss_gradient_and_metrics_equal_trls(tmp_path, name, rows, center):
     loss = RewardLoss(center)
     got = loss(model, batch).mean()
     grads = torch.autograd.grad(got, [p for p in model.parameters() if p.requires_grad])
-    assert abs(float(got) - float(theirs)) < 1e-6
+    assert abs(got.item() - theirs.item()) < 1e-6
     assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-5) for g, w in zip(grads, want, strict=True))
     metrics = {k: v[0] for k, v in trainer._metrics["train"].items()}
     logged = loss.statistics.drain()
@@ -121,3 +121,49 @@ def test_bad_rows_name_the_file_row_and_field(tmp_path, rows, field, what):
     message = str(err.value)
     assert f"{path}:{len(rows)}" in message and f'"{field}"' in message and what in message
     assert "\n" not in message
+
+
+def test_the_first_order_head_under_mezo_trains_on_the_reward_loss():
+    """Under --trainer zo the score head trains by AdamW on the features MeZO's forwards recorded: the loss it takes
+    from them (`TrainingLoss.head_loss`, two forwards stacked, as the estimator's) is RewardLoss's, and so is its
+    gradient with respect to the head."""
+    from xgblora.models.scoring import head_module
+    from xgblora.train.head import recording_inputs
+    from xgblora.train.objective import TrainingLoss
+
+    model, tokenizer = pretrained.load("tiny-llama", head="classifier", num_labels=1)
+    batch = ours(tokenizer, STANDARD)
+    training = TrainingLoss(model, preference=RewardLoss(0.01))
+    head = head_module(model)
+    want = RewardLoss(0.01)(model, batch).mean()
+    want_grad, = torch.autograd.grad(want, head.weight)
+    with torch.no_grad(), recording_inputs(head) as inputs:
+        training(batch)
+        training(batch)
+    got = training.head_loss(head(torch.cat(inputs)), batch)
+    got_grad, = torch.autograd.grad(got, head.weight)
+    assert abs(got.item() - want.item()) < 1e-6
+    assert torch.allclose(got_grad, want_grad, atol=1e-6)
+
+
+def test_a_reward_model_scores_conversations_as_trls_grpo_trainer():
+    """GRPOTrainer._calculate_rewards for a model among the reward functions, conversational prompts: TRL's
+    apply_chat_template on prompt + completion, tokenised without special tokens, right-padded, the first logit;
+    ours in forwards of two rows (so padding differs between them and TRL's one forward)."""
+    from trl.data_utils import apply_chat_template
+
+    from xgblora.generation.rewards import RewardModel
+
+    model, tokenizer = pretrained.load("tiny-llama-chat", head="classifier", num_labels=1)
+    model.eval()
+    prompts = [[{"role": "user", "content": "What is 2+2?"}],
+               [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+               [{"role": "user", "content": "Say yes or no, and why, at some length."}]]
+    completions = [[{"role": "assistant", "content": text}] for text in ("4", "Hello there", "Yes")]
+    texts = [apply_chat_template({"messages": p + c}, tokenizer)["text"]
+             for p, c in zip(prompts, completions, strict=True)]
+    inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+    with torch.inference_mode():
+        want = model(**inputs).logits[:, 0]
+    got = RewardModel("rm", model, tokenizer, batch_size=2)(prompts, completions)
+    assert torch.allclose(torch.tensor(got), want, atol=1e-5) and want.std() > 0

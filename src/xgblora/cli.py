@@ -33,9 +33,8 @@ GRPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5}
 # TRL's max_length of 1024 tokens.
 DPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5, "max_length": 1024}
 # A reward model trains a LoRA adapter and its new score head by default, at TRL's RewardConfig learning rate and
-# max_length; the head is a sequence classifier's, trained with the body (under MeZO, perturbed with it).
-REWARD_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-4, "max_length": 1024,
-                   "head_trainer": "zo"}
+# max_length.
+REWARD_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-4, "max_length": 1024}
 
 
 
@@ -344,9 +343,10 @@ class Command:
 TRAINING = (opts.ModelOptions, opts.InputOptions, opts.AdapterOptions, opts.BoostingOptions, opts.OptimizerOptions,
             opts.ZOOptions, opts.ComputeOptions, opts.LoopOptions)
 TASK_TRAINING = (*TRAINING, opts.TaskOptions, opts.HeadOptions, opts.EmbeddingOptions, opts.SupervisedOptions,
-                 opts.ContrastiveOptions, opts.InstructionOptions, opts.BatchOptions)
+                 opts.ContrastiveOptions, opts.RerankOptions, opts.InstructionOptions, opts.BatchOptions)
 EVALUATION = (opts.ModelOptions, opts.InputOptions, opts.TaskOptions, opts.HeadOptions, opts.EmbeddingOptions,
-              opts.RetrievalOptions, opts.ComputeOptions, opts.RunOptions, opts.OutputOptions, opts.ResultFileOptions)
+              opts.RetrievalOptions, opts.RerankEvalOptions, opts.ComputeOptions, opts.RunOptions, opts.OutputOptions,
+              opts.ResultFileOptions)
 RUN_FOLDER = (opts.RunOptions, opts.OutputOptions)
 
 COMMANDS: dict[str, Command] = {

@@ -32,6 +32,8 @@ from xgblora.options import (
     ModelOptions,
     OptimizerOptions,
     OutputOptions,
+    RerankEvalOptions,
+    RerankOptions,
     ResultFileOptions,
     RetrievalOptions,
     RewardOptions,
@@ -75,9 +77,9 @@ class DataOptions:
 
 @dataclass(frozen=True)
 class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOptions, ComputeOptions, ZOOptions,
-             OptimizerOptions, BoostingOptions, AdapterOptions, InstructionOptions, ContrastiveOptions,
-             SupervisedOptions, RetrievalOptions, EmbeddingOptions, HeadOptions, TaskOptions, InputOptions,
-             ModelOptions):
+             OptimizerOptions, BoostingOptions, AdapterOptions, InstructionOptions, RerankOptions, ContrastiveOptions,
+             SupervisedOptions, RerankEvalOptions, RetrievalOptions, EmbeddingOptions, HeadOptions, TaskOptions,
+             InputOptions, ModelOptions):
     """Options of `xgblora train` (and `mezo`): every group but sampling; names follow MeZO's run.py and the XGBLoRA
     fork. `eval` reads a part of them (cli.COMMANDS), the other commands derive from it."""
 
@@ -91,6 +93,9 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         """Fill what depends on other options: the GGUF file into the model name, MeZO's --num_train for its tasks,
         the method --lora / --xgblora name, a classifier's prompt and classes; check the dev split's sizing."""
         self.resolve_gguf_file()
+        if self.retrieval_files is not None and self.objective == "rerank":
+            raise UserError("--beir_dir scores an embedding model, the first stage of a retrieval; a reranker "
+                            "reranks its best documents: give it as --reranker")
         if self.retrieval_files is not None and self.objective == "lm":  # a retrieval evaluation embeds
             object.__setattr__(self, "objective", "contrastive")
         if self.head == "classifier" and self.task_name == "custom" and not (self.template or self.label_words):
@@ -128,7 +133,8 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
                         "lora_r", "lora_alpha", "xgblora_steps_per_iteration", "xgblora_num_boosters", "xgblora_adaptive_max_steps",
                         "xgblora_adaptive_patience", "logging_steps", "max_length", "learning_rate",
                         "zo_eps", "head_learning_rate", "head_probe_l2", "contrastive_temperature",
-                        "grit_generative_batch_size", "zo_queries", "zo_svrg_period", "zo_svrg_anchor_batches")
+                        "grit_generative_batch_size", "zo_queries", "zo_svrg_period", "zo_svrg_anchor_batches",
+                        "rerank_top_k")
         if self.max_length < 2:
             raise UserError(f"--max_length must be at least 2 (a token is scored from the tokens before it), got "
                             f"{self.max_length}")
@@ -202,15 +208,29 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         if self.grit_train_file and self.objective != "grit":
             raise UserError(f"--grit_train_file feeds GRIT's generative loss; it has no use with --objective "
                             f"{self.objective} (pass --objective grit)")
-        if self.mini_batch_size < 0 or (self.mini_batch_size and self.objective == "lm"):
+        if self.mini_batch_size < 0 or (self.mini_batch_size and not self.embeds):
             raise UserError(f"--mini_batch_size (gradient caching) takes a number of rows with --objective "
                             f"contrastive or grit, got {self.mini_batch_size} with --objective {self.objective}")
         parse_matryoshka(self.matryoshka_dims, self.matryoshka_weights)
+        self._check_rerank()
         if not self.only_train_option and (self.train_as_classification or self.objective != "lm"
                                            or self.task_name.lower() == "custom"):
             raise UserError("--only_train_option false puts the loss on every token of a MeZO task's prompt and "
                             "gold candidate; it has no meaning with --train_as_classification, an embedding "
                             "objective or custom data (instruction data: --train_on_prompt)")
+
+    def _check_rerank(self) -> None:
+        """A reranker's options: the in-batch negatives of its loss, and the first stage it reranks."""
+        if self.rerank_num_negatives < -1:
+            raise UserError(f"--rerank_num_negatives must be 0 or more (-1: every passage of the batch's other rows), "
+                            f"got {self.rerank_num_negatives}")
+        if self.reranker is not None and self.retrieval_files is None:
+            raise UserError("--reranker reranks the best documents of a retrieval evaluation's first stage: give "
+                            "--beir_dir DIR (or --corpus_file, --queries_file and --qrels_file) and the first-stage "
+                            "embedding model as --model_name")
+        if self.reranker is not None and self.matryoshka_dims:
+            raise UserError("--reranker reranks one first-stage ranking, the whole embedding's; drop "
+                            "--matryoshka_dims (evaluate the sizes in a run of their own)")
 
     def _check_zo_estimator(self) -> None:
         """Refuse the ZO flags an estimator cannot use, with the reason."""
@@ -272,6 +292,11 @@ class Config(LoopOptions, ResultFileOptions, OutputOptions, RunOptions, BatchOpt
         if self.contrastive_temperature is not None:
             return self.contrastive_temperature
         return 0.02 if self.objective == "grit" else 0.05
+
+    @property
+    def embeds(self) -> bool:
+        """Whether the run trains or scores an embedding model (--objective contrastive or grit)."""
+        return self.objective in ("contrastive", "grit")
 
     @property
     def matryoshka(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
@@ -708,6 +733,7 @@ GENERATION_TRAINING_OPTIONS = ("packing", "log_samples")
 NOT_RETRIEVAL_OPTIONS = ("train_file", "eval_file", "columns", "chat_template", "task_name", "data_dir", "data_format",
                          "template", "label_words", "label_names", "num_train", "num_eval", "train_set_seed", "sfc",
                          "icl_sfc", "head")
+RERANK_OPTIONS = ("rerank_loss", "rerank_num_negatives", "rerank_weighting_scheme")
 CLASSIFICATION_OPTIONS = ("template", "label_words", "label_names", "sfc", "icl_sfc", "train_as_classification")
 TRAINING_OPTIONS = ("lora", "xgblora", "method", *ADAPTER_OPTIONS, *XGBLORA_OPTIONS, *ZO_OPTIONS, "learning_rate",
                     "lr_scheduler_type", "warmup_steps", "warmup_ratio", "max_steps", "num_train_epochs",
@@ -716,7 +742,7 @@ TRAINING_OPTIONS = ("lora", "xgblora", "method", *ADAPTER_OPTIONS, *XGBLORA_OPTI
                     "fused_lm_head", "compile", "group_by_length", "packing", "loss_mean", "only_train_option",
                     "train_as_classification",
                     "head_init", "head_probe_l2", "contrastive_loss", "learnable_temperature", "mini_batch_size",
-                    "embed_pieces", "matryoshka_weights", *GRIT_OPTIONS, "logging_steps", "evaluation_strategy", "eval_steps", "eval_on_start",
+                    "embed_pieces", "matryoshka_weights", *GRIT_OPTIONS, *RERANK_OPTIONS, "logging_steps", "evaluation_strategy", "eval_steps", "eval_on_start",
                     "log_samples", "save_strategy", "save_steps", "save_total_limit", "save_only_model",
                     "load_best_model_at_end", "resume_from_checkpoint", "report_to", "nan_policy", "no_eval")
 
@@ -768,14 +794,26 @@ IGNORED = (
             "an XGBLoRA booster option, unused by plain LoRA; pass --method xgblora"),
     Ignored(XGBLORA_ADAPTIVE_OPTIONS, lambda c: _training(c) and not c.xgblora_adaptive,
             "the adaptive merge's option; pass --xgblora_adaptive"),
-    Ignored(EMBEDDING_OPTIONS, lambda c: _training(c) and c.objective == "lm",
-            "an embedding option, unused by --objective lm; pass --objective contrastive or grit"),
+    Ignored(EMBEDDING_OPTIONS, lambda c: _training(c) and not c.embeds,
+            "an embedding option, unused by --objective lm or rerank; pass --objective contrastive or grit"),
     Ignored(GRIT_OPTIONS, lambda c: _training(c) and c.objective == "contrastive",
             "a GRIT option, unused by --objective contrastive; pass --objective grit"),
-    Ignored(GENERATION_TRAINING_OPTIONS, lambda c: _training(c) and c.objective == "contrastive",
-            "a next-token training option, unused by --objective contrastive (pairs are embedded, not generated)"),
+    Ignored(GENERATION_TRAINING_OPTIONS, lambda c: _training(c) and c.objective in ("contrastive", "rerank"),
+            "a next-token training option, unused by --objective contrastive or rerank (pairs are scored, not "
+            "generated)"),
     Ignored(CLASSIFICATION_OPTIONS, lambda c: _training(c) and c.objective != "lm",
-            "a MeZO-task/classification option; an embedding objective trains on pairs"),
+            "a MeZO-task/classification option; an embedding or reranker objective trains on pairs"),
+    Ignored(("head", "pooling"), lambda c: _training(c) and c.objective == "rerank",
+            "a reranker is a sequence classifier with one output, read as the model's own classification head "
+            "reads it (as sentence-transformers' CrossEncoder)"),
+    Ignored(RERANK_OPTIONS, lambda c: _training(c) and c.objective != "rerank",
+            "a reranker training option, unused by --objective lm, contrastive or grit; pass --objective rerank"),
+    Ignored(("rerank_num_negatives",), lambda c: _training(c) and c.rerank_loss != "mnrl",
+            "the in-batch negatives of --rerank_loss mnrl"),
+    Ignored(("rerank_weighting_scheme",), lambda c: _training(c) and c.rerank_loss != "lambda",
+            "the weighting scheme of --rerank_loss lambda"),
+    Ignored(("rerank_top_k", "always_rerank_positives"), lambda c: _training(c) and c.reranker is None,
+            "an option of the reranking evaluation; pass --reranker"),
 )
 
 

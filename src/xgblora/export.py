@@ -1,5 +1,6 @@
 """`xgblora export`: a finished run's final/ or any of its checkpoints as a PEFT adapter (as trained, or
-SVD-compressed to a rank), as a merged model (an embedding run's also as a sentence-transformers model), or as one
+SVD-compressed to a rank), as a merged model (an embedding run's also as a sentence-transformers model, a reranker's
+as a CrossEncoder), or as one
 GGUF file for llama.cpp and Ollama (the merged model converted by models/gguf_export.py).
 
 `FORMATS` holds each format's writer and the options it reads; `export_run` checks a request against it, so that
@@ -25,7 +26,7 @@ from xgblora import atomic
 from xgblora.adapters import trained
 from xgblora.adapters.peft import ADAPTER_FILES, read_adapter, svd_factors, write_peft
 from xgblora.checkpoint import adapter_folder, find, run_config
-from xgblora.embeddings.st_format import embedding_export
+from xgblora.embeddings.st_format import embedding_export, write_cross_encoder
 from xgblora.errors import UserError
 from xgblora.models import gguf_export, modelfile, pretrained
 
@@ -205,7 +206,7 @@ def _merge_into_base(source: Source, out: Path, target: Path) -> dict[str, Any]:
     model, tokenizer = trained.load_model(trained.ModelSource(cfg["model_name"], source.folder), dtype=dtype,
                                           trust_remote_code=trust_remote_code, head=head)
     model.config.use_cache = True  # pretrained.load turns it off for training; a merged export is for inference
-    embedding = cfg.get("objective", "lm") != "lm"
+    embedding, reranker = cfg.get("objective", "lm") in ("contrastive", "grit"), cfg.get("objective") == "rerank"
     with _refused_writes(target, lambda: _nbytes(model)):  # here the model is known: the space the export needs
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out, safe_serialization=True)
@@ -213,7 +214,9 @@ def _merge_into_base(source: Source, out: Path, target: Path) -> dict[str, Any]:
             tokenizer.padding_side = "right"
             embedding_export(out, cfg, model.config.hidden_size)
         tokenizer.save_pretrained(out)
-    return {"dtype": dtype, **({"sentence_transformers": True} if embedding else {})}
+        if reranker:
+            write_cross_encoder(out, int(cfg["max_length"]))
+    return {"dtype": dtype, **({"sentence_transformers": True} if embedding or reranker else {})}
 
 
 def _nbytes(model: torch.nn.Module) -> int:

@@ -125,8 +125,8 @@ class HeadOptions:
 class EmbeddingOptions:
     """What an embedding model embeds: the objective, the instructions before queries and documents, the pooling of the instruction, attention both ways, the Matryoshka sizes."""
 
-    objective: str = _opt("lm", "What the model learns: lm (the task's own loss), contrastive (an embedding model on query/positive pairs) or grit (a causal LM that embeds and generates).",
-                          ("lm", "contrastive", "grit"))
+    objective: str = _opt("lm", "What the model learns: lm (the task's own loss), contrastive (an embedding model on query/positive pairs), grit (a causal LM that embeds and generates) or rerank (a cross-encoder scoring a (query, passage) pair with one logit, as sentence-transformers' CrossEncoder).",
+                          ("lm", "contrastive", "grit", "rerank"))
     query_instruction: str = _opt("", "Contrastive/GRIT: text put before every query (e.g. 'query: '); with --instruction_format gritlm the task instruction that GritLM's format wraps.")
     doc_instruction: str = _opt("", "Contrastive/GRIT: text put before every document (e.g. 'passage: '); with --instruction_format gritlm wrapped the same way.")
     instruction_format: str = _opt("plain", "Contrastive/GRIT: plain (the instructions as they are) or gritlm (GritLM's format: '<|user|>\\n{instruction}\\n<|embed|>\\n', or '<|embed|>\\n' without an instruction, for queries and documents alike).",
@@ -157,6 +157,26 @@ class RetrievalOptions:
         folder = Path(self.beir_dir or ".")
         return (Path(self.corpus_file or folder / "corpus.jsonl"), Path(self.queries_file or folder / "queries.jsonl"),
                 Path(self.qrels_file or folder / "qrels" / "test.tsv"))
+
+
+@dataclass(frozen=True)
+class RerankEvalOptions:
+    """A second stage for a retrieval evaluation: a cross-encoder reranking the first stage's best documents, scored as sentence-transformers' CrossEncoderRerankingEvaluator: MAP, MRR@10 and nDCG@10, before and after."""
+
+    reranker: str | None = _opt(None, "With --beir_dir: a cross-encoder (an xgblora rerank run, a sentence-transformers CrossEncoder folder, a hub id or pkg:) that reranks the first stage's --rerank_top_k documents of each query.")
+    rerank_top_k: int = _opt(100, "How many of the first stage's best documents the --reranker reranks per query (sentence-transformers' rerank_k).")
+    always_rerank_positives: bool = _opt(True, "The --reranker also ranks the relevant documents the first stage left out of its top k, so its figures can reach 1 (sentence-transformers' default); false: it ranks the first stage's top k alone.")
+
+
+@dataclass(frozen=True)
+class RerankOptions:
+    """Training a cross-encoder reranker (--objective rerank): the loss, as sentence-transformers' CrossEncoder losses compute it."""
+
+    rerank_loss: str = _opt("bce", "Rerank: bce (BinaryCrossEntropyLoss on each pair's label), mnrl (MultipleNegativesRankingLoss: each query's positive against its hard negatives and --rerank_num_negatives passages of other rows, on 10 x sigmoid(logit)) or lambda (LambdaLoss: each query's passages ranked by their labels).",
+                             ("bce", "mnrl", "lambda"))
+    rerank_num_negatives: int = _opt(4, "Rerank with mnrl: passages of the batch's other rows scored as each query's negatives, drawn at random (sentence-transformers' num_negatives); -1: all of them.")
+    rerank_weighting_scheme: str = _opt("ndcg_loss2pp", "Rerank with lambda: LambdaLoss's weighting scheme: ndcg_loss2pp (NDCGLoss2++, mu 10), ndcg_loss2, ndcg_loss1, lambdarank or none.",
+                                        ("ndcg_loss2pp", "ndcg_loss2", "ndcg_loss1", "lambdarank", "none"))
 
 
 @dataclass(frozen=True)
@@ -373,7 +393,7 @@ class RLOOOptions:
 
 
 # Every group: a command's options are the fields of the groups it names and those of its own classes.
-GROUPS = (ModelOptions, InputOptions, TaskOptions, HeadOptions, EmbeddingOptions, RetrievalOptions, SupervisedOptions,
-          ContrastiveOptions, InstructionOptions, AdapterOptions, BoostingOptions, OptimizerOptions, ZOOptions,
-          ComputeOptions, BatchOptions, RunOptions, OutputOptions, ResultFileOptions, LoopOptions, SamplingOptions,
-          RewardOptions, RLOOOptions)
+GROUPS = (ModelOptions, InputOptions, TaskOptions, HeadOptions, EmbeddingOptions, RetrievalOptions, RerankEvalOptions,
+          SupervisedOptions, ContrastiveOptions, RerankOptions, InstructionOptions, AdapterOptions, BoostingOptions,
+          OptimizerOptions, ZOOptions, ComputeOptions, BatchOptions, RunOptions, OutputOptions, ResultFileOptions,
+          LoopOptions, SamplingOptions, RewardOptions, RLOOOptions)

@@ -207,7 +207,7 @@ def _set_once(chosen: dict[str, tuple[str, Any]], option: str, setting: tuple[st
 # (outputs stay relative to where the command runs).
 INPUT_PATHS = ("train_file", "eval_file", "grit_train_file", "chat_template", "data_dir", "input_file", "adapter",
                "model_name", "sampler_model", "resume_from_checkpoint", "beir_dir", "corpus_file", "queries_file",
-               "qrels_file")
+               "qrels_file", "reranker")
 
 
 def _beside(folder: Path, value: str) -> str:

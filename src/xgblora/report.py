@@ -493,21 +493,33 @@ def _fmt_cell(value: Any) -> str:
     return "" if value is None else f"{value:.3f}" if isinstance(value, float) else html.escape(str(value))
 
 
-def write_retrieval_report(run_dir: Path, results: dict[str, Any], figures: dict[str, dict[str, float]]) -> Path:
-    """report.html of a retrieval evaluation: what was scored (the results' other entries), then the figures, one
-    row per embedding size (`figures`: size label -> figure name -> value)."""
+def _figure_table(first: str, figures: dict[str, dict[str, float]]) -> str:
+    """An HTML table of figures: one row per label, one column per figure name."""
     names = list(next(iter(figures.values())))
+    head = "".join(f"<th>{html.escape(n)}</th>" for n in (first, *names))
+    rows = "".join(f"<tr><td>{html.escape(label)}</td>" + "".join(f"<td>{values[n]:.4f}</td>" for n in names)
+                   + "</tr>\n" for label, values in figures.items())
+    return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{rows}</tbody>\n</table>\n"
+
+
+def write_retrieval_report(run_dir: Path, results: dict[str, Any], figures: dict[str, dict[str, float]],
+                           reranking: dict[str, dict[str, float]] | None = None) -> Path:
+    """report.html of a retrieval evaluation: what was scored (the results' other entries), then the figures, one
+    row per embedding size (`figures`: size label -> figure name -> value), and a reranker's figures before and
+    after (`reranking`: row label -> figure name -> value)."""
     about = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{_fmt_cell(v)}</td></tr>" for k, v in results.items()
                     if not isinstance(v, float))
-    head = "".join(f"<th>{html.escape(n)}</th>" for n in ("embedding", *names))
-    rows = "".join(f"<tr><td>{html.escape(size)}</td>" + "".join(f"<td>{values[n]:.4f}</td>" for n in names)
-                   + "</tr>\n" for size, values in figures.items())
+    reranked = ("<h2>Reranking</h2>\n" + _figure_table("ranking", reranking) +
+                '<p class="note">As sentence-transformers\' CrossEncoderRerankingEvaluator: the mean over the queries '
+                "of MAP, MRR@10 and nDCG@10 of the first stage's top k and of the reranker's order of them.</p>\n"
+                ) if reranking else ""
     page = ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
             f"<title>xgblora retrieval report</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
             f"<h1>xgblora retrieval report</h1>\n<table>\n<tbody>\n{about}</tbody>\n</table>\n"
-            f"<h2>Cosine similarity</h2>\n<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{rows}</tbody>\n</table>\n"
+            f"<h2>Cosine similarity</h2>\n{_figure_table('embedding', figures)}"
             '<p class="note">As sentence-transformers\' InformationRetrievalEvaluator: each figure is the mean over '
-            "the queries that have a relevant document; ties go to the smaller document id.</p>\n</body>\n</html>\n")
+            f"the queries that have a relevant document; ties go to the smaller document id.</p>\n{reranked}"
+            "</body>\n</html>\n")
     path = Path(run_dir) / "report.html"
     atomic.write_text(path, page)
     return path

@@ -33,6 +33,7 @@ _ADAPTER_CONFIG = "adapter_config.json"
 _EMBEDDING_OPTIONS = ("objective", "pooling", "bidirectional", "instruction_format", "query_instruction",
                       "doc_instruction", "include_prompt", "max_length", "matryoshka_dims")
 _PAIR_OPTIONS = ("model_name", "eval_file", "columns")
+_RERANK_OPTIONS = ("objective", "max_length")
 # the base model, task, data, evaluation sample and head a run was trained on: its evaluation takes them unless told
 # otherwise
 _TASK_OPTIONS = ("model_name", "task_name", "data_dir", "eval_file", "columns", "data_format", "template", "label_words",
@@ -117,13 +118,16 @@ def recorded_base(adapter: str) -> str | None:
 
 def run_options(model_name: str, adapter: str | None = None) -> dict[str, Any]:
     """What an evaluation of a trained run (--model_name RUN, or --adapter RUN, RUN/final or a checkpoint of it)
-    takes from the run unless told otherwise: an embedding run's embedding options and evaluation pairs, another
-    run's task, data and head; {} when neither names a run."""
+    takes from the run unless told otherwise: an embedding run's embedding options and evaluation pairs, a
+    reranker's objective, length and evaluation rows, another run's task, data and head; {} when neither names a
+    run."""
     folder = next((f for f in (run_folder(adapter), run_folder(model_name)) if f is not None), None)
     if folder is None:
         return {}
     cfg = run_config(folder)
-    keys = _EMBEDDING_OPTIONS + _PAIR_OPTIONS if cfg.get("objective", "lm") != "lm" else _TASK_OPTIONS
+    objective = cfg.get("objective", "lm")
+    keys = _TASK_OPTIONS if objective == "lm" else \
+        (_RERANK_OPTIONS if objective == "rerank" else _EMBEDDING_OPTIONS) + _PAIR_OPTIONS
     return {key: cfg[key] for key in keys if cfg.get(key) is not None}
 
 
@@ -240,7 +244,10 @@ def load_with_options(options: ModelOptions, name_or_path: str, adapter: str | N
 
 
 def run_head(cfg: dict[str, Any], model_name: str, trust_remote_code: bool) -> str:
-    """The model class a run's model loads as: its embedding class for an embedding objective, else its --head."""
+    """The model class a run's model loads as: its embedding class for an embedding objective, a sequence
+    classifier for a reranker, else its --head."""
+    if cfg.get("objective") == "rerank":
+        return "classifier"
     if cfg.get("objective", "lm") != "lm":
         return pretrained.embedding_head(model_name, cfg["objective"], trust_remote_code)
     return cfg.get("head", "auto")

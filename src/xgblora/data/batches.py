@@ -8,6 +8,8 @@
 - `GritBatch`: a `PairBatch` and a `TokenBatch` of instruction data, trained together (GRIT).
 - `PreferenceBatch`: preference pairs, each prompt once and its chosen and rejected completions (DPO).
 - `RewardBatch`: preference pairs as whole right-padded sequences, chosen rows then rejected rows (reward models).
+- `RerankBatch`: (query, passage) pairs tokenised together, grouped by query, with a relevance label each (a
+  cross-encoder reranker).
 
 Every batch carries `loss_scale`, the share of a data-parallel global batch that this process's shard stands for
 (1.0 with one process): the objective multiplies each example's loss by it, so a plain mean over processes is the
@@ -214,6 +216,45 @@ class PairBatch(Batch):
         twice = lambda t: torch.cat([t, t])  # noqa: E731
         return dataclasses.replace(self, query_ids=twice(self.query_ids), query_mask=twice(self.query_mask),
                                    doc_ids=twice(self.doc_ids), doc_mask=twice(self.doc_mask), halves=2)
+
+
+@dataclass(kw_only=True)
+class RerankBatch(Batch):
+    """(query, passage) pairs, one right-padded row each [P, L] (token_type_ids where the tokenizer gives them),
+    grouped by query: group [P] maps a row to its query (rows of one query adjacent, its first row its positive
+    where the loss reads one), label [P] is the row's relevance label, weight [G] each query's share of the batch's
+    loss (so that the mean over queries is sentence-transformers' mean over the batch). `halves` is 2 in MeZO's
+    dual batch: the rows twice, the index tensors those of one half."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    token_type_ids: Tensor | None = None
+    group: Tensor
+    label: Tensor
+    weight: Tensor
+    halves: int = 1
+
+    @property
+    def n_examples(self) -> int:
+        """Queries (of one half)."""
+        return self.weight.shape[0]
+
+    def split(self: B, start: int, stop: int) -> B:
+        """Queries start..stop-1 with their rows, renumbered from 0 (each query's loss reads its own rows only)."""
+        if self.halves != 1:
+            raise ValueError("a doubled rerank batch is not split")
+        rows = (self.group >= start) & (self.group < stop)
+        types = None if self.token_type_ids is None else self.token_type_ids[rows]
+        return dataclasses.replace(self, input_ids=self.input_ids[rows], attention_mask=self.attention_mask[rows],
+                                   token_type_ids=types, group=self.group[rows] - start, label=self.label[rows],
+                                   weight=self.weight[start:stop])
+
+    def doubled(self: B) -> B:
+        """The rows twice (one model input, split in halves by the dual adapters); the index tensors stay one
+        half's."""
+        twice = lambda t: None if t is None else torch.cat([t, t])  # noqa: E731
+        return dataclasses.replace(self, input_ids=twice(self.input_ids), attention_mask=twice(self.attention_mask),
+                                   token_type_ids=twice(self.token_type_ids), halves=2)
 
 
 @dataclass(kw_only=True)

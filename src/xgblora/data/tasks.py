@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ class Example:
     sfc_prompt: str = ""  # SFC calibration prompt: the template with the input left out
     messages: tuple[tuple[str, str], ...] = ()  # a conversation as (role, content) turns, rendered by a chat template
     trained_from: int = 0  # the first message whose assistant turns carry loss (TRL's conversational completion)
+    labels: tuple[float, ...] = ()  # a reranker row's relevance label of each candidate passage; () otherwise
     source: str = ""  # where the row came from, for errors found after loading ("train.jsonl:3")
 
 
@@ -32,6 +34,13 @@ def _type_name(value: Any) -> str:
 
 def _label_key(value: Any) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def _finite(fields: Fields, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        shown = repr(value) if isinstance(value, str | float) else _type_name(value)
+        raise fields.error(key, f"expected a number, got {shown}")
+    return float(value)
 
 
 class Fields:
@@ -91,6 +100,18 @@ class Fields:
         if not isinstance(value, int) or isinstance(value, bool):
             raise self.error(key, f"expected an integer, got {_type_name(value)}")
         return value
+
+    def number(self, key: str) -> float:
+        """A finite number (an integer or a float; not a boolean or a string)."""
+        return _finite(self, key, self.get(key))
+
+    def numbers(self, key: str) -> list[float]:
+        """A non-empty list of finite numbers."""
+        value = self.get(key)
+        if not isinstance(value, list) or not value:
+            raise self.error(key, "expected a non-empty list of numbers, got "
+                             + ("an empty list" if value == [] else _type_name(value)))
+        return [_finite(self, f"{key}[{i}]", item) for i, item in enumerate(value)]
 
     def label(self, key: str, labels: tuple[Any, ...]) -> int:
         """Index of the field's value in labels; strings, booleans or integers (HF class ids) are accepted."""

@@ -1,5 +1,6 @@
 """The files that make a saved model folder a sentence-transformers model: Transformer (the folder itself) ->
-Pooling -> Normalize, with the pooling and instruction prompts the model was trained with."""
+Pooling -> Normalize, with the pooling and instruction prompts the model was trained with; and what makes a saved
+one-output sequence classifier a CrossEncoder."""
 
 from __future__ import annotations
 
@@ -32,6 +33,22 @@ def write_sentence_transformers(out: Path, pooling: str, dim: int, max_length: i
     (out / "2_Normalize").mkdir(exist_ok=True)
     for name, value in files.items():
         (out / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+
+
+# CrossEncoder's activation of a one-output model's logit, as it names it in the config it saves
+CROSS_ENCODER_ACTIVATION = "torch.nn.modules.activation.Sigmoid"
+
+
+def write_cross_encoder(out: Path, max_length: int) -> None:
+    """Make a saved one-output sequence classifier and its tokenizer (config.json, tokenizer_config.json) a
+    sentence-transformers CrossEncoder as it saves one: config.json names its activation (the sigmoid
+    CrossEncoder.predict applies), and the tokenizer's model_max_length is the length the reranker was trained at,
+    where CrossEncoder cuts its pairs."""
+    for name, key, value in (("config.json", "sentence_transformers", {"activation_fn": CROSS_ENCODER_ACTIVATION}),
+                             ("tokenizer_config.json", "model_max_length", max_length)):
+        config = json.loads((out / name).read_text(encoding="utf-8"))
+        config[key] = value
+        (out / name).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def matryoshka_card(dims: str | None) -> str:

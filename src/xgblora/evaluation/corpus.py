@@ -50,8 +50,8 @@ def cut(vectors: Tensor, dim: int | None) -> Tensor:
     return vectors if dim is None else nn.functional.normalize(vectors[:, :dim], dim=-1)
 
 
-def merge(best: Hits, queries: Tensor, docs: Tensor, start: int, id_rank: Tensor) -> Hits:
-    """The MAX_K best documents of each query among its best so far and a chunk of the corpus (positions start,
+def merge(best: Hits, queries: Tensor, docs: Tensor, start: int, id_rank: Tensor, depth: int = MAX_K) -> Hits:
+    """The `depth` best documents of each query among its best so far and a chunk of the corpus (positions start,
     start + 1, ... of the corpus), by cosine of unit vectors."""
     positions = torch.arange(start, start + docs.shape[0])
     scores_out, positions_out = [], []
@@ -59,15 +59,15 @@ def merge(best: Hits, queries: Tensor, docs: Tensor, start: int, id_rank: Tensor
         block = slice(q, q + QUERY_BLOCK)
         scores = torch.cat([best[0][block], queries[block] @ docs.T], dim=1)
         candidates = torch.cat([best[1][block], positions.expand(scores.shape[0], -1)], dim=1)
-        keep = ranked(scores, id_rank[candidates], MAX_K)
+        keep = ranked(scores, id_rank[candidates], depth)
         scores_out.append(scores.gather(1, keep))
         positions_out.append(candidates.gather(1, keep))
     return torch.cat(scores_out), torch.cat(positions_out)
 
 
 def search(model: nn.Module, tokenizer: PreTrainedTokenizerBase, data: RetrievalSet, prefixes: Prefixes,
-           dims: Sequence[int | None], **encoding: Any) -> dict[int | None, list[list[str]]]:
-    """Each query's MAX_K best document ids, best first, at each size of dims (None: the whole embedding);
+           dims: Sequence[int | None], depth: int = MAX_K, **encoding: Any) -> dict[int | None, list[list[str]]]:
+    """Each query's `depth` best document ids, best first, at each size of dims (None: the whole embedding);
     `encoding`: encode_texts' options (pooling, max_length, batch_size, bidirectional, include_prompt)."""
     queries = encode_texts(model, tokenizer, list(data.queries.values()), prefix=prefixes.query, **encoding)
     doc_ids = list(data.corpus)
@@ -79,7 +79,7 @@ def search(model: nn.Module, tokenizer: PreTrainedTokenizerBase, data: Retrieval
         chunk = [data.corpus[i] for i in doc_ids[start:start + CORPUS_CHUNK]]
         docs = encode_texts(model, tokenizer, chunk, prefix=prefixes.doc, **encoding)
         for dim in dims:
-            best[dim] = merge(best[dim], cut(queries, dim), cut(docs, dim), start, id_rank)
+            best[dim] = merge(best[dim], cut(queries, dim), cut(docs, dim), start, id_rank, depth)
     return {dim: [[doc_ids[p] for p in row] for row in hits[1].tolist()] for dim, hits in best.items()}
 
 
@@ -109,6 +109,10 @@ def _query_figures(ids: Sequence[str], wanted: set[str]) -> dict[str, float]:
 def evaluate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, data: RetrievalSet, prefixes: Prefixes,
              dims: Sequence[int | None] = (None,), **encoding: Any) -> dict[int | None, dict[str, float]]:
     """The figures at each size of dims (None: the whole embedding); `encoding` as in `search`."""
+    return figures_of(data, search(model, tokenizer, data, prefixes, dims, **encoding))
+
+
+def figures_of(data: RetrievalSet, hits: dict[int | None, list[list[str]]]) -> dict[int | None, dict[str, float]]:
+    """The figures of each size's ranked document ids (`search`'s), the MAX_K best of each query."""
     relevant = [data.relevant[q] for q in data.queries]
-    return {dim: figures(hits, relevant) for dim, hits in search(model, tokenizer, data, prefixes, dims,
-                                                                  **encoding).items()}
+    return {dim: figures([ids[:MAX_K] for ids in ranked_ids], relevant) for dim, ranked_ids in hits.items()}

@@ -9,6 +9,7 @@ evaluates the model it trains, and the same evaluator serves a model before and 
     Labels        a classifier or masked-LM head: the arg-max label
     Instructions  instruction/chat data: loss, perplexity, generations and their EM/F1/GSM8K accuracy
     Retrieval     an embedding model: recall@1/5/10 and MRR of held-out queries against their split's corpus
+    Reranking     a cross-encoder: MAP, MRR@10 and nDCG@10 of each held-out query's passages, reranked
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 from xgblora.data.labels import LabelScoring
 from xgblora.data.pairs import Prefixes
 from xgblora.data.tasks import Example, Task
-from xgblora.evaluation import candidates, labels, retrieval
+from xgblora.evaluation import candidates, labels, reranking, retrieval
 from xgblora.evaluation.instructions import evaluate_instructions
 
 Metrics = dict[str, Any]
@@ -101,3 +102,15 @@ class Retrieval:
                                   max_length=self.sizes.max_length, batch_size=self.sizes.batch_size,
                                   bidirectional=self.bidirectional, prefixes=self.prefixes,
                                   include_prompt=self.include_prompt), []
+
+
+@dataclass(frozen=True)
+class Reranking:
+    tokenizer: PreTrainedTokenizerBase
+    sizes: EvalSizes
+
+    def __call__(self, model: nn.Module, examples: Sequence[Example], demos: Sequence[Example] = ()
+                 ) -> tuple[Metrics, Predictions]:
+        """A reranker reads one pair at a time: in-context demonstrations do not apply."""
+        return reranking.evaluate(model, self.tokenizer, examples, max_length=self.sizes.max_length,
+                                  batch_size=self.sizes.batch_size), []

@@ -71,13 +71,15 @@ class RewardLoss:
 
     def __call__(self, model: nn.Module, batch: RewardBatch) -> Tensor:
         rewards = sequence_rewards(model, batch)
+        for half in rewards.chunk(batch.halves):
+            self.statistics.add(*half.chunk(2))
+        return self.losses(rewards, batch)
+
+    def losses(self, rewards: Tensor, batch: RewardBatch) -> Tensor:
+        """Each pair's loss [halves x pairs] from the rewards of the batch's rows, times the batch's loss_scale."""
         margins = [None] * batch.halves if batch.margin is None else batch.margin.chunk(batch.halves)
-        losses = []
-        for half, margin in zip(rewards.chunk(batch.halves), margins, strict=True):
-            chosen, rejected = half.chunk(2)
-            losses.append(pair_losses(chosen, rejected, margin, self.center))
-            self.statistics.add(chosen, rejected)
-        return torch.cat(losses) * batch.loss_scale
+        return torch.cat([pair_losses(*half.chunk(2), margin, self.center)
+                          for half, margin in zip(rewards.chunk(batch.halves), margins, strict=True)]) * batch.loss_scale
 
 
 @torch.no_grad()

@@ -58,9 +58,9 @@ def run_recipe(cfg: Config, prepare: Callable[[distributed.Distributed], Prepare
             parsing.dump(run.cfg, out / "config.yaml")
         summary = run.trainer.fit() if run.trainer is not None else {}
         before = run.trainer.state.before if run.trainer is not None else {}  # --eval_on_start
-        results = {"model": run.cfg.model_name, "method": run.cfg.method, "trainer": run.cfg.trainer,
-                   "seed": run.cfg.seed,
-                   "device": str(run.device), "torch": torch.__version__, **summary,
+        # the model as the user named it: a run folder evaluated stays that folder, not the base it resolves to
+        results = {"model": cfg.model_name, "method": run.cfg.method, "trainer": run.cfg.trainer,
+                   "seed": run.cfg.seed, "device": str(run.device), "torch": torch.__version__, **summary,
                    **{f"before_{k}": v for k, v in before.items()}, **run.results()}
         if dist.is_main:
             write_model_card(run.cfg, results, run.data, run.tags, run.notes)

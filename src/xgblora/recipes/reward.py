@@ -4,7 +4,8 @@ as TRL's RewardTrainer trains one.
 The pairs (TRL's preference formats, read and checked as `xgblora dpo` reads them, with an optional margin column)
 are read before the model loads. The model is a sequence classifier with one output, a new score head on the base
 (`AutoModelForSequenceClassification`, num_labels 1); what trains is set up as in `xgblora train` (LoRA, XGBLoRA,
-full; AdamW or --trainer zo), the head training in every method (under --trainer zo it is perturbed with the body).
+full; AdamW or --trainer zo), the head training in every method (under --trainer zo by AdamW on the features of
+MeZO's forwards, as a classifier's head).
 The loss is `RewardLoss` on `RewardBatch`es. Held-out pairs (--eval_file) give the loss and the preference
 accuracy. final/ holds the adapter with its head (PEFT's SEQ_CLS, the head as modules_to_save), or the whole
 classifier; either serves as `xgblora grpo --reward_model`, and `xgblora export --format merged` writes a model that
@@ -13,7 +14,6 @@ transformers' AutoModelForSequenceClassification loads.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,8 +53,6 @@ def run_reward(cfg: RewardConfig) -> dict[str, Any]:
 def prepare(cfg: RewardConfig, dist: Distributed, train: list[PreferenceExample],
             held_out: list[PreferenceExample], template: str | None = None) -> Prepared:
     """Load the classifier, tokenise the pairs, set up what trains (see the module docstring)."""
-    # the score head trains with the body in every method (`xgblora reward`'s default, here for in-process runs too)
-    cfg = dataclasses.replace(cfg, head_trainer="zo")
     cfg, model, tokenizer = load_policy(cfg, dist, template, head="classifier", num_labels=1)
     device, pad = next(model.parameters()).device, tokenizer.pad_token_id
     train_seqs = reward_seqs(tokenizer, train, cfg.max_length)

@@ -19,6 +19,7 @@ from xgblora.train.results import write_predictions
 from xgblora.train.setup import (
     RunSetup,
     build_contrastive,
+    build_reranker,
     init_head,
     set_up_run,
     setup_method,
@@ -47,7 +48,7 @@ def prepare(cfg: Config, dist: Distributed, hooks: Hooks | None = None) -> Prepa
 def _card(setup: RunSetup) -> dict[str, Any]:
     """The model card's data (the task, or the user's file) and, for a Matryoshka embedding, its sizes."""
     cfg = setup.cfg
-    matryoshka = cfg.objective != "lm" and bool(cfg.matryoshka_dims)
+    matryoshka = cfg.embeds and bool(cfg.matryoshka_dims)
     return {"data": cfg.train_file if cfg.own_data else cfg.task_name,
             "tags": ("matryoshka",) if matryoshka else (),
             "notes": matryoshka_card(cfg.matryoshka_dims) if matryoshka else ""}
@@ -78,8 +79,8 @@ def _training(setup: RunSetup, dist: Distributed, hooks: Hooks | None) -> Prepar
     method = setup_method(setup.model, cfg, contrastive)
     init_head(setup, method)
     run = setup.training_run()
-    trainer = Trainer(run, method, ExampleBatches(train_set, cfg, dist), training_loss(run, dist, contrastive), dist,
-                      hooks)
+    loss = training_loss(run, dist, contrastive, reranker=build_reranker(cfg))
+    trainer = Trainer(run, method, ExampleBatches(train_set, cfg, dist), loss, dist, hooks)
 
     def results() -> dict[str, Any]:
         done = {**_counts(setup), "num_train": len(setup.splits.train)}

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from xgblora.data.batches import LabelBatch
+from xgblora.data.batches import Batch
 from xgblora.data.labels import LabelScoring
 from xgblora.data.tasks import Example
 from xgblora.evaluation.labels import logits_by_batch
@@ -123,27 +123,28 @@ def fit_probe(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, exampl
 class HeadTrainer:
     """AdamW on a classification head, fed the head's inputs recorded during MeZO's forwards (detached, so the
     body keeps inference memory). Both perturbed forwards count: their mean head gradient is the gradient at the
-    unperturbed features to O(eps^2), and no extra forward is run."""
+    unperturbed features to O(eps^2), and no extra forward is run. `loss(outputs, batch)`: the mean loss of the
+    head's outputs of every forward on the batch, stacked (`TrainingLoss.head_loss`)."""
 
     def __init__(self, model: nn.Module, named_params: list[tuple[str, nn.Parameter]], lr: float,
+                 loss: Callable[[Tensor, Batch], Tensor],
                  reduce: Callable[[Tensor, list[nn.Parameter]], Tensor] | None = None):
         self.head = head_module(model)
         self.params = [p for _, p in named_params]
         self.optimizer = build_optimizer(named_params, lr)
+        self.loss = loss
         self.reduce = reduce  # data parallel: the gradient averaged over ranks
 
-    def train_on(self, forwards: Callable[[], T], batch: LabelBatch) -> T:
+    def train_on(self, forwards: Callable[[], T], batch: Batch) -> T:
         """Run forwards() (MeZO's step on `batch`), then one AdamW step on the head inputs it produced."""
         with recording_inputs(self.head) as inputs:
             out = forwards()
         self._update(batch, torch.cat(inputs))
         return out
 
-    def _update(self, batch: LabelBatch, x: Tensor) -> None:
-        labels = batch.labels.repeat(x.shape[0] // batch.labels.shape[0])  # each forward saw the batch (doubled)
+    def _update(self, batch: Batch, x: Tensor) -> None:
         with torch.enable_grad():
-            logits = self.head(x.to(self.params[0].dtype)).float().reshape(labels.shape[0], -1)
-            loss = nn.functional.cross_entropy(logits, labels) * batch.loss_scale
+            loss = self.loss(self.head(x.to(self.params[0].dtype)), batch)
             loss.backward()
         if self.reduce is not None:
             self.reduce(loss.detach(), self.params)

@@ -233,7 +233,8 @@ def build_stepper(cfg: Config, method: Method, loss_fn: Loss, dist: Distributed,
     estimator = build_estimator(cfg, zo_params, cfg.learning_rate, seed=cfg.seed, weight_decay=cfg.weight_decay,
                                 betas=(cfg.adam_beta1, cfg.adam_beta2), adam_eps=cfg.adam_epsilon, penalty=penalty,
                                 dual_modules=method.modules if dual else None, dist=dist)
-    head = HeadTrainer(loss_fn.model, method.head, cfg.head_learning_rate, reduce=dist.reduce_step) \
+    # a new head exists on classifier and reranker runs only, whose loss is a TrainingLoss
+    head = HeadTrainer(loss_fn.model, method.head, cfg.head_learning_rate, loss_fn.head_loss, reduce=dist.reduce_step) \
         if cfg.head_trainer == "first-order" and method.head else None
     return stepper_type(estimator)(estimator, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
 

@@ -1,10 +1,12 @@
 """Training sets and the loss of each batch kind: the gold continuation's tokens, cross-entropy over candidates
-(MeZO's classification objective), over a label head's labels, InfoNCE over query/document pairs (contrastive), or
-InfoNCE plus the instruction loss (GRIT), or a preference loss over pairs (DPO's, or a reward model's)."""
+(MeZO's classification objective), over a label head's labels, InfoNCE over query/document pairs (contrastive),
+InfoNCE plus the instruction loss (GRIT), a cross-encoder's loss over (query, passage) pairs (rerank), or a
+preference loss over pairs (DPO's, or a reward model's)."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,14 +21,17 @@ from xgblora.data.batches import (
     PackedBatch,
     PairBatch,
     PreferenceBatch,
+    RerankBatch,
     RewardBatch,
     TokenBatch,
 )
 from xgblora.data.collation import TokenSeq, collate, collate_packed, training_seqs
 from xgblora.data.labels import LabelScoring, collate_labels, encode_labels
 from xgblora.data.pairs import PairSeq, collate_pairs
+from xgblora.data.rerank import collate_rerank, tokenize_pairs
 from xgblora.data.tasks import Example
 from xgblora.embeddings.contrastive import Contrastive
+from xgblora.embeddings.rerank import Reranker
 from xgblora.models.scoring import label_logits, packed_mean_logprobs, target_logprobs
 from xgblora.preference.reward import RewardLoss
 from xgblora.preference.scoring import PreferenceLoss
@@ -92,6 +97,23 @@ def pair_training_set(seqs: Sequence[PairSeq], pad_id: int) -> TrainingSet:
     return TrainingSet([len(s.docs[0]) for s in seqs], lambda idx: collate_pairs([seqs[i] for i in idx], pad_id))
 
 
+def rerank_training_set(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
+                        reranker: Reranker, seed: int) -> TrainingSet:
+    """A reranker's training set: each row's (query, passage) pairs (grouped by the length of its first pair), with
+    MNRL's in-batch negatives drawn per batch from a generator seeded by the run's seed and the batch's rows (the
+    same draw on a resumed run), and each query's weight in the batch's loss."""
+    lengths = tokenize_pairs(tokenizer, [ex.prompt for ex in examples], [ex.candidates[0] for ex in examples],
+                             max_length)["attention_mask"].sum(1).tolist() if examples else []
+
+    def batch(idx: Sequence[int]) -> RerankBatch:
+        digest = hashlib.blake2b(repr((seed, list(idx))).encode(), digest_size=8).digest()
+        draws = torch.Generator().manual_seed(int.from_bytes(digest, "big") >> 1)
+        pairs = collate_rerank(tokenizer, [examples[i] for i in idx], max_length, reranker.num_negatives, draws)
+        return dataclasses.replace(pairs, weight=reranker.weights(pairs))
+
+    return TrainingSet(lengths, batch)
+
+
 def grit_training_set(pairs: Sequence[PairSeq], generative: TrainingSet, pad_id: int,
                       generative_batch: int | None = None) -> TrainingSet:
     """GRIT: example k of an epoch is pair k mod P and instruction example k mod G, so an epoch covers the larger of
@@ -130,14 +152,37 @@ class TrainingLoss:
     contrastive: Contrastive | None = None
     preference: PreferenceLoss | RewardLoss | None = None
     fused_head: bool = False
+    reranker: Reranker | None = None
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """Per-example losses [n_examples] (times the batch's loss_scale)."""
         if self.autocast is None:
-            return per_example_loss(self.model, batch, self.contrastive, self.preference, self.fused_head)
+            return per_example_loss(self.model, batch, self.contrastive, self.preference, self.fused_head,
+                                    self.reranker)
         device = next(self.model.parameters()).device
         with torch.autocast(device.type, dtype=self.autocast):
-            return per_example_loss(self.model, batch, self.contrastive, self.preference, self.fused_head)
+            return per_example_loss(self.model, batch, self.contrastive, self.preference, self.fused_head,
+                                    self.reranker)
+
+    def head_loss(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The mean loss of a new classification head's outputs [forwards x rows, outputs], the outputs of every
+        forward MeZO ran on the batch (a doubled batch's too) stacked: cross-entropy over a label head's labels, a
+        reranker's loss of its pair logits, a reward model's of its pairs' rewards (what `train.head.HeadTrainer`
+        trains the head on)."""
+        if logits.dim() == 3:  # a causal LM's score head runs on every position; its forward reads the last token's
+            ids = batch.input_ids.repeat(logits.shape[0] // batch.input_ids.shape[0], 1)
+            real = (ids != self.model.config.pad_token_id) * torch.arange(ids.shape[1], device=ids.device)
+            logits = logits[torch.arange(ids.shape[0], device=ids.device), real.argmax(-1)]
+        if isinstance(batch, RewardBatch):
+            forwards = logits.shape[0] // batch.input_ids.shape[0]
+            return torch.stack([self.preference.losses(rewards, batch).mean()
+                                for rewards in logits[:, 0].float().chunk(forwards)]).mean()
+        if isinstance(batch, RerankBatch):
+            forwards = logits.shape[0] // batch.label.shape[0]
+            return torch.stack([self.reranker.from_scores(scores, batch).mean()
+                                for scores in logits[:, 0].float().chunk(forwards)]).mean() * batch.loss_scale
+        labels = batch.labels.repeat(logits.shape[0] // batch.labels.shape[0])  # each forward saw the batch
+        return torch.nn.functional.cross_entropy(logits.float().reshape(labels.shape[0], -1), labels) * batch.loss_scale
 
     def metrics(self) -> dict[str, float]:
         """This process's statistics of the losses since the last call, for the logs: DPO's rewards and
@@ -147,7 +192,8 @@ class TrainingLoss:
 
 
 def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrastive | None = None,
-                     preference: PreferenceLoss | RewardLoss | None = None, fused_head: bool = False) -> torch.Tensor:
+                     preference: PreferenceLoss | RewardLoss | None = None, fused_head: bool = False,
+                     reranker: Reranker | None = None) -> torch.Tensor:
     """Loss of each example in the batch, shape [n_examples], times the batch's loss_scale.
 
     TokenBatch / PackedBatch: the mean negative log-likelihood of each example's target tokens (the gold candidate
@@ -157,6 +203,7 @@ def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrast
     query's InfoNCE term (`Contrastive`); GritBatch: w_c times that plus w_g times the generative batch's mean loss.
     PreferenceBatch: each pair's preference loss (`PreferenceLoss`: DPO and its family; it applies loss_scale);
     RewardBatch: each pair's reward-model loss (`RewardLoss`; it applies loss_scale).
+    RerankBatch: each query's share of a cross-encoder's loss over its (query, passage) pairs (`Reranker`).
     fused_head: TokenBatch and PackedBatch (GRIT's generative part too) score their targets through the fused LM
     head (`models.fused_head`: no [tokens, vocab] logits) where the model allows it.
     """
@@ -167,6 +214,8 @@ def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrast
             losses = contrastive.grit(model, batch, per_example_loss(model, batch.generative, fused_head=fused_head))
         case PairBatch():
             losses = contrastive(model, batch)
+        case RerankBatch():
+            losses = reranker(model, batch)
         case LabelBatch():
             losses = torch.nn.functional.cross_entropy(label_logits(model, batch), batch.labels, reduction="none")
         case PackedBatch():

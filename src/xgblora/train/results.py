@@ -15,7 +15,7 @@ import torch
 from xgblora import atomic
 from xgblora.adapters.peft import to_peft
 from xgblora.config import Config
-from xgblora.embeddings.st_format import embedding_export
+from xgblora.embeddings.st_format import embedding_export, write_cross_encoder
 from xgblora.models.pretrained import RANDOM_MODELS
 from xgblora.train.setup import Method
 
@@ -69,7 +69,7 @@ def write_predictions(cfg: Config, records: list[dict[str, Any]]) -> None:
 def adapter_task_type(cfg: Config, model: torch.nn.Module) -> str | None:
     """PEFT's task_type of the run's adapter: FEATURE_EXTRACTION for an embedding body (no LM head), else PEFT's
     default for the model."""
-    return "FEATURE_EXTRACTION" if cfg.objective != "lm" and not hasattr(model, "lm_head") else None
+    return "FEATURE_EXTRACTION" if cfg.embeds and not hasattr(model, "lm_head") else None
 
 
 def write_adapter(cfg: Config, method: Method, folder: Path, task_type: str | None = None) -> None:
@@ -81,8 +81,9 @@ def write_adapter(cfg: Config, method: Method, folder: Path, task_type: str | No
 
 def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Method,
                state: dict[str, torch.Tensor] | None = None) -> None:
-    """final/: a PEFT adapter (boosters concatenated) for lora/xgblora, the whole model for full fine-tuning."""
-    embedding = cfg.objective != "lm"
+    """final/: a PEFT adapter (boosters concatenated) for lora/xgblora, the whole model for full fine-tuning (an
+    embedding model's as a sentence-transformers model, a reranker's as a CrossEncoder)."""
+    embedding = cfg.embeds
     with atomic.replaced_folder(Path(cfg.output_dir) / "final") as final:
         if method.modules:
             write_adapter(cfg, method, final, adapter_task_type(cfg, model))
@@ -94,6 +95,8 @@ def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, method: Meth
         tokenizer.padding_side = "right" if embedding else side  # embeddings read right-padded inputs
         tokenizer.save_pretrained(final)
         tokenizer.padding_side = side  # with an adapter too: the tokenizer and its chat template travel with it
+        if cfg.objective == "rerank" and not method.modules:
+            write_cross_encoder(final, cfg.max_length)
 
 
 def _auto_class(final: Path, adapter: bool) -> str:

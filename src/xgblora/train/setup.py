@@ -32,15 +32,25 @@ from xgblora.data import formats
 from xgblora.data.collation import pad_multiple
 from xgblora.data.labels import LabelScoring, label_words
 from xgblora.data.pairs import PairTask, Prefixes, embedding_prefixes, held_apart, pair_seqs, prefix_length
+from xgblora.data.rerank import RerankTask, check_rows
 from xgblora.data.splits import Splits, load_rows, sample_splits
 from xgblora.data.tasks import CustomTask, Example, Task, get_task
 from xgblora.distributed import Distributed
 from xgblora.embeddings.contrastive import Contrastive
 from xgblora.embeddings.pieces import split_cost
 from xgblora.embeddings.pooling import bidirectional_supported
+from xgblora.embeddings.rerank import Reranker
 from xgblora.errors import UserError
 from xgblora.evaluation import labels
-from xgblora.evaluation.evaluators import Candidates, EvalSizes, Evaluator, Instructions, Labels, Retrieval
+from xgblora.evaluation.evaluators import (
+    Candidates,
+    EvalSizes,
+    Evaluator,
+    Instructions,
+    Labels,
+    Reranking,
+    Retrieval,
+)
 from xgblora.models import pretrained
 from xgblora.models.quant import is_quantized
 from xgblora.models.scoring import is_head_param, packing_supported
@@ -54,6 +64,7 @@ from xgblora.train.objective import (
     grit_training_set,
     label_training_set,
     pair_training_set,
+    rerank_training_set,
     sequence_training_set,
 )
 
@@ -215,44 +226,37 @@ class TrainingRun:
 
 
 def training_loss(run: TrainingRun, dist: Distributed, contrastive: Contrastive | None = None,
-                  preference: PreferenceLoss | RewardLoss | None = None) -> TrainingLoss:
+                  preference: PreferenceLoss | RewardLoss | None = None, reranker: Reranker | None = None
+                  ) -> TrainingLoss:
     """The training forward of the run's batches (`TrainingLoss`), compiled under --compile; through the fused LM
     head where asked, except compiled or under FSDP, whose wrapped model gathers the root's weights in its own
     forward (the backbone's skips that)."""
     cfg = run.cfg
     model = torch.compile(run.model) if cfg.compile else run.model
     fused = cfg.fused_lm_head and not cfg.compile and not dist.shards_model
-    return TrainingLoss(model, run.autocast, contrastive, preference, fused_head=fused)
+    return TrainingLoss(model, run.autocast, contrastive, preference, fused_head=fused, reranker=reranker)
 
 
 def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
     """Task, splits, head and model; the config resolved against them and written to config.yaml."""
     transformers.set_seed(cfg.seed)
     cfg = resolve_model(cfg)
-    embedding_run = cfg.objective != "lm"
-    task = PairTask(cfg.data) if embedding_run else get_task(cfg.task_name, cfg.data)
-    splits = sample_splits(task, cfg.data)
-    if embedding_run:  # a document trained on is not a held-out document
-        splits = dataclasses.replace(splits, dev=held_apart(splits.train, splits.dev, "dev"),
-                                     eval=held_apart(splits.train, splits.eval, "eval"))
-        head = pretrained.embedding_head(cfg.model_name, cfg.objective, cfg.trust_remote_code)
-    else:
-        head = pretrained.resolve_head(cfg.head, cfg.model_name, cfg.trust_remote_code)
+    task, splits, head = task_splits_head(cfg)
     if cfg.trainer != "none":
         check_monitor(cfg, splits)
     generative = grit_examples(cfg) if cfg.objective == "grit" and cfg.trainer != "none" else ()
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
     if dist.is_main:
         log.info("%s", describe_splits(task, cfg, splits))
-    words = label_words(task.name, splits.train, splits.dev, splits.eval) if head not in ("lm", "embed") \
-        else ()
+    words = label_words(task.name, splits.train, splits.dev, splits.eval) \
+        if head not in ("lm", "embed") and cfg.objective != "rerank" else ()
     if head == "classifier" and cfg.label_words and dist.is_main:
         log.warning("--label_words with a classifier head: the words only count and name the labels (%s); the head "
                     "learns one output per label and never reads them (--head lm or mlm scores the words)",
                     ", ".join(w.strip() for w in words))
     if head != "lm" and (cfg.sfc or cfg.icl_sfc):
         raise UserError(f"--sfc/--icl_sfc calibrate a causal LM's candidate scores; --head {head} has no surface forms")
-    model, tokenizer = load_model(cfg, dist, head, len(words) or None)
+    model, tokenizer = load_model(cfg, dist, head, 1 if cfg.objective == "rerank" else len(words) or None)
     if template is not None:
         tokenizer.chat_template = template
     device = next(model.parameters()).device
@@ -263,6 +267,27 @@ def set_up_run(cfg: Config, dist: Distributed) -> RunSetup:
     scoring = labels.build_scoring(head, tokenizer, words, cfg.pooling) if words else None
     evaluator = build_evaluator(cfg, task, tokenizer, scoring, formats.model_stop_ids(model, tokenizer))
     return RunSetup(cfg, task, splits, head, model, tokenizer, scoring, device, evaluator, generative)
+
+
+def task_splits_head(cfg: Config) -> tuple[Task, Splits, str]:
+    """The task, its splits (read and checked before any model loads) and the model class the run loads: the
+    task's head, an embedding model's, or a reranker's one-output sequence classifier."""
+    if cfg.objective == "rerank":
+        task = RerankTask(cfg.data)
+        splits = sample_splits(task, cfg.data)
+        if cfg.trainer != "none":
+            check_rows(splits.train, cfg.rerank_loss)
+        return task, splits, "classifier"
+    if not cfg.embeds:
+        task = get_task(cfg.task_name, cfg.data)
+        return task, sample_splits(task, cfg.data), pretrained.resolve_head(cfg.head, cfg.model_name,
+                                                                            cfg.trust_remote_code)
+    task = PairTask(cfg.data)
+    splits = sample_splits(task, cfg.data)
+    # a document trained on is not a held-out document
+    splits = dataclasses.replace(splits, dev=held_apart(splits.train, splits.dev, "dev"),
+                                 eval=held_apart(splits.train, splits.eval, "eval"))
+    return task, splits, pretrained.embedding_head(cfg.model_name, cfg.objective, cfg.trust_remote_code)
 
 
 def resolve_model(cfg: Config) -> Config:
@@ -304,7 +329,9 @@ def build_evaluator(cfg: Config, task: Task, tokenizer: Any, scoring: LabelScori
     """The run's evaluator, from its objective and task: retrieval for embeddings, instructions for instruction
     data, labels for a classifier or masked-LM head, else MeZO's candidate scoring."""
     sizes = EvalSizes(cfg.per_device_eval_batch_size, cfg.max_length, cfg.max_new_tokens)
-    if cfg.objective != "lm":
+    if cfg.objective == "rerank":
+        return Reranking(tokenizer, sizes)
+    if cfg.embeds:
         return Retrieval(tokenizer, cfg.pooling, sizes,
                          embedding_prefixes(cfg.instruction_format, cfg.query_instruction, cfg.doc_instruction),
                          bool(cfg.bidirectional), cfg.pools_prompt)
@@ -320,7 +347,7 @@ def attention(cfg: Config, head: str) -> str:
     embedding pass (GRIT's default, or --bidirectional): flash-attention kernels take no 4D mask and would run it
     causally."""
     wants_bidirectional = cfg.bidirectional or (cfg.bidirectional is None and cfg.objective == "grit")
-    if cfg.attn_implementation == "auto" and head == "lm" and cfg.objective != "lm" and wants_bidirectional:
+    if cfg.attn_implementation == "auto" and head == "lm" and cfg.embeds and wants_bidirectional:
         return "sdpa"
     return cfg.attn_implementation
 
@@ -371,10 +398,10 @@ def resolve_config(cfg: Config, model: torch.nn.Module, dist: Distributed, head:
         log.debug("max_length %d exceeds %s's %d positions; using %d", cfg.max_length, cfg.model_name, positions,
                   positions)
     pooling, bidirectional = cfg.pooling, cfg.bidirectional
-    if pooling == "auto" and head == "classifier":
+    if pooling == "auto" and head == "classifier" and cfg.objective == "lm":
         pooling = pretrained.sentence_pooling(cfg.model_name) or "cls"
     embedding_options = {}
-    if cfg.objective != "lm":
+    if cfg.embeds:
         check_matryoshka_dims(cfg, model)
         bidirectional = resolve_bidirectional(cfg, model, head)
         embedding_options = {"contrastive_temperature": cfg.similarity_temperature, "include_prompt": cfg.pools_prompt}
@@ -434,7 +461,9 @@ def training_set(run: RunSetup) -> TrainingSet:
     if cfg.train_as_classification and run.task.generation and run.head == "lm":
         raise UserError(f"--train_as_classification needs answer candidates; {run.task.name} is a generation task "
                         f"(train it on the answer tokens, the default)")
-    if cfg.objective != "lm":
+    if cfg.objective == "rerank":
+        return rerank_training_set(run.tokenizer, run.splits.train, cfg.max_length, build_reranker(cfg), cfg.seed)
+    if cfg.embeds:
         return embedding_training_set(run)
     if run.scoring is not None:
         if not cfg.only_train_option:
@@ -465,7 +494,7 @@ def embedding_training_set(run: RunSetup) -> TrainingSet:
 def build_contrastive(run: RunSetup, dist: Distributed) -> Contrastive | None:
     """The embedding objective of the run (None for --objective lm)."""
     cfg = run.cfg
-    if cfg.objective == "lm":
+    if not cfg.embeds:
         return None
     skips = (0, 0) if cfg.pools_prompt else (prefix_length(run.tokenizer, run.prefixes.query),
                                              prefix_length(run.tokenizer, run.prefixes.doc))
@@ -476,6 +505,13 @@ def build_contrastive(run: RunSetup, dist: Distributed) -> Contrastive | None:
                        symmetric=cfg.contrastive_loss == "symmetric", split_cost=split_cost(cfg.embed_pieces, run.device),
                        dims=cfg.matryoshka[0], dim_weights=cfg.matryoshka[1]).to(run.device)
 
+
+def build_reranker(cfg: Config) -> Reranker | None:
+    """A reranker's training loss (None but for --objective rerank)."""
+    if cfg.objective != "rerank":
+        return None
+    return Reranker(cfg.rerank_loss, cfg.rerank_num_negatives if cfg.rerank_loss == "mnrl" else 0,
+                    cfg.rerank_weighting_scheme)
 
 
 def packing_enabled(run: RunSetup) -> bool:
