@@ -167,3 +167,19 @@ def test_a_reward_model_scores_conversations_as_trls_grpo_trainer():
         want = model(**inputs).logits[:, 0]
     got = RewardModel("rm", model, tokenizer, batch_size=2)(prompts, completions)
     assert torch.allclose(torch.tensor(got), want, atol=1e-5) and want.std() > 0
+
+
+def test_a_reward_model_comes_first_among_the_weighted_reward_sources():
+    """TRL's script puts reward_model_name_or_path before the reward functions: its column is the first, weighted by
+    the first --reward_weights value, and the total is the weighted sum."""
+    from xgblora.generation.rewards import RewardModel, Rewards
+
+    model, tokenizer = pretrained.load("tiny-llama", head="classifier", num_labels=1)
+    rm = RewardModel("rm", model.eval(), tokenizer, batch_size=8)
+    rewards = Rewards(["format:gsm8k"], [0.5, 2.0], reward_model=rm)
+    prompts, completions = ["1+1=", "2+2="], [" #### 2", " four"]
+    per_function = rewards.score(prompts, completions, [[1], [2]], {}, ["a:1", "a:2"])
+    assert rewards.names == ["rm", "format:gsm8k"] and rewards.accuracy_index is None
+    assert torch.allclose(per_function[:, 0], torch.tensor(rm(prompts, completions)))
+    assert per_function[:, 1].tolist() == [1.0, 0.0]
+    assert torch.allclose(rewards.total(per_function), 0.5 * per_function[:, 0] + 2.0 * per_function[:, 1])

@@ -1,8 +1,9 @@
 """GRPO's rollout, the four steps between a batch of prompts and what the loss reads: completions sampled from the
 policy, scored by the reward functions (with TRL's interface: the prompt and completion as TRL hands them over, the
-rows' other columns, trainer_state, log_extra, log_metric), turned into group-normalised advantages, and the old and
-reference log-probabilities. Data-parallel: every process scores its own groups, and the scores are gathered for
---scale_rewards batch and the logged statistics (a group lives on one process)."""
+rows' other columns, trainer_state, log_extra, log_metric), turned into advantages (GRPO's group-normalised ones, or
+RLOO's leave-one-out ones with the KL to the reference in the reward), and the old and reference log-probabilities.
+Data-parallel: every process scores its own groups, and the scores are gathered for --scale_rewards batch and the
+logged statistics (a group lives on one process)."""
 
 from __future__ import annotations
 

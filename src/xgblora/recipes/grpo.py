@@ -1,11 +1,13 @@
-"""`xgblora grpo`: online RL with verifiable rewards (GRPO, with TRL's GRPOTrainer's options and defaults) for
-full fine-tuning, LoRA and XGBLoRA, under AdamW or MeZO.
+"""`xgblora grpo`: online RL with verifiable rewards or a reward model (GRPO, with TRL's GRPOTrainer's options and
+defaults; RLOO, TRL's RLOOTrainer, with --advantage_estimator rloo) for full fine-tuning, LoRA and XGBLoRA, under
+AdamW or MeZO.
 
 Every generation batch: the next generation_batch / G prompts (seeded epochs, resumable) are sampled G times each
-by the shared-prefix sampler (the policy, dropout off), the reward functions score the completions, the rewards
-become group-normalised advantages, and one pass without gradients gives what the loss needs besides: the old
-log-probabilities, when the batch serves more than one optimizer step or MeZO (whose two-point estimate needs the
-ratio's value), and the reference ones when beta > 0 (the model as it started: a new adapter switched off, a
+by the shared-prefix sampler (the policy, dropout off), the reward functions (and --reward_model, loaded once before
+the policy) score the completions, the rewards become group-normalised advantages (RLOO: leave-one-out ones, the KL
+taken off the rewards), and one pass without gradients gives what the loss needs besides: the old
+log-probabilities, when the batch serves more than one optimizer step, MeZO (whose two-point estimate needs the
+ratio's value) or RLOO's KL, and the reference ones when beta > 0 (the model as it started: a new adapter switched off, a
 continued adapter's starting factors, no second model; a frozen copy under full fine-tuning). The batch is
 shuffled by groups and cut into optimizer batches; each optimizer step takes the next (AdamW: in micro-batches,
 accumulated; MeZO: the whole optimizer batch, two perturbed forwards), and after num_iterations passes a new batch is
