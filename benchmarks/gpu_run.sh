@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU figure of BENCHMARKS.md in one command on a CUDA machine with nothing to download, in under 8 minutes:
-# the CUDA tests, the train suite at a user's size, SFT (padded, packed, the padded-shape comparison), GRPO, the
+# the CUDA tests, the train suite at a user's size, SFT (padded, packed, at a 128k vocabulary, the padded-shape
+# comparison), GRPO, DPO at a 128k vocabulary, the
 # contrastive step, in-context evaluation and --compile, each side's steps with MFU, the slowest steps' profiles.
 #
 #   bash benchmarks/gpu_run.sh [OUT_DIR]          # from the repository root; OUT_DIR defaults to $OUT, else gpu-out

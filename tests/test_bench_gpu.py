@@ -179,3 +179,22 @@ def test_gpu_suite_saves_after_every_part_and_skips_what_does_not_fit(monkeypatc
     assert parts["three"]["status"] == "failed: RuntimeError: out of memory"
     assert [list(s) for s in saved] == [["cuda_tests"], ["cuda_tests", "one"], ["cuda_tests", "one", "two", "three"]]
     assert "| two | skipped" in gpu.format_table(report)
+
+
+def test_every_cuda_part_can_be_chosen_and_is_estimated_and_tabled():
+    """Each part of the GPU run is a --gpu_parts choice with a time estimate, and a comparison's results reach the
+    report's step table (each side's steps, as measured)."""
+    import argparse
+
+    from xgblora.bench import flags, gpu
+
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser)
+    keys = [key for _, key, _ in gpu.cuda_parts(parser.parse_args(["--suite", "gpu"]))]
+    assert set(keys) | {"cuda_tests"} == set(flags.GPU_PARTS) == set(gpu.ESTIMATE_S)
+    side = {"n": 2, "mean_s": 1.5, "median_s": 1.5, "p90_s": 1.9, "max_s": 2.0, "steps_s": [1.0, 2.0]}
+    dpo = [{"model_name": "llama-100m-128k-random", "speedup_vs_trl": 1.7, "xgblora_step_stats": side,
+            "trl_step_stats": side}]
+    table = gpu.format_table({"cuda": True, "elapsed_s": 3.0, "parts": {"dpo": {"status": "ran", "results": dpo}}})
+    assert "llama-100m-128k-random 1.70x TRL's steps/s" in table
+    assert "| dpo | llama-100m-128k-random trl | 1.5 | 1.5 | 1.9 | 2 | n/a | 1 2 |" in table

@@ -251,16 +251,23 @@ def test_a_lora_reranker_on_minilm_exports_merged_as_a_cross_encoder(tmp_path):
     torch.testing.assert_close(score_pairs(model, tokenizer, pairs, 32), expected, atol=TOLERANCE, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory) -> Path:
+    """A tiny BERT reranker, fully fine-tuned for 2 steps: its run folder."""
+    folder = tmp_path_factory.mktemp("reranker")
+    run(Config(model_name="tiny-bert", objective="rerank", train_file=str(write_rows(folder / "r.jsonl")),
+               max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3, max_length=48, save_strategy="no",
+               no_eval=True, device="cpu", output_dir=str(folder / "run")))
+    return folder / "run"
+
+
 @pytest.mark.parametrize("always_rerank_positives", ["true", "false"])
 def test_eval_beir_with_a_reranker_equals_sentence_transformers_evaluator_on_the_first_stages_top_k(
-        tmp_path, always_rerank_positives):
+        tmp_path, reranker, always_rerank_positives):
     """`xgblora eval --beir_dir --reranker RUN --rerank_top_k 5`: the figures before and after reranking equal
     CrossEncoderRerankingEvaluator's on samples of each query's relevant texts and the first stage's 5 best texts,
     with CrossEncoder(RUN/final)."""
-    reranker, out = tmp_path / "reranker", tmp_path / "eval"
-    run(Config(model_name="tiny-bert", objective="rerank", train_file=str(write_rows(tmp_path / "r.jsonl")),
-               max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3, max_length=48, save_strategy="no",
-               no_eval=True, device="cpu", output_dir=str(reranker)))
+    out = tmp_path / "eval"
     assert cli.main(["eval", "--model_name", "tiny-bert", "--beir_dir", str(BEIR), "--reranker", str(reranker),
                      "--rerank_top_k", "5", "--always_rerank_positives", always_rerank_positives, "--device", "cpu",
                      "--output_dir", str(out)]) == 0

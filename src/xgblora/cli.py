@@ -32,6 +32,8 @@ GRPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5}
 # DPO trains a LoRA adapter by default, at a learning rate for adapters (TRL's 1e-6 is for full fine-tuning), on
 # TRL's max_length of 1024 tokens.
 DPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5, "max_length": 1024}
+# KTO too (TRL's KTOConfig has DPOConfig's learning rate and max_length).
+KTO_DEFAULTS = DPO_DEFAULTS
 # A reward model trains a LoRA adapter and its new score head by default, at TRL's RewardConfig learning rate and
 # max_length.
 REWARD_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-4, "max_length": 1024}
@@ -121,6 +123,13 @@ def _dpo(args: argparse.Namespace) -> int:
     from xgblora.recipes.dpo import run_dpo
 
     print(json.dumps(run_dpo(_options(args)), indent=2))
+    return 0
+
+
+def _kto(args: argparse.Namespace) -> int:
+    from xgblora.recipes.kto import run_kto
+
+    print(json.dumps(run_kto(_options(args)), indent=2))
     return 0
 
 
@@ -370,6 +379,9 @@ COMMANDS: dict[str, Command] = {
                     GRPO_DEFAULTS),
     "dpo": Command("Preference training on chosen/rejected pairs (DPO, IPO, hinge, robust, SimPO, ORPO; TRL's options).",
                    _dpo, config_mod.DPOConfig, (*TRAINING, *RUN_FOLDER, opts.BatchOptions), DPO_DEFAULTS),
+    "kto": Command("Preference training on unpaired rows: a completion and whether it is desirable (KTO; TRL's options).",
+                   _kto, config_mod.KTOConfig, (*TRAINING, *RUN_FOLDER, opts.BatchOptions, opts.KTOOptions),
+                   KTO_DEFAULTS),
     "reward": Command("Train a reward model (a sequence classifier with one score) on chosen/rejected pairs, as TRL's RewardTrainer.",
                       _reward, config_mod.RewardConfig, (*TRAINING, *RUN_FOLDER, opts.BatchOptions, opts.RewardOptions),
                       REWARD_DEFAULTS),

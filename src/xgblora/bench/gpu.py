@@ -8,9 +8,11 @@ the others are reported as skipped for time; --gpu_parts runs a chosen few):
     bench:llama-1b-random  the train suite (MeZO/AdamW steps, evaluation, HF Trainer + PEFT, peak memory) at a
                    user's size: bf16, batch 16 x 256
     sft            the SFT suite against TRL (llama-100m-random, padded and packed), bf16, batch 16, 10 steps
+    sft_128k       the padded case at Llama 3's 128k vocabulary (llama-100m-128k-random): the fused LM head's figure
     sft_shapes     xgblora's padded SFT steps, widths as they come (cuDNN attention on and off) and widened to a
                    multiple of 64, interleaved: where the slow padded steps come from
     grpo           GRPO against TRL's GRPOTrainer + PEFT (llama-100m-random, 2 prompts x 8 completions of <= 32)
+    dpo            DPO against TRL's DPOTrainer + PEFT (llama-100m-128k-random, 8 pairs of 128 + 2 x 64 tokens)
     embed          the contrastive step against sentence-transformers' trainer (bert-base-random, batch 64)
     icl            in-context evaluation, demonstrations cached once vs the per-pair loop (opt-1.3b-random)
     compile        --compile's warm-up and per-step gain (llama-1b-random, bf16, 16 x 256)
@@ -39,15 +41,15 @@ from typing import Any
 import torch
 
 from xgblora.bench import compile as compile_suite
-from xgblora.bench import embed, grpo, icl, sft, train_suite
+from xgblora.bench import dpo, embed, grpo, icl, sft, train_suite
 from xgblora.bench.profile import format_profile
 from xgblora.bench.timing import step_stats
 
 USER_MODELS = ("llama-1b-random", "opt-1.3b-random")
 # Seconds each part is expected to take on an H100 (model set-up and the memory subprocesses included); a part
 # starts only if its estimate fits in what is left of the budget
-ESTIMATE_S = {"cuda_tests": 45, "bench": 90, "sft": 90, "sft_shapes": 30, "grpo": 75, "embed": 45, "icl": 50,
-              "compile": 90}
+ESTIMATE_S = {"cuda_tests": 45, "bench": 90, "sft": 90, "sft_128k": 40, "sft_shapes": 30, "grpo": 75, "dpo": 40,
+              "embed": 45, "icl": 50, "compile": 90}
 
 
 def cuda_tests(budget_s: float, path: str = "tests/test_cuda.py") -> dict[str, Any]:
@@ -111,9 +113,13 @@ def cuda_parts(args: argparse.Namespace) -> list[tuple[str, str, Callable[[], An
         (f"bench:{first}", "bench", lambda: train_suite.run(_user_sizes(args, first))),
         ("sft", "sft", lambda: sft.run(_with(sized, sft_models=["llama-100m-random"], sft_variants=["padded", "packed"],
                                              batch_size=16, repeats=10, warmup=2))),
-        ("sft_shapes", "sft_shapes", lambda: sft.shape_case(_sft_case(args))),
+        ("sft_128k", "sft_128k", lambda: sft.run(_with(sized, sft_models=["llama-100m-128k-random"],
+                                                       sft_variants=["padded"], batch_size=16, repeats=5, warmup=2))),
         ("grpo", "grpo", lambda: grpo.run(_with(sized, grpo_models=["llama-100m-random"], grpo_prompts=2,
                                                 num_generations=8, max_completion_length=32, repeats=3, warmup=1))),
+        ("dpo", "dpo", lambda: dpo.run(_with(sized, dpo_models=["llama-100m-128k-random"], batch_size=8,
+                                             dpo_prompt_len=128, dpo_completion_len=64, repeats=3, warmup=1))),
+        ("sft_shapes", "sft_shapes", lambda: sft.shape_case(_sft_case(args))),
         ("embed", "embed", lambda: embed.run(_with(sized, embed_model="bert-base-random", embed_batches=[64],
                                                    embed_pairs=["multirc"], embed_max_length=256, repeats=5,
                                                    warmup=2))),
@@ -183,13 +189,13 @@ def _summary(name: str, part: dict[str, Any]) -> str:
         return ", ".join(f"{k} {res[k]:.3g}" for k in keys if isinstance(res.get(k), float))
     if not res:
         return ""
-    if name == "sft":
+    if name in ("sft", "sft_128k"):
         return "; ".join(f"{r['variant']} {r['speedup_vs_trl']:.2f}x TRL" for r in res)
     if name == "sft_shapes":
         return "; ".join(f"{label}: mean {v['mean_s']:.3f} s, max {v['max_s']:.3f} s"
                          for label, v in res["sides"].items())
-    if name == "grpo":
-        return "; ".join(f"{r['speedup_vs_trl']:.2f}x TRL's steps/s" for r in res)
+    if name in ("grpo", "dpo"):
+        return "; ".join(f"{r['model_name']} {r['speedup_vs_trl']:.2f}x TRL's steps/s" for r in res)
     if name == "embed":
         return "; ".join(f"{r['variant']} {r['speedup_vs_st']:.2f}x sentence-transformers" for r in res)
     if name == "icl":
@@ -209,7 +215,7 @@ def _sides(name: str, res: Any) -> list[tuple[str, dict[str, Any], float | None]
     if name == "compile":
         return [(f"{r['workload']} {side}", step_stats(r["raw_times_s"][side]), None)
                 for r in res for side in ("eager", "compiled")]
-    baseline = {"sft": "trl", "grpo": "trl", "embed": "st"}.get(name)
+    baseline = {"sft": "trl", "sft_128k": "trl", "grpo": "trl", "dpo": "trl", "embed": "st"}.get(name)
     if baseline is None:
         return []
     return [(f"{r.get('variant', r['model_name'])} {side}", r[f"{side}_step_stats"], r.get(f"{side}_mfu"))
@@ -219,7 +225,7 @@ def _sides(name: str, res: Any) -> list[tuple[str, dict[str, Any], float | None]
 def _profiles(name: str, res: Any) -> list[tuple[str, dict[str, Any] | None]]:
     if name.startswith("bench:") or name == "cpu_bench":
         return [(f"{name} {w}", p) for w, p in res.get("profiles", {}).items()]
-    if name in ("sft", "grpo", "embed"):
+    if name in ("sft", "sft_128k", "grpo", "dpo", "embed"):
         return [(f"{name} {r.get('variant', r['model_name'])}", r.get("xgblora_profile")) for r in res]
     return []
 
