@@ -124,6 +124,12 @@ def _preferences(numbers) -> list[dict]:
     return rows
 
 
+def _feedback(numbers) -> list[dict]:
+    """Unpaired rows (KTO): each pair's chosen completion desirable, its rejected one not."""
+    return [{"prompt": p["prompt"], "completion": p[name], "label": name == "chosen"}
+            for p in _preferences(numbers) for name in ("chosen", "rejected")]
+
+
 def _write_jsonl(path: Path, rows) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -159,6 +165,8 @@ def workspace(tmp_path_factory) -> tuple[Path, dict[str, str]]:
             {"prompt": r["question"], "completion": r["answer"]} for r in gsm8k[8:]]),
         "preferences.jsonl": _write_jsonl(root / "preferences.jsonl", _preferences(range(8))),
         "preferences_eval.jsonl": _write_jsonl(root / "preferences_eval.jsonl", _preferences(range(8, 12))),
+        "feedback.jsonl": _write_jsonl(root / "feedback.jsonl", _feedback(range(8))),
+        "feedback_eval.jsonl": _write_jsonl(root / "feedback_eval.jsonl", _feedback(range(8, 12))),
     }
     reviews = [("a fine and moving film", "pos"), ("dull and far too long", "neg")] * 8
     for name, rows in (("reviews.csv", reviews), ("test.csv", reviews[:4])):

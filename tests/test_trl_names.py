@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from xgblora import cli, parsing, trl_names
-from xgblora.config import Config, DPOConfig, GRPOConfig
+from xgblora.config import Config, DPOConfig, GRPOConfig, KTOConfig
 from xgblora.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = {"SFTConfig": Config, "DPOConfig": DPOConfig, "GRPOConfig": GRPOConfig}
+COMMANDS = {"SFTConfig": Config, "DPOConfig": DPOConfig, "GRPOConfig": GRPOConfig, "KTOConfig": KTOConfig}
 
 
 def _xgblora_names(cls: type) -> set[str]:
@@ -25,7 +25,8 @@ def trl_fields():
     """Each TRL config's fields (transformers' TrainingArguments among them), from the installed TRL."""
     trl = pytest.importorskip("trl")
     transformers = pytest.importorskip("transformers")
-    classes = {"SFTConfig": trl.SFTConfig, "DPOConfig": trl.DPOConfig, "GRPOConfig": trl.GRPOConfig}
+    classes = {"SFTConfig": trl.SFTConfig, "DPOConfig": trl.DPOConfig, "GRPOConfig": trl.GRPOConfig,
+               "KTOConfig": trl.KTOConfig}
     assert all(issubclass(c, transformers.TrainingArguments) for c in classes.values())
     training = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     return {name: {f.name for f in dataclasses.fields(c)} for name, c in classes.items()}, training
@@ -58,7 +59,7 @@ def test_the_docs_name_every_key_of_the_table():
     named = set(re.findall(r"`(\w+)`", page))
     keys = {name for table in trl_names.TABLES.values() for name in table}
     assert sorted(keys - named) == []
-    for doc in ("chat-sft.md", "dpo.md", "grpo.md"):
+    for doc in ("chat-sft.md", "dpo.md", "grpo.md"):  # dpo.md's KTO section too
         assert "(trl.md)" in (REPO / "docs" / doc).read_text(encoding="utf-8"), doc
 
 
@@ -95,6 +96,9 @@ def test_a_trl_sft_yaml_runs(tmp_path):
     (Config, "model_init_kwargs: {dtype: bfloat16, attn_implementation: sdpa}",
      {"load_bfloat16": True, "attn_implementation": "sdpa"}),
     (Config, "truncation_mode: keep_end\nloss_type: nll\nlabel_smoothing_factor: 0.0", {}),
+    (KTOConfig, "loss_type: apo_zero_unpaired\ndesirable_weight: 1.33\ntrain_sampling_strategy: random\n"
+                "model_init_kwargs: {dtype: float32}", {"loss_type": "apo_zero_unpaired", "desirable_weight": 1.33,
+                                                        "group_by_length": False}),
     (DPOConfig, "disable_dropout: false\nf_divergence_type: reverse_kl\ntruncation_mode: keep_start",
      {"disable_dropout": False}),
     (GRPOConfig, "scale_rewards: false\nnum_generations: 4\nmax_completion_length: 32\nshuffle_dataset: true\n"
@@ -118,6 +122,8 @@ def test_trl_keys_map_onto_xgblora_options(tmp_path, xgblora_log, cls, text, wan
     (Config, "label_names: [labels]", "builds its own batches"),
     (DPOConfig, "f_divergence_type: js_divergence", "reverse KL"),
     (DPOConfig, "sync_ref_model: true", "starting model"),
+    (KTOConfig, "sync_ref_model: true", "starting model"),
+    (KTOConfig, "train_sampling_strategy: sequential", "seeded random order"),
     (GRPOConfig, "use_vllm: true", "shared-prefix sampler"),
     (GRPOConfig, "top_k: 50", "temperature and top_p"),
     (GRPOConfig, "shuffle_dataset: false", "seeded random order"),

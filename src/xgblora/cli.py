@@ -32,6 +32,8 @@ GRPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5}
 # DPO trains a LoRA adapter by default, at a learning rate for adapters (TRL's 1e-6 is for full fine-tuning), on
 # TRL's max_length of 1024 tokens.
 DPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5, "max_length": 1024}
+# KTO too (TRL's KTOConfig has DPOConfig's learning rate and max_length).
+KTO_DEFAULTS = DPO_DEFAULTS
 
 
 
@@ -118,6 +120,13 @@ def _dpo(args: argparse.Namespace) -> int:
     from xgblora.recipes.dpo import run_dpo
 
     print(json.dumps(run_dpo(_options(args)), indent=2))
+    return 0
+
+
+def _kto(args: argparse.Namespace) -> int:
+    from xgblora.recipes.kto import run_kto
+
+    print(json.dumps(run_kto(_options(args)), indent=2))
     return 0
 
 
@@ -359,6 +368,9 @@ COMMANDS: dict[str, Command] = {
                     _grpo, config_mod.GRPOConfig, (*TRAINING, *RUN_FOLDER, opts.SamplingOptions), GRPO_DEFAULTS),
     "dpo": Command("Preference training on chosen/rejected pairs (DPO, IPO, hinge, robust, SimPO, ORPO; TRL's options).",
                    _dpo, config_mod.DPOConfig, (*TRAINING, *RUN_FOLDER, opts.BatchOptions), DPO_DEFAULTS),
+    "kto": Command("Preference training on unpaired rows: a completion and whether it is desirable (KTO; TRL's options).",
+                   _kto, config_mod.KTOConfig, (*TRAINING, *RUN_FOLDER, opts.BatchOptions, opts.KTOOptions),
+                   KTO_DEFAULTS),
     "bench": Command("Measure speed and memory against baselines.", _bench, add_flags=add_bench_arguments),
     "env": Command("Print the environment report (versions, device, attention backends, chosen defaults).", _env),
     "export": Command("Export a run as a PEFT adapter, a merged model, or a GGUF file (llama.cpp, Ollama).", _export,

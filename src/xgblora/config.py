@@ -28,6 +28,7 @@ from xgblora.options import (
     HeadOptions,
     InputOptions,
     InstructionOptions,
+    KTOOptions,
     LoopOptions,
     ModelOptions,
     OptimizerOptions,
@@ -674,6 +675,29 @@ class DPOConfig(Config):
         if self.rpo_alpha is None:
             return tuple(self.loss_type), weights
         return (*self.loss_type, "sft"), (*weights, self.rpo_alpha)
+
+@dataclass(frozen=True)
+class KTOConfig(KTOOptions, Config):
+    """Options of `xgblora kto`: the train options (method, trainer, optimiser, checkpoints) plus KTO's, under TRL's
+    KTOConfig names. --train_file holds the unpaired rows (prompt, completion, label), --eval_file held-out ones."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.train_file:
+            raise UserError("xgblora kto needs --train_file (unpaired rows: prompt, completion, label)")
+        if self.trainer == "none":
+            raise UserError("--trainer none trains nothing, and xgblora kto trains: pass --trainer regular or zo")
+        if self.beta <= 0:
+            raise UserError(f"--beta must be positive, got {self.beta}")
+        for name in ("desirable_weight", "undesirable_weight"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name} must be 0 or more, got {getattr(self, name)}")
+        _check_positive(self, "precompute_ref_batch_size")
+        if self.loss_type == "kto" and self.per_device_train_batch_size < 2:
+            raise UserError("--loss_type kto estimates its KL term from each row's prompt with another row's "
+                            "completion in the batch: --per_device_train_batch_size must be 2 or more (with 1, the "
+                            "KL term would be the row's own reward)")
+
 
 # ----------------------------------------------------------------------------- options a run would ignore
 

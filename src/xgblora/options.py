@@ -372,8 +372,22 @@ class SamplingOptions:
     max_batch_tokens: int = _opt(32768, "Memory budget of a generation batch: rows x (longest prompt + max_new_tokens) tokens of KV cache.")
 
 
+@dataclass(frozen=True)
+class KTOOptions:
+    """KTO on unpaired rows (a completion and whether it is desirable), under TRL's KTOConfig names."""
+
+    loss_type: str = _opt("kto", "kto (KTO's loss, with its KL estimate from mismatched prompt/completion pairs) or apo_zero_unpaired (APO-zero's unpaired loss: no KL term).",
+                          ("kto", "apo_zero_unpaired"))
+    beta: float = _opt(0.1, "How far the policy may move from the reference: the rewards are beta times the log ratios; higher keeps it closer.")
+    desirable_weight: float = _opt(1.0, "Weight of the desirable rows' losses (to balance unequal numbers of desirable and undesirable rows).")
+    undesirable_weight: float = _opt(1.0, "Weight of the undesirable rows' losses.")
+    precompute_ref_log_probs: bool = _opt(False, "Compute the reference's log-probabilities of every row (and its KL completion) once before training (always so for XGBLoRA, full fine-tuning and a continued --adapter).")
+    precompute_ref_batch_size: int | None = _opt(None, "Rows per forward while precomputing (default: per_device_eval_batch_size).")
+    disable_dropout: bool = _opt(True, "Training forwards without the model's dropout (TRL's default), so the policy scores a row as the reference does and the first step's log ratios are 0; false keeps the model's dropout (--trainer zo never applies it).")
+
+
 # Every group: a command's options are the fields of the groups it names and those of its own classes.
 GROUPS = (ModelOptions, InputOptions, TaskOptions, HeadOptions, EmbeddingOptions, RetrievalOptions, RerankEvalOptions,
           SupervisedOptions, ContrastiveOptions, RerankOptions, InstructionOptions, AdapterOptions, BoostingOptions,
           OptimizerOptions, ZOOptions, ComputeOptions, BatchOptions, RunOptions, OutputOptions, ResultFileOptions,
-          LoopOptions, SamplingOptions)
+          LoopOptions, SamplingOptions, KTOOptions)

@@ -453,12 +453,15 @@ GRPO_PANELS = (("reward", "reward (total)"), ("accuracy", "accuracy (training sa
 DPO_PANELS = (("loss", "loss"), ("rewards/accuracies", "preference accuracy (chosen > rejected)"),
               ("rewards/margins", "reward margin"), ("rewards/chosen", "reward of chosen"),
               ("rewards/rejected", "reward of rejected"))
+KTO_PANELS = (("loss", "loss"), ("rewards/margins", "reward margin (desirable - undesirable)"),
+              ("rewards/chosen", "reward of desirable rows"), ("rewards/rejected", "reward of undesirable rows"),
+              ("kl", "KL estimate"))
 
 
 def write_curves_report(run_dir: Path, results: dict[str, Any], name: str,
                         panels: Sequence[tuple[str, str]]) -> dict[str, Path]:
     """NAME.png (the panels' metrics per logged training step) and report.html with the run's results, from the
-    run's metrics.jsonl (grpo: GRPO_PANELS, dpo: DPO_PANELS)."""
+    run's metrics.jsonl (grpo: GRPO_PANELS, dpo: DPO_PANELS, kto: KTO_PANELS)."""
     import matplotlib
 
     matplotlib.use("Agg")

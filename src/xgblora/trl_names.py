@@ -1,8 +1,9 @@
 """TRL's config names in an xgblora YAML config: the fields of TRL's SFTConfig (read by `xgblora train`), DPOConfig
-(`xgblora dpo`) and GRPOConfig (`xgblora grpo`), transformers' TrainingArguments among them, that are no xgblora
-option of the same name. Each is mapped onto xgblora's option, ignored with a one-line warning (logging, the Hub,
-data-loader workers, kernels: what trains stays the same), or refused with what xgblora does instead (anything
-that would change what trains), unless its value is one under which xgblora does what TRL does.
+(`xgblora dpo`), KTOConfig (`xgblora kto`) and GRPOConfig (`xgblora grpo`), transformers' TrainingArguments among
+them, that are no xgblora option of the same name. Each is mapped onto xgblora's option, ignored with a one-line
+warning (logging, the Hub, data-loader workers, kernels: what trains stays the same), or refused with what xgblora
+does instead (anything that would change what trains), unless its value is one under which xgblora does what TRL
+does.
 
 A static table, so that TRL stays out of the runtime dependencies; tests/test_trl_names.py checks it against the
 installed TRL's dataclasses, and docs/trl.md shows it."""
@@ -264,8 +265,8 @@ COMMON: dict[str, Entry] = {  # transformers' TrainingArguments
     "lr_scheduler_type": Mapped(("lr_scheduler_type",), _scheduler),
 }
 
-# What SFTConfig, DPOConfig and GRPOConfig add to TrainingArguments, or read otherwise.
-MODEL_OPTIONS: dict[str, Entry] = {  # all three
+# What SFTConfig, DPOConfig, KTOConfig and GRPOConfig add to TrainingArguments, or read otherwise.
+MODEL_OPTIONS: dict[str, Entry] = {  # all four
     "model_init_kwargs": Mapped(("load_bfloat16", "load_float16", "attn_implementation", "trust_remote_code"),
                                 _model_init_kwargs),
     "router_aux_loss_coef": Refused("xgblora adds no router loss to a mixture of experts' loss"),
@@ -311,6 +312,15 @@ DPO: dict[str, Entry] = {
     "ref_model_sync_steps": Ignorable("read only with sync_ref_model; " + REFERENCE),
     "train_sampling_strategy": _sampling("group_by_length"),
     "average_tokens_across_devices": Ignorable("the loss is a mean over pairs", (True, False)),
+}
+
+KTO: dict[str, Entry] = {
+    **MODEL_OPTIONS,
+    "dataset_num_proc": Ignorable(LOADER),
+    "activation_offloading": Ignorable(MEMORY),
+    "sync_ref_model": Refused(REFERENCE),
+    "ref_model_mixup_alpha": Ignorable("read only with sync_ref_model; " + REFERENCE),
+    "ref_model_sync_steps": Ignorable("read only with sync_ref_model; " + REFERENCE),
 }
 
 GRPO: dict[str, Entry] = {
@@ -359,11 +369,13 @@ GRPO: dict[str, Entry] = {
     "average_tokens_across_devices": Ignorable("loss_type sets how tokens count over processes", (True, False)),
 }
 
-TABLES = {"SFTConfig": {**COMMON, **SFT}, "DPOConfig": {**COMMON, **DPO}, "GRPOConfig": {**COMMON, **GRPO}}
+TABLES = {"SFTConfig": {**COMMON, **SFT}, "DPOConfig": {**COMMON, **DPO}, "GRPOConfig": {**COMMON, **GRPO},
+          "KTOConfig": {**COMMON, **KTO}}
 
 # Which TRL config an options class reads YAML keys of: the nearest of these among its bases (train, eval, mezo,
 # compare and rft take SFTConfig's).
-TRL_CONFIGS = ((config.GRPOConfig, "GRPOConfig"), (config.DPOConfig, "DPOConfig"), (config.Config, "SFTConfig"))
+TRL_CONFIGS = ((config.GRPOConfig, "GRPOConfig"), (config.DPOConfig, "DPOConfig"), (config.KTOConfig, "KTOConfig"),
+               (config.Config, "SFTConfig"))
 
 
 def table_for(cls: type) -> dict[str, Entry]:

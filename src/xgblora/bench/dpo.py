@@ -1,22 +1,25 @@
 """`xgblora bench --suite dpo`: xgblora's DPO step against TRL's `DPOTrainer` + PEFT LoRA.
 
 Both sides train the same random Llama-shaped model (LoRA r=8, alpha 16, every linear layer of the blocks, no
-dropout, fp32, AdamW lr 1e-5 constant, clip 1.0, loss sigmoid, beta 0.1, the reference computed each step with
-the adapter off: TRL's defaults with PEFT) on the same pairs: `--batch_size` pairs a step, every pair a prompt of
+dropout, fp32 (TRL's default bf16 autocast turned off), AdamW lr 1e-5 constant, clip 1.0, loss sigmoid, beta 0.1,
+the reference computed each step with the adapter off: TRL's defaults with PEFT, its gradient checkpointing on) on the same pairs: `--batch_size` pairs a step, every pair a prompt of
 `--dpo_prompt_len` tokens and two completions of `--dpo_completion_len` (words that are one token each, so every
 batch has the same shape on both sides whatever order they draw it in). One xgblora optimizer step (the call
 `Trainer.fit` makes) runs inside each TRL `on_step_end`, so the two alternate step by step (`InterleavedSteps`).
 
 Peak memory: each side in its own process, what its steps add to the memory held before them (`bench.sft`).
+`--suite kto` (bench/kto.py) runs the same comparison with KTO's trainers (`Suite`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import random
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -45,11 +48,11 @@ WORDS = ("than", "how")  # one token each after a space in the built-in models' 
 
 
 @dataclass(frozen=True)
-class DPOCase:
+class PreferenceCase:
     """One comparison: a model and the sizes of a step."""
 
     model_name: str
-    pairs: int  # pairs per step
+    batch: int  # pairs (dpo) or rows (kto) per step
     prompt_len: int  # words (tokens) per prompt
     completion_len: int  # words (tokens) per completion, before EOS
     steps: int  # timed steps, after `warmup` untimed ones
@@ -57,7 +60,19 @@ class DPOCase:
     device: str = "cpu"
 
 
-def pair_file(case: DPOCase, n: int) -> Path:
+@dataclass(frozen=True)
+class Suite:
+    """What differs between the preference suites: the name, what a step's batch counts, xgblora's run (with its
+    `trainer`) and TRL's trainer on a case's pair file; two completions a row either way (DPO's chosen and rejected,
+    KTO's completion and its mismatched one)."""
+
+    name: str
+    unit: str
+    ours: Callable[[PreferenceCase, Path, str], Any]
+    theirs: Callable[[PreferenceCase, Path, list[Any], str], Any]
+
+
+def pair_file(case: PreferenceCase, n: int) -> Path:
     """n pairs of the case's lengths, chosen and rejected different (in a temporary folder)."""
     rng = random.Random(0)
 
@@ -70,97 +85,116 @@ def pair_file(case: DPOCase, n: int) -> Path:
         while rejected == chosen:
             rejected = text(case.completion_len)
         rows.append({"prompt": text(case.prompt_len), "chosen": " " + chosen, "rejected": " " + rejected})
-    path = Path(tempfile.mkdtemp(prefix="xgblora-dpo-bench-")) / "pairs.jsonl"
+    path = Path(tempfile.mkdtemp(prefix="xgblora-preference-bench-")) / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
 
 
-def xgblora_run(case: DPOCase, pairs: Path, output_dir: str) -> DPORun:
+def options(case: PreferenceCase, pairs: Path, output_dir: str) -> dict[str, Any]:
+    """xgblora's options of a case, for either suite."""
+    return dict(model_name=case.model_name, task_name="custom", train_file=str(pairs), method="lora",
+                lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_target_modules="all-linear", learning_rate=LR,
+                lr_scheduler_type="constant", beta=BETA, per_device_train_batch_size=case.batch,
+                max_steps=case.warmup + case.steps, max_length=1024, save_strategy="no", device=case.device,
+                output_dir=output_dir, seed=0, logging_steps=10**9)
+
+
+def trl_options(case: PreferenceCase, output_dir: str) -> dict[str, Any]:
+    """TRL's config of a case, for either trainer: fp32 as xgblora's side (TRL's configs turn bf16 autocast on by
+    default, on the CPU too); its other defaults stay (gradient checkpointing on)."""
+    return dict(output_dir=output_dir, max_steps=case.warmup + case.steps, per_device_train_batch_size=case.batch,
+                learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, beta=BETA, max_length=1024,
+                report_to="none", save_strategy="no", logging_steps=10**9, disable_tqdm=True,
+                dataloader_num_workers=0, seed=0, use_cpu=pretrained.choose_device(case.device).type == "cpu",
+                bf16=False)
+
+
+def xgblora_run(case: PreferenceCase, pairs: Path, output_dir: str) -> DPORun:
     """xgblora's DPO run for the case, as `xgblora dpo` builds it."""
-    cfg = DPOConfig(model_name=case.model_name, task_name="custom", train_file=str(pairs), method="lora",
-                    lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_target_modules="all-linear", learning_rate=LR,
-                    lr_scheduler_type="constant", beta=BETA, per_device_train_batch_size=case.pairs,
-                    max_steps=case.warmup + case.steps, max_length=1024, save_strategy="no", device=case.device,
-                    output_dir=output_dir, seed=0, logging_steps=10**9)
-    return prepare(cfg, LOCAL, read_preferences(str(pairs)), [])
+    return prepare(DPOConfig(**options(case, pairs, output_dir)), LOCAL, read_preferences(str(pairs)), [])
 
 
-def our_step(run: DPORun) -> None:
-    """One optimizer step, as the loop takes it."""
-    trainer = run.trainer
-    trainer.train_step()
-
-
-def trl_trainer(case: DPOCase, pairs: Path, callbacks: list[Any], output_dir: str) -> Any:
-    """TRL's DPOTrainer with PEFT LoRA shaped like xgblora's, on the same pairs."""
+def trl_trainer(name: str, case: PreferenceCase, pairs: Path, callbacks: list[Any], output_dir: str) -> Any:
+    """TRL's `name`Trainer (DPO, KTO) with PEFT LoRA shaped like xgblora's, on the same pair file (KTOTrainer
+    unpairs it, as xgblora kto does)."""
+    import trl
     from datasets import Dataset
     from peft import LoraConfig
-    from trl import DPOConfig as TRLConfig
-    from trl import DPOTrainer
 
     model, _ = pretrained.load(case.model_name, device=case.device)
     rows = atomic.jsonl_rows(pairs.read_text(encoding="utf-8"))
-    config = TRLConfig(
-        output_dir=output_dir, max_steps=case.warmup + case.steps, per_device_train_batch_size=case.pairs,
-        learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, beta=BETA, max_length=1024,
-        report_to="none", save_strategy="no", logging_steps=10**9, disable_tqdm=True, dataloader_num_workers=0,
-        seed=0, use_cpu=pretrained.choose_device(case.device).type == "cpu")
-    peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear",
-                             task_type="CAUSAL_LM")
-    return DPOTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
-                      processing_class=chat_tokenizer(case.model_name), peft_config=peft_config, callbacks=callbacks)
+    lora = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear",
+                      task_type="CAUSAL_LM")
+    return getattr(trl, f"{name}Trainer")(
+        model=model, args=getattr(trl, f"{name}Config")(**trl_options(case, output_dir)),
+        train_dataset=Dataset.from_list(rows), processing_class=chat_tokenizer(case.model_name), peft_config=lora,
+        callbacks=callbacks)
 
 
-def compare_case(case: DPOCase) -> dict[str, Any]:
+DPO = Suite("dpo", "pairs", xgblora_run, functools.partial(trl_trainer, "DPO"))
+
+
+def compare_case(case: PreferenceCase, suite: Suite = DPO) -> dict[str, Any]:
     """TRL and xgblora steps alternating: per-step times and the speed-up."""
-    pairs = pair_file(case, case.pairs * (case.warmup + case.steps))
+    pairs = pair_file(case, case.batch * (case.warmup + case.steps))
     with tempfile.TemporaryDirectory() as ours_dir, tempfile.TemporaryDirectory() as trl_dir:
-        ours = xgblora_run(case, pairs, ours_dir)
-        timer = InterleavedSteps(lambda index: our_step(ours), ours.trainer.run.device, case.warmup)
-        trainer = trl_trainer(case, pairs, [timer.callback()], trl_dir)
+        ours = suite.ours(case, pairs, ours_dir)
+        timer = InterleavedSteps(lambda index: ours.trainer.train_step(), ours.trainer.run.device, case.warmup)
+        trainer = suite.theirs(case, pairs, [timer.callback()], trl_dir)
         timer.start()
         trainer.train()
-    return {"model_name": case.model_name, "pairs": case.pairs, "prompt_len": case.prompt_len,
+    return {"model_name": case.model_name, suite.unit: case.batch, "prompt_len": case.prompt_len,
             "completion_len": case.completion_len, **against_trainer(timer.trainer_s, timer.ours_s)}
 
 
-def memory_worker(config: dict[str, Any]) -> dict[str, float]:
+def suite_memory(config: dict[str, Any], suite: Suite) -> dict[str, float]:
     """In a fresh process: one side's first MEMORY_STEPS steps, and the memory they add (MiB)."""
-    case = dataclasses.replace(DPOCase(**config["case"]), warmup=0, steps=MEMORY_STEPS)
-    pairs = pair_file(case, case.pairs * MEMORY_STEPS)
+    case = dataclasses.replace(PreferenceCase(**config["case"]), warmup=0, steps=MEMORY_STEPS)
+    pairs = pair_file(case, case.batch * MEMORY_STEPS)
     with tempfile.TemporaryDirectory() as tmp:
-        return first_steps_memory(config["side"], lambda: xgblora_run(case, pairs, tmp).trainer,
-                                  lambda: trl_trainer(case, pairs, [], tmp), MEMORY_STEPS,
+        return first_steps_memory(config["side"], lambda: suite.ours(case, pairs, tmp).trainer,
+                                  lambda: suite.theirs(case, pairs, [], tmp), MEMORY_STEPS,
                                   pretrained.choose_device(case.device))
 
 
-def measure_case_memory(case: DPOCase) -> dict[str, Any]:
-    """Each side's memory for the case, one subprocess after the other."""
-    return sides_in_subprocesses("xgblora.bench.dpo", asdict(case), "DPO")
+def memory_worker(config: dict[str, Any]) -> dict[str, float]:
+    return suite_memory(config, DPO)
 
 
-def cases(args: argparse.Namespace) -> list[DPOCase]:
+def cases(args: argparse.Namespace) -> list[PreferenceCase]:
     """Every model the flags ask for, at the flags' sizes."""
-    return [DPOCase(model_name=m, pairs=args.batch_size, prompt_len=args.dpo_prompt_len,
-                    completion_len=args.dpo_completion_len, steps=args.repeats, warmup=args.warmup,
-                    device=args.device)
+    return [PreferenceCase(model_name=m, batch=args.batch_size, prompt_len=args.dpo_prompt_len,
+                           completion_len=args.dpo_completion_len, steps=args.repeats, warmup=args.warmup,
+                           device=args.device)
             for m in (args.dpo_models or list(DPO_MODELS))]
 
 
+def run_suite(args: argparse.Namespace, suite: Suite, module: str) -> list[dict[str, Any]]:
+    """Every case: timing interleaved in this process, memory in subprocesses (`module`'s memory_worker)."""
+    def measure_memory(case: PreferenceCase) -> dict[str, Any]:
+        return sides_in_subprocesses(module, asdict(case), suite.name.upper())
+
+    return run_against_baseline(suite.name, cases(args), functools.partial(compare_case, suite=suite), measure_memory,
+                                functools.partial(suite_table, suite=suite), args.skip_memory)
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every case: timing interleaved in this process, memory in subprocesses."""
-    return run_against_baseline("dpo", cases(args), compare_case, measure_case_memory, format_table, args.skip_memory)
+    return run_suite(args, DPO, "xgblora.bench.dpo")
 
 
-def format_table(results: list[dict[str, Any]]) -> str:
+def suite_table(results: list[dict[str, Any]], suite: Suite) -> str:
     """A Markdown table: one row per model, with the targets' verdicts (1.5x the steps/s, no more memory)."""
-    lines = ["| model | pairs, prompt + completion tokens | xgblora steps/s | TRL steps/s | speed-up (median step) | "
-             "memory added xgblora / TRL (MiB) | >= 1.5x | memory <= TRL |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| model | {suite.unit}, prompt + completion tokens | xgblora steps/s | TRL steps/s | speed-up (median "
+             f"step) | memory added xgblora / TRL (MiB) | >= 1.5x | memory <= TRL |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         mem = memory_cell(r)
         mem_ok = ("pass" if r["mem_added_over_trl"] <= 1.0 else "miss") if "mem_added_over_trl" in r else "n/a"
-        lines.append(f"| {r['model_name']} | {r['pairs']}, {r['prompt_len']} + 2 x {r['completion_len']} | "
+        lines.append(f"| {r['model_name']} | {r[suite.unit]}, {r['prompt_len']} + 2 x {r['completion_len']} | "
                      f"{r['xgblora_steps_per_s']:.3f} | {r['trl_steps_per_s']:.3f} | {r['speedup_vs_trl']:.2f}x "
                      f"({r['speedup_vs_trl_median_step']:.2f}x) | {mem} | "
                      f"{'pass' if r['speedup_vs_trl'] >= 1.5 else 'miss'} | {mem_ok} |")
     return "\n".join(lines)
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    return suite_table(results, DPO)

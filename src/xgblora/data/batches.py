@@ -6,7 +6,8 @@
 - `LabelBatch`: right-padded inputs of a classifier or masked-LM head, with a gold label each.
 - `PairBatch`: right-padded queries and their documents (a positive, then hard negatives), for a contrastive loss.
 - `GritBatch`: a `PairBatch` and a `TokenBatch` of instruction data, trained together (GRIT).
-- `PreferenceBatch`: preference pairs, each prompt once and its chosen and rejected completions (DPO).
+- `PreferenceBatch`: each prompt once and its completions: chosen and rejected (DPO), or one completion with its
+  label and a mismatched one for the KL estimate (KTO).
 - `RerankBatch`: (query, passage) pairs tokenised together, grouped by query, with a relevance label each (a
   cross-encoder reranker).
 
@@ -290,38 +291,49 @@ class GritBatch(Batch):
 
 @dataclass(kw_only=True)
 class PreferenceBatch(Batch):
-    """Preference pairs sharing their prompt: prompt_ids / prompt_mask [P, Wp] left-padded, one row per pair;
-    completion_ids / completion_mask [2P, Wc] right-padded, the P chosen completions then the P rejected ones;
-    ref_logps [2P] the reference's summed completion log-probabilities in the same order (None: the loss computes
-    them). `halves` is 2 in MeZO's dual batch: every tensor twice, rows [:n] and [n:] of each scored apart."""
+    """Completions sharing their prompt: prompt_ids / prompt_mask [P, Wp] left-padded, one row per prompt;
+    completion_ids / completion_mask [kP, Wc] right-padded in k blocks of P rows, block j holding each prompt's j-th
+    completion (DPO: the P chosen completions, then the P rejected ones; KTO: the P completions, then, where the loss
+    estimates the KL term, each prompt's mismatched completion); ref_logps [kP] the reference's summed completion
+    log-probabilities in the same order (None: the loss computes them); label [P] whether each completion is
+    desirable (KTO; None for pairs). `halves` is 2 in MeZO's dual batch: every tensor twice, rows [:n] and [n:] of
+    each scored apart."""
 
     prompt_ids: Tensor
     prompt_mask: Tensor
     completion_ids: Tensor
     completion_mask: Tensor
     ref_logps: Tensor | None = None
+    label: Tensor | None = None
     halves: int = 1
 
     @property
     def n_examples(self) -> int:
-        """Pairs (of one half)."""
+        """Prompts (of one half): pairs, or KTO's rows."""
         return self.prompt_ids.shape[0] // self.halves
 
+    @property
+    def completions_per_prompt(self) -> int:
+        """k: the blocks of completion rows."""
+        return self.completion_ids.shape[0] // self.prompt_ids.shape[0]
+
     def n_tokens(self) -> int:
-        """Non-padding tokens: each prompt once, and both completions."""
+        """Non-padding tokens: each prompt once, and every completion."""
         return int(self.prompt_mask.sum() + self.completion_mask.sum())
 
     def split(self: B, start: int, stop: int) -> B:
-        """Pairs start..stop-1: their prompts, chosen and rejected rows."""
+        """Prompts start..stop-1: their rows in every block, their labels."""
         if self.halves != 1:
             raise ValueError("a doubled preference batch is not split")
         n = self.n_examples
-        rows = torch.cat([torch.arange(start, stop), torch.arange(n + start, n + stop)]).to(self.completion_ids.device)
+        rows = torch.cat([torch.arange(j * n + start, j * n + stop) for j in range(self.completions_per_prompt)])
+        rows = rows.to(self.completion_ids.device)
         return dataclasses.replace(
             self, prompt_ids=self.prompt_ids[start:stop], prompt_mask=self.prompt_mask[start:stop],
             completion_ids=self.completion_ids[rows], completion_mask=self.completion_mask[rows],
-            ref_logps=None if self.ref_logps is None else self.ref_logps[rows])
+            ref_logps=None if self.ref_logps is None else self.ref_logps[rows],
+            label=None if self.label is None else self.label[start:stop])
 
     def doubled(self: B) -> B:
-        """Every tensor twice: rows [:n] of each are the first half (chosen then rejected), [n:] the copy."""
+        """Every tensor twice: rows [:n] of each are the first half (its blocks in order), [n:] the copy."""
         return dataclasses.replace(super().doubled(), halves=2)

@@ -75,7 +75,8 @@ def check_row(where: Where, row: dict) -> PreferenceExample:
         if row.get(name) is None:
             raise bad(name, f"missing: a preference row needs chosen and rejected (and prompt, unless both hold it); "
                             f"the row has: {', '.join(map(str, row)) or 'no fields'}")
-    fields = {name: _text(row[name], bad, name) for name in ("prompt", "chosen", "rejected") if row.get(name) is not None}
+    fields = {name: text_field(row[name], bad, name) for name in ("prompt", "chosen", "rejected")
+              if row.get(name) is not None}
     kinds = {name: isinstance(value, list) for name, value in fields.items()}
     if len(set(kinds.values())) > 1:
         raise bad("prompt" if "prompt" in fields else "rejected",
@@ -88,14 +89,14 @@ def check_row(where: Where, row: dict) -> PreferenceExample:
                                                          "taken off"))
     if chosen == rejected:
         raise bad("rejected", "is the same as chosen: a preference pair needs two different completions")
-    _check_turns(prompt, chosen, rejected, "prompt" in fields, bad)
+    check_turns(prompt, {"chosen": chosen, "rejected": rejected}, "prompt" in fields, bad)
     reference = row.get("reference")
     if reference is not None and not isinstance(reference, str | int | float):
         raise bad("reference", f"expected the answer as a string or number, got {type(reference).__name__}")
     return PreferenceExample(prompt, chosen, rejected, where, None if reference is None else str(reference))
 
 
-def _text(value: object, bad: Bad, name: str) -> Text:
+def text_field(value: object, bad: Bad, name: str) -> Text:
     """A string, or a list of {"role", "content"} messages with string values and a chat role each."""
     if isinstance(value, str):
         return value
@@ -108,12 +109,13 @@ def _text(value: object, bad: Bad, name: str) -> Text:
     raise bad(name, 'expected a string or a list of {"role": ..., "content": ...} messages')
 
 
-def _check_turns(prompt: Text, chosen: Text, rejected: Text, explicit: bool, bad: Bad) -> None:
+def check_turns(prompt: Text, completions: dict[str, Text], explicit: bool, bad: Bad) -> None:
     """A prompt to condition on (not blank; a conversation ending with a turn the assistant answers), and completions
-    that are the assistant's reply: its turns, tool results between them. `explicit`: the row has a prompt field
-    (else the prompt is chosen and rejected's common beginning, and the indices of their turns count from it)."""
+    (by field name) that are the assistant's reply: its turns, tool results between them. `explicit`: the row has a
+    prompt field (else the prompt is chosen and rejected's common beginning, and the indices of their turns count
+    from it)."""
     if explicit and isinstance(prompt, str) and not prompt.strip():
-        raise bad("prompt", "empty string: a pair needs a prompt to condition on (a row without a prompt field takes "
+        raise bad("prompt", "empty string: a row needs a prompt to condition on (a pair without a prompt field takes "
                             "chosen and rejected's common beginning)")
     if not isinstance(prompt, list):
         return
@@ -123,7 +125,7 @@ def _check_turns(prompt: Text, chosen: Text, rejected: Text, explicit: bool, bad
                   + " with an assistant turn: the completions are the assistant's reply to the prompt's last turn, "
                     "so it is the user's (or a tool's)")
     offset = 0 if explicit else len(prompt)
-    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+    for name, completion in completions.items():
         for i, m in enumerate(completion):
             if m["role"] not in ("assistant", "tool") or (i == 0 and m["role"] != "assistant"):
                 raise bad(f"{name}[{offset + i}].role", f"{m['role']!r} in a completion: a completion is the "
@@ -200,10 +202,17 @@ def encode_all(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Preference
 
 def collate_preferences(seqs: Sequence[PreferenceSeq], pad_id: int,
                         ref_logps: torch.Tensor | None = None) -> PreferenceBatch:
-    """The pairs as one batch: prompts left-padded, chosen then rejected completions right-padded; ref_logps
+    """The pairs as one batch (`collate_completions`): the chosen completions, then the rejected; ref_logps
     [pairs, 2] (chosen, rejected) of these pairs, or None."""
-    prompts = [s.prompt for s in seqs]
-    completions = [s.chosen for s in seqs] + [s.rejected for s in seqs]
+    return collate_completions([s.prompt for s in seqs], [[s.chosen for s in seqs], [s.rejected for s in seqs]],
+                               pad_id, ref_logps)
+
+
+def collate_completions(prompts: Sequence[list[int]], blocks: Sequence[Sequence[list[int]]], pad_id: int,
+                        ref_logps: torch.Tensor | None = None, label: torch.Tensor | None = None) -> PreferenceBatch:
+    """Prompts and their completions as one batch: prompts left-padded, the blocks' completions (block j: each
+    prompt's j-th) right-padded one block after the other; ref_logps [prompts, blocks] or None; label [prompts]."""
+    completions = [c for block in blocks for c in block]
     wp, wc = max(map(len, prompts)), max(map(len, completions))
     prompt_ids = torch.full((len(prompts), wp), pad_id, dtype=torch.long)
     prompt_mask = torch.zeros((len(prompts), wp), dtype=torch.long)
@@ -217,4 +226,4 @@ def collate_preferences(seqs: Sequence[PreferenceSeq], pad_id: int,
         completion_mask[i, :len(c)] = 1
     ref = None if ref_logps is None else ref_logps.T.reshape(-1)
     return PreferenceBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                           completion_mask=completion_mask, ref_logps=ref)
+                           completion_mask=completion_mask, ref_logps=ref, label=label)

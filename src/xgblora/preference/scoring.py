@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -22,15 +23,17 @@ from xgblora.data.preference import PreferenceSeq, collate_preferences
 from xgblora.models.scoring import completion_scores, eval_mode
 from xgblora.preference.objective import Objective, PairScores, Statistics, pair_losses
 
+Row = TypeVar("Row")  # a row of tokens: a pair, or KTO's row
+
 
 def completion_logps(model: nn.Module, batch: PreferenceBatch, with_logits: bool = False,
                      fused: bool = True) -> tuple[Tensor, Tensor | None]:
     """Summed log-probabilities of each completion row [rows] and, when asked, the sum over its tokens of the mean
     logit (TRL's logits/*), [rows], no gradient; fused: through the fused LM head where the model allows it."""
-    rows = batch.completion_ids.shape[0]
-    per_half = batch.prompt_ids.shape[0] // batch.halves  # pairs of a half
+    rows, per_half = batch.completion_ids.shape[0], batch.n_examples  # prompts of a half
     index = torch.arange(rows, device=batch.completion_ids.device)
-    row_prompt = index // (2 * per_half) * per_half + index % per_half  # half h's rows: its chosen, its rejected
+    # half h's rows: its k blocks (chosen, rejected), each holding every prompt of the half once
+    row_prompt = index // (batch.completions_per_prompt * per_half) * per_half + index % per_half
     scores = completion_scores(model, batch.prompt_ids, batch.prompt_mask, row_prompt, batch.completion_ids,
                                batch.completion_mask, statistics=with_logits, fused=fused)
     return scores.logprobs.sum(1), scores.mean_logit.sum(1) if with_logits else None
@@ -79,7 +82,7 @@ def first_half(batch: PreferenceBatch) -> PreferenceBatch:
     prompts, rows = batch.prompt_ids.shape[0] // 2, batch.completion_ids.shape[0] // 2
     return dataclasses.replace(batch, prompt_ids=batch.prompt_ids[:prompts], prompt_mask=batch.prompt_mask[:prompts],
                                completion_ids=batch.completion_ids[:rows], completion_mask=batch.completion_mask[:rows],
-                               ref_logps=None, halves=1)
+                               ref_logps=None, label=None if batch.label is None else batch.label[:prompts], halves=1)
 
 
 def _halves(t: Tensor, halves: int) -> list[tuple[Tensor, Tensor]]:
@@ -87,15 +90,17 @@ def _halves(t: Tensor, halves: int) -> list[tuple[Tensor, Tensor]]:
 
 
 @torch.no_grad()
-def reference_logps(model: nn.Module, seqs: Sequence[PreferenceSeq], pad_id: int, batch_size: int,
-                    device: torch.device, reference: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> Tensor:
-    """The reference's summed completion log-probabilities of every pair [pairs, 2] (chosen, rejected), computed
-    once (TRL's precompute_ref_log_probs), in eval mode."""
+def reference_logps(model: nn.Module, seqs: Sequence[Row], collate: Callable[[Sequence[Row]], PreferenceBatch],
+                    batch_size: int, device: torch.device,
+                    reference: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> Tensor:
+    """The reference's summed completion log-probabilities of every row [rows, k] (a pair's chosen and rejected;
+    KTO's completion and KL completion), computed once (TRL's precompute_ref_log_probs), in eval mode; `collate`
+    makes a batch of rows."""
     out = []
     with eval_mode(model), reference():
         for start in range(0, len(seqs), batch_size):
-            batch = collate_preferences(seqs[start:start + batch_size], pad_id).to(device)
-            out.append(completion_logps(model, batch)[0].float().view(2, -1).T)
+            batch = collate(seqs[start:start + batch_size]).to(device)
+            out.append(completion_logps(model, batch)[0].float().view(batch.completions_per_prompt, -1).T)
     return torch.cat(out).cpu()
 
 

@@ -5,22 +5,26 @@ XGBLoRA, full; AdamW or --trainer zo); the loss is `PreferenceLoss` on `Preferen
 the model with its LoRA adapter switched off, for a LoRA run that starts from the base; otherwise (XGBLoRA, whose
 merged boosters change the base weights; full fine-tuning; a continued --adapter) the starting model's
 log-probabilities of every pair, computed once before the first step, so no second model is kept. Held-out pairs
-(--eval_file) are scored with their reference log-probabilities computed at the start, the same way.
+(--eval_file) are scored with their reference log-probabilities computed at the start, the same way. That
+reference and the Trainer over the rows' batches are written once here for every preference recipe (`xgblora kto`
+too).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from xgblora.adapters.lora import adapters_off
-from xgblora.config import DPOConfig
+from xgblora.config import DPOConfig, KTOConfig
 from xgblora.data import formats
+from xgblora.data.batches import PreferenceBatch
 from xgblora.data.preference import (
     PreferenceExample,
     PreferenceSeq,
@@ -35,15 +39,18 @@ from xgblora.evaluation.answers import make_verifier
 from xgblora.evaluation.evaluators import Evaluator
 from xgblora.logs import setup_console_logging
 from xgblora.models.sampler import greedy_continuations
+from xgblora.preference.kto import KTOLoss
 from xgblora.preference.objective import Objective
-from xgblora.preference.scoring import PreferenceLoss, evaluate_pairs, reference_logps
+from xgblora.preference.scoring import PreferenceLoss, Row, evaluate_pairs, reference_logps
 from xgblora.recipes.lifecycle import Prepared, run_recipe
 from xgblora.report import DPO_PANELS
 from xgblora.train.loop import ExampleBatches, Trainer
 from xgblora.train.objective import TrainingSet
-from xgblora.train.setup import TrainingRun, load_policy, setup_method, training_loss
+from xgblora.train.setup import Method, TrainingRun, load_policy, setup_method, training_loss
 
 log = logging.getLogger("xgblora")
+
+Collate = Callable[[Sequence[Row], torch.Tensor | None], PreferenceBatch]  # rows, their reference sums -> a batch
 
 
 def run_dpo(cfg: DPOConfig) -> dict[str, Any]:
@@ -101,18 +108,16 @@ def prepare(cfg: DPOConfig, dist: Distributed, train: list[PreferenceExample],
     eval_seqs = encode_all(tokenizer, held_out, cfg.max_length, cfg.max_prompt_length) if held_out else []
     method = setup_method(model, cfg)
     objective = objective_of(cfg)
-    # adapters off is the reference only while the base is the starting model and stays as it was
-    live = cfg.method == "lora" and not cfg.adapter and not cfg.precompute_ref_log_probs
-    reference = (lambda: adapters_off(method.modules)) if live else None
-    batch_size = cfg.precompute_ref_batch_size or cfg.per_device_eval_batch_size
+    reference = live_reference(cfg, method)
 
-    def starting_logps(seqs: Sequence[PreferenceSeq]) -> torch.Tensor | None:
-        if not objective.needs_reference or not seqs:
-            return None
-        return reference_logps(model, seqs, pad, batch_size, device, reference or contextlib.nullcontext)
+    def collate(rows: Sequence[PreferenceSeq], ref: torch.Tensor | None = None) -> PreferenceBatch:
+        return collate_preferences(rows, pad, ref)
 
-    ref_train = None if live else starting_logps(train_seqs)
-    ref_eval = starting_logps(eval_seqs)
+    def starting(seqs: Sequence[PreferenceSeq]) -> torch.Tensor | None:
+        return starting_logps(cfg, model, seqs, collate, reference) if objective.needs_reference and seqs else None
+
+    ref_train = None if reference is not None else starting(train_seqs)
+    ref_eval = starting(eval_seqs)
 
     verifier = make_verifier(cfg.verifier) if cfg.verifier else None
     prompts = [encode(tokenizer, ex).prompt for ex in held_out] if verifier is not None else []
@@ -129,17 +134,43 @@ def prepare(cfg: DPOConfig, dist: Distributed, train: list[PreferenceExample],
         return metrics, []
 
     run = TrainingRun(cfg, model, tokenizer, device, evaluate, monitor=eval_seqs)
-    # TRL's disable_dropout: the policy scores a pair as the reference (taken without dropout) does, so the first
-    # step's log ratios are 0 and the loss is log 2
-    source = ExampleBatches(training_set(train_seqs, pad, ref_train), cfg, dist, dropout=not cfg.disable_dropout)
-    loss = training_loss(run, dist, preference=PreferenceLoss(objective, reference, fused=cfg.fused_lm_head))
-    return DPORun(cfg, Trainer(run, method, source, loss, dist), len(train_seqs), eval_seqs, evaluate)
+    lengths = [len(s.prompt) + len(s.chosen) + len(s.rejected) for s in train_seqs]
+    loss = PreferenceLoss(objective, reference, fused=cfg.fused_lm_head)
+    trainer = preference_trainer(run, dist, method, TrainingSet(lengths, rows_of(train_seqs, collate, ref_train)),
+                                 loss)
+    return DPORun(cfg, trainer, len(train_seqs), eval_seqs, evaluate)
 
 
-def training_set(seqs: Sequence[PreferenceSeq], pad_id: int, ref: torch.Tensor | None) -> TrainingSet:
-    """The pairs, grouped by length (prompt and both completions), each batch with its pairs' reference sums."""
-    def batch(idx: Sequence[int]):
-        return collate_preferences([seqs[i] for i in idx], pad_id, None if ref is None else ref[list(idx)])
+# What `xgblora dpo` and `xgblora kto` share: the reference, the rows' batches and the Trainer.
 
-    return TrainingSet([len(s.prompt) + len(s.chosen) + len(s.rejected) for s in seqs], batch)
+def live_reference(cfg: DPOConfig | KTOConfig, method: Method) -> Callable[[], AbstractContextManager] | None:
+    """The reference as the model with its LoRA adapters off, where that is the starting model: a LoRA run from
+    the base that precomputes nothing (the base stays as it was). None: the starting model's log-probabilities of
+    every row are precomputed (`starting_logps`)."""
+    live = cfg.method == "lora" and not cfg.adapter and not cfg.precompute_ref_log_probs
+    return (lambda: adapters_off(method.modules)) if live else None
 
+
+def starting_logps(cfg: DPOConfig | KTOConfig, model: torch.nn.Module, seqs: Sequence[Row], collate: Collate,
+                   reference: Callable[[], AbstractContextManager] | None) -> torch.Tensor:
+    """The reference's summed log-probabilities of every completion of every row [rows, k], computed once, in
+    batches of --precompute_ref_batch_size (default --per_device_eval_batch_size)."""
+    return reference_logps(model, seqs, collate, cfg.precompute_ref_batch_size or cfg.per_device_eval_batch_size,
+                           next(model.parameters()).device, reference or contextlib.nullcontext)
+
+
+def rows_of(seqs: Sequence[Row], collate: Collate,
+            ref: torch.Tensor | None) -> Callable[[Sequence[int]], PreferenceBatch]:
+    """A batch of the given rows, with their precomputed reference sums where there are some."""
+    def batch(idx: Sequence[int]) -> PreferenceBatch:
+        return collate([seqs[i] for i in idx], None if ref is None else ref[list(idx)])
+
+    return batch
+
+
+def preference_trainer(run: TrainingRun, dist: Distributed, method: Method, train_set: TrainingSet,
+                       loss: PreferenceLoss | KTOLoss) -> Trainer:
+    """The Trainer over the rows' batches (grouped by length) and the preference loss. TRL's disable_dropout: the
+    policy scores a row as the reference (taken without dropout) does, so the first step's log ratios are 0."""
+    source = ExampleBatches(train_set, run.cfg, dist, dropout=not run.cfg.disable_dropout)
+    return Trainer(run, method, source, training_loss(run, dist, preference=loss), dist)

@@ -31,6 +31,7 @@ from xgblora.data.tasks import Example
 from xgblora.embeddings.contrastive import Contrastive
 from xgblora.embeddings.rerank import Reranker
 from xgblora.models.scoring import label_logits, packed_mean_logprobs, target_logprobs
+from xgblora.preference.kto import KTOLoss
 from xgblora.preference.scoring import PreferenceLoss
 
 
@@ -147,7 +148,7 @@ class TrainingLoss:
     model: torch.nn.Module
     autocast: torch.dtype | None = None
     contrastive: Contrastive | None = None
-    preference: PreferenceLoss | None = None
+    preference: PreferenceLoss | KTOLoss | None = None
     fused_head: bool = False
     reranker: Reranker | None = None
 
@@ -178,12 +179,13 @@ class TrainingLoss:
 
     def metrics(self) -> dict[str, float]:
         """This process's statistics of the losses since the last call, for the logs: DPO's rewards and
-        log-probabilities (`PreferenceLoss`); none for the other batch kinds."""
+        log-probabilities (`PreferenceLoss`), KTO's and its KL estimate (`KTOLoss`); none for the other batch
+        kinds."""
         return self.preference.statistics.drain() if self.preference is not None else {}
 
 
 def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrastive | None = None,
-                     preference: PreferenceLoss | None = None, fused_head: bool = False,
+                     preference: PreferenceLoss | KTOLoss | None = None, fused_head: bool = False,
                      reranker: Reranker | None = None) -> torch.Tensor:
     """Loss of each example in the batch, shape [n_examples], times the batch's loss_scale.
 
@@ -192,7 +194,8 @@ def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrast
     mean over examples is the mean over the batch's tokens. CandidateBatch: cross-entropy over each example's candidates, scored by their mean token
     log-probability. LabelBatch (a classifier or masked LM): cross-entropy over the label logits. PairBatch: each
     query's InfoNCE term (`Contrastive`); GritBatch: w_c times that plus w_g times the generative batch's mean loss.
-    PreferenceBatch: each pair's preference loss (`PreferenceLoss`: DPO and its family; it applies loss_scale).
+    PreferenceBatch: each pair's or row's preference loss (`PreferenceLoss`: DPO and its family; `KTOLoss`; they
+    apply loss_scale).
     RerankBatch: each query's share of a cross-encoder's loss over its (query, passage) pairs (`Reranker`).
     fused_head: TokenBatch and PackedBatch (GRIT's generative part too) score their targets through the fused LM
     head (`models.fused_head`: no [tokens, vocab] logits) where the model allows it.

@@ -54,6 +54,7 @@ from xgblora.evaluation.evaluators import (
 from xgblora.models import pretrained
 from xgblora.models.quant import is_quantized
 from xgblora.models.scoring import is_head_param, packing_supported
+from xgblora.preference.kto import KTOLoss
 from xgblora.preference.scoring import PreferenceLoss
 from xgblora.train.head import fit_probe
 from xgblora.train.objective import (
@@ -225,7 +226,7 @@ class TrainingRun:
 
 
 def training_loss(run: TrainingRun, dist: Distributed, contrastive: Contrastive | None = None,
-                  preference: PreferenceLoss | None = None, reranker: Reranker | None = None) -> TrainingLoss:
+                  preference: PreferenceLoss | KTOLoss | None = None, reranker: Reranker | None = None) -> TrainingLoss:
     """The training forward of the run's batches (`TrainingLoss`), compiled under --compile; through the fused LM
     head where asked, except compiled or under FSDP, whose wrapped model gathers the root's weights in its own
     forward (the backbone's skips that)."""
