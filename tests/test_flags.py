@@ -165,7 +165,8 @@ def test_each_option_belongs_to_one_group_and_each_rule_names_real_options():
 
 # the files a command cannot run without (never read here: the check comes first)
 REQUIRED = {"generate": {"input_file": "p.jsonl"}, "rft": {"train_file": "q.jsonl", "eval_file": "q.jsonl"},
-            "grpo": {"train_file": "q.jsonl"}, "dpo": {"train_file": "q.jsonl"}, "kto": {"train_file": "q.jsonl"}}
+            "grpo": {"train_file": "q.jsonl"}, "dpo": {"train_file": "q.jsonl"}, "kto": {"train_file": "q.jsonl"},
+            "reward": {"train_file": "q.jsonl"}}
 
 
 @pytest.mark.parametrize("command", [name for name, c in cli.COMMANDS.items() if c.options])

@@ -187,7 +187,7 @@ def test_only_a_zo_trained_head_keeps_mezo_off_the_dual_batch(tmp_path):
         cfg = _cfg(tmp_path / head_trainer, head_trainer=head_trainer)
         model, _ = pretrained.load("tiny-bert", head="classifier", num_labels=2)
         method = setup_method(model, cfg)
-        stepper = build_stepper(cfg, method, TrainingLoss(model), LOCAL, torch.device("cpu"), task=cfg)
+        stepper = build_stepper(cfg, method, TrainingLoss(model), LOCAL, torch.device("cpu"), head=cfg)
         mezo_params = {id(p) for p, _ in stepper.mezo._params}
         assert (stepper.mezo._dual is not None) == dual
         assert (id(model.classifier.weight) in mezo_params) == in_mezo

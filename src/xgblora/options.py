@@ -451,10 +451,22 @@ class SamplingOptions:
     max_batch_tokens: int = _opt(32768, "Memory budget of a generation batch: rows x (longest prompt + max_new_tokens) tokens of KV cache.")
 
 
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+
+
+@dataclass(frozen=True)
+class RLOOOptions:
+    """RLOO (TRL's RLOOTrainer) as grpo's advantage estimator: leave-one-out baselines, the KL in the reward."""
+
+    advantage_estimator: str = _opt("grpo", "grpo (each completion's reward minus its group's mean, scaled by --scale_rewards; the KL to the reference in the loss) or rloo (TRL's RLOOTrainer: the reward minus the mean of the other completions of its group; --beta's KL, sum over tokens of log pi_old - log pi_ref, taken off the reward; the loss per completion, its ratio that of the whole sequence's probabilities).", ADVANTAGE_ESTIMATORS)
+    normalize_advantages: bool = _opt(False, "rloo: divide the advantages, centred on their mean over the generation batch, by their std (+ 1e-4) over it.")
+    reward_clip_range: list[float] | None = _opt(None, "rloo: clip each completion's total reward to [MIN, MAX] before the KL and the baselines.")
+
+
 # Every group, in the order a command's help shows them.
 GROUPS = (ModelOptions, InputOptions, TaskOptions, ClassificationOptions, HeadOptions, EmbeddingOptions,
           RetrievalOptions, RerankEvalOptions, SplitOptions, SupervisedOptions, ContrastiveOptions, GritOptions,
           RerankOptions, InstructionOptions, NextTokenOptions, MemoryOptions, MethodOptions, AdapterOptions,
           BoostingOptions, AdaptiveBoostingOptions, OptimizerOptions, MomentumOptions, AdamWOptions, ZOOptions,
           ZOHeadOptions, ComputeOptions, BatchOptions, RunOptions, OutputOptions, ResultFileOptions, LoopOptions,
-          SamplingOptions)
+          SamplingOptions, RLOOOptions)

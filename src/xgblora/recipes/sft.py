@@ -81,7 +81,7 @@ def _training(setup: RunSetup, dist: Distributed, hooks: Hooks | None) -> Prepar
     run = setup.training_run()
     loss = training_loss(run, dist, cfg.compile, contrastive, reranker=build_reranker(cfg))
     trainer = Trainer(run, method, ExampleBatches(train_set, cfg, dist, cfg.groups_by_length), loss, dist, hooks,
-                      task=cfg)
+                      task=cfg, head=cfg)
 
     def results() -> dict[str, Any]:
         done = {**_counts(setup), "num_train": len(setup.splits.train)}

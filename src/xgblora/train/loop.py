@@ -36,6 +36,7 @@ from xgblora.models.checkpointing import enable_checkpointing
 from xgblora.optim.fo import AdamWStepper
 from xgblora.optim.schedule import Schedule
 from xgblora.optim.zo_estimators import build_estimator, stepper_type
+from xgblora.options import ZOHeadOptions
 from xgblora.trackers import open_trackers, parse_report_to
 from xgblora.train.head import HeadTrainer
 from xgblora.train.objective import TrainingSet
@@ -213,10 +214,11 @@ def graceful_stop() -> Iterator[dict[str, bool]]:
 
 
 def build_stepper(cfg: TrainerConfig, method: Method, loss_fn: Loss, dist: Distributed, device: torch.device,
-                  task: TaskTrainingOptions | None = None) -> Stepper:
+                  head: ZOHeadOptions | None = None, grouped: bool = False) -> Stepper:
     """AdamW (--trainer regular) or a zeroth-order estimator (--trainer zo, --zo_estimator) over the method's
-    trainable parameters; `task`: the options of training on a task's examples (a new classifier head's trainer,
-    candidates scored side by side), where the run has them."""
+    trainable parameters; `head`: how a new head (a classifier's, a reranker's, a reward model's) trains under
+    --trainer zo, for the commands that train one; `grouped`: batches score candidates side by side
+    (--train_as_classification)."""
     boosting = method.boosting
     if cfg.trainer == "regular":
         penalty = (lambda: boosting.norm_penalty(cfg.norm_penalty)) \
@@ -226,9 +228,7 @@ def build_stepper(cfg: TrainerConfig, method: Method, loss_fn: Loss, dist: Distr
                             fused=None if cfg.fused_adamw else False, max_grad_norm=cfg.max_grad_norm,
                             accumulation=cfg.gradient_accumulation_steps, micro_batch=cfg.per_device_train_batch_size,
                             nan_policy=cfg.nan_policy, penalty=penalty, dist=dist)
-    head_trainer = task.head_trainer if task is not None else "zo"  # without a task's head the choice is moot
-    zo_params = method.zo_params(head_trainer)
-    grouped = task is not None and task.train_as_classification
+    zo_params = method.zo_params(head.head_trainer if head is not None else "zo")  # without a head: all the same
     # the doubled batch carries adapter perturbations only: not a full model, a zo-trained head, or grouped rows
     dual = cfg.zo_dual is not False and bool(method.modules) and len(zo_params) == len(method.trainable) \
         and not grouped
@@ -238,15 +238,16 @@ def build_stepper(cfg: TrainerConfig, method: Method, loss_fn: Loss, dist: Distr
                                 betas=(cfg.adam_beta1, cfg.adam_beta2), adam_eps=cfg.adam_epsilon, penalty=penalty,
                                 dual_modules=method.modules if dual else None, dist=dist)
     # a new head exists on classifier and reranker runs only, whose loss is a TrainingLoss
-    head = HeadTrainer(loss_fn.model, method.head, task.head_learning_rate, loss_fn.head_loss, reduce=dist.reduce_step) \
-        if task is not None and task.head_trainer == "first-order" and method.head else None
-    return stepper_type(estimator)(estimator, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
+    head_trainer = HeadTrainer(loss_fn.model, method.head, head.head_learning_rate, loss_fn.head_loss,
+                               reduce=dist.reduce_step) \
+        if head is not None and head.head_trainer == "first-order" and method.head else None
+    return stepper_type(estimator)(estimator, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head_trainer)
 
 
-# What the progress bar and line show of a logged record, when it holds them: the loss, and what GRPO and DPO
-# users watch.
+# What the progress bar and line show of a logged record, when it holds them: the loss, and what GRPO, DPO and
+# reward-model users watch.
 PROGRESS_NAMES = {"loss": "loss", "reward": "reward", "accuracy": "acc", "completion_length": "len", "kl": "kl",
-                  "rewards/accuracies": "pref_acc", "rewards/margins": "margin"}
+                  "rewards/accuracies": "pref_acc", "rewards/margins": "margin", "margin": "margin"}
 
 
 def total_steps(cfg: TrainerConfig, n_examples: int, global_batch: int) -> int:
@@ -259,11 +260,13 @@ def total_steps(cfg: TrainerConfig, n_examples: int, global_batch: int) -> int:
 class Trainer:
     """The state of one training run and the loop over it: `source` hands each step its batches, `loss` turns a
     batch into per-example losses for the stepper (and its statistics into each logged record). It reads the
-    options every trainer has (TrainerConfig); `task` adds those of training on a task's examples (train's: a new
-    head's trainer, candidates scored side by side, logged dev generations)."""
+    options every trainer has (TrainerConfig); `task` adds those of training on a task's examples (train's:
+    candidates scored side by side, logged dev generations, an embedding model's or a reranker's final/), `head`
+    how a new head trains under --trainer zo (train's and reward's)."""
 
     def __init__(self, run: TrainingRun, method: Method, source: BatchSource, loss: Loss, dist: Distributed,
-                 hooks: Hooks | None = None, task: TaskTrainingOptions | None = None):
+                 hooks: Hooks | None = None, task: TaskTrainingOptions | None = None,
+                 head: ZOHeadOptions | None = None):
         cfg = self.cfg = run.cfg
         self.task = task
         self.run, self.method, self.source, self.dist = run, method, source, dist
@@ -280,7 +283,8 @@ class Trainer:
         if cfg.gradient_checkpointing and cfg.trainer == "regular":
             enable_checkpointing(run.model)
         self.loss_fn = loss
-        self.stepper = build_stepper(cfg, method, self.loss_fn, dist, run.device, task)
+        grouped = task is not None and task.train_as_classification
+        self.stepper = build_stepper(cfg, method, self.loss_fn, dist, run.device, head, grouped)
         self.state = LoopState(source.stream, LossWindow(run.device))
         self.checkpointer = self._checkpointer()
         if cfg.resume_from_checkpoint:

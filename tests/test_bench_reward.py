@@ -1,0 +1,25 @@
+"""`xgblora bench --suite reward --quick`: TRL's RewardTrainer and xgblora's reward-model step alternate on the same
+pairs, every figure is there and positive, and the table prints."""
+
+import argparse
+import json
+import math
+
+import pytest
+
+from xgblora.bench import flags, suites
+
+
+@pytest.mark.slow
+def test_reward_suite_quick_alternates_with_trl(tmp_path, capsys):
+    pytest.importorskip("trl")
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--suite", "reward", "--dpo_models", "tiny-llama", "--device", "cpu",
+                              "--skip_memory", "--json", str(tmp_path / "b.json")])
+    assert suites.main(args) == 0
+    (case,) = json.loads((tmp_path / "b.json").read_text())["cases"]
+    assert case["steps_timed"] == 2 and len(case["trl_step_s"]) == len(case["xgblora_step_s"]) == 2
+    assert all(math.isfinite(case[k]) and case[k] > 0
+               for k in ("xgblora_steps_per_s", "trl_steps_per_s", "speedup_vs_trl"))
+    assert "| tiny-llama | 2, 8 + 2 x 4 |" in capsys.readouterr().out
