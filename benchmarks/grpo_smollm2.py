@@ -106,7 +106,7 @@ def main() -> None:
                          trainer=args.trainer, zo_estimator=args.zo_estimator, zo_queries=args.zo_queries,
                          zo_objective=args.zo_objective, zo_eps=args.zo_eps,
                          learning_rate=args.learning_rate, beta=args.beta,
-                         importance_sampling_level=args.importance_sampling_level, loss_type=args.loss_type,
+                         importance_sampling_level=args.importance_sampling_level, policy_loss=args.loss_type,
                          epsilon=args.epsilon, epsilon_high=args.epsilon_high, save_strategy="steps",
                          save_steps=10, save_total_limit=1, logging_steps=1, seed=seed, device=args.device,
                          resume_from_checkpoint=resume(folder), output_dir=str(folder))

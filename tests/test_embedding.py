@@ -226,10 +226,10 @@ def test_a_learnt_temperature_trains_and_resumes_exactly(tmp_path):
                   learning_rate=1e-2, max_steps=4, per_device_train_batch_size=4, max_length=24, device="cpu",
                   learnable_temperature=True, contrastive_temperature=0.1, no_eval=True, save_steps=2, seed=1)
     whole = run(Config(**values, output_dir=str(tmp_path / "whole")))
-    assert whole["temperature"] != pytest.approx(0.1, abs=1e-4)  # AdamW moved it
+    assert whole["contrastive_temperature"] != pytest.approx(0.1, abs=1e-4)  # AdamW moved it
     part = run(Config(**values, output_dir=str(tmp_path / "part"),
                       resume_from_checkpoint=str(tmp_path / "whole" / "checkpoints" / "step-2")))
-    assert part["temperature"] == whole["temperature"]
+    assert part["contrastive_temperature"] == whole["contrastive_temperature"]
     a, b = (load_file(tmp_path / name / "final/adapter_model.safetensors") for name in ("whole", "part"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 

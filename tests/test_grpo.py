@@ -23,7 +23,7 @@ from xgblora.generation import grpo_objective, rollout
 from xgblora.generation.generate import Prompts
 from xgblora.generation.grpo_objective import (
     GRPOLoss,
-    Objective,
+    GRPOObjective,
     completion_logprobs,
 )
 from xgblora.generation.rewards import Rewards
@@ -177,7 +177,7 @@ def test_mezo_estimates_the_grpo_loss_from_a_dual_batch_as_from_two_passes():
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         mezo = MeZO(named, lr=1e-3, eps=1e-2, dual_modules=report.modules if dual else None, seed=7)
         with torch.no_grad():
-            losses.append(mezo.step(GRPOLoss(model, Objective(beta=0.1), 1.0), batch))
+            losses.append(mezo.step(GRPOLoss(model, GRPOObjective(beta=0.1), 1.0), batch))
     assert losses[0][0] != losses[0][1]
     assert losses[0] == pytest.approx(losses[1], abs=1e-5)
 
@@ -224,19 +224,19 @@ def test_lora_adapts_every_linear_layer_by_default_and_a_continued_adapter_its_o
     assert _cfg(data, "ft", method="ft").lora_target_modules is None
 
 
-@pytest.mark.parametrize("options", [dict(loss_type="bnpo", importance_sampling_level="sequence"),
-                                     dict(loss_type="cispo", epsilon_high=5.0, trainer="zo")],
+@pytest.mark.parametrize("options", [dict(policy_loss="bnpo", importance_sampling_level="sequence"),
+                                     dict(policy_loss="cispo", epsilon_high=5.0, trainer="zo")],
                          ids=["bnpo-gspo-adamw", "cispo-mezo"])
 def test_the_newer_objectives_train_under_both_trainers(data, options):
     """GSPO's sequence-level ratios, bnpo's micro-batch weights and cispo (its own clip statistic) in the loop:
     two optimizer steps per generation batch, so the old log-probabilities are used; the adapter moves."""
     accumulation = 1 if options.get("trainer") == "zo" else 2
-    run_grpo(_cfg(data, options["loss_type"], max_steps=2, generation_batch_size=16, eval_file=None,
+    run_grpo(_cfg(data, options["policy_loss"], max_steps=2, generation_batch_size=16, eval_file=None,
                   gradient_accumulation_steps=accumulation, **options))
-    weights = load_file(str(data / options["loss_type"] / "final" / "adapter_model.safetensors"))
+    weights = load_file(str(data / options["policy_loss"] / "final" / "adapter_model.safetensors"))
     assert any(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)
-    logged = [r for r in read_metrics(data / options["loss_type"] / "metrics.jsonl") if "loss" in r]
-    assert len(logged) == 2 and ("cispo_clip_ratio" in logged[0]) == (options["loss_type"] == "cispo")
+    logged = [r for r in read_metrics(data / options["policy_loss"] / "metrics.jsonl") if "loss" in r]
+    assert len(logged) == 2 and ("cispo_clip_ratio" in logged[0]) == (options["policy_loss"] == "cispo")
 
 
 def test_mezo_trains_the_adapter(data):
@@ -335,17 +335,17 @@ def test_dropout_applies_in_the_loss_unless_disabled(data, monkeypatch, flags, t
     assert len(seen) > 2 and set(seen) == {training}  # the loss's, the old and the reference passes
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "dr_grpo", "cispo", "grpo"])
-def test_sequence_level_ratios_warn_outside_gspos_loss(data, xgblora_log, loss_type):
+@pytest.mark.parametrize("policy_loss", ["dapo", "bnpo", "dr_grpo", "cispo", "grpo"])
+def test_sequence_level_ratios_warn_outside_gspos_loss(data, xgblora_log, policy_loss):
     """Sequence-level importance ratios with a loss that adds up token terms weigh each completion by its length:
-    not GSPO's objective (--loss_type grpo), said once when the run is set up, as TRL says it."""
-    cap = {"epsilon_high": 5.0} if loss_type == "cispo" else {}  # CISPO's ratio cap (ScaleRL's 5)
-    grpo_loop.prepare(_cfg(data, "gspo", importance_sampling_level="sequence", loss_type=loss_type, **cap))
+    not GSPO's objective (--policy_loss grpo), said once when the run is set up, as TRL says it."""
+    cap = {"epsilon_high": 5.0} if policy_loss == "cispo" else {}  # CISPO's ratio cap (ScaleRL's 5)
+    grpo_loop.prepare(_cfg(data, "gspo", importance_sampling_level="sequence", policy_loss=policy_loss, **cap))
     warned = [r.getMessage() for r in xgblora_log.records if r.name == "xgblora" and r.levelname == "WARNING"]
-    if loss_type == "grpo":
+    if policy_loss == "grpo":
         assert not any("--importance_sampling_level" in m for m in warned)
     else:
-        assert len(warned) == 1 and f"--loss_type {loss_type}" in warned[0] and "--loss_type grpo" in warned[0]
+        assert len(warned) == 1 and f"--policy_loss {policy_loss}" in warned[0] and "--policy_loss grpo" in warned[0]
 
 
 @pytest.mark.slow

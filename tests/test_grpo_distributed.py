@@ -77,7 +77,7 @@ def options(data: Path, out: str, **overrides) -> dict:
                   columns="prompt=question,completion=answer", method="lora", learning_rate=1e-2, max_new_tokens=6,
                   num_return_sequences=4, generation_batch_size=16, per_device_train_batch_size=4,
                   gradient_accumulation_steps=2, num_iterations=2, beta=0.04, scale_rewards="batch",
-                  loss_type="dapo", max_steps=4, logging_steps=1, save_strategy="no", device="cpu", seed=3,
+                  policy_loss="dapo", max_steps=4, logging_steps=1, save_strategy="no", device="cpu", seed=3,
                   reward_funcs=["gsm8k", "parity_reward:odd_first"], output_dir=str(data / out))
     values.update(overrides)
     return values

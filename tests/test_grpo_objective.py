@@ -13,9 +13,9 @@ from conftest import completion_batch
 from xgblora.adapters.lora import adapters_off, attach
 from xgblora.config import GRPOConfig
 from xgblora.generation.grpo_objective import (
-    LOSS_TYPES,
+    POLICY_LOSSES,
     GRPOLoss,
-    Objective,
+    GRPOObjective,
     advantages,
     completion_logprobs,
     row_weights,
@@ -33,7 +33,7 @@ def tiny_llama():
     return pretrained.load("tiny-llama")
 
 
-def _trl_loss(logps, old, ref, adv, mask, loss_type, beta, epsilon, epsilon_high, *, accumulation=1,
+def _trl_loss(logps, old, ref, adv, mask, policy_loss, beta, epsilon, epsilon_high, *, accumulation=1,
               steps_per_generation=1, max_completion_length=None, generation_tokens=None, level="token"):
     """TRL's loss of one micro-batch: `GRPOTrainer._compute_loss` on a stand-in holding only what it reads, with
     the policy's per-token log-probabilities handed in (so its gradient with respect to them can be compared)."""
@@ -41,7 +41,7 @@ def _trl_loss(logps, old, ref, adv, mask, loss_type, beta, epsilon, epsilon_high
     accelerator = types.SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x,
                                         autocast=contextlib.nullcontext)
     trainer = types.SimpleNamespace(
-        args=args, accelerator=accelerator, beta=beta, loss_type=loss_type, epsilon_low=epsilon,
+        args=args, accelerator=accelerator, beta=beta, loss_type=policy_loss, epsilon_low=epsilon,
         epsilon_high=epsilon if epsilon_high is None else epsilon_high, importance_sampling_level=level,
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False, _entropy_bonus_enabled=False,
         aux_loss_enabled=False, current_gradient_accumulation_steps=accumulation,
@@ -67,34 +67,34 @@ def _fixed_batch(n=8, k=6, seed=0):
     return logps, old, ref, mask, adv
 
 
-def _ours(logps, old, ref, adv, mask, loss_type, objective, max_len, *, steps=1, micro_batch=None,
+def _ours(logps, old, ref, adv, mask, policy_loss, objective, max_len, *, steps=1, micro_batch=None,
           generation_tokens=None):
     """Our loss of one optimizer step whose rows are the whole batch given (one step, one micro-batch unless told)."""
-    objective = dataclasses.replace(objective, loss_type=loss_type)
+    objective = dataclasses.replace(objective, policy_loss=policy_loss)
     losses, _ = token_losses(logps, old, ref, adv, objective, mask)
     tokens = float(mask.sum()) if generation_tokens is None else generation_tokens
-    weights = row_weights(mask, loss_type, max_len, len(mask), tokens, steps, micro_batch or len(mask)).double()
+    weights = row_weights(mask, policy_loss, max_len, len(mask), tokens, steps, micro_batch or len(mask)).double()
     return ((losses * mask).sum(1) * weights).mean()
 
 
-def test_the_loss_types_grpo_offers_are_the_ones_row_weights_knows():
-    """--loss_type's choices (config, torch-free) are LOSS_TYPES, over which every test below runs."""
+def test_the_policy_losses_grpo_offers_are_the_ones_row_weights_knows():
+    """--policy_loss's choices (config, torch-free) are POLICY_LOSSES, over which every test below runs."""
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(GRPOConfig)}
-    assert choices["loss_type"] == LOSS_TYPES
+    assert choices["policy_loss"] == POLICY_LOSSES
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
 @pytest.mark.parametrize("beta, epsilon_high", [(0.0, None), (0.04, 0.28), (0.04, 1.2)])
-def test_loss_and_gradient_equal_trls_on_one_step(loss_type, beta, epsilon_high, level):
+def test_loss_and_gradient_equal_trls_on_one_step(policy_loss, beta, epsilon_high, level):
     """Every loss type, token-level ratios and GSPO's sequence-level ones, against TRL's `_compute_loss`; cispo at
     epsilon_high 1.2 clips some ratios and not others."""
     logps, old, ref, mask, adv = _fixed_batch()
-    objective = Objective(epsilon=0.2, epsilon_high=epsilon_high, beta=beta, importance_sampling_level=level)
+    objective = GRPOObjective(epsilon=0.2, epsilon_high=epsilon_high, beta=beta, importance_sampling_level=level)
     theirs_in, ours_in = logps.clone().requires_grad_(), logps.clone().requires_grad_()
-    theirs = _trl_loss(theirs_in, old, ref, adv, mask, loss_type, beta, 0.2, epsilon_high, max_completion_length=9,
+    theirs = _trl_loss(theirs_in, old, ref, adv, mask, policy_loss, beta, 0.2, epsilon_high, max_completion_length=9,
                        level=level)
-    ours = _ours(ours_in, old, ref, adv, mask, loss_type, objective, 9)
+    ours = _ours(ours_in, old, ref, adv, mask, policy_loss, objective, 9)
     theirs.backward()
     ours.backward()
     assert abs(ours.item() - theirs.item()) < 1e-6
@@ -102,8 +102,8 @@ def test_loss_and_gradient_equal_trls_on_one_step(loss_type, beta, epsilon_high,
     assert ours_in.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_on_policy_gspo_has_grpos_gradient(loss_type):
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+def test_on_policy_gspo_has_grpos_gradient(policy_loss):
     """With one optimizer step per generation batch every ratio is 1: a sequence's ratio exp(mean log-ratio) has the
     derivative 1/L along each of its L tokens, and every loss type weights a sequence's tokens alike, so GSPO's
     gradient is the token-level one (in TRL's loss as in ours) at beta 0; they part off-policy, and with a KL term
@@ -114,10 +114,10 @@ def test_on_policy_gspo_has_grpos_gradient(loss_type):
         for name, loss in (("trl", _trl_loss), ("ours", None)):
             policy = logps.clone().requires_grad_()
             if loss is None:
-                objective = Objective(epsilon=0.2, epsilon_high=0.28, beta=0.0, importance_sampling_level=level)
-                value = _ours(policy, logps, ref, adv, mask, loss_type, objective, 9)
+                objective = GRPOObjective(epsilon=0.2, epsilon_high=0.28, beta=0.0, importance_sampling_level=level)
+                value = _ours(policy, logps, ref, adv, mask, policy_loss, objective, 9)
             else:
-                value = loss(policy, logps, ref, adv, mask, loss_type, 0.0, 0.2, 0.28, max_completion_length=9,
+                value = loss(policy, logps, ref, adv, mask, policy_loss, 0.0, 0.2, 0.28, max_completion_length=9,
                              level=level)
             value.backward()
             grads[level, name] = policy.grad
@@ -128,27 +128,27 @@ def test_on_policy_gspo_has_grpos_gradient(loss_type):
     off = {}
     for level in ("token", "sequence"):
         policy = logps.clone().requires_grad_()  # epsilon_high 1.2: cispo's cap (a ratio) clips some ratios only
-        objective = Objective(epsilon=0.2, epsilon_high=1.2, beta=0.0, importance_sampling_level=level)
-        _ours(policy, old, ref, adv, mask, loss_type, objective, 9).backward()
+        objective = GRPOObjective(epsilon=0.2, epsilon_high=1.2, beta=0.0, importance_sampling_level=level)
+        _ours(policy, old, ref, adv, mask, policy_loss, objective, 9).backward()
         off[level] = policy.grad
     assert not torch.allclose(off["sequence"], off["token"], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_a_generation_batch_split_into_steps_and_micro_batches_matches_trl(loss_type, level):
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+def test_a_generation_batch_split_into_steps_and_micro_batches_matches_trl(policy_loss, level):
     """A generation batch of 8 completions, micro-batches of 2, 2 of them accumulated per optimizer step (TRL's
     steps_per_generation 4): each optimizer step's loss and gradient, summed over its micro-batches in TRL, equal
     ours, a mean over the step's completions with the weights of the whole generation batch (bnpo: of each
     micro-batch)."""
     logps, old, ref, mask, adv = _fixed_batch()
-    objective = Objective(epsilon=0.2, epsilon_high=0.28, beta=0.04, loss_type=loss_type,
+    objective = GRPOObjective(epsilon=0.2, epsilon_high=0.28, beta=0.04, policy_loss=policy_loss,
                           importance_sampling_level=level)
-    weights = row_weights(mask, loss_type, mask.shape[1], 4, float(mask.sum()), 2, 2).double()
+    weights = row_weights(mask, policy_loss, mask.shape[1], 4, float(mask.sum()), 2, 2).double()
     for step in range(2):
         rows = slice(4 * step, 4 * step + 4)
         theirs_in, ours_in = logps.clone().requires_grad_(), logps.clone().requires_grad_()
-        theirs = sum(_trl_loss(theirs_in[r], old[r], ref[r], adv[r], mask[r], loss_type, 0.04, 0.2, 0.28,
+        theirs = sum(_trl_loss(theirs_in[r], old[r], ref[r], adv[r], mask[r], policy_loss, 0.04, 0.2, 0.28,
                                accumulation=2, steps_per_generation=4, generation_tokens=mask.sum(), level=level)
                      for r in (slice(rows.start, rows.start + 2), slice(rows.start + 2, rows.stop)))
         losses, _ = token_losses(ours_in[rows], old[rows], ref[rows], adv[rows], objective, mask[rows])
@@ -159,17 +159,17 @@ def test_a_generation_batch_split_into_steps_and_micro_batches_matches_trl(loss_
         assert torch.allclose(ours_in.grad, theirs_in.grad, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "cispo"])
-def test_dapo_clamps_the_token_count_before_dividing_by_the_steps(loss_type):
+@pytest.mark.parametrize("policy_loss", ["dapo", "cispo"])
+def test_dapo_clamps_the_token_count_before_dividing_by_the_steps(policy_loss):
     """A generation batch with one completion token over two optimizer steps (every other completion truncated and
     masked): TRL divides by max(tokens, 1) / steps = 0.5, not by max(tokens / steps, 1)."""
     logps, old, ref, mask, adv = _fixed_batch()
     mask = torch.zeros_like(mask)
     mask[1, 0] = 1
-    objective = Objective(epsilon=0.2, epsilon_high=0.28, beta=0.04, loss_type=loss_type)
-    weights = row_weights(mask, loss_type, mask.shape[1], 4, float(mask.sum()), 2, 2).double()
+    objective = GRPOObjective(epsilon=0.2, epsilon_high=0.28, beta=0.04, policy_loss=policy_loss)
+    weights = row_weights(mask, policy_loss, mask.shape[1], 4, float(mask.sum()), 2, 2).double()
     rows = slice(0, 4)
-    theirs = sum(_trl_loss(logps[r], old[r], ref[r], adv[r], mask[r], loss_type, 0.04, 0.2, 0.28, accumulation=2,
+    theirs = sum(_trl_loss(logps[r], old[r], ref[r], adv[r], mask[r], policy_loss, 0.04, 0.2, 0.28, accumulation=2,
                            steps_per_generation=4, generation_tokens=mask.sum()) for r in (slice(0, 2), slice(2, 4)))
     losses, _ = token_losses(logps[rows], old[rows], ref[rows], adv[rows], objective, mask[rows])
     ours = ((losses * mask[rows]).sum(1) * weights[rows]).mean()
@@ -263,7 +263,7 @@ def test_the_loss_gradient_through_the_model_equals_autograd_on_the_formula(tiny
     old = base + 0.2 * torch.randn(base.shape, generator=g) * batch.target_mask
     ref = base + 0.2 * torch.randn(base.shape, generator=g) * batch.target_mask
     adv = torch.tensor([0.7, -1.2])
-    objective = Objective(beta=0.1, epsilon_high=0.28)
+    objective = GRPOObjective(beta=0.1, epsilon_high=0.28)
     weights = row_weights(batch.target_mask, "grpo", 4, 2, 5.0, 1, 2)
     cbatch = dataclasses.replace(batch, nll_weight=weights, advantages=adv, old_logps=old, ref_logps=ref)
     weight = model.model.layers[0].mlp.down_proj.weight

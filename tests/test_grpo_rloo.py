@@ -14,7 +14,7 @@ import torch
 from xgblora.cli import main
 from xgblora.config import GRPOConfig
 from xgblora.distributed import LOCAL
-from xgblora.generation.grpo_objective import Objective, row_weights, token_losses
+from xgblora.generation.grpo_objective import GRPOObjective, row_weights, token_losses
 from xgblora.generation.rewards import Rewards
 from xgblora.generation.rollout import Completions, Rollout
 from xgblora.logs import read_metrics
@@ -54,12 +54,12 @@ def test_loss_and_gradient_equal_trls(epsilon_high):
     gradient, some ratios clipped and some not."""
     logps, old, mask, adv = _fixed_batch()
     cfg = GRPOConfig(train_file="x", advantage_estimator="rloo", epsilon_high=epsilon_high)
-    objective = Objective.of(cfg)
+    objective = GRPOObjective.of(cfg)
     theirs_in, ours_in = logps.clone().requires_grad_(), logps.clone().requires_grad_()
     upper = 0.2 if epsilon_high is None else epsilon_high
     theirs, metrics = _trl_loss(theirs_in, (old * mask).sum(1), adv, mask, 0.2, upper)
     losses, stats = token_losses(ours_in, old, None, adv, objective, mask)
-    weights = row_weights(mask, objective.loss_type, 9, len(mask), float(mask.sum()), 1, len(mask)).double()
+    weights = row_weights(mask, objective.policy_loss, 9, len(mask), float(mask.sum()), 1, len(mask)).double()
     ours = ((losses * mask).sum(1) * weights).mean()
     theirs.backward()
     ours.backward()
@@ -146,14 +146,14 @@ def test_rloo_trains_with_the_kl_in_its_reward(prompts, trainer):
                                num_return_sequences=4, per_device_train_batch_size=8, max_steps=2, logging_steps=1,
                                save_strategy="no", device="cpu", seed=1, output_dir=str(prompts / "out")))
     logged = [r for r in read_metrics(prompts / "out" / "metrics.jsonl") if "loss" in r]
-    assert done["advantage_estimator"] == "rloo" and done["loss_type"] == "rloo" and len(logged) == 2
+    assert done["advantage_estimator"] == "rloo" and done["policy_loss"] == "rloo" and len(logged) == 2
     assert logged[0]["kl"] == 0.0 and logged[-1]["kl"] != 0.0
     assert "clip_ratio" in logged[0]
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--advantage_estimator", "rloo", "--scale_rewards", "batch"], "--scale_rewards 'batch' does nothing here"),
-    (["--advantage_estimator", "rloo", "--loss_type", "grpo"], "--loss_type 'grpo' does nothing here"),
+    (["--advantage_estimator", "rloo", "--loss_type", "grpo"], "--policy_loss 'grpo' does nothing here"),
     (["--normalize_advantages"], "pass --advantage_estimator rloo"),
     (["--advantage_estimator", "rloo", "--reward_clip_range", "1", "0"], "MIN at most MAX"),
     (["--advantage_estimator", "rloo", "--trainer", "zo", "--zo_objective", "reward"], "drop one of them"),

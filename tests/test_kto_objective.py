@@ -1,6 +1,6 @@
 """KTO's loss equals TRL's own code: KTOTrainer._compute_loss, run on a minimal instance whose model returns fixed
 per-token log-probabilities (the rows' and the mismatched KL rows'), against `row_losses`, `kl_estimate` and the
-logged `Statistics` on the same sums: values, gradients and every metric TRL logs."""
+logged `KTOStatistics` on the same sums: values, gradients and every metric TRL logs."""
 
 from collections import defaultdict
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from xgblora.preference.kto import KTOObjective, Statistics, kl_estimate, row_losses, totals
+from xgblora.preference.kto import KTOObjective, KTOStatistics, kl_estimate, row_losses, totals
 
 trl = pytest.importorskip("trl")
 from trl import KTOTrainer  # noqa: E402
@@ -66,7 +66,7 @@ def ours(inputs, objective: KTOObjective):
     kl = kl_estimate(kl_logps, ref_kl).double().clamp(min=0)
     loss = row_losses(objective, logps - ref, labels, kl).mean()
     grad, = torch.autograd.grad(loss, token_lp)
-    statistics = Statistics()
+    statistics = KTOStatistics()
     statistics.add(totals(objective, kl, logps, logps - ref, labels, (mean_logits * mask[:, 1:]).sum(1),
                           mask[:, 1:].sum(1)))
     return loss.detach(), grad, statistics.drain()

@@ -247,11 +247,11 @@ OPTION_CASES = [
      r"and epsilon_high widens the upper side \(DAPO: 0\.28 with 0\.2\); pass at least --epsilon, or leave it unset "
      r"\(= --epsilon\)"),
     ("grpo-cispo-cap-below-1", "grpo", ["--loss_type", "cispo", "--epsilon_high", "0.1", "--epsilon", "0.2"],
-     r"--loss_type cispo caps each token's importance ratio at --epsilon_high: 0\.1 is below 1, the ratio of every "
+     r"--policy_loss cispo caps each token's importance ratio at --epsilon_high: 0\.1 is below 1, the ratio of every "
      r"token of the sampling policy, so it would clip them all; pass --epsilon_high 5 \(ScaleRL's epsilon_max, "
      r"TRL's advice\)"),
     ("grpo-cispo-cap-unset", "grpo", ["--loss_type", "cispo"],
-     r"--loss_type cispo caps each token's importance ratio at --epsilon_high \(unset, it is --epsilon\): 0\.2 is "
+     r"--policy_loss cispo caps each token's importance ratio at --epsilon_high \(unset, it is --epsilon\): 0\.2 is "
      r"below 1, .*"),
     ("dpo-negative-rpo-alpha", "dpo", ["--rpo_alpha", "-1"],
      r"--rpo_alpha must be positive \(the weight of the chosen completions' NLL; leave it unset for none\), got -1\.0"),

@@ -171,10 +171,11 @@ def test_reranking_equals_sentence_transformers_evaluator(cross_encoder, always_
     """Samples of positives and negatives, and samples of a first stage's ranked documents (relevant ones missing
     from it, none in it, several in it): the figures after and before (base_) reranking."""
     passages = [f"{t} is {k} times fine." for t in TOPICS for k in range(2)]
-    samples = [reranking.Sample(f"what about {t}?", tuple(passages[i:i + 1 + i % 2]), tuple(passages[i + 5:i + 9]))
+    samples = [reranking.RerankSample(f"what about {t}?", tuple(passages[i:i + 1 + i % 2]),
+                                      tuple(passages[i + 5:i + 9]))
                for i, t in enumerate(TOPICS[:5])]
-    ranked = [reranking.Sample(f"and {t}?", tuple(passages[i:i + 2]),
-                               tuple(passages[i + 1:i + 6] if i % 3 else passages[i + 3:i + 9]), ranked=True)
+    ranked = [reranking.RerankSample(f"and {t}?", tuple(passages[i:i + 2]),
+                                     tuple(passages[i + 1:i + 6] if i % 3 else passages[i + 3:i + 9]), ranked=True)
               for i, t in enumerate(TOPICS[:6])]
     for group in (samples, ranked):
         st = CrossEncoderRerankingEvaluator(

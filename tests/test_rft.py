@@ -281,7 +281,7 @@ def test_rft_temperature_is_the_sampling_one_and_greedy_is_allowed(capsys):
                                       "--num_return_sequences", "1"])
     cfg = from_namespace(RFTConfig, args, RFT_DEFAULTS)
     assert cfg.temperature == 0.0 and not hasattr(cfg, "contrastive_temperature")  # rft embeds nothing
-    train = build_parser().parse_args(["train", "--objective", "contrastive", "--temperature", "0.1"])
+    train = build_parser().parse_args(["train", "--objective", "contrastive", "--contrastive_temperature", "0.1"])
     assert from_namespace(Config, train).contrastive_temperature == 0.1
     assert Config(objective="grit", grit_train_file="sft.jsonl").similarity_temperature == 0.02
     assert Config(objective="contrastive").similarity_temperature == 0.05

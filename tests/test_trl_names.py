@@ -18,7 +18,7 @@ COMMANDS = {"SFTConfig": Config, "DPOConfig": DPOConfig, "GRPOConfig": GRPOConfi
 
 
 def _xgblora_names(cls: type) -> set[str]:
-    return {name for f in dataclasses.fields(cls) for name in (f.name, *parsing._aliases(cls, f))}
+    return {name for f in dataclasses.fields(cls) for name in (f.name, *parsing._aliases(f))}
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,7 @@ EVAL_DEFAULTS = {"num_train": 0}
 MEZO_DEFAULTS = {"num_train": 0, "trainer": "none", "result_file": "auto"}
 # RFT samples 8 answers per question at temperature 0.7 (the seed workflow's oversampling, a little below it) and
 # trains LoRA adapters on the user's own data.
-RFT_DEFAULTS = {"method": "lora", "learning_rate": 2e-4, "num_return_sequences": 8,
-                "temperature": 0.7, "max_new_tokens": 256}
+RFT_DEFAULTS = {"method": "lora", "learning_rate": 2e-4, "num_return_sequences": 8, "temperature": 0.7}
 # GRPO trains a LoRA adapter by default, at a learning rate for adapters (TRL's 1e-6 is for full fine-tuning).
 GRPO_DEFAULTS = {"method": "lora", "learning_rate": 1e-5}
 # DPO trains a LoRA adapter by default, at a learning rate for adapters (TRL's 1e-6 is for full fine-tuning), on

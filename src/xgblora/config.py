@@ -31,6 +31,7 @@ from xgblora.checks import (
 from xgblora.errors import UserError
 from xgblora.options import (
     GROUPS,
+    MEZO_MAX_NEW_TOKENS,
     MEZO_NUM_TRAIN,
     MIN_BOOSTER_STEPS,
     PAPER_NORM_PENALTY,
@@ -42,6 +43,7 @@ from xgblora.options import (
     BatchOptions,
     BoostingOptions,
     ClassificationOptions,
+    CompletionOptions,
     ComputeOptions,
     ContrastiveOptions,
     EmbeddingOptions,
@@ -71,6 +73,7 @@ from xgblora.options import (
     ZOOptions,
     _opt,
     check_device_name,
+    redefault,
 )
 from xgblora.trackers import parse_report_to
 
@@ -107,7 +110,6 @@ def check_task(cfg: TaskOptions) -> None:
         if getattr(cfg, flag) is not None and getattr(cfg, flag) < 0:
             raise UserError(f"--{flag} must be 0 or more, got {getattr(cfg, flag)}")
     check_seeds(cfg, "train_set_seed")
-    check_positive(cfg, "max_new_tokens")
 
 
 def check_run(cfg: RunOptions) -> None:
@@ -362,17 +364,19 @@ class TrainerConfig(OutputOptions, RunOptions, TrainingOptions):
 @dataclass(frozen=True)
 class TaskTrainingOptions(BatchOptions, ZOHeadOptions, NextTokenOptions, InstructionOptions, RerankOptions,
                           GritOptions, ContrastiveOptions, SupervisedOptions, SplitOptions, EmbeddingOptions,
-                          HeadOptions, ClassificationOptions, TaskOptions, TrainingOptions):
+                          HeadOptions, ClassificationOptions, CompletionOptions, TaskOptions, TrainingOptions):
     """Training on a task's examples (MeZO's tasks, custom classification or instruction data, embedding pairs):
     the training options with the task, the head, the embedding objective, the dev split, instruction SFT and
     batching, and the rules among them (train, mezo and compare)."""
+
+    max_new_tokens: int = redefault(CompletionOptions, "max_new_tokens", MEZO_MAX_NEW_TOKENS)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._resolve_task()
         check_task(self)
         check_positive(self, "head_learning_rate", "head_probe_l2", "contrastive_temperature",
-                       "grit_generative_batch_size")
+                       "grit_generative_batch_size", "max_new_tokens")
         if self.rerank_num_negatives < -1:
             raise UserError(f"--rerank_num_negatives must be 0 or more (-1: every passage of the batch's other rows), "
                             f"got {self.rerank_num_negatives}")
@@ -502,9 +506,12 @@ class CompareConfig(TaskTrainingOptions):
 
 @dataclass(frozen=True)
 class EvalConfig(ResultFileOptions, OutputOptions, RunOptions, ComputeOptions, RerankEvalOptions, RetrievalOptions,
-                 EmbeddingOptions, HeadOptions, ClassificationOptions, TaskOptions, InputOptions, ModelOptions):
+                 EmbeddingOptions, HeadOptions, ClassificationOptions, CompletionOptions, TaskOptions, InputOptions,
+                 ModelOptions):
     """Options of `xgblora eval`: a model (a trained run's too), the task and its rows or BEIR files, the head or
     embedding that scores them, the numerics, the seed and the run folder; nothing trains."""
+
+    max_new_tokens: int = redefault(CompletionOptions, "max_new_tokens", MEZO_MAX_NEW_TOKENS)
 
     def __post_init__(self) -> None:
         self.resolve_gguf_file()
@@ -515,7 +522,7 @@ class EvalConfig(ResultFileOptions, OutputOptions, RunOptions, ComputeOptions, R
         check_input(self)
         check_task(self)
         check_run(self)
-        check_positive(self, "per_device_eval_batch_size", "max_length")
+        check_positive(self, "per_device_eval_batch_size", "max_length", "max_new_tokens")
         check_output_paths(self)
         check_reranking(self)
 
@@ -532,13 +539,12 @@ class EvalConfig(ResultFileOptions, OutputOptions, RunOptions, ComputeOptions, R
 # ----------------------------------------------------------------------------- a model that samples
 
 @dataclass(frozen=True)
-class SamplerConfig(SamplingOptions, ModelOptions):
+class SamplerConfig(SamplingOptions, CompletionOptions, ModelOptions):
     """A model that samples replies: the model, how it samples, the conversation's template (chat, generate)."""
 
     model_name: str = _opt("tiny-llama-chat", "A base model (hub id, folder, pkg:, built-in), a merged model, a PEFT adapter folder, or an xgblora run directory.")
     chat_template: str | None = _opt(None, "A Jinja chat template file, replacing the tokenizer's.")
     system_prompt: str | None = _opt(None, "A system turn before the conversation.")
-    max_new_tokens: int = _opt(256, "Most tokens per completion.")
     max_length: int = _opt(4096, "Longest prompt in tokens; longer ones are cut from the left.")
     seed: int = _opt(0, "Seed of the sampling (the same seed gives the same completions, also after a resume).")
 
@@ -581,13 +587,13 @@ class GenerateConfig(SamplerConfig):
 # ----------------------------------------------------------------------------- sampling and reinforcement
 
 @dataclass(frozen=True)
-class RFTConfig(SamplingOptions, BatchOptions, NextTokenOptions, InstructionOptions, RunOptions, TrainingOptions):
+class RFTConfig(SamplingOptions, CompletionOptions, BatchOptions, NextTokenOptions, InstructionOptions, RunOptions,
+                TrainingOptions):
     """Options of `xgblora rft`: the training options of every round (an `xgblora train` run on instruction rows:
     training_config) plus sampling and verification. --train_file holds the questions with their reference answers, --eval_file the held-out ones."""
 
     num_return_sequences: int = _opt(1, "Completions per prompt (each prompt runs once; its KV cache is shared by them).",
                                      aliases=("num_samples",))
-    max_new_tokens: int = _opt(50, "Most tokens per completion.")
     rounds: int = _opt(1, "Rounds of sample -> verify -> train -> evaluate; each samples from and trains on the last round's model.")
     sampler_model: str | None = _opt(None, "A model (e.g. a larger one) that samples every round, instead of the model being trained.")
     keep_per_prompt: int | None = _opt(None, "Most correct, distinct completions kept per question (default: all, as RFT's reference keeps them).")
@@ -622,14 +628,12 @@ class RFTConfig(SamplingOptions, BatchOptions, NextTokenOptions, InstructionOpti
 
 
 @dataclass(frozen=True)
-class GRPOConfig(RLOOOptions, SamplingOptions, TrainerConfig):
+class GRPOConfig(RLOOOptions, SamplingOptions, CompletionOptions, TrainerConfig):
     """Options of `xgblora grpo`: the Trainer's options (method, trainer, optimiser, checkpoints) plus GRPO's, under TRL's
     GRPOConfig names where TRL has them. --train_file holds the prompts, --eval_file the held-out ones (pass@1)."""
 
     num_return_sequences: int = _opt(8, "Completions per prompt, G (TRL's num_generations): each prompt runs once and its KV cache is shared by them.",
                                      aliases=("num_generations", "num_samples"))
-    max_new_tokens: int = _opt(256, "Most tokens per completion (TRL's max_completion_length; dr_grpo's normaliser).",
-                               aliases=("max_completion_length",))
     temperature: float = _opt(1.0, "Sampling temperature (the log-probabilities of the loss are taken at it too, as TRL does).")
     reward_funcs: list[str] | None = _opt(None, "Reward functions: gsm8k, math, answer_tags, regex:PATTERN (1 if the answer is right), format:<one of those> (1 if there is an answer), module:function. Default: gsm8k, or none beside --reward_model.")
     reward_model: str | None = _opt(None, "A reward model that scores each prompt + completion, as TRL's GRPOTrainer does (its first output on the chat template's text): a sequence classifier with one output, e.g. an xgblora reward run (its folder, final/ or a merged export), a model folder or hub id; it comes before --reward_funcs, in --reward_weights too.",
@@ -640,9 +644,9 @@ class GRPOConfig(RLOOOptions, SamplingOptions, TrainerConfig):
     answer_tolerance: float = _opt(1e-6, "Correctness rewards: numbers agree within this relative tolerance.")
     beta: float = _opt(0.0, "KL coefficient to the reference policy, the model as it started, 0 or more (0, TRL's default: no reference pass).")
     epsilon: float = _opt(0.2, "Clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high].")
-    epsilon_high: float | None = _opt(None, "Upper clipping epsilon, at least --epsilon (default: epsilon; DAPO uses 0.28); under --loss_type cispo the cap of the ratio itself, at least 1 (ScaleRL's epsilon_max: 5).")
-    loss_type: str = _opt("dapo", "How token losses add up: grpo, bnpo, dr_grpo, dapo (TRL's: the mean over the generation batch's tokens) or cispo (MiniMax-M1; needs --epsilon_high, about 5).",
-                          ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"))
+    epsilon_high: float | None = _opt(None, "Upper clipping epsilon, at least --epsilon (default: epsilon; DAPO uses 0.28); under --policy_loss cispo the cap of the ratio itself, at least 1 (ScaleRL's epsilon_max: 5).")
+    policy_loss: str = _opt("dapo", "The policy-gradient loss, TRL's loss_type: how token losses add up, grpo, bnpo, dr_grpo, dapo (TRL's: the mean over the generation batch's tokens), or cispo (MiniMax-M1; needs --epsilon_high, about 5).",
+                            ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"), aliases=("loss_type",))
     importance_sampling_level: str = _opt("token", "Importance ratios per token, or one per completion from its tokens' mean log-ratio (sequence: GSPO).",
                                           ("token", "sequence"))
     scale_rewards: str = _opt("group", "Advantages are rewards minus their group's mean, divided by the std of the group, of the batch, or not at all (none; Dr. GRPO).",
@@ -715,11 +719,11 @@ class GRPOConfig(RLOOOptions, SamplingOptions, TrainerConfig):
             raise UserError(f"--beta must be 0 (no KL term) or more, got {self.beta}")
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise UserError("--epsilon and --epsilon_high must be 0 or more")
-        if self.loss_type == "cispo":
+        if self.policy_loss == "cispo":
             cap = self.epsilon if self.epsilon_high is None else self.epsilon_high
             if cap < 1:  # TRL's default (epsilon_high = epsilon = 0.2) included: it only scales the gradient down
                 unset = " (unset, it is --epsilon)" if self.epsilon_high is None else ""
-                raise UserError(f"--loss_type cispo caps each token's importance ratio at --epsilon_high{unset}: "
+                raise UserError(f"--policy_loss cispo caps each token's importance ratio at --epsilon_high{unset}: "
                                 f"{cap} is below 1, the ratio of every token of the sampling policy, so it would clip "
                                 f"them all; pass --epsilon_high 5 (ScaleRL's epsilon_max, TRL's advice)")
         elif self.epsilon_high is not None and self.epsilon_high < self.epsilon:
@@ -790,7 +794,7 @@ DPO_POLICY_ONLY = ("simpo", "orpo", "sft")  # the loss types that read no refere
 
 
 @dataclass(frozen=True)
-class DPOConfig(BatchOptions, TrainerConfig):
+class DPOConfig(CompletionOptions, BatchOptions, TrainerConfig):
     """Options of `xgblora dpo`: the Trainer's options (method, trainer, optimiser, checkpoints) plus preference
     training's, under TRL's DPOConfig names (CPOConfig's simpo_gamma). --train_file holds the pairs, --eval_file
     held-out ones (reward accuracy)."""
@@ -807,7 +811,6 @@ class DPOConfig(BatchOptions, TrainerConfig):
     precompute_ref_batch_size: int | None = _opt(None, "Pairs per forward while precomputing (default: per_device_eval_batch_size).")
     disable_dropout: bool = _opt(True, "Training forwards without the model's dropout (TRL's default), so the policy scores a pair as the reference does and the first step's loss is log 2; false keeps the model's dropout (--trainer zo never applies it).")
     verifier: str | None = _opt(None, "Also score one greedy completion of each --eval_file prompt against its row's reference field: gsm8k, math, answer_tags, regex:PATTERN or module:function; eval_pass@1.")
-    max_new_tokens: int = _opt(256, "--verifier: most tokens per greedy completion.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -955,7 +958,7 @@ IGNORED = (
             "an AdamW/back-propagation option; --trainer zo runs forward passes only"),
     Ignored(("disable_dropout",), MethodOptions, lambda c: c.trainers_used == {"zo"},
             "--trainer zo's forwards never apply the model's dropout"),
-    Ignored(("scale_rewards", "loss_type", "importance_sampling_level", "multi_objective_aggregation",
+    Ignored(("scale_rewards", "policy_loss", "importance_sampling_level", "multi_objective_aggregation",
              "use_bias_correction_kl"), RLOOOptions, lambda c: c.advantage_estimator == "rloo",
             "a GRPO option; --advantage_estimator rloo takes TRL's RLOOTrainer's advantages and loss (its "
             "--normalize_advantages scales the advantages)"),
@@ -1001,9 +1004,11 @@ def groups_of(cls: type) -> tuple[type, ...]:
 
 def own_options(cls: type) -> list[str]:
     """The fields cls and its bases other than the groups declare themselves (a command's own options), in the
-    order they are declared, the most derived class first."""
+    order they are declared, the most derived class first; an option of one of its groups given another default
+    (`redefault`) stays its group's."""
+    grouped = {f.name for group in groups_of(cls) for f in dataclasses.fields(group)}
     names = [name for c in cls.__mro__ if dataclasses.is_dataclass(c) and c not in GROUPS
-             for name in vars(c).get("__annotations__", {})]
+             for name in vars(c).get("__annotations__", {}) if name not in grouped]
     return list(dict.fromkeys(names))
 
 

@@ -5,7 +5,7 @@ its parser shows those only; the rules that span groups live with the command cl
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,8 @@ from xgblora.errors import UserError
 PAPER_NORM_PENALTY = 1e-3
 # MeZO's protocol draws 1000 training examples from a task's train split; a user's own data uses every row.
 MEZO_NUM_TRAIN = 1000
+# ... and generates at most 50 tokens for a generation task's answer (SQuAD, DROP)
+MEZO_MAX_NEW_TOKENS = 50
 # Boosters per run when neither --xgblora_num_boosters nor --xgblora_steps_per_iteration is given, per preset. plain
 # (the default) is the measured best: more boosters on every layer beat the paper's third of the layers at equal
 # steps where rank limits and on SmolLM2, and tie on MiniLM SST-2 (BENCHMARKS.md, "XGBLoRA's preset").
@@ -42,10 +44,19 @@ def check_device_name(name: str) -> None:
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
-    meta = {"help": help, "choices": choices, "aliases": aliases}
+    return _field(default, {"help": help, "choices": choices, "aliases": aliases})
+
+
+def _field(default: Any, meta: Any) -> Any:
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def redefault(group: type, name: str, default: Any) -> Any:
+    """The option `name` of `group` (its help, choices and aliases: declared once) with a command's own default."""
+    declared = next(f for f in fields(group) if f.name == name)
+    return _field(default, declared.metadata)
 
 
 @dataclass(frozen=True)
@@ -106,7 +117,6 @@ class TaskOptions:
     num_train: int | None = _opt(None, "Training examples drawn from the train split (demonstrations when --trainer none). Default: every row of your own data; 1000 for MeZO's tasks.")
     num_eval: int | None = _opt(None, "Evaluation examples drawn from the validation split (all when unset).")
     train_set_seed: int = _opt(0, "Seed of the train/dev sampling.")
-    max_new_tokens: int = _opt(50, "Generation tasks: most tokens to generate.")
 
     @property
     def own_data(self) -> bool:
@@ -228,8 +238,7 @@ class ContrastiveOptions:
     """Contrastive and GRIT training of an embedding model: temperature, loss, gradient caching, Matryoshka sizes,
     length-sorted pieces."""
 
-    contrastive_temperature: float | None = _opt(None, "Contrastive/GRIT: softmax temperature of the cosine similarities. Default: 0.02 for grit (GritLM's), 0.05 for contrastive (sentence-transformers' scale 20).",
-                                                 aliases=("temperature",))
+    contrastive_temperature: float | None = _opt(None, "Contrastive/GRIT: softmax temperature of the cosine similarities. Default: 0.02 for grit (GritLM's), 0.05 for contrastive (sentence-transformers' scale 20).")
     contrastive_loss: str = _opt("infonce", "Contrastive: infonce (sentence-transformers' MultipleNegativesRankingLoss) or symmetric (also each positive against all queries: its Symmetric variant).",
                                  ("infonce", "symmetric"))
     learnable_temperature: bool = _opt(False, "Contrastive: learn the temperature (as CLIP does, its log-scale trained by AdamW from --contrastive_temperature).")
@@ -443,6 +452,14 @@ class LoopOptions:
 
 
 @dataclass(frozen=True)
+class CompletionOptions:
+    """How long a generated completion may grow."""
+
+    max_new_tokens: int = _opt(256, "Most tokens per generated completion: a chat reply or a sampled answer (rft; grpo, TRL's max_completion_length and dr_grpo's normaliser), a greedy answer checked by dpo's --verifier, a generation task's answer or an instruction's dev generation (train, eval: MeZO's 50).",
+                               aliases=("max_completion_length",))
+
+
+@dataclass(frozen=True)
 class SamplingOptions:
     """How completions are drawn (the sampler of chat, generate, RFT and GRPO; see models/sampler.py)."""
 
@@ -469,4 +486,4 @@ GROUPS = (ModelOptions, InputOptions, TaskOptions, ClassificationOptions, HeadOp
           RerankOptions, InstructionOptions, NextTokenOptions, MemoryOptions, MethodOptions, AdapterOptions,
           BoostingOptions, AdaptiveBoostingOptions, OptimizerOptions, MomentumOptions, AdamWOptions, ZOOptions,
           ZOHeadOptions, ComputeOptions, BatchOptions, RunOptions, OutputOptions, ResultFileOptions, LoopOptions,
-          SamplingOptions, RLOOOptions)
+          CompletionOptions, SamplingOptions, RLOOOptions)

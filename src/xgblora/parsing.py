@@ -65,11 +65,9 @@ def _converter(base: type, optional: bool):
     return parse
 
 
-def _aliases(cls: type, f: dataclasses.Field) -> tuple[str, ...]:
-    """A field's other names, less those that are a field of the class themselves (`xgblora rft --temperature` is
-    the sampling temperature; in `xgblora train` it names --contrastive_temperature)."""
-    names = {other.name for other in dataclasses.fields(cls)}
-    return tuple(a for a in f.metadata.get("aliases", ()) if a not in names)
+def _aliases(f: dataclasses.Field) -> tuple[str, ...]:
+    """A field's other names (MeZO's, the fork's or TRL's spellings of the option)."""
+    return tuple(f.metadata.get("aliases", ()))
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, defaults: dict[str, Any] | None = None) -> None:
@@ -92,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, defaults: dict[str
 def _add_flag(parser: Any, cls: type, f: dataclasses.Field, default: Any) -> None:
     base, optional, is_list = _field_type(cls, f)
     names = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
-    for alias in _aliases(cls, f):
+    for alias in _aliases(f):
         names |= {f"--{alias}", f"--{alias.replace('_', '-')}"}
     text = f.metadata.get("help", "")
     if default is not None or "default" not in text.lower():  # else the help says what unset means
@@ -163,7 +161,7 @@ def read_yaml(cls: type, path: str, command: str = "") -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    aliases = {a: f.name for f in fields.values() for a in _aliases(cls, f)}
+    aliases = {a: f.name for f in fields.values() for a in _aliases(f)}
     trl = trl_names.table_for(cls)
     values: dict[str, Any] = {}
     keys: dict[str, Any] = {}

@@ -369,7 +369,7 @@ GRPO: dict[str, Entry] = {
     "use_transformers_paged": Ignorable("xgblora samples with its own shared-prefix sampler"),
     "train_sampling_strategy": _sampling(None),
     "scale_rewards": Mapped(("scale_rewards",), _scale_rewards),
-    "average_tokens_across_devices": Ignorable("loss_type sets how tokens count over processes", (True, False)),
+    "average_tokens_across_devices": Ignorable("policy_loss sets how tokens count over processes", (True, False)),
     "torch_compile": Refused("xgblora grpo runs its loss uncompiled", (False,)),
     "label_names": Refused(LABEL_KEYS),
 }

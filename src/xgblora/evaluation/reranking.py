@@ -28,7 +28,7 @@ Scorer = Callable[[Sequence[tuple[str, str]]], np.ndarray]  # (query, document) 
 
 
 @dataclass(frozen=True)
-class Sample:
+class RerankSample:
     """A query, its relevant documents and the documents ranked for it: its negatives (`ranked` false), or a first
     stage's ranking, best first (`ranked` true; it may hold relevant documents and miss some)."""
 
@@ -76,7 +76,7 @@ def figures(relevant: Sequence[int], scores: np.ndarray) -> tuple[float, float, 
     return mrr(gains, scores), ndcg(gains, scores), average_precision(gains, scores)
 
 
-def rerank(samples: Sequence[Sample], score: Scorer, always_rerank_positives: bool = True) -> dict[str, float]:
+def rerank(samples: Sequence[RerankSample], score: Scorer, always_rerank_positives: bool = True) -> dict[str, float]:
     """The evaluator's figures of the samples (map, mrr@10, ndcg@10; base_* where the samples are a first stage's
     rankings): the documents of every sample scored in one call of `score`. always_rerank_positives: a ranked
     sample's relevant documents are all scored, those the first stage missed too."""
@@ -101,7 +101,7 @@ def rerank(samples: Sequence[Sample], score: Scorer, always_rerank_positives: bo
     return {**out, **_means(base, "base_")} if base else out
 
 
-def _base_figures(sample: Sample) -> tuple[float, float, float]:
+def _base_figures(sample: RerankSample) -> tuple[float, float, float]:
     """The first stage's figures: its ranking, the relevant documents it missed after it."""
     relevant = [int(d in sample.positives) for d in sample.documents]
     if not any(relevant):
@@ -116,7 +116,7 @@ def _means(each: Sequence[tuple[float, float, float]], prefix: str) -> dict[str,
             f"{prefix}ndcg@{AT_K}": float(values[1])}
 
 
-def samples_of(examples: Sequence[Example]) -> list[Sample]:
+def samples_of(examples: Sequence[Example]) -> list[RerankSample]:
     """Reranker rows grouped by query: its passages labelled above 0 are relevant, the others its negatives (a
     passage given twice counted once, relevant where any row says so)."""
     labels: dict[str, dict[str, float]] = {}
@@ -124,7 +124,8 @@ def samples_of(examples: Sequence[Example]) -> list[Sample]:
         passages = labels.setdefault(ex.prompt, {})
         for passage, label in zip(ex.candidates, ex.labels, strict=True):
             passages[passage] = max(label, passages.get(passage, label))
-    return [Sample(query, tuple(p for p, x in passages.items() if x > 0), tuple(p for p, x in passages.items() if x <= 0))
+    return [RerankSample(query, tuple(p for p, x in passages.items() if x > 0),
+                         tuple(p for p, x in passages.items() if x <= 0))
             for query, passages in labels.items()]
 
 

@@ -21,7 +21,7 @@ from xgblora.data.order import BatchStream
 from xgblora.distributed import Distributed
 from xgblora.errors import UserError
 from xgblora.generation.generate import Prompts, sampling_params
-from xgblora.generation.grpo_objective import CompletionBatch, Objective, row_weights
+from xgblora.generation.grpo_objective import CompletionBatch, GRPOObjective, row_weights
 from xgblora.generation.rollout import Completions, Rollout
 from xgblora.optim.zo_estimators import spreads_members
 
@@ -170,7 +170,7 @@ class Generations:
         # off by default as there); sampling always runs without dropout
         self.dropout = not cfg.disable_dropout
         self.cfg, self.plan, self.rollout, self.prompts, self.dist = cfg, plan, rollout, prompts, dist
-        self.loss_type = Objective.of(cfg).loss_type  # how token losses add up (RLOO: each completion once)
+        self.policy_loss = GRPOObjective.of(cfg).policy_loss  # how token losses add up (RLOO: each completion once)
         # --zo_es_spread members: every process samples all of a step's prompts, with one seed, for its members
         self.members_spread = spreads_members(cfg, cfg.trainer)
         self.max_steps = cfg.max_steps if cfg.max_steps > 0 else self.plan.cycle * max(
@@ -249,7 +249,7 @@ class Generations:
         batch = batch.rows((groups[:, None] * plan.group + torch.arange(plan.group)).flatten())
         # dapo and cispo divide by the generation batch's tokens on all ranks
         tokens_everywhere = float(rollout.gathered(batch.target_mask.sum(1, keepdim=True))[0].sum())
-        weights = row_weights(batch.target_mask.cpu(), self.loss_type, cfg.max_new_tokens, plan.step,
+        weights = row_weights(batch.target_mask.cpu(), self.policy_loss, cfg.max_new_tokens, plan.step,
                               tokens_everywhere, plan.steps_per_generation * self.dist.world_size,
                               cfg.per_device_train_batch_size)
         self.buffer.generations += 1

@@ -44,8 +44,8 @@ from xgblora.config import GRPOConfig
 from xgblora.data.batches import TokenBatch
 from xgblora.models.scoring import completion_scores
 
-# what row_weights knows (GRPOConfig's --loss_type choices, pinned to it by a test)
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+# what row_weights knows (GRPOConfig's --policy_loss choices, pinned to it by a test)
+POLICY_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 STD_EPS = 1e-4  # TRL's: A = (r - mean) / (std + 1e-4)
 
 
@@ -102,7 +102,7 @@ def normalized_sum(per_function: Tensor, weights: Tensor, group_size: int) -> Te
     return total.masked_fill(torch.isnan(per_function).all(dim=1), math.nan)
 
 
-def row_weights(completion_mask: Tensor, loss_type: str, max_completion_length: int, rows_per_step: int,
+def row_weights(completion_mask: Tensor, policy_loss: str, max_completion_length: int, rows_per_step: int,
                 generation_tokens: float, steps: int, micro_batch: int) -> Tensor:
     """Each completion's weight w_i [n], so that an optimizer step's loss is the mean over its rows_per_step
     completions of w_i sum_t l_it m_it (module docstring). The rows are in training order: bnpo's micro-batches
@@ -111,20 +111,20 @@ def row_weights(completion_mask: Tensor, loss_type: str, max_completion_length: 
     with rows_per_step a process's rows, so that the mean over processes is the one-process loss)."""
     n = completion_mask.shape[0]
     tokens = completion_mask.sum(1).float()
-    if loss_type == "grpo":
+    if policy_loss == "grpo":
         return 1.0 / tokens.clamp(min=1)
-    if loss_type == "bnpo":
+    if policy_loss == "bnpo":
         per_micro_batch = tokens.view(-1, micro_batch).sum(1).clamp(min=1)
         return (micro_batch / per_micro_batch).repeat_interleave(micro_batch)
-    if loss_type == "dr_grpo":
+    if policy_loss == "dr_grpo":
         return torch.full((n,), 1.0 / max_completion_length)
-    if loss_type in ("dapo", "cispo"):
+    if policy_loss in ("dapo", "cispo"):
         return torch.full((n,), rows_per_step * steps / max(generation_tokens, 1.0))
-    raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+    raise ValueError(f"policy_loss must be one of {', '.join(POLICY_LOSSES)}, got {policy_loss!r}")
 
 
 @dataclass(frozen=True)
-class Objective:
+class GRPOObjective:
     """The options of the clipped surrogate (TRL's names); `estimator` rloo: TRL's RLOOTrainer's loss (one ratio per
     completion, of its whole probability; see the module docstring)."""
 
@@ -132,17 +132,17 @@ class Objective:
     epsilon_high: float | None = None
     beta: float = 0.0
     bias_correction_kl: bool = True
-    loss_type: str = "dapo"
+    policy_loss: str = "dapo"
     importance_sampling_level: str = "token"
     estimator: str = "grpo"
 
     @classmethod
-    def of(cls, cfg: GRPOConfig) -> Objective:
+    def of(cls, cfg: GRPOConfig) -> GRPOObjective:
         """The loss of a run: GRPO's options, or under --advantage_estimator rloo RLOO's, whose completions weigh
         once each in the mean (`grpo` weights) and whose KL is in the reward, not in the loss."""
         if cfg.advantage_estimator == "rloo":
-            return cls(cfg.epsilon, cfg.epsilon_high, loss_type="grpo", estimator="rloo")
-        return cls(cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.use_bias_correction_kl, cfg.loss_type,
+            return cls(cfg.epsilon, cfg.epsilon_high, policy_loss="grpo", estimator="rloo")
+        return cls(cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.use_bias_correction_kl, cfg.policy_loss,
                    cfg.importance_sampling_level)
 
     @property
@@ -152,7 +152,7 @@ class Objective:
 
 
 def token_losses(logps: Tensor, old_logps: Tensor, ref_logps: Tensor | None, advantage: Tensor,
-                 objective: Objective, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+                 objective: GRPOObjective, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """l_it of every token [n, k] and the per-token statistics (ratio clipped low/high, KL) for the logs; mask
     [n, k] marks the completion tokens (a sequence-level ratio is their mean)."""
     log_ratio = logps - old_logps
@@ -162,7 +162,7 @@ def token_losses(logps: Tensor, old_logps: Tensor, ref_logps: Tensor | None, adv
         log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1)
     ratio = torch.exp(log_ratio)
     a = advantage.unsqueeze(1)
-    if objective.loss_type == "cispo":
+    if objective.policy_loss == "cispo":
         loss = -torch.clamp(ratio, max=objective.upper).detach() * a * logps
         stats = {"cispo_clip_ratio": ((ratio > objective.upper) & (a > 0)).float()}
     else:
@@ -247,7 +247,7 @@ def _prompts(batch: CompletionBatch, lengths: Tensor) -> tuple[Tensor, Tensor, T
     return batch.input_ids[owner].gather(1, columns.clamp(min=0)), mask, row_prompt
 
 
-class Statistics:
+class GRPOStatistics:
     """Token-weighted sums of what the loss saw since the last drain: clipped fractions, KL, entropy."""
 
     def __init__(self) -> None:
@@ -274,11 +274,11 @@ class Statistics:
 class GRPOLoss:
     """loss_fn(batch) -> [rows]: each completion's w_i sum_t l_it m_it, for the steppers (AdamW and MeZO)."""
 
-    def __init__(self, model: nn.Module, objective: Objective, temperature: float,
+    def __init__(self, model: nn.Module, objective: GRPOObjective, temperature: float,
                  autocast: torch.dtype | None = None, fused: bool = True):
         self.model, self.objective, self.temperature, self.autocast = model, objective, temperature, autocast
         self.fused = fused
-        self.statistics = Statistics()
+        self.statistics = GRPOStatistics()
 
     def __call__(self, batch: CompletionBatch) -> Tensor:
         device = batch.input_ids.device

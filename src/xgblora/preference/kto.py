@@ -78,7 +78,7 @@ def totals(obj: KTOObjective, kl: Tensor, logps: Tensor, log_ratios: Tensor, lab
     return torch.stack([p.float() for p in parts])
 
 
-class Statistics:
+class KTOStatistics:
     """TRL's logged KTO metrics: each forward's values from its `totals` (a label's means where the forward had rows
     of it), averaged over the forwards since the last drain, as TRL averages each batch's; summed on the device."""
 
@@ -128,7 +128,7 @@ class KTOLoss:
     def __init__(self, objective: KTOObjective, reference: Callable[[], AbstractContextManager] | None = None,
                  fused: bool = True, dist: Distributed | None = None):
         self.objective, self.reference, self.fused, self.dist = objective, reference, fused, dist
-        self.statistics = Statistics()
+        self.statistics = KTOStatistics()
 
     def __call__(self, model: nn.Module, batch: PreferenceBatch) -> Tensor:
         halves, n = batch.halves, batch.n_examples

@@ -34,7 +34,7 @@ def pair_losses(chosen: Tensor, rejected: Tensor, margin: Tensor | None, center:
     return losses if center is None else losses + center * (chosen + rejected) ** 2
 
 
-class Statistics:
+class RewardStatistics:
     """TRL's logged reward-model metrics, summed on the device since the last drain (one host sync per drain):
     accuracy and margin per pair, mean_reward per sequence, min_reward and max_reward per forward (TRL averages
     each forward's extremes)."""
@@ -67,7 +67,7 @@ class RewardLoss:
 
     def __init__(self, center_rewards_coefficient: float | None = None):
         self.center = center_rewards_coefficient
-        self.statistics = Statistics()
+        self.statistics = RewardStatistics()
 
     def __call__(self, model: nn.Module, batch: RewardBatch) -> Tensor:
         rewards = sequence_rewards(model, batch)

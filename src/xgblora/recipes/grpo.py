@@ -49,7 +49,7 @@ from xgblora.distributed import LOCAL, Distributed
 from xgblora.errors import UserError
 from xgblora.generation.generate import Prompts, read_prompts, sampling_params
 from xgblora.generation.grpo_batches import Generations, Plan, PolicyReward
-from xgblora.generation.grpo_objective import GRPOLoss, Objective
+from xgblora.generation.grpo_objective import GRPOLoss, GRPOObjective
 from xgblora.generation.rewards import RewardModel, Rewards, load_reward_model
 from xgblora.generation.rollout import Completions, Rollout
 from xgblora.models import pretrained
@@ -76,8 +76,8 @@ def _recipe(cfg: GRPOConfig, dist: Distributed) -> Prepared:
     def results() -> dict[str, Any]:
         after = run.evaluate(run.model, run.monitor)[0] if run.monitor else {}
         estimator = run.cfg.advantage_estimator
-        return {"advantage_estimator": estimator, "loss_type": run.cfg.loss_type if estimator == "grpo" else "rloo",
-                "num_train": len(source.prompts.ids),
+        policy_loss = run.cfg.policy_loss if estimator == "grpo" else "rloo"
+        return {"advantage_estimator": estimator, "policy_loss": policy_loss, "num_train": len(source.prompts.ids),
                 "generation_batches": source.generations, **{f"eval_{k}": v for k, v in after.items()}}
 
     return Prepared(run.cfg, run.device, trainer, results, data=cfg.train_file, tags=("grpo",),
@@ -86,11 +86,11 @@ def _recipe(cfg: GRPOConfig, dist: Distributed) -> Prepared:
 
 def warn_sequence_level(cfg: GRPOConfig) -> None:
     """Warn, as TRL does, where sequence-level ratios meet a loss that adds up token terms: that is not GSPO's
-    objective, which averages each completion's terms (--loss_type grpo)."""
-    if cfg.importance_sampling_level == "sequence" and cfg.loss_type != "grpo":
-        log.warning("--importance_sampling_level sequence with --loss_type %s: this loss adds up per-token terms, so "
-                    "each completion weighs by its length rather than once; GSPO's objective is --loss_type grpo",
-                    cfg.loss_type)
+    objective, which averages each completion's terms (--policy_loss grpo)."""
+    if cfg.importance_sampling_level == "sequence" and cfg.policy_loss != "grpo":
+        log.warning("--importance_sampling_level sequence with --policy_loss %s: this loss adds up per-token terms, so "
+                    "each completion weighs by its length rather than once; GSPO's objective is --policy_loss grpo",
+                    cfg.policy_loss)
 
 
 def read_grpo_prompts(cfg: GRPOConfig, source: str, tokenizer: Any, rewards: Rewards) -> Prompts:
@@ -163,7 +163,7 @@ def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Genera
     source = Generations(cfg, plan, rollout, read_grpo_prompts(cfg, cfg.train_file, tokenizer, rewards), dist)
     heldout = read_grpo_prompts(cfg, cfg.eval_file, tokenizer, rewards) if cfg.eval_file else None
     loss = PolicyReward(source) if cfg.zo_objective == "reward" \
-        else GRPOLoss(model, Objective.of(cfg), cfg.temperature, autocast, fused=cfg.fused_lm_head)
+        else GRPOLoss(model, GRPOObjective.of(cfg), cfg.temperature, autocast, fused=cfg.fused_lm_head)
     run = TrainingRun(cfg, model, tokenizer, device, HeldOut(rollout, heldout, source, dist).evaluate,
                       monitor=list(range(len(heldout.ids))) if heldout else [])
     return Trainer(run, method, source, loss, dist), source

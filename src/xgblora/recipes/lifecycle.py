@@ -51,7 +51,7 @@ def run_recipe(cfg: TrainerConfig, prepare: Callable[[distributed.Distributed], 
     dist = distributed.setup(cfg)  # before the model loads: it picks this rank's GPU
     if (done := finished_results(cfg, Path(cfg.output_dir))) is not None:
         return done
-    with run_folder(cfg, dist) as out:
+    with held_output_dir(cfg, dist) as out:
         run = prepare(dist)
         if dist.is_main:
             if run.trainer is not None and cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
@@ -74,7 +74,7 @@ def run_recipe(cfg: TrainerConfig, prepare: Callable[[distributed.Distributed], 
 
 
 @contextlib.contextmanager
-def run_folder(cfg: TrainerConfig, dist: distributed.Distributed) -> Iterator[Path]:
+def held_output_dir(cfg: TrainerConfig, dist: distributed.Distributed) -> Iterator[Path]:
     """The run's --output_dir, checked (`check_folder`) and held by the main process's lock while the run writes
     it; a refused or failed run that wrote nothing leaves no folder behind. A folder of other files than an
     earlier run's is refused before anything is created in it."""

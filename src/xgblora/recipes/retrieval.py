@@ -83,7 +83,7 @@ def reranking_of(cfg: Config, dist: Distributed, data: RetrievalSet) -> Callable
         return score_pairs(model, tokenizer, pairs, max_length, cfg.per_device_eval_batch_size).numpy()
 
     def rerank(hits: list[list[str]]) -> dict[str, float]:
-        samples = [reranking.Sample(text, tuple(data.corpus[d] for d in sorted(data.relevant[query])),
+        samples = [reranking.RerankSample(text, tuple(data.corpus[d] for d in sorted(data.relevant[query])),
                                     tuple(data.corpus[d] for d in ids[:cfg.rerank_top_k]), ranked=True)
                    for (query, text), ids in zip(data.queries.items(), hits, strict=True)]
         return reranking.rerank(samples, score, cfg.always_rerank_positives)

@@ -86,7 +86,7 @@ def _training(setup: RunSetup, dist: Distributed, hooks: Hooks | None) -> Prepar
     def results() -> dict[str, Any]:
         done = {**_counts(setup), "num_train": len(setup.splits.train)}
         if contrastive is not None:  # learnt or fixed, the temperature the embeddings were trained at
-            done["temperature"] = round(1 / float(contrastive.scale), 6)
+            done["contrastive_temperature"] = round(1 / float(contrastive.scale), 6)
         if not cfg.no_eval and setup.splits.eval:
             metrics, predictions = setup.evaluate(setup.model, setup.splits.eval)
             write_predictions(cfg, predictions)
