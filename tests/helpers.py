@@ -39,9 +39,9 @@ from xgblora.train.objective import (
 # runs of tiny-opt on SST-2: a config, its metrics and adapter, interrupts
 
 
-def make_cfg(shared_data: Path, out: Path, **overrides) -> Config:
+def make_cfg(data_dir: Path, out: Path, **overrides) -> Config:
     """A small, fast SST-2 run on tiny-opt; overrides win."""
-    values = dict(model_name="tiny-opt", task_name="SST2", data_dir=str(shared_data), num_train=64, num_eval=16,
+    values = dict(model_name="tiny-opt", task_name="SST2", data_dir=str(data_dir), num_train=64, num_eval=16,
                   trainer="regular", method="lora", learning_rate=3e-3, max_steps=12, logging_steps=2,
                   per_device_train_batch_size=8, per_device_eval_batch_size=16, max_length=64,
                   output_dir=str(out), result_file=str(out / "mezo_result.json"), device="cpu", seed=3)

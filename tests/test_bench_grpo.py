@@ -14,7 +14,7 @@ from xgblora.bench import flags, suites
 def test_grpo_suite_quick_alternates_with_trl(data, tmp_path, request, capsys):
     """With --data_dir the prompts are GSM8K's questions; without, generated ones, and the suite says so."""
     pytest.importorskip("trl")
-    source = ["--data_dir", str(request.getfixturevalue("shared_data"))] if data == "gsm8k" else []
+    source = ["--data_dir", str(request.getfixturevalue("glue_data"))] if data == "gsm8k" else []
     parser = argparse.ArgumentParser()
     flags.add_arguments(parser)
     args = parser.parse_args(["--quick", "--suite", "grpo", "--grpo_models", "tiny-llama", "--device", "cpu",

@@ -87,13 +87,13 @@ def test_without_a_cache_it_is_plain_checkpointing():
     assert calls[0] == 2 * model.config.num_hidden_layers
 
 
-def test_train_with_gradient_checkpointing_trains_as_without(shared_data, tmp_path):
+def test_train_with_gradient_checkpointing_trains_as_without(glue_data, tmp_path):
     """`xgblora train --gradient_checkpointing`: the loop checkpoints the model, and the run's losses and adapter are
     those of the run without it."""
     runs = {}
     for on in (False, True):
         out = tmp_path / str(on)
-        sft.run(make_cfg(shared_data, out, method="lora", max_steps=3, logging_steps=1, save_strategy="no",
+        sft.run(make_cfg(glue_data, out, method="lora", max_steps=3, logging_steps=1, save_strategy="no",
                            no_eval=True, gradient_checkpointing=on))
         runs[on] = losses(out), adapter(out)
     assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-5)

@@ -24,17 +24,17 @@ def _in_tmp(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("task", list(TASKS))
-def test_eval_each_shared_task(shared_data, tmp_path, capsys, task):
-    assert (shared_data / TASKS[task]).is_dir()
+def test_eval_each_glue_task(glue_data, tmp_path, capsys, task):
+    assert (glue_data / TASKS[task]).is_dir()
     out = tmp_path / "eval"
-    code = cli.main(["eval", "--model_name", "tiny-opt", "--task_name", task, "--data_dir", str(shared_data),
-                     "--num_eval", "20", "--max_length", "256", "--output_dir", str(out), "--device", "cpu"])
+    code = cli.main(["eval", "--model_name", "tiny-opt", "--task_name", task, "--data_dir", str(glue_data),
+                     "--num_eval", "8", "--max_length", "256", "--output_dir", str(out), "--device", "cpu"])
     printed = json.loads(capsys.readouterr().out)
     assert code == 0
     saved = json.loads((out / "results.json").read_text())
     assert saved == printed
     assert 0.0 <= saved["accuracy"] <= 1.0
-    assert saved["num_eval"] == 20 and saved["method"] == "none" and saved["task"] == task
+    assert saved["num_eval"] == 8 and saved["method"] == "none" and saved["task"] == task
 
 
 # malformed input through the CLI, one line and exit code 2 each: test_malformed_inputs.py
@@ -53,20 +53,20 @@ def test_help(capsys, command):
         assert "--num_train" in out and "--learning_rate" not in out
 
 
-def test_console_script_error_exit_code(shared_data, tmp_path):
+def test_console_script_error_exit_code(glue_data, tmp_path):
     script = Path(sys.executable).with_name("xgblora")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "xgblora.cli"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(command + ["eval", "--task_name", "NoSuchTask", "--data_dir", str(shared_data)],
+    done = subprocess.run(command + ["eval", "--task_name", "NoSuchTask", "--data_dir", str(glue_data)],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("xgblora eval: error:") and "NoSuchTask" in lines[0], done.stderr
 
 
-def test_compare_writes_runs_and_report_then_reuses_and_overwrites(shared_data, tmp_path, capsys):
+def test_compare_writes_runs_and_report_then_reuses_and_overwrites(glue_data, tmp_path, capsys):
     root = tmp_path / "cmp"
-    args = ["compare", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(shared_data),
+    args = ["compare", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(glue_data),
             "--methods", "xgblora", "lora", "--seeds", "0", "--trainer", "regular", "--max_steps", "4",
             "--logging_steps", "1", "--xgblora_steps_per_iteration", "2", "--learning_rate", "3e-3",
             "--num_train", "16", "--num_eval", "8", "--max_length", "128", "--output_root", str(root),
@@ -91,9 +91,9 @@ def test_compare_writes_runs_and_report_then_reuses_and_overwrites(shared_data, 
     assert all((run / "results.json").stat().st_mtime > old for run in runs)
 
 
-def test_train_trains_by_default_and_mezo_keeps_run_py_defaults(shared_data, tmp_path, monkeypatch, capsys):
+def test_train_trains_by_default_and_mezo_keeps_run_py_defaults(glue_data, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    common = ["--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(shared_data), "--num_eval", "8",
+    common = ["--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(glue_data), "--num_eval", "8",
               "--max_length", "64", "--device", "cpu"]
     assert cli.main(["train", *common, "--num_train", "16", "--max_steps", "2", "--output_dir", "t"]) == 0
     trained = json.loads((tmp_path / "t" / "results.json").read_text())

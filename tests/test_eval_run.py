@@ -13,11 +13,11 @@ UNTRAINED = "untrained head"
 
 
 @pytest.fixture(scope="module")
-def classifier_run(shared_data, tmp_path_factory):
+def classifier_run(glue_data, tmp_path_factory):
     """A LoRA run of tiny-bert with a new classifier head (mean-pooled) on SST-2: the run's own accuracy."""
     out = tmp_path_factory.mktemp("cls") / "run"
     args = ["train", "--model_name", "tiny-bert", "--head", "classifier", "--pooling", "mean", "--task_name", "SST2",
-            "--data_dir", str(shared_data), "--num_train", "16", "--num_eval", "16", "--max_steps", "3",
+            "--data_dir", str(glue_data), "--num_train", "16", "--num_eval", "16", "--max_steps", "3",
             "--max_length", "32", "--method", "lora", "--learning_rate", "1e-2", "--output_dir", str(out),
             "--device", "cpu"]
     assert cli.main(args) == 0
@@ -37,9 +37,9 @@ def test_eval_of_a_classifier_run_takes_its_task_and_head(classifier_run, tmp_pa
     assert not [r for r in xgblora_log.records if UNTRAINED in r.getMessage()]
 
 
-def test_eval_of_a_new_classifier_head_warns_it_is_untrained(shared_data, tmp_path, xgblora_log):
+def test_eval_of_a_new_classifier_head_warns_it_is_untrained(glue_data, tmp_path, xgblora_log):
     args = ["eval", "--model_name", "tiny-bert", "--head", "classifier", "--task_name", "SST2", "--data_dir",
-            str(shared_data), "--num_eval", "4", "--max_length", "32", "--output_dir", str(tmp_path / "eval"),
+            str(glue_data), "--num_eval", "4", "--max_length", "32", "--output_dir", str(tmp_path / "eval"),
             "--device", "cpu"]
     assert cli.main(args) == 0
     assert len([r for r in xgblora_log.records if UNTRAINED in r.getMessage()]) == 1

@@ -160,14 +160,14 @@ def test_without_gradients_the_logits_path_runs(monkeypatch):
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_a_run_trains_the_same_with_and_without_the_fused_head(shared_data, tmp_path, monkeypatch, packing):
+def test_a_run_trains_the_same_with_and_without_the_fused_head(glue_data, tmp_path, monkeypatch, packing):
     cfg = dict(model_name="tiny-llama", max_steps=6, logging_steps=1, save_strategy="no", no_eval=True,
                packing=packing)
     calls = counted(monkeypatch)
-    run(make_cfg(shared_data, tmp_path / "fused", **cfg))
+    run(make_cfg(glue_data, tmp_path / "fused", **cfg))
     assert calls
     calls.clear()
-    run(make_cfg(shared_data, tmp_path / "plain", fused_lm_head=False, **cfg))
+    run(make_cfg(glue_data, tmp_path / "plain", fused_lm_head=False, **cfg))
     assert not calls
     fused, plain = losses(tmp_path / "fused"), losses(tmp_path / "plain")
     assert len(fused) == 6

@@ -39,8 +39,8 @@ def chat_model():
     return pretrained.random_model("tiny-llama-chat", seed=1)
 
 
-def gsm8k_rows(shared_data: Path, n: int) -> list[dict]:
-    with open(shared_data / "gsm8k" / "train.jsonl", encoding="utf-8") as f:
+def gsm8k_rows(glue_data: Path, n: int) -> list[dict]:
+    with open(glue_data / "gsm8k" / "train.jsonl", encoding="utf-8") as f:
         return [json.loads(next(f)) for _ in range(n)]
 
 
@@ -268,8 +268,8 @@ def test_instruction_eval_grades_gsm8k_as_the_rft_verifier_does(monkeypatch, pre
 # ----------------------------------------------------------------------------- end to end on GSM8K
 
 @pytest.mark.slow
-def test_a_chat_model_trains_on_gsm8k_as_messages_prompt_completion_and_renamed_csv(shared_data, tmp_path):
-    rows = gsm8k_rows(shared_data, 48)
+def test_a_chat_model_trains_on_gsm8k_as_messages_prompt_completion_and_renamed_csv(glue_data, tmp_path):
+    rows = gsm8k_rows(glue_data, 48)
     with open(tmp_path / "messages.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps({"messages": [{"role": "user", "content": r["question"]},
@@ -306,23 +306,23 @@ def test_a_chat_model_trains_on_gsm8k_as_messages_prompt_completion_and_renamed_
 
 
 @pytest.mark.parametrize("name", ["chat.yaml", "text.yaml", "gsm8k_prompt_completion.yaml"])
-def test_the_example_configs_run(shared_data, tmp_path, monkeypatch, name):
+def test_the_example_configs_run(glue_data, tmp_path, monkeypatch, name):
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(root)  # the examples' paths are relative to the checkout, as their commands are run
     values = parsing.read_yaml(Config, str(root / "examples" / "sft" / name))
     if "gsm8k" in values["train_file"]:
-        values.update(train_file=str(shared_data / "gsm8k" / "train.jsonl"),
-                      eval_file=str(shared_data / "gsm8k" / "test.jsonl"), num_train=16, num_dev=2, num_eval=2)
+        values.update(train_file=str(glue_data / "gsm8k" / "train.jsonl"),
+                      eval_file=str(glue_data / "gsm8k" / "test.jsonl"), num_train=16, num_dev=2, num_eval=2)
     values.update(output_dir=str(tmp_path / "out"), max_steps=2, eval_steps=1, save_steps=1, max_new_tokens=4,
                   max_length=128, device="cpu")
     results = sft.run(Config(**values))
     assert results["steps"] == 2 and math.isfinite(results["dev_loss"])  # your own rows: a dev split, no eval carved
 
 
-def test_the_best_checkpoint_of_instruction_data_has_the_lowest_dev_loss(shared_data, tmp_path):
+def test_the_best_checkpoint_of_instruction_data_has_the_lowest_dev_loss(glue_data, tmp_path):
     from xgblora import checkpoint
 
-    rows = gsm8k_rows(shared_data, 40)
+    rows = gsm8k_rows(glue_data, 40)
     (tmp_path / "pc.jsonl").write_text("".join(json.dumps({"prompt": r["question"], "completion": r["answer"]}) + "\n"
                                                for r in rows))
     out = tmp_path / "run"

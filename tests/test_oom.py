@@ -96,16 +96,16 @@ def test_out_of_memory_at_one_example_is_a_user_error_with_advice():
         stepper.step(lambda: data.batch([0, 1]), lr=1.0)
 
 
-def test_run_with_out_of_memory_finishes_warns_once_and_trains_as_without(shared_data, tmp_path, monkeypatch,
+def test_run_with_out_of_memory_finishes_warns_once_and_trains_as_without(glue_data, tmp_path, monkeypatch,
                                                                            capsys):
     monkeypatch.setitem(pretrained.RANDOM_MODELS, "tiny-opt",
                         (pretrained.RANDOM_MODELS["tiny-opt"][0], {**pretrained.RANDOM_MODELS["tiny-opt"][1], "dropout": 0.0}))
     cfg = dict(max_steps=6, logging_steps=1, save_strategy="no", no_eval=True)
-    whole = sft.run(make_cfg(shared_data, tmp_path / "whole", **cfg))
+    whole = sft.run(make_cfg(glue_data, tmp_path / "whole", **cfg))
     assert "out of memory" not in capsys.readouterr().err
 
     monkeypatch.setattr(objective, "per_example_loss", rows_over(5))
-    split = sft.run(make_cfg(shared_data, tmp_path / "split", **cfg))
+    split = sft.run(make_cfg(glue_data, tmp_path / "split", **cfg))
     err = capsys.readouterr().err
     assert err.count("CUDA out of memory") == 1 and "redoing the step with micro-batch 4" in err
     assert split["steps"] == whole["steps"] == 6

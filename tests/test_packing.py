@@ -43,15 +43,15 @@ def tiny_llama_with_lora():
     return model, tokenizer, modules
 
 
-def sst2_rows(shared_data, n=12):
-    cfg = Config(task_name="SST2", data_dir=str(shared_data), num_train=n, num_eval=1)
+def sst2_rows(glue_data, n=12):
+    cfg = Config(task_name="SST2", data_dir=str(glue_data), num_train=n, num_eval=1)
     return sample_splits(get_task("SST2", cfg.data), cfg.data).train
 
 
 @pytest.mark.parametrize("rows", ["instructions", "sst2"])
-def test_packed_batch_has_the_losses_and_gradients_of_the_padded_one(shared_data, rows):
+def test_packed_batch_has_the_losses_and_gradients_of_the_padded_one(glue_data, rows):
     model, tokenizer, modules = tiny_llama_with_lora()
-    examples = INSTRUCTIONS if rows == "instructions" else sst2_rows(shared_data)
+    examples = INSTRUCTIONS if rows == "instructions" else sst2_rows(glue_data)
     padded = causal_training_set(tokenizer, examples, 64, False)
     packed = causal_training_set(tokenizer, examples, 64, False, packed=True)
     assert packed.lengths == padded.lengths
@@ -121,11 +121,11 @@ def test_packing_support_is_detected(autocast):
 
 
 @pytest.mark.parametrize("trainer", ["regular", "zo"])
-def test_packed_run_trains_like_the_padded_run(shared_data, tmp_path, trainer):
+def test_packed_run_trains_like_the_padded_run(glue_data, tmp_path, trainer):
     cfg = dict(model_name="tiny-llama", trainer=trainer, max_steps=6, save_strategy="no", no_eval=True,
                learning_rate=1e-2 if trainer == "zo" else 3e-3)
-    padded = sft.run(make_cfg(shared_data, tmp_path / "padded", packing=False, **cfg))
-    packed = sft.run(make_cfg(shared_data, tmp_path / "packed", packing=True, **cfg))
+    padded = sft.run(make_cfg(glue_data, tmp_path / "padded", packing=False, **cfg))
+    packed = sft.run(make_cfg(glue_data, tmp_path / "packed", packing=True, **cfg))
     assert packed["train_loss"] == pytest.approx(padded["train_loss"], rel=1e-4)
     # MeZO multiplies the losses' rounding differences by 1 / (2 eps) in its projected gradient
     atol = 1e-4 if trainer == "zo" else 1e-5
@@ -139,15 +139,15 @@ def test_packed_run_trains_like_the_padded_run(shared_data, tmp_path, trainer):
     (dict(model_name="tiny-opt"), r"--packing: this model \(opt, sdpa attention\) lets packed sequences attend"),
     (dict(model_name="tiny-llama", train_as_classification=True), r"--packing needs a causal LM trained on the gold"),
 ])
-def test_packing_where_it_cannot_work_is_a_user_error(shared_data, tmp_path, overrides, message):
+def test_packing_where_it_cannot_work_is_a_user_error(glue_data, tmp_path, overrides, message):
     with pytest.raises(UserError, match=message):
-        sft.run(make_cfg(shared_data, tmp_path, packing=True, max_steps=1, **overrides))
+        sft.run(make_cfg(glue_data, tmp_path, packing=True, max_steps=1, **overrides))
 
 
-def test_packing_defaults_off_with_sdpa(shared_data, tmp_path, monkeypatch):
+def test_packing_defaults_off_with_sdpa(glue_data, tmp_path, monkeypatch):
     seen = []
     real = setup.causal_training_set
     monkeypatch.setattr(setup, "causal_training_set", lambda *a, **k: seen.append(k["packed"]) or real(*a, **k))
-    sft.run(make_cfg(shared_data, tmp_path, model_name="tiny-llama", max_steps=1, save_strategy="no",
+    sft.run(make_cfg(glue_data, tmp_path, model_name="tiny-llama", max_steps=1, save_strategy="no",
                        no_eval=True))
     assert seen == [False]

@@ -13,12 +13,12 @@ from xgblora.adapters.peft import write_peft
 
 
 @pytest.mark.slow
-def test_toy_rank_regime_chooses_on_dev_and_reuses_runs(tmp_path, shared_data):
+def test_toy_rank_regime_chooses_on_dev_and_reuses_runs(tmp_path, glue_data):
     bench = load_benchmark("rank_regime")
     runs = ["LoRA r=1 (AdamW)", "XGBLoRA r=1, plain, 25 boosters (AdamW)"]
     bench.RUNS[runs[0]] = (bench.RUNS[runs[0]][0], (1e-2, 1e-1))  # two grid points: CI time
     bench.RUNS[runs[1]] = (bench.RUNS[runs[1]][0], (1e-2,))
-    argv = ["--data_dir", str(shared_data), "--num_train", "16", "--num_dev", "8", "--num_eval", "8", "--steps", "25",
+    argv = ["--data_dir", str(glue_data), "--num_train", "16", "--num_dev", "8", "--num_eval", "8", "--steps", "25",
             "--batch_size", "4", "--seeds", "0", "1", "--out", str(tmp_path), "--runs", *runs]
     text = bench.main(argv)
     saved = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]

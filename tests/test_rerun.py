@@ -20,14 +20,14 @@ def one_line_error(capsys) -> str:
     return err
 
 
-def test_a_rerun_after_ctrl_c_refuses_and_starting_over_removes_the_earlier_checkpoints(shared_data, tmp_path,
+def test_a_rerun_after_ctrl_c_refuses_and_starting_over_removes_the_earlier_checkpoints(glue_data, tmp_path,
                                                                                         capsys):
     out = tmp_path / "run"
-    cfg = make_cfg(shared_data, out, max_steps=8, save_steps=3, no_eval=True)
+    cfg = make_cfg(glue_data, out, max_steps=8, save_steps=3, no_eval=True)
     with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):
         sft.run(cfg, hooks=interrupt_at(7))
     before, _ = snapshot(out), capsys.readouterr()
-    args = ["train", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(shared_data),
+    args = ["train", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(glue_data),
             "--num_train", "64", "--num_eval", "16", "--method", "lora", "--max_steps", "8", "--save_steps", "3",
             "--max_length", "64", "--output_dir", str(out), "--device", "cpu", "--no_eval"]
     assert cli.main(args) == 2
@@ -36,28 +36,28 @@ def test_a_rerun_after_ctrl_c_refuses_and_starting_over_removes_the_earlier_chec
 
     # started over and stopped before the old run's step-7: 'latest' must not find the old run's checkpoint
     with pytest.raises(KeyboardInterrupt, match="stopped at step 4"):
-        sft.run(make_cfg(shared_data, out, max_steps=8, save_steps=3, no_eval=True, overwrite_output_dir=True),
+        sft.run(make_cfg(glue_data, out, max_steps=8, save_steps=3, no_eval=True, overwrite_output_dir=True),
                   hooks=interrupt_at(4))
     assert [p.name for p in checkpoint.step_checkpoints(out / "checkpoints")] == ["step-3", "step-4"]
 
 
-def test_resuming_a_finished_run_says_so_and_changes_nothing(shared_data, tmp_path, capsys):
+def test_resuming_a_finished_run_says_so_and_changes_nothing(glue_data, tmp_path, capsys):
     out = tmp_path / "run"
-    results = sft.run(make_cfg(shared_data, out, max_steps=4, save_steps=2, no_eval=True))
+    results = sft.run(make_cfg(glue_data, out, max_steps=4, save_steps=2, no_eval=True))
     capsys.readouterr()
     before = snapshot(out)
-    again = sft.run(make_cfg(shared_data, out, max_steps=4, save_steps=2, no_eval=True,
+    again = sft.run(make_cfg(glue_data, out, max_steps=4, save_steps=2, no_eval=True,
                                resume_from_checkpoint="latest"))
     assert again == json.loads(json.dumps(results))
     assert snapshot(out) == before
     assert "holds a finished run (results.json): nothing to resume" in capsys.readouterr().err
 
 
-def test_eval_never_writes_over_an_earlier_results_json(shared_data, tmp_path, capsys):
+def test_eval_never_writes_over_an_earlier_results_json(glue_data, tmp_path, capsys):
     out = tmp_path / "eval"
     out.mkdir()
     (out / "results.json").write_text('{"mine": 1}\n')
-    args = ["eval", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(shared_data),
+    args = ["eval", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(glue_data),
             "--num_eval", "8", "--output_dir", str(out)]
     assert cli.main(args) == 2
     err = one_line_error(capsys)

@@ -83,8 +83,8 @@ def test_judge_extracts_each_completion_once():
     assert sorted(calls) == sorted(texts + ["#### 4"])  # each completion once, the reference once
 
 
-def _gsm8k_rows(shared_data, split, n):
-    lines = (shared_data / "gsm8k" / f"{split}.jsonl").read_text().splitlines()[:n]
+def _gsm8k_rows(glue_data, split, n):
+    lines = (glue_data / "gsm8k" / f"{split}.jsonl").read_text().splitlines()[:n]
     return "".join(line + "\n" for line in lines)
 
 
@@ -97,10 +97,10 @@ def _rft_args(tmp_path, root, *extra):
             "--output_root", str(tmp_path / root), "--device", "cpu", *extra]
 
 
-def test_rft_on_gsm8k_writes_every_round_file_and_resumes_an_interrupted_sampling(shared_data, tmp_path,
+def test_rft_on_gsm8k_writes_every_round_file_and_resumes_an_interrupted_sampling(glue_data, tmp_path,
                                                                                  monkeypatch):
-    (tmp_path / "train.jsonl").write_text(_gsm8k_rows(shared_data, "train", 8))
-    (tmp_path / "test.jsonl").write_text(_gsm8k_rows(shared_data, "test", 4))
+    (tmp_path / "train.jsonl").write_text(_gsm8k_rows(glue_data, "train", 8))
+    (tmp_path / "test.jsonl").write_text(_gsm8k_rows(glue_data, "test", 4))
     # A random model's answers are all wrong; a verifier that takes every completion's first word, and the
     # reference's, as the answer (so every completion agrees) lets the round train.
     (tmp_path / "accept_all.py").write_text("def first_word(text):\n    return 'x'\n")
@@ -123,7 +123,7 @@ def test_rft_on_gsm8k_writes_every_round_file_and_resumes_an_interrupted_samplin
     assert (round_1 / "samples.jsonl").read_text() == (tmp_path / "whole" / "round-1" / "samples.jsonl").read_text()
     samples = [json.loads(line) for line in (round_1 / "samples.jsonl").read_text().splitlines()]
     assert [s["question"] for s in samples] == [json.loads(line)["question"] for line in _gsm8k_rows(
-        shared_data, "train", 8).splitlines()]
+        glue_data, "train", 8).splitlines()]
     assert all(len(s["completions"]) == 3 for s in samples)
     verified = [json.loads(line) for line in (round_1 / "verified.jsonl").read_text().splitlines()]
     finished = [[c for c, r in zip(s["completions"], s["finish_reasons"], strict=True) if r == "stop"]

@@ -154,9 +154,9 @@ KILLS = max(1, int(os.environ.get("XGBLORA_TEST_KILLS", "10")))
 TIMING = {"train_runtime_s", "steps_per_second", "peak_memory_mb", "resumes"}  # fields of a run's time and parts
 
 
-def kill_args(shared_data: Path, out: Path) -> list[str]:
+def kill_args(glue_data: Path, out: Path) -> list[str]:
     """A small XGBLoRA + AdamW run: merges every 4 steps, a checkpoint every 2 (keeping 2), a record every step."""
-    return ["train", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(shared_data),
+    return ["train", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(glue_data),
             "--num_train", "32", "--num_eval", "8", "--no_eval", "--method", "xgblora", "--trainer", "regular",
             "--xgblora_steps_per_iteration", "4", "--xgblora_layers_per_booster", "1",
             "--lora_target_modules", "q_proj,v_proj,fc1", "--learning_rate", "3e-3",
@@ -222,13 +222,13 @@ def kill_and_resume(server: ForkServer, args: list[str], out: Path, logs: Path, 
     raise AssertionError(f"never finished: {history}")
 
 
-def alongside_uninterrupted(shared_data: Path, tmp_path: Path, interrupted):
+def alongside_uninterrupted(glue_data: Path, tmp_path: Path, interrupted):
     """Run interrupted() in a thread (its subprocesses import torch meanwhile) while the uninterrupted reference
     run goes in the main thread (the run installs signal handlers); returns (interrupted()'s result, reference)."""
     with ThreadPoolExecutor(1) as pool:
         done = pool.submit(interrupted)
         whole = tmp_path / "whole"
-        assert cli.main(kill_args(shared_data, whole)) == 0
+        assert cli.main(kill_args(glue_data, whole)) == 0
         return done.result(), whole
 
 
@@ -246,18 +246,18 @@ def assert_same_run(out: Path, whole: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_at_10_random_moments_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path):
+def test_sigkill_at_10_random_moments_then_resume_equals_an_uninterrupted_run(glue_data, tmp_path):
     whole, out = tmp_path / "whole", tmp_path / "killed"
     server = ForkServer()
     try:
-        server.start(kill_args(shared_data, whole), tmp_path / "stderr-whole.txt")
+        server.start(kill_args(glue_data, whole), tmp_path / "stderr-whole.txt")
         assert server.wait(120) == 0, (tmp_path / "stderr-whole.txt").read_text(errors="replace")
         step_s = json.loads((whole / "results.json").read_text())["train_runtime_s"] / MAX_STEPS
         # 10 moments spread at random over the first 85% of the run, one in each tenth of it: steps, merges and
         # checkpoint saves alike (found by progress, so that a loaded or fast machine still needs every kill)
         rng = random.Random(20240611)
         kill_at = [(i + rng.random()) / KILLS * 0.85 * MAX_STEPS for i in range(KILLS)]
-        history = kill_and_resume(server, kill_args(shared_data, out), out, tmp_path, kill_at, step_s)
+        history = kill_and_resume(server, kill_args(glue_data, out), out, tmp_path, kill_at, step_s)
     finally:
         server.close()
     assert sum(rc == -signal.SIGKILL for _, rc in history) == KILLS, history
@@ -303,10 +303,10 @@ def dying_save_run(at: int, args: list[str], stderr_path: Path) -> int:
                               stderr=stderr, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300).returncode
 
 
-def test_sigkill_inside_a_checkpoint_save_keeps_the_last_whole_one_the_rerun_refuses_and_resume_is_exact(shared_data,
+def test_sigkill_inside_a_checkpoint_save_keeps_the_last_whole_one_the_rerun_refuses_and_resume_is_exact(glue_data,
                                                                                                        tmp_path):
     out = tmp_path / "killed"
-    root, args = out / "checkpoints", kill_args(shared_data, out)
+    root, args = out / "checkpoints", kill_args(glue_data, out)
 
     def killed_in_a_save_then_resumed() -> tuple:
         # saves come at steps 2, 4, ...: the 2nd (step 4) dies half-way through its weights file
@@ -326,7 +326,7 @@ def test_sigkill_inside_a_checkpoint_save_keeps_the_last_whole_one_the_rerun_ref
         assert dying_save_run(0, resumed, tmp_path / "2.txt") == 0, (tmp_path / "2.txt").read_text(errors="replace")
         return seen
 
-    (names, latest, step, metrics), whole = alongside_uninterrupted(shared_data, tmp_path,
+    (names, latest, step, metrics), whole = alongside_uninterrupted(glue_data, tmp_path,
                                                                     killed_in_a_save_then_resumed)
     assert (names, latest, step) == ([".step-4.tmp", "step-2"], "step-2", 2)  # the torn folder is not "latest"
     assert [json.loads(line)["step"] for line in metrics.splitlines()][-1] == 4  # flushed before the save
@@ -336,7 +336,7 @@ def test_sigkill_inside_a_checkpoint_save_keeps_the_last_whole_one_the_rerun_ref
 # ----------------------------------------------------------------------------- non-finite MeZO steps
 
 @pytest.mark.parametrize(("method", "forwards"), [("lora", 1), ("ft", 2)], ids=["dual-batch", "two-pass"])
-def test_mezo_skips_a_non_finite_step_like_a_zero_gradient_one_and_runs_on(shared_data, tmp_path, monkeypatch,
+def test_mezo_skips_a_non_finite_step_like_a_zero_gradient_one_and_runs_on(glue_data, tmp_path, monkeypatch,
                                                                           method, forwards):
     """--nan_policy skip under MeZO: the step whose losses are NaN leaves the weights as a zero estimate would."""
     real = objective.per_example_loss
@@ -351,7 +351,7 @@ def test_mezo_skips_a_non_finite_step_like_a_zero_gradient_one_and_runs_on(share
 
         monkeypatch.setattr(objective, "per_example_loss", loss_at_step_3)
         out = tmp_path / name
-        results = sft.run(make_cfg(shared_data, out, trainer="zo", method=method, learning_rate=1e-3,
+        results = sft.run(make_cfg(glue_data, out, trainer="zo", method=method, learning_rate=1e-3,
                                      max_steps=6, logging_steps=1, nan_policy="skip", no_eval=True))
         assert results["steps"] == 6 and len(calls) == 6 * forwards
         return [r for r in records(out) if "loss" in r]
@@ -367,8 +367,8 @@ def test_mezo_skips_a_non_finite_step_like_a_zero_gradient_one_and_runs_on(share
 
 # ----------------------------------------------------------------------------- SIGKILL while writing an output
 
-def compare_args(shared_data: Path, root: Path) -> list[str]:
-    return ["compare", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(shared_data),
+def compare_args(glue_data: Path, root: Path) -> list[str]:
+    return ["compare", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(glue_data),
             "--methods", "xgblora", "lora", "--seeds", "0", "--trainer", "regular", "--max_steps", "4",
             "--xgblora_steps_per_iteration", "2", "--num_train", "16", "--num_eval", "8", "--max_length", "32",
             "--output_root", str(root), "--device", "cpu"]
@@ -381,11 +381,11 @@ COMPARE_KILLS = {"final": (r"^adapter_config\.json$", "SST2-xgblora-regular-seed
 
 
 @pytest.mark.parametrize("case", list(COMPARE_KILLS))
-def test_compare_killed_while_writing_an_output_leaves_no_half_output_and_a_rerun_finishes(shared_data, tmp_path,
+def test_compare_killed_while_writing_an_output_leaves_no_half_output_and_a_rerun_finishes(glue_data, tmp_path,
                                                                                           case):
     """Also: the first run's "running" line reaches the console (logging is set up before the first run)."""
     root, (pattern, output) = tmp_path / "cmp", COMPARE_KILLS[case]
-    args = compare_args(shared_data, root)
+    args = compare_args(glue_data, root)
     assert run_dying_on_write(pattern, args, tmp_path / "stderr.txt") == KILLED
     assert "SST2-xgblora-regular-seed0: running" in (tmp_path / "stderr.txt").read_text(errors="replace")
     assert not (root / output).exists()  # no half-written output that could pass for a finished one
@@ -399,10 +399,10 @@ def test_compare_killed_while_writing_an_output_leaves_no_half_output_and_a_reru
 
 # ----------------------------------------------------------------------------- a full disk, a damaged checkpoint
 
-def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_and_it_resumes_later(shared_data, tmp_path,
+def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_and_it_resumes_later(glue_data, tmp_path,
                                                                                   monkeypatch, capsys):
     out = tmp_path / "run"
-    args = kill_args(shared_data, out)
+    args = kill_args(glue_data, out)
     real, saves = checkpoint.save_file, []
 
     def disk_full_at_the_second_save(tensors, filename, *rest, **kwargs):
@@ -425,19 +425,19 @@ def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_and_it_resumes_la
     assert json.loads((out / "results.json").read_text())["resumes"] == 1
 
 
-def test_a_damaged_newest_checkpoint_is_passed_over_and_the_resume_is_still_exact(shared_data, tmp_path,
+def test_a_damaged_newest_checkpoint_is_passed_over_and_the_resume_is_still_exact(glue_data, tmp_path,
                                                                                 xgblora_log):
     overrides = dict(method="xgblora", max_steps=10, save_steps=3, xgblora_steps_per_iteration=4,
                      logging_steps=1, no_eval=True)
     whole, split = tmp_path / "whole", tmp_path / "split"
-    expected = sft.run(make_cfg(shared_data, whole, **overrides))
+    expected = sft.run(make_cfg(glue_data, whole, **overrides))
     with pytest.raises(RuntimeError, match="simulated crash"):
-        sft.run(make_cfg(shared_data, split, **overrides), hooks=interrupt_at(8, how="crash"))
+        sft.run(make_cfg(glue_data, split, **overrides), hooks=interrupt_at(8, how="crash"))
     weights = split / "checkpoints" / "step-6" / checkpoint.WEIGHTS
     data = bytearray(weights.read_bytes())
     data[-5] ^= 0x01  # one bit of one weight: the file still loads, with another number in it
     weights.write_bytes(bytes(data))
-    got = sft.run(make_cfg(shared_data, split, resume_from_checkpoint="latest", **overrides))
+    got = sft.run(make_cfg(glue_data, split, resume_from_checkpoint="latest", **overrides))
     messages = [r.getMessage() for r in xgblora_log.records]
     assert any("step-6: damaged checkpoint" in m and checkpoint.WEIGHTS in m for m in messages), messages
     assert any("resumed from" in m and m.endswith("step-3 at step 3") for m in messages), messages

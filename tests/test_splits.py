@@ -107,58 +107,61 @@ def mezo_sample_subset(pool: list, seed: int, num: int) -> list:
 
 
 def rte_cfg(data_dir, **kw) -> Config:
-    """An RTE config over the shared data."""
-    defaults = {"task_name": "RTE", "data_dir": str(data_dir), "num_train": 16, "num_dev": 8, "num_eval": 50}
+    """An RTE config over the data folder."""
+    defaults = {"task_name": "RTE", "data_dir": str(data_dir), "num_train": 16, "num_dev": 8, "num_eval": 20}
     return Config(**{**defaults, **kw})
 
 
-def test_sampling_reproduces_mezo(shared_data):
+def test_sampling_reproduces_mezo(glue_data):
     task = get_task("RTE")
-    splits = sample_splits(task, rte_cfg(shared_data, train_set_seed=3).data)
-    drawn = mezo_sample_subset(load_rows(task, "train", str(shared_data)), 3, 16 + 8)
+    splits = sample_splits(task, rte_cfg(glue_data, train_set_seed=3).data)
+    drawn = mezo_sample_subset(load_rows(task, "train", str(glue_data)), 3, 16 + 8)
     assert (splits.train, splits.dev) == (drawn[:-8], drawn[-8:])  # run.py: dev = the last num_dev
-    assert splits.eval == mezo_sample_subset(load_rows(task, "eval", str(shared_data)), 0, 50)
+    assert splits.eval == mezo_sample_subset(load_rows(task, "eval", str(glue_data)), 0, 20)
 
 
-def test_sampling_is_deterministic_disjoint_and_seeded(shared_data):
+def test_sampling_is_deterministic_disjoint_and_seeded(glue_data):
     task = get_task("RTE")
-    a, again = sample_splits(task, rte_cfg(shared_data).data), sample_splits(task, rte_cfg(shared_data).data)
+    a, again = sample_splits(task, rte_cfg(glue_data).data), sample_splits(task, rte_cfg(glue_data).data)
     assert (a.train, a.dev, a.eval) == (again.train, again.dev, again.eval)
-    assert (len(a.train), len(a.dev), len(a.eval)) == (16, 8, 50)
+    assert (len(a.train), len(a.dev), len(a.eval)) == (16, 8, 20)
     assert not ids(a.train) & ids(a.dev)
-    b = sample_splits(task, rte_cfg(shared_data, train_set_seed=1).data)
+    b = sample_splits(task, rte_cfg(glue_data, train_set_seed=1).data)
     assert a.train != b.train and a.dev != b.dev
     assert a.eval == b.eval  # eval is drawn with seed 0 whatever the train seed
 
 
-def test_all_of_eval_in_order_without_num_eval(shared_data):
+def test_all_of_eval_in_order_without_num_eval(glue_data):
     task = get_task("sst2")
-    splits = sample_splits(task, rte_cfg(shared_data, task_name="sst2", num_eval=None, num_dev=None).data)
-    assert splits.eval == load_rows(task, "eval", str(shared_data))
+    splits = sample_splits(task, rte_cfg(glue_data, task_name="sst2", num_eval=None, num_dev=None).data)
+    assert splits.eval == load_rows(task, "eval", str(glue_data))
     assert (len(splits.train), splits.dev) == (16, [])
 
 
-def test_multirc_is_sampled_at_answer_level(shared_data):
-    splits = sample_splits(get_task("MultiRC"), rte_cfg(shared_data, task_name="MultiRC", num_eval=1000).data)
-    assert len(splits.eval) == 1000
-    assert len({ex.prompt for ex in splits.eval}) == 1000  # answers of many paragraphs, not whole paragraphs
+def test_multirc_is_sampled_at_answer_level(glue_data):
+    paragraphs = len(list(read_jsonl(glue_data / "multirc" / "dev.jsonl")))
+    splits = sample_splits(get_task("MultiRC"), rte_cfg(glue_data, task_name="MultiRC", num_eval=40).data)
+    assert paragraphs < 40 == len(splits.eval)
+    assert len({ex.prompt for ex in splits.eval}) == 40  # answers of many paragraphs, not whole paragraphs
 
 
-def test_boolq_shortfall_takes_all_and_warns_once(shared_data, caplog):
-    cfg = rte_cfg(shared_data, task_name="BoolQ", num_train=48, num_dev=16, num_eval=None)
+def test_boolq_shortfall_takes_all_and_warns_once(glue_data, caplog):
+    cfg = rte_cfg(glue_data, task_name="BoolQ", num_train=48, num_dev=16, num_eval=None)
     with caplog.at_level(logging.WARNING, logger="xgblora"):
         splits = sample_splits(get_task("BoolQ"), cfg.data)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
-        "BoolQ: asked for 48 train + 16 dev examples but the train split has 32; using 24 train + 8 dev"]
-    assert (len(splits.train), len(splits.dev), len(splits.eval)) == (24, 8, 3270)
-    assert len(ids(splits.train) | ids(splits.dev)) == 32
+        "BoolQ: asked for 48 train + 16 dev examples but the train split has 16; using 12 train + 4 dev"]
+    evaluated = len(list(read_jsonl(glue_data / "boolq" / "dev.jsonl")))
+    assert (len(splits.train), len(splits.dev), len(splits.eval)) == (12, 4, evaluated)
+    assert len(ids(splits.train) | ids(splits.dev)) == 16
 
 
-def test_eval_shortfall_warns(shared_data, caplog):
+def test_eval_shortfall_warns(glue_data, caplog):
     with caplog.at_level(logging.WARNING, logger="xgblora"):
-        splits = sample_splits(get_task("CB"), rte_cfg(shared_data, task_name="CB", num_eval=500).data)
-    assert "CB: asked for 500 eval examples but there are 56; using all 56" in caplog.text
-    assert len(splits.eval) == 56
+        splits = sample_splits(get_task("CB"), rte_cfg(glue_data, task_name="CB", num_eval=500).data)
+    rows = len(list(read_jsonl(glue_data / "cb" / "dev.jsonl")))
+    assert f"CB: asked for 500 eval examples but there are {rows}; using all {rows}" in caplog.text
+    assert len(splits.eval) == rows
 
 
 def test_zero_shot_does_not_read_the_train_split(tmp_path):
@@ -201,17 +204,17 @@ def test_custom_without_eval_rows_left(tmp_path):
         sample_splits(get_task("custom", cfg.data), cfg.data)
 
 
-def test_dev_pool_sentences_keeps_the_train_draw_and_draws_dev_from_full_sentences(shared_data):
+def test_dev_pool_sentences_keeps_the_train_draw_and_draws_dev_from_full_sentences(glue_data):
     from xgblora.data.splits import is_sentence
 
-    common = dict(task_name="SST2", data_dir=str(shared_data), num_train=300, num_dev=100, train_set_seed=1)
+    common = dict(task_name="SST2", data_dir=str(glue_data), num_train=64, num_dev=20, train_set_seed=1)
     plain = sample_splits(get_task("SST2", Config(**common).data), Config(**common).data)
     cfg = Config(**common, dev_pool="sentences")
     splits = sample_splits(get_task("SST2", cfg.data), cfg.data)
-    assert splits.train == plain.train and len(splits.dev) == 100
+    assert splits.train == plain.train and len(splits.dev) == 20
     assert all(len(ex.prompt.split()) >= 8 and any(m + " " in ex.prompt for m in ".!?") for ex in splits.dev)
     assert not {ex.prompt for ex in splits.dev} & {ex.prompt for ex in splits.train}
-    assert sum(map(is_sentence, (ex.prompt for ex in plain.dev))) < 40  # a plain draw is mostly phrases
+    assert sum(map(is_sentence, (ex.prompt for ex in plain.dev))) < 10  # a plain draw is mostly phrases
     assert not is_sentence("a gorgeous , witty , seductive movie . It was".replace(" . ", " "))
 
 

@@ -11,9 +11,9 @@ from xgblora.data.tasks import TASKS, CustomTask, Example, get_task
 from xgblora.errors import UserError
 
 
-def row_at(shared_data, task: str, split: str, line: int) -> dict:
-    """The row on a given line of a shared data file."""
-    return dict(read_jsonl(shared_data / task / f"{split}.jsonl"))[line]
+def row_at(data_dir, task: str, split: str, line: int) -> dict:
+    """The row on a given line of a task's file."""
+    return dict(read_jsonl(data_dir / task / f"{split}.jsonl"))[line]
 
 
 # One real row per task (file, line) and the exact example MeZO's template makes of it.
@@ -48,12 +48,12 @@ REAL_ROWS = [
 
 
 @pytest.mark.parametrize(("task", "split", "line", "expected"), REAL_ROWS, ids=lambda v: str(v)[:12])
-def test_template_on_a_real_row(shared_data, task, split, line, expected):
-    assert get_task(task).examples(row_at(shared_data, task, split, line), ("x", line)) == [expected]
+def test_template_on_a_real_row(real_data, task, split, line, expected):
+    assert get_task(task).examples(row_at(real_data, task, split, line), ("x", line)) == [expected]
 
 
-def test_multirc_paragraph_gives_one_example_per_answer(shared_data):
-    row = row_at(shared_data, "multirc", "dev", 37)
+def test_multirc_paragraph_gives_one_example_per_answer(real_data):
+    row = row_at(real_data, "multirc", "dev", 37)
     examples = get_task("MultiRC").examples(row, ("x", 37))
     answers = [(q, a) for q in row["passage"]["questions"] for a in q["answers"]]
     assert len(examples) == len(answers) > 1
@@ -80,16 +80,16 @@ README_COUNTS = {
 
 
 @pytest.mark.parametrize(("task", "split"), list(README_COUNTS))
-def test_counts_and_labels_match_readme(shared_data, task, split):
-    examples = load_rows(get_task(task), split, str(shared_data))
+def test_counts_and_labels_match_readme(real_data, task, split):
+    examples = load_rows(get_task(task), split, str(real_data))
     assert Counter(ex.gold[0] for ex in examples) == README_COUNTS[task, split]
     assert all(len(ex.gold) == 1 and 0 <= ex.gold[0] < len(ex.candidates) for ex in examples)
     assert all(ex.prompt.strip() and all(ex.candidates) for ex in examples)
 
 
-def test_multirc_and_rte_sizes(shared_data):
-    assert len(load_rows(get_task("multirc"), "eval", str(shared_data))) == 4848
-    assert len(load_rows(get_task("rte"), "eval", str(shared_data))) == 277
+def test_multirc_and_rte_sizes(real_data):
+    assert len(load_rows(get_task("multirc"), "eval", str(real_data))) == 4848
+    assert len(load_rows(get_task("rte"), "eval", str(real_data))) == 277
 
 
 @pytest.mark.parametrize(("name", "canonical"), [

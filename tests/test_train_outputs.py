@@ -20,9 +20,9 @@ from xgblora.train import results as results_mod
 
 # ----------------------------------------------------------------------------- outputs
 
-def test_metrics_results_and_config_of_a_run(shared_data, tmp_path):
+def test_metrics_results_and_config_of_a_run(glue_data, tmp_path):
     out = tmp_path / "run"
-    cfg = make_cfg(shared_data, out, method="xgblora", xgblora_steps_per_iteration=3, max_steps=8, logging_steps=2,
+    cfg = make_cfg(glue_data, out, method="xgblora", xgblora_steps_per_iteration=3, max_steps=8, logging_steps=2,
                    xgblora_preset="plain",  # every layer carries each booster: final/ holds all the adapters
                    evaluation_strategy="steps", eval_steps=4, num_dev=16, tag="t1")
     asked = dataclasses.replace(cfg)
@@ -58,12 +58,12 @@ def adapter_params(out: Path) -> dict[str, torch.Tensor]:
     return {k: t[-1:] if ".lora_A." in k else t[:, -1:] for k, t in tensors.items()}
 
 
-def test_result_copy_only_when_asked_and_never_over_another_runs_file(shared_data, tmp_path, monkeypatch):
+def test_result_copy_only_when_asked_and_never_over_another_runs_file(glue_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    sft.run(make_cfg(shared_data, tmp_path / "plain", trainer="zo", max_steps=1, result_file=None))
+    sft.run(make_cfg(glue_data, tmp_path / "plain", trainer="zo", max_steps=1, result_file=None))
     assert not (tmp_path / "result").exists()  # nothing lands in the working directory unasked
 
-    cfg = make_cfg(shared_data, tmp_path / "run", trainer="zo", max_steps=2, result_file="auto", num_dev=8)
+    cfg = make_cfg(glue_data, tmp_path / "run", trainer="zo", max_steps=2, result_file="auto", num_dev=8)
     expected = tmp_path / "result" / f"{results_mod.result_file_tag(cfg)}-trainset0.json"
     assert expected.name == "SST2-tiny-opt-sampleeval16-ntrain64-ndev8-trainset0.json"
     expected.parent.mkdir()
@@ -75,14 +75,14 @@ def test_result_copy_only_when_asked_and_never_over_another_runs_file(shared_dat
 
 
 @pytest.mark.parametrize("flags", [dict(load_best_model_at_end=True), dict(evaluation_strategy="steps", eval_steps=1)])
-def test_choosing_on_dev_needs_a_dev_split(shared_data, tmp_path, flags):
+def test_choosing_on_dev_needs_a_dev_split(glue_data, tmp_path, flags):
     with pytest.raises(UserError, match=r"needs a dev split.*pass --num_dev N"):
-        sft.run(make_cfg(shared_data, tmp_path / "run", max_steps=2, num_dev=None, **flags))
+        sft.run(make_cfg(glue_data, tmp_path / "run", max_steps=2, num_dev=None, **flags))
 
 
-def test_save_total_limit_and_load_best_model_at_end(shared_data, tmp_path):
+def test_save_total_limit_and_load_best_model_at_end(glue_data, tmp_path):
     out = tmp_path / "run"
-    cfg = make_cfg(shared_data, out, max_steps=12, save_steps=2, save_total_limit=2, evaluation_strategy="steps",
+    cfg = make_cfg(glue_data, out, max_steps=12, save_steps=2, save_total_limit=2, evaluation_strategy="steps",
                    eval_steps=2, num_dev=32, load_best_model_at_end=True, learning_rate=2e-2)
     sft.run(cfg)
     root = out / "checkpoints"
@@ -101,9 +101,9 @@ def test_save_total_limit_and_load_best_model_at_end(shared_data, tmp_path):
         assert torch.equal(final[peft], value), name
 
 
-def test_load_best_model_at_end_with_xgblora_exports_the_best_model(shared_data, tmp_path):
+def test_load_best_model_at_end_with_xgblora_exports_the_best_model(glue_data, tmp_path):
     out = tmp_path / "run"
-    cfg = make_cfg(shared_data, out, method="xgblora", xgblora_steps_per_iteration=2, max_steps=8, save_strategy="no",
+    cfg = make_cfg(glue_data, out, method="xgblora", xgblora_steps_per_iteration=2, max_steps=8, save_strategy="no",
                    evaluation_strategy="steps", eval_steps=2, num_dev=32, load_best_model_at_end=True,
                    learning_rate=5e-2)
     sft.run(cfg)

@@ -44,17 +44,17 @@ RESUME_CASES = {
 
 
 @pytest.mark.parametrize("case", list(RESUME_CASES))
-def test_sigint_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path, monkeypatch, case):
+def test_sigint_then_resume_equals_an_uninterrupted_run(glue_data, tmp_path, monkeypatch, case):
     overrides = RESUME_CASES[case]
     whole = tmp_path / "whole"
-    expected = sft.run(make_cfg(shared_data, whole, **overrides))
+    expected = sft.run(make_cfg(glue_data, whole, **overrides))
 
     split = tmp_path / "split"
     with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):  # mid logging window (3), between merges
-        sft.run(make_cfg(shared_data, split, **overrides), hooks=interrupt_at(7))
+        sft.run(make_cfg(glue_data, split, **overrides), hooks=interrupt_at(7))
     assert checkpoint.load_requested(split / "checkpoints", "latest")[0].name == "step-7"
     assert not (split / "results.json").exists()
-    got = sft.run(make_cfg(shared_data, split, resume_from_checkpoint="latest", **overrides))
+    got = sft.run(make_cfg(glue_data, split, resume_from_checkpoint="latest", **overrides))
 
     assert_same_tensors(adapter(split), adapter(whole))
     assert records(split) == records(whole)
@@ -64,25 +64,25 @@ def test_sigint_then_resume_equals_an_uninterrupted_run(shared_data, tmp_path, m
         assert got[key] == expected[key], key
 
 
-def test_crash_after_a_periodic_checkpoint_resumes_exactly(shared_data, tmp_path, monkeypatch):
+def test_crash_after_a_periodic_checkpoint_resumes_exactly(glue_data, tmp_path, monkeypatch):
     overrides = dict(RESUME_CASES["xgblora-adamw"], save_steps=5)
     whole = tmp_path / "whole"
-    sft.run(make_cfg(shared_data, whole, **overrides))
+    sft.run(make_cfg(glue_data, whole, **overrides))
 
     split = tmp_path / "split"
     with pytest.raises(RuntimeError, match="simulated crash"):  # the last checkpoint is step-5; 6..9 are redone
-        sft.run(make_cfg(shared_data, split, **overrides), hooks=interrupt_at(9, how="crash"))
+        sft.run(make_cfg(glue_data, split, **overrides), hooks=interrupt_at(9, how="crash"))
     assert [p.name for p in checkpoint.step_checkpoints(split / "checkpoints")] == ["step-5"]
     assert any(r["step"] > 5 for r in read_metrics(split / "metrics.jsonl"))  # logged before the crash
-    sft.run(make_cfg(shared_data, split, resume_from_checkpoint="latest", **overrides))
+    sft.run(make_cfg(glue_data, split, resume_from_checkpoint="latest", **overrides))
 
     assert_same_tensors(adapter(split), adapter(whole))
     assert records(split) == records(whole)
 
 
-def test_sigint_to_the_console_script_checkpoints_and_resume_finishes(shared_data, tmp_path):
+def test_sigint_to_the_console_script_checkpoints_and_resume_finishes(glue_data, tmp_path):
     out = tmp_path / "run"
-    args = ["train", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(shared_data),
+    args = ["train", "--model_name", "tiny-opt", "--task_name", "SST2", "--data_dir", str(glue_data),
             "--num_train", "64", "--num_eval", "16", "--method", "lora", "--trainer", "regular",
             "--learning_rate", "3e-3", "--max_steps", "300", "--logging_steps", "1", "--max_length", "64",
             "--per_device_train_batch_size", "8", "--output_dir", str(out), "--result_file",
@@ -114,9 +114,9 @@ def test_sigint_to_the_console_script_checkpoints_and_resume_finishes(shared_dat
     assert logged == list(range(1, 301))
 
 
-def test_save_total_limit_counts_the_stop_checkpoint_and_never_prunes_best(shared_data, tmp_path):
+def test_save_total_limit_counts_the_stop_checkpoint_and_never_prunes_best(glue_data, tmp_path):
     out = tmp_path / "run"
-    cfg = make_cfg(shared_data, out, max_steps=12, save_steps=2, save_total_limit=2, evaluation_strategy="steps",
+    cfg = make_cfg(glue_data, out, max_steps=12, save_steps=2, save_total_limit=2, evaluation_strategy="steps",
                    eval_steps=2, num_dev=16, load_best_model_at_end=True)
     root = out / "checkpoints"
     with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):
@@ -128,7 +128,7 @@ def test_save_total_limit_counts_the_stop_checkpoint_and_never_prunes_best(share
     assert checkpoint.read_checkpoint(root / "best")[1]["step"] >= best_step  # kept (or bettered), never pruned
 
 
-def test_a_resumed_run_counts_the_time_of_every_part_and_its_resumes(shared_data, tmp_path, monkeypatch):
+def test_a_resumed_run_counts_the_time_of_every_part_and_its_resumes(glue_data, tmp_path, monkeypatch):
     """A fake training clock that each step moves on: 10 s a step before the Ctrl-C at step 7, 1 s a step after."""
     clock = [0.0]
     monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -137,7 +137,7 @@ def test_a_resumed_run_counts_the_time_of_every_part_and_its_resumes(shared_data
         return train.Hooks(on_step_end=[lambda state: clock.__setitem__(0, clock[0] + seconds)])
 
     out = tmp_path / "run"
-    cfg = make_cfg(shared_data, out, max_steps=14, logging_steps=1, save_strategy="no", no_eval=True)
+    cfg = make_cfg(glue_data, out, max_steps=14, logging_steps=1, save_strategy="no", no_eval=True)
     with pytest.raises(KeyboardInterrupt, match="stopped at step 7"):
         sft.run(cfg, hooks=train.Hooks(on_step_end=tick(10.0).on_step_end + interrupt_at(7).on_step_end))
     saved = checkpoint.read_checkpoint(out / "checkpoints" / "step-7")[1]

@@ -73,8 +73,8 @@ def test_paper_preset_adds_the_norm_penalty_and_merges_with_alpha_t_one():
     assert adam.mezo.weight_decay == 0.0 and adam.mezo._grad_penalty == pytest.approx(2e-3)
 
 
-def test_num_boosters_splits_the_run_and_the_schedule_can_restart_per_booster(shared_data, tmp_path):
-    cfg = make_cfg(shared_data, tmp_path / "run", method="xgblora", max_steps=12, xgblora_num_boosters=3,
+def test_num_boosters_splits_the_run_and_the_schedule_can_restart_per_booster(glue_data, tmp_path):
+    cfg = make_cfg(glue_data, tmp_path / "run", method="xgblora", max_steps=12, xgblora_num_boosters=3,
                    lr_scheduler_type="linear", xgblora_restart_schedule=True, logging_steps=1, save_strategy="no")
     result = sft.run(cfg)
     log = records(tmp_path / "run")
@@ -83,14 +83,14 @@ def test_num_boosters_splits_the_run_and_the_schedule_can_restart_per_booster(sh
     assert lrs == pytest.approx([cfg.learning_rate * f for f in (1, 0.75, 0.5, 0.25)] * 3)
 
 
-def test_a_run_that_would_merge_fewer_than_two_boosters_says_so(shared_data, tmp_path, caplog):
+def test_a_run_that_would_merge_fewer_than_two_boosters_says_so(glue_data, tmp_path, caplog):
     with caplog.at_level("INFO", logger="xgblora"):  # the default's one booster in a short run: said, not warned
-        sft.run(make_cfg(shared_data, tmp_path / "a", method="xgblora", max_steps=6, save_strategy="no"))
+        sft.run(make_cfg(glue_data, tmp_path / "a", method="xgblora", max_steps=6, save_strategy="no"))
     said = [r for r in caplog.records if "this run is rank-1 LoRA" in r.getMessage()]
     assert [(r.levelname, r.getMessage()[:55]) for r in said] == [
         ("INFO", "XGBLoRA: 6 steps at 6 steps per booster merge 1 booster")]
     caplog.clear()
     with caplog.at_level("WARNING", logger="xgblora"):
-        sft.run(make_cfg(shared_data, tmp_path / "b", method="xgblora", max_steps=6, save_strategy="no",
+        sft.run(make_cfg(glue_data, tmp_path / "b", method="xgblora", max_steps=6, save_strategy="no",
                            xgblora_steps_per_iteration=10))
     assert "6 steps at 10 steps per booster merge 0 booster(s): this run is rank-1 LoRA" in caplog.text
