@@ -23,7 +23,8 @@ def test_commands_parse_and_the_rate_is_chosen_on_dev(tmp_path, monkeypatch, tas
     def fake_run(cmd, check):  # parse as `xgblora` would, then write what a finished run writes
         command, flags = cmd[3], cmd[4:]
         ns = cli.build_parser().parse_args([command, *flags])
-        cfg = parsing.from_namespace(config.Config, ns, cli.COMMANDS[command].defaults)
+        cfg = parsing.from_namespace(cli.COMMANDS[command].options, ns, cli.COMMANDS[command].defaults)
+        cfg = cfg.run_config() if command == "eval" else cfg  # the train options xgblora eval runs
         configs.append(cfg)
         dev = {1e-4: 0.7, 1e-3: 0.8, 3e-4: 0.75}.get(cfg.learning_rate, 0.6)  # 1e-5 and 3e-5 tie at 0.6
         result = {"accuracy": 0.5 + cfg.seed / 100, "dev_accuracy": dev, "train_runtime_s": 10.0,
