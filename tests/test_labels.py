@@ -171,7 +171,7 @@ def _custom_cfg(tmp_path: Path, **overrides) -> Config:
     ("ft", "classifier", dict(learning_rate=1e-3, max_steps=60)),
 ])
 def test_adamw_training_learns_the_task(tmp_path, method, head, overrides):
-    untrained = sft.run(_custom_cfg(tmp_path / "zero", trainer="none", head=head))
+    untrained = sft.run(_custom_cfg(tmp_path / "zero", trainer="none", method="ft", head=head))  # the model as built
     result = sft.run(_custom_cfg(tmp_path, method=method, head=head, **overrides))
     assert result["head"] == head
     assert untrained["accuracy"] < 0.7 and result["accuracy"] >= 0.9, (untrained, result)
