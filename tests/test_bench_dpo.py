@@ -1,5 +1,5 @@
-"""`xgblora bench --suite dpo --quick`: TRL's DPOTrainer and xgblora's DPO step alternate on the same pairs, every
-figure is there and positive, and the table prints."""
+"""`xgblora bench --suite dpo|kto|reward --quick`: TRL's DPOTrainer, KTOTrainer or RewardTrainer and xgblora's step
+alternate on the same pairs (or rows), every figure is there and positive, and the table prints."""
 
 import argparse
 import json
@@ -11,11 +11,12 @@ from xgblora.bench import flags, suites
 
 
 @pytest.mark.slow
-def test_dpo_suite_quick_alternates_with_trl(tmp_path, capsys):
+@pytest.mark.parametrize("suite", ["dpo", "kto", "reward"])
+def test_preference_suite_quick_alternates_with_trl(tmp_path, capsys, suite):
     pytest.importorskip("trl")
     parser = argparse.ArgumentParser()
     flags.add_arguments(parser)
-    args = parser.parse_args(["--quick", "--suite", "dpo", "--dpo_models", "tiny-llama", "--device", "cpu",
+    args = parser.parse_args(["--quick", "--suite", suite, "--dpo_models", "tiny-llama", "--device", "cpu",
                               "--skip_memory", "--json", str(tmp_path / "b.json")])
     assert suites.main(args) == 0
     (case,) = json.loads((tmp_path / "b.json").read_text())["cases"]

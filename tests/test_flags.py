@@ -124,7 +124,8 @@ def test_eval_shows_at_most_52_flags_each_of_its_groups():
 
 # the files a command cannot run without (never read here: the check comes first)
 REQUIRED = {"generate": {"input_file": "p.jsonl"}, "rft": {"train_file": "q.jsonl", "eval_file": "q.jsonl"},
-            "grpo": {"train_file": "q.jsonl"}, "dpo": {"train_file": "q.jsonl"}, "kto": {"train_file": "q.jsonl"}}
+            "grpo": {"train_file": "q.jsonl"}, "dpo": {"train_file": "q.jsonl"}, "kto": {"train_file": "q.jsonl"},
+            "reward": {"train_file": "q.jsonl"}}
 
 
 @pytest.mark.parametrize("command", [name for name, c in cli.COMMANDS.items() if c.options])

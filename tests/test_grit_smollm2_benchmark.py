@@ -36,7 +36,7 @@ def test_rate_chosen_on_dev_by_grit_and_every_model_embeds_as_grit(tmp_path, mon
             (out / "predictions.jsonl").write_text(json.dumps({"prediction": "#### 2", "reference": "#### 2"}) + "\n")
         return result
 
-    monkeypatch.setattr(bench.train, "run", fake_run)
+    monkeypatch.setattr(bench.sft, "run", fake_run)
     argv = ["grit_smollm2.py", "--data_dir", str(gsm8k_folder(tmp_path / "data")), "--out", str(tmp_path / "out"),
             "--seeds", "0", "1", "--dev", "5", "--test", "4", "--heldout", "3", "--steps", "6"]
     monkeypatch.setattr("sys.argv", argv)

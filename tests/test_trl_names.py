@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from xgblora import cli, parsing, trl_names
-from xgblora.config import Config, DPOConfig, GRPOConfig, KTOConfig
+from xgblora.config import Config, DPOConfig, GRPOConfig, KTOConfig, RewardConfig
 from xgblora.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = {"SFTConfig": Config, "DPOConfig": DPOConfig, "GRPOConfig": GRPOConfig, "KTOConfig": KTOConfig}
+COMMANDS = {"SFTConfig": Config, "DPOConfig": DPOConfig, "GRPOConfig": GRPOConfig, "KTOConfig": KTOConfig,
+            "RLOOConfig": GRPOConfig, "RewardConfig": RewardConfig}
 
 
 def _xgblora_names(cls: type) -> set[str]:
@@ -26,7 +27,7 @@ def trl_fields():
     trl = pytest.importorskip("trl")
     transformers = pytest.importorskip("transformers")
     classes = {"SFTConfig": trl.SFTConfig, "DPOConfig": trl.DPOConfig, "GRPOConfig": trl.GRPOConfig,
-               "KTOConfig": trl.KTOConfig}
+               "KTOConfig": trl.KTOConfig, "RLOOConfig": trl.RLOOConfig, "RewardConfig": trl.RewardConfig}
     assert all(issubclass(c, transformers.TrainingArguments) for c in classes.values())
     training = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     return {name: {f.name for f in dataclasses.fields(c)} for name, c in classes.items()}, training
@@ -46,7 +47,7 @@ def test_every_trl_field_is_an_xgblora_name_or_in_the_table(trl_fields, trl_conf
             assert set(entry.options) <= {f.name for f in dataclasses.fields(cls)}, name
         else:
             assert name not in ours, name
-    assert trl_names.table_for(cls) is table
+    assert trl_names.table_for(cls).items() >= table.items()  # grpo's GRPOConfig table holds RLOOConfig's
 
 
 def test_training_arguments_entries_are_training_arguments_fields(trl_fields):
@@ -59,7 +60,7 @@ def test_the_docs_name_every_key_of_the_table():
     named = set(re.findall(r"`(\w+)`", page))
     keys = {name for table in trl_names.TABLES.values() for name in table}
     assert sorted(keys - named) == []
-    for doc in ("chat-sft.md", "dpo.md", "grpo.md"):  # dpo.md's KTO section too
+    for doc in ("chat-sft.md", "dpo.md", "grpo.md", "reward.md"):  # dpo.md's KTO section too
         assert "(trl.md)" in (REPO / "docs" / doc).read_text(encoding="utf-8"), doc
 
 
@@ -104,6 +105,11 @@ def test_a_trl_sft_yaml_runs(tmp_path):
     (GRPOConfig, "scale_rewards: false\nnum_generations: 4\nmax_completion_length: 32\nshuffle_dataset: true\n"
                  "top_k: 0\nrepetition_penalty: 1.0\nuse_vllm: false",
      {"scale_rewards": "none", "num_return_sequences": 4, "max_new_tokens": 32}),
+    (GRPOConfig, "normalize_advantages: true\nreward_clip_range: [-1.0, 1.0]\nbeta: 0.05\nnum_generations: 2",
+     {"normalize_advantages": True, "reward_clip_range": [-1.0, 1.0], "beta": 0.05, "num_return_sequences": 2}),
+    (RewardConfig, "center_rewards_coefficient: 0.01\nchat_template_path: t.jinja\npad_to_multiple_of: null\n"
+                   "dataset_num_proc: null\ndisable_dropout: true",
+     {"center_rewards_coefficient": 0.01, "chat_template": "t.jinja", "disable_dropout": True}),
 ])
 def test_trl_keys_map_onto_xgblora_options(tmp_path, xgblora_log, cls, text, want):
     assert parsing.read_yaml(cls, _yaml(tmp_path, text)) == want
@@ -127,6 +133,7 @@ def test_trl_keys_map_onto_xgblora_options(tmp_path, xgblora_log, cls, text, wan
     (GRPOConfig, "use_vllm: true", "shared-prefix sampler"),
     (GRPOConfig, "top_k: 50", "temperature and top_p"),
     (GRPOConfig, "shuffle_dataset: false", "seeded random order"),
+    (RewardConfig, "eos_token: <eot>", "special tokens"),
 ])
 def test_trl_keys_that_would_change_training_are_refused(tmp_path, cls, text, message):
     with pytest.raises(UserError, match="TRL's") as error:

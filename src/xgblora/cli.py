@@ -34,6 +34,9 @@ GRPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5}
 DPO_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-5, "max_length": 1024}
 # KTO too (TRL's KTOConfig has DPOConfig's learning rate and max_length).
 KTO_DEFAULTS = DPO_DEFAULTS
+# A reward model trains a LoRA adapter and its new score head by default, at TRL's RewardConfig learning rate and
+# max_length.
+REWARD_DEFAULTS = {"task_name": "custom", "method": "lora", "learning_rate": 1e-4, "max_length": 1024}
 
 
 
@@ -127,6 +130,13 @@ def _kto(args: argparse.Namespace) -> int:
     from xgblora.recipes.kto import run_kto
 
     print(json.dumps(run_kto(_options(args)), indent=2))
+    return 0
+
+
+def _reward(args: argparse.Namespace) -> int:
+    from xgblora.recipes.reward import run_reward
+
+    print(json.dumps(run_reward(_options(args)), indent=2))
     return 0
 
 
@@ -364,13 +374,17 @@ COMMANDS: dict[str, Command] = {
     "rft": Command("Rejection-sampling fine-tuning: rounds of sample -> verify -> train -> evaluate (pass@1, pass@k).",
                    _rft, config_mod.RFTConfig, (*TRAINING, opts.InstructionOptions, opts.BatchOptions,
                                                 opts.RunOptions, opts.SamplingOptions), RFT_DEFAULTS),
-    "grpo": Command("Online RL with verifiable rewards (GRPO, TRL's options): sample G answers per prompt, reward, update.",
-                    _grpo, config_mod.GRPOConfig, (*TRAINING, *RUN_FOLDER, opts.SamplingOptions), GRPO_DEFAULTS),
+    "grpo": Command("Online RL with verifiable rewards (GRPO or RLOO, TRL's options): sample G answers per prompt, reward, update.",
+                    _grpo, config_mod.GRPOConfig, (*TRAINING, *RUN_FOLDER, opts.SamplingOptions, opts.RLOOOptions),
+                    GRPO_DEFAULTS),
     "dpo": Command("Preference training on chosen/rejected pairs (DPO, IPO, hinge, robust, SimPO, ORPO; TRL's options).",
                    _dpo, config_mod.DPOConfig, (*TRAINING, *RUN_FOLDER, opts.BatchOptions), DPO_DEFAULTS),
     "kto": Command("Preference training on unpaired rows: a completion and whether it is desirable (KTO; TRL's options).",
                    _kto, config_mod.KTOConfig, (*TRAINING, *RUN_FOLDER, opts.BatchOptions, opts.KTOOptions),
                    KTO_DEFAULTS),
+    "reward": Command("Train a reward model (a sequence classifier with one score) on chosen/rejected pairs, as TRL's RewardTrainer.",
+                      _reward, config_mod.RewardConfig, (*TRAINING, *RUN_FOLDER, opts.BatchOptions, opts.RewardOptions),
+                      REWARD_DEFAULTS),
     "bench": Command("Measure speed and memory against baselines.", _bench, add_flags=add_bench_arguments),
     "env": Command("Print the environment report (versions, device, attention backends, chosen defaults).", _env),
     "export": Command("Export a run as a PEFT adapter, a merged model, or a GGUF file (llama.cpp, Ollama).", _export,

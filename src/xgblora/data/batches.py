@@ -8,6 +8,7 @@
 - `GritBatch`: a `PairBatch` and a `TokenBatch` of instruction data, trained together (GRIT).
 - `PreferenceBatch`: each prompt once and its completions: chosen and rejected (DPO), or one completion with its
   label and a mismatched one for the KL estimate (KTO).
+- `RewardBatch`: preference pairs as whole right-padded sequences, chosen rows then rejected rows (reward models).
 - `RerankBatch`: (query, passage) pairs tokenised together, grouped by query, with a relevance label each (a
   cross-encoder reranker).
 
@@ -336,4 +337,35 @@ class PreferenceBatch(Batch):
 
     def doubled(self: B) -> B:
         """Every tensor twice: rows [:n] of each are the first half (its blocks in order), [n:] the copy."""
+        return dataclasses.replace(super().doubled(), halves=2)
+
+
+@dataclass(kw_only=True)
+class RewardBatch(Batch):
+    """Preference pairs as a reward model reads them (TRL's DataCollatorForPreference): input_ids / attention_mask
+    [2P, W] right-padded, prompt + chosen for the P pairs, then prompt + rejected; margin [P], each pair's margin
+    column (None: the rows have none). `halves` is 2 in MeZO's dual batch: every tensor twice, rows [:n] and [n:] of
+    each scored apart."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    margin: Tensor | None = None
+    halves: int = 1
+
+    @property
+    def n_examples(self) -> int:
+        """Pairs (of one half)."""
+        return self.input_ids.shape[0] // (2 * self.halves)
+
+    def split(self: B, start: int, stop: int) -> B:
+        """Pairs start..stop-1: their chosen and rejected rows and margins."""
+        if self.halves != 1:
+            raise ValueError("a doubled reward batch is not split")
+        n = self.n_examples
+        rows = torch.cat([torch.arange(start, stop), torch.arange(n + start, n + stop)]).to(self.input_ids.device)
+        return dataclasses.replace(self, input_ids=self.input_ids[rows], attention_mask=self.attention_mask[rows],
+                                   margin=None if self.margin is None else self.margin[start:stop])
+
+    def doubled(self: B) -> B:
+        """Every tensor twice: rows [:n] of each are the first half (chosen then rejected), [n:] the copy."""
         return dataclasses.replace(super().doubled(), halves=2)

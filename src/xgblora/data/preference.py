@@ -7,11 +7,16 @@ text with EOS appended to each completion, conversational rows through the chat 
 generation prompt, BOS once, as in SFT); the completion starts where the prompt's tokens and the prompt+completion's
 diverge. Truncation: `max_prompt_length` keeps a prompt's last tokens, `max_length` cuts prompt+completion at the
 end (TRL's keep_start), and a pair whose prompt alone fills max_length is dropped, as TRL drops it.
+
+A reward model reads each pair as two whole sequences, prompt + chosen and prompt + rejected, tokenised as above
+(TRL's RewardTrainer), with the row's optional `margin`; a pair either of whose sequences is longer than max_length
+is dropped, as TRL's RewardTrainer filters it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,7 +24,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from xgblora.data import formats
-from xgblora.data.batches import PreferenceBatch
+from xgblora.data.batches import PreferenceBatch, RewardBatch
 from xgblora.data.sources import Where, parse_columns, read_rows
 from xgblora.data.tasks import role_problem
 from xgblora.errors import UserError, located
@@ -39,6 +44,7 @@ class PreferenceExample:
     rejected: Text
     where: Where
     reference: str | None = None  # the answer a --verifier checks the prompt's greedy completion against
+    margin: float | None = None  # how far chosen's reward should beat rejected's (a reward model's margin column)
 
     @property
     def conversational(self) -> bool:
@@ -93,7 +99,12 @@ def check_row(where: Where, row: dict) -> PreferenceExample:
     reference = row.get("reference")
     if reference is not None and not isinstance(reference, str | int | float):
         raise bad("reference", f"expected the answer as a string or number, got {type(reference).__name__}")
-    return PreferenceExample(prompt, chosen, rejected, where, None if reference is None else str(reference))
+    margin = row.get("margin")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)
+                               or not math.isfinite(margin)):
+        raise bad("margin", f"expected a finite number, got {margin!r}")
+    return PreferenceExample(prompt, chosen, rejected, where, None if reference is None else str(reference),
+                             None if margin is None else float(margin))
 
 
 def text_field(value: object, bad: Bad, name: str) -> Text:
@@ -149,23 +160,31 @@ def encode(tokenizer: PreTrainedTokenizerBase, ex: PreferenceExample) -> Prefere
     """The pair's tokens as TRL makes them (see the module docstring)."""
     where = f"{ex.source}: "
     if ex.conversational:
-        def turns(messages: list[dict]) -> list[tuple[str, str]]:
-            return [(m["role"], m["content"]) for m in messages]
-
-        texts = [formats.render(tokenizer, turns(ex.prompt), generation_prompt=True, where=where)]
-        texts += [formats.render(tokenizer, turns(ex.prompt + c), generation_prompt=False, where=where)
-                  for c in (ex.chosen, ex.rejected)]
-        prompt, chosen, rejected = (formats.prompt_ids(tokenizer, t, templated=True) for t in texts)
+        prompt_text = formats.render(tokenizer, _turns(ex.prompt), generation_prompt=True, where=where)
     else:
-        eos = tokenizer.eos_token or ""
-        with_eos = [c if c.endswith(eos) else c + eos for c in (ex.chosen, ex.rejected)]
-        prompt, chosen, rejected = (formats.prompt_ids(tokenizer, t, templated=False)
-                                    for t in (ex.prompt, ex.prompt + with_eos[0], ex.prompt + with_eos[1]))
+        prompt_text = ex.prompt
+    prompt, chosen, rejected = (formats.prompt_ids(tokenizer, t, templated=ex.conversational)
+                                for t in (prompt_text, *_sequence_texts(tokenizer, ex)))
     n = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
     if n == 0:
         raise UserError(f"{where}field \"prompt\": has no tokens before the completions; a pair needs a prompt to "
                         f"condition on (give the row a prompt, or use a tokenizer that adds BOS)")
     return PreferenceSeq(prompt[:n], chosen[n:], rejected[n:])
+
+
+def _turns(messages: list[dict]) -> list[tuple[str, str]]:
+    return [(m["role"], m["content"]) for m in messages]
+
+
+def _sequence_texts(tokenizer: PreTrainedTokenizerBase, ex: PreferenceExample) -> tuple[str, str]:
+    """prompt + chosen and prompt + rejected as TRL writes them: through the chat template, or as text with EOS
+    after each completion (where it has none)."""
+    if ex.conversational:
+        where = f"{ex.source}: "
+        return tuple(formats.render(tokenizer, _turns(ex.prompt + c), generation_prompt=False, where=where)
+                     for c in (ex.chosen, ex.rejected))
+    eos = tokenizer.eos_token or ""
+    return tuple(ex.prompt + (c if c.endswith(eos) else c + eos) for c in (ex.chosen, ex.rejected))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -227,3 +246,55 @@ def collate_completions(prompts: Sequence[list[int]], blocks: Sequence[Sequence[
     ref = None if ref_logps is None else ref_logps.T.reshape(-1)
     return PreferenceBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                            completion_mask=completion_mask, ref_logps=ref, label=label)
+
+
+@dataclass(frozen=True)
+class RewardSeq:
+    """A pair's whole sequences, prompt + chosen and prompt + rejected, as token ids; the row's margin."""
+
+    chosen: list[int]
+    rejected: list[int]
+    margin: float | None = None
+
+
+def check_margins(examples: Sequence[PreferenceExample]) -> None:
+    """A margin is in every row or in none (TRL's collator reads the first row's); a one-line UserError naming the
+    first row that differs."""
+    with_margin = [ex.margin is not None for ex in examples]
+    if any(with_margin) and not all(with_margin):
+        first = next(ex for ex, has in zip(examples, with_margin, strict=True) if has != with_margin[0])
+        what = ("missing: the rows before it give a margin, so every row needs one" if with_margin[0]
+                else "given, but the first row has none: give every row a margin, or none")
+        raise located(*first.where, "margin", what)
+
+
+def reward_seqs(tokenizer: PreTrainedTokenizerBase, examples: Sequence[PreferenceExample],
+                max_length: int | None) -> list[RewardSeq]:
+    """Every pair's two sequences (TRL's RewardTrainer's tokens); the pairs with a sequence longer than max_length
+    are dropped (and counted), as TRL filters them."""
+    seqs = []
+    for ex in examples:
+        chosen, rejected = (formats.prompt_ids(tokenizer, t, templated=ex.conversational)
+                            for t in _sequence_texts(tokenizer, ex))
+        if max_length is None or max(len(chosen), len(rejected)) <= max_length:
+            seqs.append(RewardSeq(chosen, rejected, ex.margin))
+    if len(seqs) < len(examples):
+        log.warning("%d of %d pairs dropped: a sequence is longer than --max_length %s", len(examples) - len(seqs),
+                    len(examples), max_length)
+    if not seqs:
+        raise UserError(f"every pair has a sequence longer than --max_length {max_length}: raise it")
+    return seqs
+
+
+def collate_rewards(seqs: Sequence[RewardSeq], pad_id: int) -> RewardBatch:
+    """The pairs as one batch (TRL's DataCollatorForPreference): the chosen sequences, then the rejected ones,
+    right-padded; their margins."""
+    rows = [s.chosen for s in seqs] + [s.rejected for s in seqs]
+    width = max(map(len, rows))
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row)] = torch.tensor(row)
+        attention_mask[i, :len(row)] = 1
+    margin = torch.tensor([s.margin for s in seqs]) if seqs[0].margin is not None else None
+    return RewardBatch(input_ids=input_ids, attention_mask=attention_mask, margin=margin)

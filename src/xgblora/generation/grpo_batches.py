@@ -21,7 +21,7 @@ from xgblora.data.order import BatchStream
 from xgblora.distributed import Distributed
 from xgblora.errors import UserError
 from xgblora.generation.generate import Prompts, sampling_params
-from xgblora.generation.grpo_objective import CompletionBatch, row_weights
+from xgblora.generation.grpo_objective import CompletionBatch, Objective, row_weights
 from xgblora.generation.rollout import Completions, Rollout
 from xgblora.optim.zo_estimators import spreads_members
 
@@ -170,6 +170,7 @@ class Generations:
         # off by default as there); sampling always runs without dropout
         self.dropout = not cfg.disable_dropout
         self.cfg, self.plan, self.rollout, self.prompts, self.dist = cfg, plan, rollout, prompts, dist
+        self.loss_type = Objective.of(cfg).loss_type  # how token losses add up (RLOO: each completion once)
         # --zo_es_spread members: every process samples all of a step's prompts, with one seed, for its members
         self.members_spread = spreads_members(cfg, cfg.trainer)
         self.max_steps = cfg.max_steps if cfg.max_steps > 0 else self.plan.cycle * max(
@@ -235,26 +236,29 @@ class Generations:
         indices = self._next_prompts()
         params = dataclasses.replace(sampling_params(cfg), seed=self._sampling_seed(self.buffer.generations))
         done = rollout.completions(self.prompts, indices, params)
+        kl_in_reward = cfg.advantage_estimator == "rloo" and cfg.beta > 0  # RLOO's KL comes from the old policy
+        batch = rollout.with_logprobs(self._collated(indices, done),
+                                      old=cfg.trainer == "zo" or plan.cycle > 1 or kl_in_reward)
         rewards, advantage, metrics = rollout.rewarded(self.prompts, indices, done, self.trainer_state(),
-                                                      self.buffer.generations + 1)
-        batch = rollout.with_logprobs(self._collated(indices, done, advantage),
-                                      old=cfg.trainer == "zo" or plan.cycle > 1)
+                                                      self.buffer.generations + 1,
+                                                      kl=rollout.kl_sums(batch) if kl_in_reward else None)
+        batch = dataclasses.replace(batch, advantages=advantage.to(rollout.device))
         # groups shuffled whole (TRL shuffles rows; the loss is the same sum): a prompt's completions then share
         # its forward in the loss (completion_logprobs)
         groups = torch.randperm(len(indices), generator=torch.Generator().manual_seed(params.seed))
         batch = batch.rows((groups[:, None] * plan.group + torch.arange(plan.group)).flatten())
         # dapo and cispo divide by the generation batch's tokens on all ranks
         tokens_everywhere = float(rollout.gathered(batch.target_mask.sum(1, keepdim=True))[0].sum())
-        weights = row_weights(batch.target_mask.cpu(), cfg.loss_type, cfg.max_new_tokens, plan.step,
+        weights = row_weights(batch.target_mask.cpu(), self.loss_type, cfg.max_new_tokens, plan.step,
                               tokens_everywhere, plan.steps_per_generation * self.dist.world_size,
                               cfg.per_device_train_batch_size)
         self.buffer.generations += 1
         return Generation(dataclasses.replace(batch, nll_weight=weights.to(rollout.device)), metrics,
                           self._logged(indices, done, rewards) if cfg.log_completions else [])
 
-    def _collated(self, indices: list[int], done: Completions, advantage: torch.Tensor) -> CompletionBatch:
-        """The completions as rows after their prompts, with their advantages (--mask_truncated_completions: a cut
-        one carries no loss)."""
+    def _collated(self, indices: list[int], done: Completions) -> CompletionBatch:
+        """The completions as rows after their prompts, their advantages still 0 (--mask_truncated_completions: a
+        cut one carries no loss)."""
         row_prompts = [i for i in indices for _ in range(self.plan.group)]
         seqs = [TokenSeq(tuple(self.prompts.ids[i]) + tuple(c), len(c), i, 0)
                 for i, c in zip(row_prompts, done.ids, strict=True)]
@@ -265,7 +269,7 @@ class Generations:
                                position_ids=tokens.position_ids, target_mask=mask,
                                prompt_id=torch.tensor(row_prompts),
                                prompt_length=torch.tensor([len(self.prompts.ids[i]) for i in row_prompts]),
-                               advantages=advantage)
+                               advantages=torch.zeros(len(row_prompts)))
 
     def _logged(self, indices: list[int], done: Completions, rewards: torch.Tensor) -> list[dict[str, Any]]:
         """A few completions with their prompt, reward and the reward functions' log_extra columns."""

@@ -18,6 +18,13 @@ log-probabilities of each completion token, and its mask m:
   max_completion_length); `dapo` and `cispo` sum(l m) / (the generation batch's completion tokens, at least 1,
   / optimizer steps per generation batch), the token mean over the generation batch.
 
+RLOO (--advantage_estimator rloo, as TRL's RLOOTrainer): each completion's total reward, clipped to
+reward_clip_range, less beta sum_t (old_it - ref_it) (the KL to the reference in the reward, first-order, summed over
+the completion), then A_i = r_i - the mean of the other scored rewards of its group (leave-one-out), with
+normalize_advantages divided, centred on the batch mean, by the batch std + 1e-4; the loss of a completion is the
+clipped surrogate of one ratio, exp(sum over its tokens of (logp_it - old_it)), and an optimizer step's loss the mean
+over its completions (the `grpo` weights, each completion's token losses being that one value).
+
 Each normalisation is a weight per completion (`row_weights`), so a step's loss is the mean over its completions
 of w_i sum_t l_it m_it: the steppers' micro-batches and MeZO's dual batch, which average per-row losses, compute
 it unchanged. Log-probabilities are those of the logits divided by the sampling temperature (as TRL), only the
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from xgblora.config import GRPOConfig
 from xgblora.data.batches import TokenBatch
 from xgblora.models.scoring import completion_scores
 
@@ -67,6 +75,19 @@ def advantages(rewards: Tensor, group_size: int, scale_rewards: str = "group") -
     if scale_rewards != "none":
         centred = centred / (reward_scale(rewards, group_size, scale_rewards) + STD_EPS)
     return torch.nan_to_num(centred, nan=0.0)
+
+
+def rloo_advantages(rewards: Tensor, group_size: int, normalize: bool = False) -> Tensor:
+    """TRL's RLOOTrainer's advantages of rewards [n] (groups of group_size adjacent completions; NaN: unscored): each
+    reward minus the mean of the other scored rewards of its group, with `normalize` centred on the batch's mean and
+    divided by its std + 1e-4; 0 where unscored, or alone in its group to be scored."""
+    grouped = rewards.view(-1, group_size)
+    scored = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    others = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scored - 1)
+    advantage = rewards - others.view(-1)
+    if normalize:
+        advantage = (advantage - torch.nanmean(advantage)) / (nanstd(advantage) + STD_EPS)
+    return torch.nan_to_num(advantage, nan=0.0)
 
 
 def normalized_sum(per_function: Tensor, weights: Tensor, group_size: int) -> Tensor:
@@ -104,7 +125,8 @@ def row_weights(completion_mask: Tensor, loss_type: str, max_completion_length: 
 
 @dataclass(frozen=True)
 class Objective:
-    """The options of the clipped surrogate (TRL's names)."""
+    """The options of the clipped surrogate (TRL's names); `estimator` rloo: TRL's RLOOTrainer's loss (one ratio per
+    completion, of its whole probability; see the module docstring)."""
 
     epsilon: float = 0.2
     epsilon_high: float | None = None
@@ -112,6 +134,16 @@ class Objective:
     bias_correction_kl: bool = True
     loss_type: str = "dapo"
     importance_sampling_level: str = "token"
+    estimator: str = "grpo"
+
+    @classmethod
+    def of(cls, cfg: GRPOConfig) -> Objective:
+        """The loss of a run: GRPO's options, or under --advantage_estimator rloo RLOO's, whose completions weigh
+        once each in the mean (`grpo` weights) and whose KL is in the reward, not in the loss."""
+        if cfg.advantage_estimator == "rloo":
+            return cls(cfg.epsilon, cfg.epsilon_high, loss_type="grpo", estimator="rloo")
+        return cls(cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.use_bias_correction_kl, cfg.loss_type,
+                   cfg.importance_sampling_level)
 
     @property
     def upper(self) -> float:
@@ -124,7 +156,9 @@ def token_losses(logps: Tensor, old_logps: Tensor, ref_logps: Tensor | None, adv
     """l_it of every token [n, k] and the per-token statistics (ratio clipped low/high, KL) for the logs; mask
     [n, k] marks the completion tokens (a sequence-level ratio is their mean)."""
     log_ratio = logps - old_logps
-    if objective.importance_sampling_level == "sequence":
+    if objective.estimator == "rloo":  # the ratio of the completion's probabilities
+        log_ratio = (log_ratio * mask).sum(1, keepdim=True)
+    elif objective.importance_sampling_level == "sequence":
         log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1)
     ratio = torch.exp(log_ratio)
     a = advantage.unsqueeze(1)

@@ -15,6 +15,11 @@ other column of the prompt rows comes as a keyword argument, one value per compl
   first) and called through usercode's guard (an exception, a wrong type or length, an infinite value: one line
   naming the function and the row); it also receives TRL's trainer_state, log_extra and log_metric.
 The first correctness reward is the run's accuracy.
+
+`--reward_model PATH` adds a reward model (`RewardModel`), scored as TRL's GRPOTrainer scores a model among its
+reward_funcs: prompt + completion as text (a conversation through the reward model's chat template), tokenised
+without special tokens and right-padded, the classifier's first output its reward. It comes first, as TRL's script
+puts reward_model_name_or_path first.
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from xgblora import usercode
+from xgblora.adapters import trained
+from xgblora.data import formats
 from xgblora.errors import UserError
 from xgblora.evaluation.answers import MathVerifier, Verifier, make_extractor, make_verifier
 
@@ -81,18 +89,71 @@ def make_reward(spec: str, tolerance: float) -> tuple[RewardFunc, bool]:
                     f"those>, or module:function")
 
 
-class Rewards:
-    """The run's reward functions and weights; `score` gives every completion's reward per function."""
+class RewardModel:
+    """A sequence classifier with one output as a reward function (see the module docstring); its forwards take
+    `batch_size` completions at a time, without gradients."""
 
-    def __init__(self, specs: Sequence[str], weights: Sequence[float] | None = None, tolerance: float = 1e-6):
-        if not specs:
-            raise UserError("--reward_funcs: give at least one reward function")
-        if weights is not None and len(weights) != len(specs):
-            raise UserError(f"--reward_weights has {len(weights)} values for {len(specs)} --reward_funcs")
-        made = [make_reward(spec, tolerance) for spec in specs]
-        self.names = [spec if not spec.startswith("regex:") else "regex" for spec in specs]
+    def __init__(self, name: str, model: torch.nn.Module, tokenizer: Any, batch_size: int):
+        self.name, self.model, self.tokenizer, self.batch_size = name, model, tokenizer, batch_size
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:
+        texts = [self._text(p, c) for p, c in zip(prompts, completions, strict=True)]
+        scores: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            inputs = self.tokenizer(text=texts[start:start + self.batch_size], return_tensors="pt", padding=True,
+                                    padding_side="right", add_special_tokens=False).to(self.device)
+            scores += self.model(**inputs).logits[:, 0].float().tolist()
+        return scores
+
+    def _text(self, prompt: Any, completion: Any) -> str:
+        """prompt + completion as TRL hands them to a reward model: the conversation through the chat template
+        (no generation prompt), or the two strings joined."""
+        if not isinstance(prompt, list):
+            return prompt + completion
+        turns = [(m["role"], m["content"]) for m in prompt + completion]
+        return formats.render(self.tokenizer, turns, generation_prompt=False, where=f"--reward_model {self.name}: ")
+
+
+def load_reward_model(spec: str, *, dtype: str, device: str, attn_implementation: str = "auto",
+                      trust_remote_code: bool = False, batch_size: int = 8) -> RewardModel:
+    """The reward model a --reward_model names (an xgblora reward run, its final/ or a checkpoint, a merged export,
+    a model folder or hub id), checked to be a sequence classifier with one output before anything loads, then
+    loaded once in eval mode, with TRL's pad token (the tokenizer's, else its EOS) in the model's config."""
+    try:
+        source = trained.resolve(spec)
+    except UserError as exc:
+        raise UserError(f"--reward_model {spec}: {exc}") from None
+    outputs = trained.head_outputs(source, trust_remote_code)
+    if outputs != 1:
+        what = "not a sequence classifier" if outputs is None else f"a classifier with {outputs} outputs"
+        raise UserError(f"--reward_model {spec}: {what}; a reward model scores with one output (an xgblora reward "
+                        f"run, or a model saved by AutoModelForSequenceClassification with num_labels 1)")
+    model, tokenizer = trained.load_model(source, dtype=dtype, device=device, attn_implementation=attn_implementation,
+                                          trust_remote_code=trust_remote_code, head="classifier")
+    model.config.pad_token_id = tokenizer.pad_token_id  # the classifier reads each row's last token before padding
+    folder = trained.run_folder(spec)
+    return RewardModel((folder or Path(spec.rstrip("/"))).name, model.eval(), tokenizer, batch_size)
+
+
+class Rewards:
+    """The run's reward functions (a reward model first, where there is one) and weights; `score` gives every
+    completion's reward per function."""
+
+    def __init__(self, specs: Sequence[str], weights: Sequence[float] | None = None, tolerance: float = 1e-6,
+                 reward_model: RewardModel | None = None):
+        models = [reward_model] if reward_model is not None else []
+        if not specs and not models:
+            raise UserError("--reward_funcs: give at least one reward function, or a --reward_model")
+        if weights is not None and len(weights) != len(specs) + len(models):
+            raise UserError(f"--reward_weights has {len(weights)} values for {len(specs) + len(models)} reward "
+                            f"sources")
+        made = [(model, False) for model in models] + [make_reward(spec, tolerance) for spec in specs]
+        self.names = [model.name for model in models] + [spec if not spec.startswith("regex:") else "regex"
+                                                         for spec in specs]
         self.funcs = [func for func, _ in made]
-        self.weights = torch.tensor(list(weights) if weights is not None else [1.0] * len(specs))
+        self.weights = torch.tensor(list(weights) if weights is not None else [1.0] * len(made))
         self.accuracy_index = next((i for i, (_, correct) in enumerate(made) if correct), None)
 
     def score(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]],

@@ -1,8 +1,9 @@
 """GRPO's rollout, the four steps between a batch of prompts and what the loss reads: completions sampled from the
 policy, scored by the reward functions (with TRL's interface: the prompt and completion as TRL hands them over, the
-rows' other columns, trainer_state, log_extra, log_metric), turned into group-normalised advantages, and the old and
-reference log-probabilities. Data-parallel: every process scores its own groups, and the scores are gathered for
---scale_rewards batch and the logged statistics (a group lives on one process)."""
+rows' other columns, trainer_state, log_extra, log_metric), turned into advantages (GRPO's group-normalised ones, or
+RLOO's leave-one-out ones with the KL to the reference in the reward), and the old and reference log-probabilities.
+Data-parallel: every process scores its own groups, and the scores are gathered for --scale_rewards batch and the
+logged statistics (a group lives on one process)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from xgblora.generation.grpo_objective import (
     nanstd,
     normalized_sum,
     reward_scale,
+    rloo_advantages,
 )
 from xgblora.generation.rewards import Rewards
 from xgblora.models.sampler import Sample, Sampler, SamplingParams
@@ -133,28 +135,43 @@ class Rollout:
     # ------------------------------------------------------------------ advantages
 
     def rewarded(self, prompts: Prompts, indices: list[int], done: Completions, state: transformers.TrainerState,
-                generation: int, gather: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+                 generation: int, gather: bool = True, kl: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """This process's total rewards and advantages, and the statistics of the whole generation batch (number
-        `generation`): all from every process's scores; from this process's alone without gather."""
+        `generation`): all from every process's scores; from this process's alone without gather. kl: RLOO's, each
+        completion's summed log-ratio to the reference and its tokens [n, 2], which --beta takes off its reward."""
         lengths = torch.tensor([len(c) for c in done.ids], dtype=torch.float)
-        scores = torch.cat([self.score(prompts, indices, done, state), lengths[:, None],
-                            done.truncated[:, None].float()], 1)
+        scores = torch.cat([self.score(prompts, indices, done, state), torch.zeros(len(lengths), 2) if kl is None
+                            else kl.cpu(), lengths[:, None], done.truncated[:, None].float()], 1)
         everyone, start = self.gathered(scores) if gather else (scores, 0)
-        per_function, rewards = everyone[:, :-2], self.rewards.total(everyone[:, :-2])
+        per_function, rewards = everyone[:, :-4], self.rewards.total(everyone[:, :-4])
         if torch.isnan(rewards).all():  # nothing to learn from, on any process: the loss would be 0 to the end
             raise UserError(f"{prompts.examples[indices[0]].source}: every reward function "
                             f"({', '.join(self.rewards.names)}) returned None or NaN for all {len(rewards)} "
                             f"completions of generation batch {generation}; nothing to learn from")
         mine = slice(start, start + len(done.texts))
-        if self.cfg.multi_objective_aggregation == "normalize_then_sum":
+        advantage, scale = self._advantages(per_function, rewards, everyone[:, -4])
+        metrics = self._generation_metrics(per_function, rewards, scale, everyone[:, -2], everyone[:, -1].bool())
+        if kl is not None:  # RLOO's KL in the reward: per token of the batch, as TRL logs it
+            metrics["kl"] = float(everyone[:, -4].sum() / everyone[:, -3].sum().clamp(min=1))
+        return rewards[mine], advantage[mine], metrics
+
+    def _advantages(self, per_function: torch.Tensor, rewards: torch.Tensor,
+                    kl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The advantages of the whole generation batch and the std of each one's group of rewards (for
+        frac_reward_zero_std): GRPO's (module grpo_objective), or RLOO's (its rewards clipped, less beta times the
+        summed KL)."""
+        cfg = self.cfg
+        if cfg.advantage_estimator == "rloo":
+            shaped = rewards.clamp(*cfg.reward_clip_range) if cfg.reward_clip_range else rewards
+            shaped = shaped - cfg.beta * kl
+            return rloo_advantages(shaped, self.group, cfg.normalize_advantages), reward_scale(shaped, self.group)
+        if cfg.multi_objective_aggregation == "normalize_then_sum":
             shaped = normalized_sum(per_function, self.rewards.weights, self.group)
             group, scale = len(shaped), "batch"
         else:
-            shaped, group, scale = rewards, self.group, self.cfg.scale_rewards
-        advantage = advantages(shaped, group, scale)[mine]
-        metrics = self._generation_metrics(per_function, rewards, reward_scale(shaped, group, scale),
-                                           everyone[:, -2], everyone[:, -1].bool())
-        return rewards[mine], advantage, metrics
+            shaped, group, scale = rewards, self.group, cfg.scale_rewards
+        return advantages(shaped, group, scale), reward_scale(shaped, group, scale)
 
     def gathered(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Every process's rows in rank order, on the CPU, and where this process's start."""
@@ -178,6 +195,13 @@ class Rollout:
         return metrics
 
     # ------------------------------------------------------------------ log-probabilities
+
+    @staticmethod
+    def kl_sums(batch: CompletionBatch) -> torch.Tensor:
+        """RLOO's KL of each completion [n, 2]: sum_t (old_t - ref_t) over its tokens (first-order, as TRL's
+        RLOOTrainer), and its tokens."""
+        mask = batch.target_mask
+        return torch.stack([((batch.old_logps - batch.ref_logps) * mask).sum(1), mask.sum(1).float()], 1)
 
     def with_logprobs(self, batch: CompletionBatch, old: bool) -> CompletionBatch:
         """The batch on the device with the old log-probabilities (when `old`: the batch serves more than one step,

@@ -145,7 +145,8 @@ def random_model(name: str, *, dtype: str = "float32", attn_implementation: str 
 
 
 def resolve_head(requested: str, name_or_path: str, trust_remote_code: bool = False) -> str:
-    """'auto' -> lm for causal LMs; for encoders mlm when the checkpoint keeps its masked-LM head, else classifier."""
+    """'auto' -> what the checkpoint is: a saved sequence classifier (a reward model, say) a classifier; else lm for
+    causal LMs, and for encoders mlm when the checkpoint keeps its masked-LM head, else classifier."""
     if name_or_path in RANDOM_MODELS:
         model_type, architectures = RANDOM_MODELS[name_or_path][0], []
     else:
@@ -156,6 +157,8 @@ def resolve_head(requested: str, name_or_path: str, trust_remote_code: bool = Fa
         model_type, architectures = config.model_type, config.architectures or []
     encoder = model_type in ENCODER_TYPES
     if requested == "auto":
+        if architectures and architectures[0].endswith("ForSequenceClassification"):
+            return "classifier"
         if not encoder:
             return "lm"
         return "mlm" if any(a.endswith(("ForMaskedLM", "ForPreTraining")) for a in architectures) else "classifier"

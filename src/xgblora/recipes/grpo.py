@@ -1,11 +1,13 @@
-"""`xgblora grpo`: online RL with verifiable rewards (GRPO, with TRL's GRPOTrainer's options and defaults) for
-full fine-tuning, LoRA and XGBLoRA, under AdamW or MeZO.
+"""`xgblora grpo`: online RL with verifiable rewards or a reward model (GRPO, with TRL's GRPOTrainer's options and
+defaults; RLOO, TRL's RLOOTrainer, with --advantage_estimator rloo) for full fine-tuning, LoRA and XGBLoRA, under
+AdamW or MeZO.
 
 Every generation batch: the next generation_batch / G prompts (seeded epochs, resumable) are sampled G times each
-by the shared-prefix sampler (the policy, dropout off), the reward functions score the completions, the rewards
-become group-normalised advantages, and one pass without gradients gives what the loss needs besides: the old
-log-probabilities, when the batch serves more than one optimizer step or MeZO (whose two-point estimate needs the
-ratio's value), and the reference ones when beta > 0 (the model as it started: a new adapter switched off, a
+by the shared-prefix sampler (the policy, dropout off), the reward functions (and --reward_model, loaded once before
+the policy) score the completions, the rewards become group-normalised advantages (RLOO: leave-one-out ones, the KL
+taken off the rewards), and one pass without gradients gives what the loss needs besides: the old
+log-probabilities, when the batch serves more than one optimizer step, MeZO (whose two-point estimate needs the
+ratio's value) or RLOO's KL, and the reference ones when beta > 0 (the model as it started: a new adapter switched off, a
 continued adapter's starting factors, no second model; a frozen copy under full fine-tuning). The batch is
 shuffled by groups and cut into optimizer batches; each optimizer step takes the next (AdamW: in micro-batches,
 accumulated; MeZO: the whole optimizer batch, two perturbed forwards), and after num_iterations passes a new batch is
@@ -48,8 +50,9 @@ from xgblora.errors import UserError
 from xgblora.generation.generate import Prompts, read_prompts, sampling_params
 from xgblora.generation.grpo_batches import Generations, Plan, PolicyReward
 from xgblora.generation.grpo_objective import GRPOLoss, Objective
-from xgblora.generation.rewards import Rewards
+from xgblora.generation.rewards import RewardModel, Rewards, load_reward_model
 from xgblora.generation.rollout import Completions, Rollout
+from xgblora.models import pretrained
 from xgblora.optim.zo_estimators import spreads_members
 from xgblora.recipes.lifecycle import Prepared, run_recipe
 from xgblora.report import GRPO_PANELS
@@ -72,7 +75,9 @@ def _recipe(cfg: GRPOConfig, dist: Distributed) -> Prepared:
 
     def results() -> dict[str, Any]:
         after = run.evaluate(run.model, run.monitor)[0] if run.monitor else {}
-        return {"loss_type": run.cfg.loss_type, "num_train": len(source.prompts.ids),
+        estimator = run.cfg.advantage_estimator
+        return {"advantage_estimator": estimator, "loss_type": run.cfg.loss_type if estimator == "grpo" else "rloo",
+                "num_train": len(source.prompts.ids),
                 "generation_batches": source.generations, **{f"eval_{k}": v for k, v in after.items()}}
 
     return Prepared(run.cfg, run.device, trainer, results, data=cfg.train_file, tags=("grpo",),
@@ -129,13 +134,24 @@ class HeldOut:
         return self.rollout.score(self.prompts, indices, done, self.source.trainer_state())
 
 
+def reward_model_of(cfg: GRPOConfig, dist: Distributed) -> RewardModel | None:
+    """--reward_model, loaded once on the policy's device and in its dtype, before the policy (a bad one stops the
+    run first); None without one."""
+    if not cfg.reward_model:
+        return None
+    return load_reward_model(cfg.reward_model, dtype=cfg.dtype_name,
+                             device=str(pretrained.choose_device(dist.device or cfg.device)),
+                             attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code,
+                             batch_size=cfg.per_device_eval_batch_size)
+
+
 def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Generations]:
     """The run's Trainer, on GRPO's loss and its generation batches (the reward functions and the batch plan
     checked before the model loads)."""
     warn_sequence_level(cfg)
-    rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance)
     # spread members: every process samples the step's whole batch, as one process would
     plan = Plan.of(cfg, 1 if spreads_members(cfg, cfg.trainer) else dist.world_size)
+    rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance, reward_model_of(cfg, dist))
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
     cfg, model, tokenizer = load_policy(cfg, dist, template)
     # full fine-tuning has no adapter to switch off: its reference is a frozen copy (only when beta needs it)
@@ -146,10 +162,8 @@ def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Genera
     rollout = Rollout(cfg, model, tokenizer, method, rewards, plan.group, dist, autocast, reference)
     source = Generations(cfg, plan, rollout, read_grpo_prompts(cfg, cfg.train_file, tokenizer, rewards), dist)
     heldout = read_grpo_prompts(cfg, cfg.eval_file, tokenizer, rewards) if cfg.eval_file else None
-    objective = Objective(cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.use_bias_correction_kl, cfg.loss_type,
-                          cfg.importance_sampling_level)
     loss = PolicyReward(source) if cfg.zo_objective == "reward" \
-        else GRPOLoss(model, objective, cfg.temperature, autocast, fused=cfg.fused_lm_head)
+        else GRPOLoss(model, Objective.of(cfg), cfg.temperature, autocast, fused=cfg.fused_lm_head)
     run = TrainingRun(cfg, model, tokenizer, device, HeldOut(rollout, heldout, source, dist).evaluate,
                       monitor=list(range(len(heldout.ids))) if heldout else [])
     return Trainer(run, method, source, loss, dist), source

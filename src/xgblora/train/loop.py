@@ -239,10 +239,10 @@ def build_stepper(cfg: Config, method: Method, loss_fn: Loss, dist: Distributed,
     return stepper_type(estimator)(estimator, loss_fn, nan_policy=cfg.nan_policy, device=device, head=head)
 
 
-# What the progress bar and line show of a logged record, when it holds them: the loss, and what GRPO and DPO
-# users watch.
+# What the progress bar and line show of a logged record, when it holds them: the loss, and what GRPO, DPO and
+# reward-model users watch.
 PROGRESS_NAMES = {"loss": "loss", "reward": "reward", "accuracy": "acc", "completion_length": "len", "kl": "kl",
-                  "rewards/accuracies": "pref_acc", "rewards/margins": "margin"}
+                  "rewards/accuracies": "pref_acc", "rewards/margins": "margin", "margin": "margin"}
 
 
 def total_steps(cfg: Config, n_examples: int, global_batch: int) -> int:

@@ -1,6 +1,7 @@
 """Training sets and the loss of each batch kind: the gold continuation's tokens, cross-entropy over candidates
 (MeZO's classification objective), over a label head's labels, InfoNCE over query/document pairs (contrastive),
-InfoNCE plus the instruction loss (GRIT), or a cross-encoder's loss over (query, passage) pairs (rerank)."""
+InfoNCE plus the instruction loss (GRIT), a cross-encoder's loss over (query, passage) pairs (rerank), or a
+preference loss over pairs (DPO's, or a reward model's)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from xgblora.data.batches import (
     PairBatch,
     PreferenceBatch,
     RerankBatch,
+    RewardBatch,
     TokenBatch,
 )
 from xgblora.data.collation import TokenSeq, collate, collate_packed, training_seqs
@@ -32,6 +34,7 @@ from xgblora.embeddings.contrastive import Contrastive
 from xgblora.embeddings.rerank import Reranker
 from xgblora.models.scoring import label_logits, packed_mean_logprobs, target_logprobs
 from xgblora.preference.kto import KTOLoss
+from xgblora.preference.reward import RewardLoss
 from xgblora.preference.scoring import PreferenceLoss
 
 
@@ -140,6 +143,10 @@ def make_batch(seqs: Sequence[TokenSeq], examples: Sequence[int], pad_id: int, b
                           gold=torch.tensor([golds[e] for e in examples]))
 
 
+# the losses of preference batches: DPO's family, KTO's, a reward model's; each keeps TRL's statistics
+PairLoss = PreferenceLoss | KTOLoss | RewardLoss
+
+
 @dataclass
 class TrainingLoss:
     """The training forward: per-example losses of a batch under the run's autocast. `model` is what runs (compiled
@@ -148,7 +155,7 @@ class TrainingLoss:
     model: torch.nn.Module
     autocast: torch.dtype | None = None
     contrastive: Contrastive | None = None
-    preference: PreferenceLoss | KTOLoss | None = None
+    preference: PairLoss | None = None
     fused_head: bool = False
     reranker: Reranker | None = None
 
@@ -165,11 +172,16 @@ class TrainingLoss:
     def head_loss(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The mean loss of a new classification head's outputs [forwards x rows, outputs], the outputs of every
         forward MeZO ran on the batch (a doubled batch's too) stacked: cross-entropy over a label head's labels, a
-        reranker's loss of its pair logits (what `train.head.HeadTrainer` trains the head on)."""
+        reranker's loss of its pair logits, a reward model's of its pairs' rewards (what `train.head.HeadTrainer`
+        trains the head on)."""
         if logits.dim() == 3:  # a causal LM's score head runs on every position; its forward reads the last token's
             ids = batch.input_ids.repeat(logits.shape[0] // batch.input_ids.shape[0], 1)
             real = (ids != self.model.config.pad_token_id) * torch.arange(ids.shape[1], device=ids.device)
             logits = logits[torch.arange(ids.shape[0], device=ids.device), real.argmax(-1)]
+        if isinstance(batch, RewardBatch):
+            forwards = logits.shape[0] // batch.input_ids.shape[0]
+            return torch.stack([self.preference.losses(rewards, batch).mean()
+                                for rewards in logits[:, 0].float().chunk(forwards)]).mean()
         if isinstance(batch, RerankBatch):
             forwards = logits.shape[0] // batch.label.shape[0]
             return torch.stack([self.reranker.from_scores(scores, batch).mean()
@@ -179,13 +191,13 @@ class TrainingLoss:
 
     def metrics(self) -> dict[str, float]:
         """This process's statistics of the losses since the last call, for the logs: DPO's rewards and
-        log-probabilities (`PreferenceLoss`), KTO's and its KL estimate (`KTOLoss`); none for the other batch
-        kinds."""
+        log-probabilities (`PreferenceLoss`), KTO's and its KL estimate (`KTOLoss`), a reward model's accuracy and
+        rewards (`RewardLoss`); none for the other batch kinds."""
         return self.preference.statistics.drain() if self.preference is not None else {}
 
 
 def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrastive | None = None,
-                     preference: PreferenceLoss | KTOLoss | None = None, fused_head: bool = False,
+                     preference: PairLoss | None = None, fused_head: bool = False,
                      reranker: Reranker | None = None) -> torch.Tensor:
     """Loss of each example in the batch, shape [n_examples], times the batch's loss_scale.
 
@@ -195,13 +207,13 @@ def per_example_loss(model: torch.nn.Module, batch: Batch, contrastive: Contrast
     log-probability. LabelBatch (a classifier or masked LM): cross-entropy over the label logits. PairBatch: each
     query's InfoNCE term (`Contrastive`); GritBatch: w_c times that plus w_g times the generative batch's mean loss.
     PreferenceBatch: each pair's or row's preference loss (`PreferenceLoss`: DPO and its family; `KTOLoss`; they
-    apply loss_scale).
+    apply loss_scale); RewardBatch: each pair's reward-model loss (`RewardLoss`; it applies loss_scale).
     RerankBatch: each query's share of a cross-encoder's loss over its (query, passage) pairs (`Reranker`).
     fused_head: TokenBatch and PackedBatch (GRIT's generative part too) score their targets through the fused LM
     head (`models.fused_head`: no [tokens, vocab] logits) where the model allows it.
     """
     match batch:
-        case PreferenceBatch():
+        case PreferenceBatch() | RewardBatch():
             return preference(model, batch)
         case GritBatch():
             losses = contrastive.grit(model, batch, per_example_loss(model, batch.generative, fused_head=fused_head))

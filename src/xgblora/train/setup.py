@@ -54,10 +54,9 @@ from xgblora.evaluation.evaluators import (
 from xgblora.models import pretrained
 from xgblora.models.quant import is_quantized
 from xgblora.models.scoring import is_head_param, packing_supported
-from xgblora.preference.kto import KTOLoss
-from xgblora.preference.scoring import PreferenceLoss
 from xgblora.train.head import fit_probe
 from xgblora.train.objective import (
+    PairLoss,
     TrainingLoss,
     TrainingSet,
     causal_training_set,
@@ -226,7 +225,7 @@ class TrainingRun:
 
 
 def training_loss(run: TrainingRun, dist: Distributed, contrastive: Contrastive | None = None,
-                  preference: PreferenceLoss | KTOLoss | None = None, reranker: Reranker | None = None) -> TrainingLoss:
+                  preference: PairLoss | None = None, reranker: Reranker | None = None) -> TrainingLoss:
     """The training forward of the run's batches (`TrainingLoss`), compiled under --compile; through the fused LM
     head where asked, except compiled or under FSDP, whose wrapped model gathers the root's weights in its own
     forward (the backbone's skips that)."""
@@ -369,20 +368,23 @@ def _compute_dtype(cfg: Config, device: torch.device) -> str:
     return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(autocast, cfg.dtype_name)
 
 
-def load_policy(cfg: Config, dist: Distributed, template: str | None = None) -> tuple[Config, torch.nn.Module, Any]:
-    """The language model grpo and dpo train, and its tokenizer (a run or adapter folder names its base; the adapter
-    itself is set up by setup_method), and the config resolved against them (`resolve_config`); TF32 on where asked."""
-    transformers.set_seed(cfg.seed)
+def load_policy(cfg: Config, dist: Distributed, template: str | None = None, head: str = "lm",
+                num_labels: int | None = None) -> tuple[Config, torch.nn.Module, Any]:
+    """The model grpo and dpo train (a language model), or reward (`head` classifier: a sequence classifier with
+    `num_labels` outputs), and its tokenizer (a run or adapter folder names its base; the adapter itself is set up by
+    setup_method), and the config resolved against them (`resolve_config`); TF32 on where asked."""
+    transformers.set_seed(cfg.seed)  # before the load, which draws a new head's weights
     cfg = resolve_model(cfg)
     target = pretrained.choose_device(dist.device or cfg.device)
     model, tokenizer = pretrained.load(cfg.model_name, dtype=cfg.dtype_name, attn_implementation=cfg.attn_implementation,
-                                       device=str(target), trust_remote_code=cfg.trust_remote_code,
-                                       load_in_4bit=cfg.load_in_4bit, compute_dtype=_compute_dtype(cfg, target))
+                                       device=str(target), trust_remote_code=cfg.trust_remote_code, head=head,
+                                       num_labels=num_labels, load_in_4bit=cfg.load_in_4bit,
+                                       compute_dtype=_compute_dtype(cfg, target))
     if template is not None:
         tokenizer.chat_template = template
     if cfg.tf32:
         perf.enable_tf32(next(model.parameters()).device)
-    return resolve_config(cfg, model, dist), model, tokenizer
+    return resolve_config(cfg, model, dist, head), model, tokenizer
 
 
 def resolve_config(cfg: Config, model: torch.nn.Module, dist: Distributed, head: str = "lm") -> Config:
