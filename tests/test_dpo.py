@@ -63,6 +63,7 @@ def test_continued_adapter_is_its_own_reference(tmp_path, pairs):
     assert logged[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
 
 
+@pytest.mark.slow  # trains to an accuracy
 def test_training_raises_the_reward_accuracy(tmp_path, pairs, capsys):
     """The loss falls and held-out reward accuracy reaches 1; TRL's metrics are logged, the progress line shows the
     preference accuracy and margin, report.html draws them."""

