@@ -429,7 +429,7 @@ def test_rewards_advantages_and_their_logs_equal_trls(aggregation, scale_rewards
     run = Rollout.__new__(Rollout)  # only rewarded() and what it reads
     run.cfg = GRPOConfig(train_file="x", scale_rewards=scale_rewards, multi_objective_aggregation=aggregation)
     run.rewards = Rewards(["gsm8k", "format:gsm8k"], [1.0, 0.5])
-    run.group, run.dist, run.device = 4, LOCAL, torch.device("cpu")
+    run.group, run.dist, run.device, run.agent = 4, LOCAL, torch.device("cpu"), None
     run.score = lambda *args: per_function
     done = Completions([""] * 12, [[1]] * 12, torch.zeros(12, dtype=torch.bool))
     _, ours, logged = run.rewarded(None, [0, 1, 2], done, None, 1)

@@ -112,7 +112,7 @@ def test_advantages_and_their_logs_equal_trls(beta, clip, normalize):
     run.cfg = GRPOConfig(train_file="x", advantage_estimator="rloo", beta=beta, reward_clip_range=clip,
                          normalize_advantages=normalize)
     run.rewards = Rewards(["gsm8k", "format:gsm8k"], [1.0, 0.5])
-    run.group, run.dist, run.device = 4, LOCAL, torch.device("cpu")
+    run.group, run.dist, run.device, run.agent = 4, LOCAL, torch.device("cpu"), None
     run.score = lambda *args: per_function
     done = Completions([""] * 12, [[1]] * 12, torch.zeros(12, dtype=torch.bool))
     kl = torch.stack([kl_sums, tokens], 1) if beta else None

@@ -69,6 +69,7 @@ from xgblora.options import (
     SplitOptions,
     SupervisedOptions,
     TaskOptions,
+    ToolOptions,
     ZOHeadOptions,
     ZOOptions,
     _opt,
@@ -628,14 +629,14 @@ class RFTConfig(SamplingOptions, CompletionOptions, BatchOptions, NextTokenOptio
 
 
 @dataclass(frozen=True)
-class GRPOConfig(RLOOOptions, SamplingOptions, CompletionOptions, TrainerConfig):
+class GRPOConfig(ToolOptions, RLOOOptions, SamplingOptions, CompletionOptions, TrainerConfig):
     """Options of `xgblora grpo`: the Trainer's options (method, trainer, optimiser, checkpoints) plus GRPO's, under TRL's
     GRPOConfig names where TRL has them. --train_file holds the prompts, --eval_file the held-out ones (pass@1)."""
 
     num_return_sequences: int = _opt(8, "Completions per prompt, G (TRL's num_generations): each prompt runs once and its KV cache is shared by them.",
                                      aliases=("num_generations", "num_samples"))
     temperature: float = _opt(1.0, "Sampling temperature (the log-probabilities of the loss are taken at it too, as TRL does).")
-    reward_funcs: list[str] | None = _opt(None, "Reward functions: gsm8k, math, answer_tags, regex:PATTERN (1 if the answer is right), format:<one of those> (1 if there is an answer), module:function. Default: gsm8k, or none beside --reward_model.")
+    reward_funcs: list[str] | None = _opt(None, "Reward functions: gsm8k, math, answer_tags, regex:PATTERN (1 if the answer is right), format:<one of those> (1 if there is an answer), module:function. Default: gsm8k, or none beside --reward_model or --environment_factory.")
     reward_model: str | None = _opt(None, "A reward model that scores each prompt + completion, as TRL's GRPOTrainer does (its first output on the chat template's text): a sequence classifier with one output, e.g. an xgblora reward run (its folder, final/ or a merged export), a model folder or hub id; it comes before --reward_funcs, in --reward_weights too.",
                                     aliases=("reward_model_name_or_path",))
     reward_weights: list[float] | None = _opt(None, "Weight of each reward source in the total reward, --reward_model first (default: 1 each).")
@@ -664,8 +665,8 @@ class GRPOConfig(RLOOOptions, SamplingOptions, CompletionOptions, TrainerConfig)
                              ("loss", "reward"))
 
     def __post_init__(self) -> None:
-        if self.reward_funcs is None:
-            object.__setattr__(self, "reward_funcs", [] if self.reward_model else ["gsm8k"])
+        if self.reward_funcs is None:  # an environment may own the reward (its get_reward)
+            object.__setattr__(self, "reward_funcs", [] if self.reward_model or self.environment_factory else ["gsm8k"])
         super().__post_init__()
         refuse_no_trainer(self, "grpo")
         if self.method == "lora" and self.lora_target_modules is None and self.adapter is None:
@@ -673,7 +674,10 @@ class GRPOConfig(RLOOOptions, SamplingOptions, CompletionOptions, TrainerConfig)
             # (BENCHMARKS.md, GRPO) every linear layer did as well as q/v or better, and learned sooner
             object.__setattr__(self, "lora_target_modules", "all-linear")
         check_sampling(self, self.num_return_sequences)
-        check_positive(self, "max_new_tokens", "num_iterations", "generation_batch_size", "steps_per_generation")
+        check_positive(self, "max_new_tokens", "num_iterations", "generation_batch_size", "steps_per_generation",
+                       "tool_timeout")
+        if (self.max_tool_calling_iterations or 0) < 0:
+            raise UserError(f"--max_tool_calling_iterations must be 0 or more, got {self.max_tool_calling_iterations}")
         if self.zo_objective == "reward":
             self._check_reward_objective()
             object.__setattr__(self, "zo_dual", False)  # the default (on where it applies) never applies here
@@ -698,7 +702,7 @@ class GRPOConfig(RLOOOptions, SamplingOptions, CompletionOptions, TrainerConfig)
     def _check_rewards(self) -> None:
         """At least one reward source, a weight for each, and RLOO's reward clipping range."""
         sources = len(self.reward_funcs) + (self.reward_model is not None)
-        if not sources:
+        if not sources and not self.environment_factory:  # whether the environment has get_reward: once imported
             raise UserError("--reward_funcs: give at least one reward function, or a --reward_model")
         if self.reward_weights is not None and len(self.reward_weights) != sources:
             named = f"{len(self.reward_funcs)} --reward_funcs" + (" and a --reward_model" if self.reward_model else "")
@@ -964,6 +968,9 @@ IGNORED = (
             "--normalize_advantages scales the advantages)"),
     Ignored(("normalize_advantages", "reward_clip_range"), RLOOOptions, lambda c: c.advantage_estimator == "grpo",
             "an RLOO option; pass --advantage_estimator rloo (GRPO scales advantages with --scale_rewards)"),
+    Ignored(("max_tool_calling_iterations", "tool_timeout"), ToolOptions,
+            lambda c: not c.tools and not c.environment_factory,
+            "read only when the policy has tools: pass --tools or --environment_factory"),
     Ignored(("adam_beta1",), ZOOptions, lambda c: c.trainers_used == {"zo"} and c.zo_optimizer == "sgd",
             "--trainer zo with --zo_optimizer sgd keeps no momentum; pass --zo_optimizer momentum or adam"),
     Ignored(("adam_beta2", "adam_epsilon"), ZOOptions, lambda c: c.trainers_used == {"zo"} and c.zo_optimizer != "adam",

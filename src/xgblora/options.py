@@ -480,10 +480,20 @@ class RLOOOptions:
     reward_clip_range: list[float] | None = _opt(None, "rloo: clip each completion's total reward to [MIN, MAX] before the KL and the baselines.")
 
 
+@dataclass(frozen=True)
+class ToolOptions:
+    """Tools a GRPO policy may call inside its rollouts (TRL's GRPOTrainer tools and environment_factory)."""
+
+    tools: list[str] | None = _opt(None, "Python functions the policy may call, module:function each: described to it by their signature and docstring through the chat template, called when a completion holds a tool call, their results fed back as tool turns that carry no loss.")
+    environment_factory: str | None = _opt(None, "module:Class (or a function) making one environment per rollout: its reset(**row) starts the rollout (a string it returns joins the last user turn), its public methods are tools, and its get_reward(), where it has one, is one more reward source.")
+    max_tool_calling_iterations: int | None = _opt(None, "Most tool-calling turns per rollout (default: no limit besides --max_completion_length).")
+    tool_timeout: float = _opt(10.0, "Seconds a tool call may take; a slower call is a failed call whose result says so, and the rollout goes on.")
+
+
 # Every group, in the order a command's help shows them.
 GROUPS = (ModelOptions, InputOptions, TaskOptions, ClassificationOptions, HeadOptions, EmbeddingOptions,
           RetrievalOptions, RerankEvalOptions, SplitOptions, SupervisedOptions, ContrastiveOptions, GritOptions,
           RerankOptions, InstructionOptions, NextTokenOptions, MemoryOptions, MethodOptions, AdapterOptions,
           BoostingOptions, AdaptiveBoostingOptions, OptimizerOptions, MomentumOptions, AdamWOptions, ZOOptions,
           ZOHeadOptions, ComputeOptions, BatchOptions, RunOptions, OutputOptions, ResultFileOptions, LoopOptions,
-          CompletionOptions, SamplingOptions, RLOOOptions)
+          CompletionOptions, SamplingOptions, RLOOOptions, ToolOptions)

@@ -358,7 +358,6 @@ GRPO: dict[str, Entry] = {
     "use_adaptive_entropy": Refused("xgblora's GRPO loss has no entropy bonus"),
     **{name: Ignorable("read only with use_adaptive_entropy, which xgblora lacks") for name in (
         "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")},
-    "max_tool_calling_iterations": Ignorable("read only with tools, which xgblora grpo does not call"),
     "off_policy_mask_threshold": Refused("xgblora masks no off-policy sequences"),
     "log_multimodal": Ignorable(LOGS),
     "num_completions_to_print": Ignorable(LOGS + " (log_completions: a few completions per logging step)"),
@@ -386,7 +385,7 @@ REWARD: dict[str, Entry] = {
 # RLOOConfig's names are GRPOConfig's, less these (its normalize_advantages and reward_clip_range are xgblora's
 # own): an RLOOConfig YAML runs under xgblora grpo, with advantage_estimator: rloo
 GRPO_ONLY = ("cast_lm_head_to_fp32", "delta", "entropy_coef", "entropy_coef_delta", "entropy_coef_max",
-             "entropy_coef_min", "entropy_target", "log_completions_hub_repo", "max_tool_calling_iterations",
+             "entropy_coef_min", "entropy_target", "log_completions_hub_repo",
              "off_policy_mask_threshold", "sapo_temperature_neg", "sapo_temperature_pos", "scale_rewards",
              "top_entropy_quantile", "use_adaptive_entropy", "vespo_k_neg", "vespo_k_pos", "vespo_lambda_neg",
              "vespo_lambda_pos", "vllm_importance_sampling_cap", "vllm_importance_sampling_clip_max",

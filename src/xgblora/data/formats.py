@@ -19,8 +19,9 @@ an assistant turn (so " 4", after a generation prompt ending in a space, is the 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -51,14 +52,16 @@ def model_stop_ids(model: object, tokenizer: PreTrainedTokenizerBase) -> list[in
 
 
 def render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str, str]], generation_prompt: bool,
-           where: str = "") -> str:
-    """The chat template's text for a conversation; a template that is missing or fails is a one-line UserError."""
+           where: str = "", tools: Sequence[Callable[..., Any]] | None = None) -> str:
+    """The chat template's text for a conversation (with the tools described to the model, where given); a template
+    that is missing or fails is a one-line UserError."""
     if tokenizer.chat_template is None:
         raise UserError("this tokenizer has no chat template, so conversation rows cannot be rendered; pass "
                         "--chat_template FILE (a Jinja template), or use prompt/completion rows")
     try:
+        # `or None`: some templates (Llama 3's) write their tool preamble for an empty list too
         return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+                                             add_generation_prompt=generation_prompt, tools=list(tools or ()) or None)
     except Exception as exc:  # noqa: BLE001 -- jinja's TemplateError, or an exception the template raises itself
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise UserError(f"{where}the chat template failed to render ({type(exc).__name__}: {first})") from None
@@ -91,13 +94,14 @@ def prompt_turns(tokenizer: PreTrainedTokenizerBase, ex: Example, raw: bool = Fa
 
 
 def generation_prompt_ids(tokenizer: PreTrainedTokenizerBase, ex: Example, raw: bool = False,
-                          system: str | None = None) -> list[int]:
-    """The tokens a model continues for a prompt row: `prompt_turns` through the chat template, else the string
-    prompt as it is."""
+                          system: str | None = None, tools: Sequence[Callable[..., Any]] | None = None) -> list[int]:
+    """The tokens a model continues for a prompt row: `prompt_turns` through the chat template (describing `tools`),
+    else the string prompt as it is."""
     turns = prompt_turns(tokenizer, ex, raw, system)
     if not turns:
         return prompt_ids(tokenizer, ex.prompt, templated=False)
-    return prompt_ids(tokenizer, render(tokenizer, turns, generation_prompt=True, where=f"{ex.source}: "), templated=True)
+    text = render(tokenizer, turns, generation_prompt=True, where=f"{ex.source}: ", tools=tools)
+    return prompt_ids(tokenizer, text, templated=True)
 
 
 def _with_bos(tokenizer: PreTrainedTokenizerBase, text: str, ids: list[int]) -> list[int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,12 @@ class Prompts:
 
 
 def read_prompts(source: str, tokenizer: PreTrainedTokenizerBase, *, columns: str | None = None, raw: bool = False,
-                 system: str | None = None, max_length: int = 4096) -> Prompts:
-    """Read and render the prompts of a file; prompts longer than max_length keep their last tokens (one warning)."""
+                 system: str | None = None, max_length: int = 4096,
+                 tools: Sequence[Callable[..., Any]] | None = None) -> Prompts:
+    """Read and render the prompts of a file (describing `tools` to the model); prompts longer than max_length keep
+    their last tokens (one warning)."""
     rows, examples = read_prompt_rows(source, columns)
-    rendered = [formats.generation_prompt_ids(tokenizer, ex, raw=raw, system=system) for ex in examples]
+    rendered = [formats.generation_prompt_ids(tokenizer, ex, raw=raw, system=system, tools=tools) for ex in examples]
     cut = sum(len(ids) > max_length for ids in rendered)
     if cut:
         warnings.warn(f"{cut} of {len(rendered)} prompts were longer than max_length = {max_length} tokens and keep "

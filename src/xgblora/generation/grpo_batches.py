@@ -258,17 +258,25 @@ class Generations:
 
     def _collated(self, indices: list[int], done: Completions) -> CompletionBatch:
         """The completions as rows after their prompts, their advantages still 0 (--mask_truncated_completions: a
-        cut one carries no loss)."""
+        cut one carries no loss; tool turns carry none). A rollout whose environment changed its prompt has a prompt
+        of its own (an id past the file's prompts)."""
         row_prompts = [i for i in indices for _ in range(self.plan.group)]
-        seqs = [TokenSeq(tuple(self.prompts.ids[i]) + tuple(c), len(c), i, 0)
-                for i, c in zip(row_prompts, done.ids, strict=True)]
+        prompts = [self.prompts.ids[i] for i in row_prompts]
+        own: list[tuple[bool, ...] | None] = [None] * len(prompts)
+        if done.rollouts is not None:
+            own = [tuple(r.own) for r in done.rollouts]
+            row_prompts = [i if r.prompt == prompts[j] else len(self.prompts.ids) + j
+                           for j, (i, r) in enumerate(zip(row_prompts, done.rollouts, strict=True))]
+            prompts = [r.prompt for r in done.rollouts]
+        seqs = [TokenSeq(tuple(p) + tuple(c), len(c), i, 0, mask)
+                for i, p, c, mask in zip(row_prompts, prompts, done.ids, own, strict=True)]
         tokens = collate(seqs, self.rollout.tokenizer.pad_token_id)
         mask = tokens.target_mask & ~done.truncated[:, None] if self.cfg.mask_truncated_completions \
             else tokens.target_mask
         return CompletionBatch(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
                                position_ids=tokens.position_ids, target_mask=mask,
                                prompt_id=torch.tensor(row_prompts),
-                               prompt_length=torch.tensor([len(self.prompts.ids[i]) for i in row_prompts]),
+                               prompt_length=torch.tensor([len(p) for p in prompts]),
                                advantages=torch.zeros(len(row_prompts)))
 
     def _logged(self, indices: list[int], done: Completions, rewards: torch.Tensor) -> list[dict[str, Any]]:

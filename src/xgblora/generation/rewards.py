@@ -44,10 +44,11 @@ _BUILT_IN = re.compile(r"^(gsm8k|math|answer_tags|regex:.*)$", re.DOTALL)
 
 
 def completion_text(completion: Any) -> str:
-    """The text of a completion as TRL hands it over: a string, or a list of messages (their contents joined)."""
+    """The text of a completion as TRL hands it over: a string, or a list of messages (the policy's contents
+    joined: a tool's results are not its answer)."""
     if isinstance(completion, str):
         return completion
-    return "".join(str(message.get("content", "")) for message in completion)
+    return "".join(str(message.get("content", "")) for message in completion if message.get("role") != "tool")
 
 
 @dataclass
@@ -142,10 +143,11 @@ class Rewards:
     completion's reward per function."""
 
     def __init__(self, specs: Sequence[str], weights: Sequence[float] | None = None, tolerance: float = 1e-6,
-                 reward_model: RewardModel | None = None):
+                 reward_model: RewardModel | None = None, environment: tuple[str, RewardFunc] | None = None):
         models = [reward_model] if reward_model is not None else []
-        if not specs and not models:
-            raise UserError("--reward_funcs: give at least one reward function, or a --reward_model")
+        if not specs and not models and environment is None:
+            raise UserError("--reward_funcs: give at least one reward function, a --reward_model, or an "
+                            "--environment_factory whose environment has get_reward()")
         if weights is not None and len(weights) != len(specs) + len(models):
             raise UserError(f"--reward_weights has {len(weights)} values for {len(specs) + len(models)} reward "
                             f"sources")
@@ -154,6 +156,10 @@ class Rewards:
                                                          for spec in specs]
         self.funcs = [func for func, _ in made]
         self.weights = torch.tensor(list(weights) if weights is not None else [1.0] * len(made))
+        if environment is not None:  # the environment's own reward: one more source, weight 1 (as TRL)
+            self.names.append(environment[0])
+            self.funcs.append(environment[1])
+            self.weights = torch.cat([self.weights, torch.ones(1)])
         self.accuracy_index = next((i for i, (_, correct) in enumerate(made) if correct), None)
 
     def score(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]],

@@ -32,6 +32,7 @@ from xgblora.generation.grpo_objective import (
     rloo_advantages,
 )
 from xgblora.generation.rewards import Rewards
+from xgblora.generation.tools import Agent, ToolRollout
 from xgblora.models.sampler import Sample, Sampler, SamplingParams
 from xgblora.train.setup import Method
 
@@ -39,11 +40,24 @@ from xgblora.train.setup import Method
 @dataclass
 class Completions:
     """Completions of some prompts, G per prompt in the prompts' order: their texts, their token ids and which were
-    cut off by max_new_tokens."""
+    cut off by max_new_tokens; with tools, each one's rollout (its turns, which tokens are the policy's own)."""
 
     texts: list[str]
     ids: list[list[int]]
     truncated: torch.Tensor
+    rollouts: list[ToolRollout] | None = None
+
+    def lengths(self) -> torch.Tensor:
+        """Each completion's tokens, the policy's own only (tool turns left out, as TRL counts them)."""
+        if self.rollouts is None:
+            return torch.tensor([len(c) for c in self.ids], dtype=torch.float)
+        return torch.tensor([sum(r.own) for r in self.rollouts], dtype=torch.float)
+
+    def tool_calls(self) -> torch.Tensor:
+        """[n, 2]: each completion's tool calls and failed calls (zeros without tools)."""
+        if self.rollouts is None:
+            return torch.zeros(len(self.ids), 2)
+        return torch.tensor([[r.calls, r.failures] for r in self.rollouts], dtype=torch.float)
 
 
 def _prompt_value(example: Any) -> Any:
@@ -64,9 +78,10 @@ class Rollout:
     continued LoRA adapter's starting factors, else the model with its adapter switched off."""
 
     def __init__(self, cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, method: Method, rewards: Rewards,
-                 group: int, dist: Distributed, autocast: torch.dtype | None, reference: torch.nn.Module | None = None):
+                 group: int, dist: Distributed, autocast: torch.dtype | None, reference: torch.nn.Module | None = None,
+                 agent: Agent | None = None):
         self.cfg, self.model, self.tokenizer, self.method, self.rewards = cfg, model, tokenizer, method, rewards
-        self.group, self.dist, self.autocast, self.reference = group, dist, autocast, reference
+        self.group, self.dist, self.autocast, self.reference, self.agent = group, dist, autocast, reference, agent
         self.device = next(model.parameters()).device
         # a continued LoRA adapter is the reference itself, as TRL's frozen copy of the starting model: its factors
         # are kept (a fresh adapter is zero, so switching it off is the same reference at no cost)
@@ -77,24 +92,44 @@ class Rollout:
 
     # ------------------------------------------------------------------ sample
 
-    def sample(self, prompts: Prompts, indices: list[int], params: SamplingParams) -> list[list[Sample]]:
-        """params.num_samples samples of each prompt in indices (the policy, adapter on)."""
+    def draw(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        """params.num_samples samples of each prompt (the policy, adapter on)."""
         sampler = Sampler(self.model, self.tokenizer.pad_token_id, formats.model_stop_ids(self.model, self.tokenizer),
                           params)
         drawn: dict[int, list[Sample]] = {}
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
-            for batch, samples in sampler.run([prompts.ids[i] for i in indices]):
+            for batch, samples in sampler.run(prompt_ids):
                 drawn.update(zip(batch, samples, strict=True))
-        return [drawn[j] for j in range(len(indices))]
+        return [drawn[j] for j in range(len(prompt_ids))]
 
     def completions(self, prompts: Prompts, indices: list[int], params: SamplingParams) -> Completions:
-        """Samples of the prompts in indices, their token ids with the stop token; the reward functions' log_extra
-        columns start over."""
-        samples = [s for per_prompt in self.sample(prompts, indices, params) for s in per_prompt]
+        """params.num_samples completions of each prompt in indices, their token ids with the stop token (with
+        tools: whole rollouts); the reward functions' log_extra columns start over."""
         self.extra_columns = {}
+        if self.agent is not None:
+            return self._rollouts(prompts, indices, params)
+        samples = [s for per_prompt in self.draw([prompts.ids[i] for i in indices], params) for s in per_prompt]
         return Completions([self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples],
                            [list(s.token_ids) + ([s.stop_id] if s.stop_id is not None else []) for s in samples],
                            torch.tensor([s.finish_reason == "length" for s in samples]))
+
+    def _rollouts(self, prompts: Prompts, indices: list[int], params: SamplingParams) -> Completions:
+        """Rollouts with tools (generation/tools.py): each turn's samples one batch, with a seed of its own."""
+        agent, group, turns = self.agent, params.num_samples, iter(range(1 << 30))
+
+        def draw(ids: list[list[int]], per_prompt: int, budget: int) -> list[list[Sample]]:
+            seed = params.seed + 7_919 * next(turns)
+            return self.draw(ids, replace(params, num_samples=per_prompt, max_new_tokens=budget, seed=seed))
+
+        def render(example: Any) -> list[int]:
+            return formats.generation_prompt_ids(self.tokenizer, example, raw=self.cfg.raw_prompts,
+                                                 tools=agent.toolbox.schemas)
+
+        environments, starts = agent.environments([prompts.rows[i] for i in indices],
+                                                  [prompts.examples[i] for i in indices], group, render)
+        done = agent.run([prompts.ids[i] for i in indices], group, draw, environments, starts).rollouts
+        return Completions([self.tokenizer.decode(r.ids, skip_special_tokens=True) for r in done],
+                           [r.ids for r in done], torch.tensor([r.truncated for r in done]), done)
 
     # ------------------------------------------------------------------ score
 
@@ -113,6 +148,11 @@ class Rollout:
         for key in dict.fromkeys(k for row in rows for k in row if k not in prompt_keys):
             columns[key] = [row.get(key) for row in rows]
         completions = [_completion_value(p, t) for p, t in zip(values, done.texts, strict=True)]
+        if done.rollouts is not None:  # the turns themselves, as TRL hands them over after tool calls
+            completions = [r.messages if isinstance(p, list) else c
+                           for p, c, r in zip(values, completions, done.rollouts, strict=True)]
+            if self.agent.toolbox.factory is not None:
+                columns["environments"] = [r.environment for r in done.rollouts]
         hooks = {"trainer_state": state, "log_extra": self._log_extra, "log_metric": self._log_metric}
         return self.rewards.score(values, completions, done.ids, {**columns, **hooks},
                                   [ex.source for ex in examples])
@@ -140,11 +180,12 @@ class Rollout:
         """This process's total rewards and advantages, and the statistics of the whole generation batch (number
         `generation`): all from every process's scores; from this process's alone without gather. kl: RLOO's, each
         completion's summed log-ratio to the reference and its tokens [n, 2], which --beta takes off its reward."""
-        lengths = torch.tensor([len(c) for c in done.ids], dtype=torch.float)
-        scores = torch.cat([self.score(prompts, indices, done, state), torch.zeros(len(lengths), 2) if kl is None
-                            else kl.cpu(), lengths[:, None], done.truncated[:, None].float()], 1)
+        lengths = done.lengths()
+        scores = torch.cat([self.score(prompts, indices, done, state), done.tool_calls(),
+                            torch.zeros(len(lengths), 2) if kl is None else kl.cpu(), lengths[:, None],
+                            done.truncated[:, None].float()], 1)
         everyone, start = self.gathered(scores) if gather else (scores, 0)
-        per_function, rewards = everyone[:, :-4], self.rewards.total(everyone[:, :-4])
+        per_function, rewards = everyone[:, :-6], self.rewards.total(everyone[:, :-6])
         if torch.isnan(rewards).all():  # nothing to learn from, on any process: the loss would be 0 to the end
             raise UserError(f"{prompts.examples[indices[0]].source}: every reward function "
                             f"({', '.join(self.rewards.names)}) returned None or NaN for all {len(rewards)} "
@@ -154,6 +195,10 @@ class Rollout:
         metrics = self._generation_metrics(per_function, rewards, scale, everyone[:, -2], everyone[:, -1].bool())
         if kl is not None:  # RLOO's KL in the reward: per token of the batch, as TRL logs it
             metrics["kl"] = float(everyone[:, -4].sum() / everyone[:, -3].sum().clamp(min=1))
+        if self.agent is not None:  # TRL's: calls per rollout, failures per call
+            calls, failures = everyone[:, -6].sum(), everyone[:, -5].sum()
+            metrics["tools/call_frequency"] = float(calls / len(everyone))
+            metrics["tools/failure_frequency"] = float(failures / calls) if calls else 0.0
         return rewards[mine], advantage[mine], metrics
 
     def _advantages(self, per_function: torch.Tensor, rewards: torch.Tensor,

@@ -47,11 +47,12 @@ from xgblora.config import GRPOConfig
 from xgblora.data import formats
 from xgblora.distributed import LOCAL, Distributed
 from xgblora.errors import UserError
-from xgblora.generation.generate import Prompts, read_prompts, sampling_params
+from xgblora.generation.generate import Prompts, read_prompt_rows, read_prompts, sampling_params
 from xgblora.generation.grpo_batches import Generations, Plan, PolicyReward
 from xgblora.generation.grpo_objective import GRPOLoss, GRPOObjective
 from xgblora.generation.rewards import RewardModel, Rewards, load_reward_model
-from xgblora.generation.rollout import Completions, Rollout
+from xgblora.generation.rollout import Rollout
+from xgblora.generation.tools import Agent, Toolbox, check_tool_template, response_parser
 from xgblora.models import pretrained
 from xgblora.optim.zo_estimators import spreads_members
 from xgblora.recipes.lifecycle import Prepared, run_recipe
@@ -93,9 +94,11 @@ def warn_sequence_level(cfg: GRPOConfig) -> None:
                     cfg.policy_loss)
 
 
-def read_grpo_prompts(cfg: GRPOConfig, source: str, tokenizer: Any, rewards: Rewards) -> Prompts:
-    """The prompts of a file; with a correctness reward, each needs a reference answer."""
-    prompts = read_prompts(source, tokenizer, columns=cfg.columns, raw=cfg.raw_prompts, max_length=cfg.max_length)
+def read_grpo_prompts(cfg: GRPOConfig, source: str, tokenizer: Any, rewards: Rewards,
+                      toolbox: Toolbox | None = None) -> Prompts:
+    """The prompts of a file (describing the tools); with a correctness reward, each needs a reference answer."""
+    prompts = read_prompts(source, tokenizer, columns=cfg.columns, raw=cfg.raw_prompts, max_length=cfg.max_length,
+                           tools=toolbox.schemas if toolbox else None)
     if rewards.accuracy_index is not None:
         for example, row in zip(prompts.examples, prompts.rows, strict=True):
             if not example.answers and "reference" not in row:
@@ -103,6 +106,30 @@ def read_grpo_prompts(cfg: GRPOConfig, source: str, tokenizer: Any, rewards: Rew
                                 f"{rewards.names[rewards.accuracy_index]} (a completion, response, or final "
                                 f"assistant turn; --columns completion=answer maps yours)")
     return prompts
+
+
+def check_tool_prompts(cfg: GRPOConfig, toolbox: Toolbox | None) -> None:
+    """Tools are described through the chat template: a string prompt sent as it is (--raw_prompts) cannot
+    describe them (checked before the model loads)."""
+    if toolbox is None or not cfg.raw_prompts:
+        return
+    for source in filter(None, (cfg.train_file, cfg.eval_file)):
+        raw = next((ex for ex in read_prompt_rows(source, cfg.columns)[1] if not ex.messages), None)
+        if raw is not None:
+            raise UserError(f"{raw.source}: a string prompt is sent as it is (--raw_prompts true), so the chat "
+                            f"template cannot describe the tools to the model; give conversational prompts, or "
+                            f"pass --raw_prompts false")
+
+
+def tool_agent(cfg: GRPOConfig, toolbox: Toolbox | None, model: torch.nn.Module, tokenizer: Any) -> Agent | None:
+    """The agent that answers the policy's tool calls: the chat template checked to render a tool exchange and
+    given a response template that reads the calls."""
+    if toolbox is None:
+        return None
+    check_tool_template(tokenizer)
+    response_parser(tokenizer)
+    return Agent(toolbox, tokenizer, cfg.max_new_tokens, cfg.max_tool_calling_iterations, cfg.tool_timeout,
+                 getattr(model.config, "max_position_embeddings", None))
 
 
 class HeldOut:
@@ -128,9 +155,7 @@ class HeldOut:
     def _greedy_scores(self, indices: list[int]) -> torch.Tensor:
         """Rewards [prompts, functions] of a greedy completion of each held-out prompt in indices."""
         params = dataclasses.replace(sampling_params(self.rollout.cfg), num_samples=1, temperature=0.0)
-        samples = [s[0] for s in self.rollout.sample(self.prompts, indices, params)]
-        done = Completions([self.rollout.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples],
-                           [list(s.token_ids) for s in samples], torch.zeros(len(samples), dtype=torch.bool))
+        done = self.rollout.completions(self.prompts, indices, params)
         return self.rollout.score(self.prompts, indices, done, self.source.trainer_state())
 
 
@@ -151,17 +176,21 @@ def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Genera
     warn_sequence_level(cfg)
     # spread members: every process samples the step's whole batch, as one process would
     plan = Plan.of(cfg, 1 if spreads_members(cfg, cfg.trainer) else dist.world_size)
-    rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance, reward_model_of(cfg, dist))
+    toolbox = Toolbox.of(cfg)
+    check_tool_prompts(cfg, toolbox)
+    rewards = Rewards(cfg.reward_funcs, cfg.reward_weights, cfg.answer_tolerance, reward_model_of(cfg, dist),
+                      toolbox.reward_function() if toolbox else None)
     template = formats.read_chat_template(cfg.chat_template) if cfg.chat_template else None
     cfg, model, tokenizer = load_policy(cfg, dist, template)
+    agent = tool_agent(cfg, toolbox, model, tokenizer)
     # full fine-tuning has no adapter to switch off: its reference is a frozen copy (only when beta needs it)
     reference = copy.deepcopy(model).eval().requires_grad_(False) if cfg.method == "ft" and cfg.beta else None
     method = setup_method(model, cfg)
     device = next(model.parameters()).device
     autocast = autocast_dtype(cfg, device)
-    rollout = Rollout(cfg, model, tokenizer, method, rewards, plan.group, dist, autocast, reference)
-    source = Generations(cfg, plan, rollout, read_grpo_prompts(cfg, cfg.train_file, tokenizer, rewards), dist)
-    heldout = read_grpo_prompts(cfg, cfg.eval_file, tokenizer, rewards) if cfg.eval_file else None
+    rollout = Rollout(cfg, model, tokenizer, method, rewards, plan.group, dist, autocast, reference, agent)
+    source = Generations(cfg, plan, rollout, read_grpo_prompts(cfg, cfg.train_file, tokenizer, rewards, toolbox), dist)
+    heldout = read_grpo_prompts(cfg, cfg.eval_file, tokenizer, rewards, toolbox) if cfg.eval_file else None
     loss = PolicyReward(source) if cfg.zo_objective == "reward" \
         else GRPOLoss(model, GRPOObjective.of(cfg), cfg.temperature, autocast, fused=cfg.fused_lm_head)
     run = TrainingRun(cfg, model, tokenizer, device, HeldOut(rollout, heldout, source, dist).evaluate,
