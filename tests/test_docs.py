@@ -168,6 +168,8 @@ def workspace(tmp_path_factory) -> tuple[Path, dict[str, str]]:
         "feedback.jsonl": _write_jsonl(root / "feedback.jsonl", _feedback(range(8))),
         "feedback_eval.jsonl": _write_jsonl(root / "feedback_eval.jsonl", _feedback(range(8, 12))),
     }
+    # the tool module docs/grpo.md has the user copy into their folder
+    (root / "calculator.py").write_text((REPO / "examples" / "grpo_tools" / "calculator.py").read_text())
     reviews = [("a fine and moving film", "pos"), ("dull and far too long", "neg")] * 8
     for name, rows in (("reviews.csv", reviews), ("test.csv", reviews[:4])):
         (root / name).write_text("text,label\n" + "".join(f"{t},{label}\n" for t, label in rows), encoding="utf-8")
