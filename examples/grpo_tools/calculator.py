@@ -19,7 +19,7 @@ def add(a: int, b: int) -> int:
 def correct(completions, answer, **kwargs):
     """1.0 where the last number of the final assistant turn is the row's `answer`, else 0.0."""
     scores = []
-    for turns, expected in zip(completions, answer):
+    for turns, expected in zip(completions, answer, strict=True):
         numbers = re.findall(r"-?\d+", turns[-1]["content"] if turns[-1]["role"] == "assistant" else "")
         scores.append(float(bool(numbers) and numbers[-1] == str(expected)))
     return scores
