@@ -1,6 +1,6 @@
-"""Gradient checkpointing that keeps the KV cache: the shared-prompt forward of DPO and GRPO, every decoder layer
+"""The memory of the backward pass. Gradient checkpointing that keeps the KV cache: the shared-prompt forward of DPO and GRPO, every decoder layer
 replayed in the backward pass, gives the un-checkpointed values and gradients; transformers' own checkpointing would
-drop the cache there."""
+drop the cache there. Activation offloading: the saved tensors through torch's host-memory hooks."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from xgblora.adapters.lora import attach, lora_modules
 from xgblora.models import pretrained
 from xgblora.models.checkpointing import enable_checkpointing
 from xgblora.models.scoring import completion_scores
+from xgblora.optim.fo import AdamWStepper
 from xgblora.recipes import sft
 
 
@@ -98,3 +99,38 @@ def test_train_with_gradient_checkpointing_trains_as_without(glue_data, tmp_path
         runs[on] = losses(out), adapter(out)
     assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-5)
     assert_close_tensors(runs[True][1], runs[False][1], rtol=1e-5, atol=1e-6)
+
+
+class _Rows:
+    """A batch of rows of features, whole (one micro-batch)."""
+
+    def __init__(self, x: torch.Tensor):
+        self.x, self.n_examples = x, len(x)
+
+
+def test_activation_offloading_saves_the_backwards_tensors_through_host_hooks_and_keeps_the_step(monkeypatch):
+    """--activation_offloading: AdamWStepper runs the forward under torch's save_on_cpu (its pack hook sees every
+    tensor saved for the backward), and the step is the plain one."""
+    packed = []
+    real = torch.autograd.graph.save_on_cpu
+
+    class Recording(real):
+        def __init__(self, pin_memory=False, device_type="cuda"):
+            super().__init__(pin_memory, device_type)
+            pack = self.pack_hook
+            self.pack_hook = lambda tensor: packed.append(tensor.shape) or pack(tensor)
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", Recording)
+    steps = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+        x = torch.randn(4, 8)
+        stepper = AdamWStepper(list(model.named_parameters()), lambda batch, m=model: m(batch.x).pow(2).mean(),
+                               micro_batch=4, offload=offload)
+        rows = _Rows(x)
+        stepper.step(lambda rows=rows: rows, lr=1e-2)
+        steps.append([p.detach().clone() for p in model.parameters()])
+    assert packed  # the second run's saved activations went through the hook
+    for plain, offloaded in zip(*steps, strict=True):
+        torch.testing.assert_close(offloaded, plain, rtol=0, atol=0)

@@ -1,6 +1,6 @@
 """The CUDA paths, each against its CPU/eager/unfused counterpart: bf16 autocast, attention selection (SDPA,
 flash-attention), varlen packing, fused AdamW, --compile, MeZO's dual batch, full-model MeZO in bf16 (z in pieces,
-little memory added), out-of-memory halving on a real OOM,
+little memory added), activation offloading (the same step, a lower peak), out-of-memory halving on a real OOM,
 and a 1-GPU NCCL process group, the padded loss without a host sync. Marked `cuda`; without a GPU every test skips with the reason.
 `xgblora bench --suite gpu --cuda_tests tests/test_cuda.py` runs them (`python -m pytest -m cuda tests/test_cuda.py`)."""
 
@@ -148,6 +148,27 @@ def test_full_model_mezo_in_bf16_on_cuda_draws_z_in_pieces_and_adds_little_memor
     added = torch.cuda.max_memory_allocated() - before - theta.numel() * 2  # the clone above is not the step's
     assert added < 256 * 2**20, f"a step added {added / 2**20:.0f} MiB over a {weight.numel() * 2 / 2**20:.0f} MiB weight"
     assert not torch.equal(weight, theta)
+
+
+def test_activation_offloading_keeps_the_step_and_lowers_the_peak_memory():
+    """--activation_offloading: the same step (loss and adapter weights) as on the GPU, at a lower peak."""
+    results = []
+    for offload in (False, True):
+        model, _ = _lora_model()
+        model.train()
+        _, batch = _batch(model, rows=16, length=512)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        stepper = AdamWStepper(_adapters(model), TrainingLoss(model), micro_batch=16, offload=offload)
+        loss = stepper.step(lambda batch=batch: batch, lr=1e-3)
+        peak = torch.cuda.max_memory_allocated() - before
+        results.append((loss, [p.detach().clone() for _, p in _adapters(model)], peak))
+    (plain_loss, plain, plain_peak), (loss, offloaded, peak) = results
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-6)
+    for p, q in zip(offloaded, plain, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+    assert peak < 0.8 * plain_peak, f"peak {peak / 2**20:.0f} MiB offloaded vs {plain_peak / 2**20:.0f} MiB"
 
 
 def test_a_real_out_of_memory_halves_the_micro_batch_and_keeps_the_loss():

@@ -4,6 +4,7 @@ loads the trained model, as PEFT loads the adapter."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,3 +67,25 @@ def test_every_command_writes_config_model_card_and_results_alike(command, files
         ours = scope["model"].eval()(input_ids=ids).logits
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(ours, plain)  # trained: the adapter is not zero
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_activation_offloading_reaches_every_commands_loop_and_a_cpu_run_refuses_it(command, files, monkeypatch,
+                                                                                   capsys):
+    """The parser takes --activation_offloading and the loop reads it: on the CPU, the one line that refuses it."""
+    args, _ = COMMANDS[command]
+    monkeypatch.chdir(files)
+    monkeypatch.syspath_prepend(str(files))
+    code = cli.main([*args, *COMMON, "--activation_offloading", "--output_dir", str(files / f"offload-{command}")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--activation_offloading moves saved activations from a CUDA device" in err, err
+
+
+def test_rft_rounds_train_with_the_memory_options_of_the_command():
+    from xgblora.config import RFTConfig
+    from xgblora.recipes.rft import training_config
+
+    cfg = RFTConfig(model_name="tiny-llama", train_file="q.jsonl", eval_file="h.jsonl", output_root="out",
+                    method="lora", activation_offloading=True, gradient_checkpointing=True, compile=True)
+    trained = training_config(cfg, "tiny-llama", None, Path("out/round-1"), 4)
+    assert trained.activation_offloading and trained.gradient_checkpointing and trained.compile

@@ -92,7 +92,7 @@ def test_out_of_memory_at_one_example_is_a_user_error_with_advice():
     model, method_, cfg, data = setup("lora", False, per_device_train_batch_size=2)
     stepper = fo.AdamWStepper(method_.named_params, lambda b: rows_over(0)(model, b), micro_batch=2)
     with pytest.raises(UserError, match=r"CUDA out of memory with a micro-batch of 1 example .*"
-                                        r"--gradient_checkpointing, a smaller --max_length, or --trainer zo"):
+                                        r"--gradient_checkpointing, --activation_offloading, a smaller --max_length, or --trainer zo"):
         stepper.step(lambda: data.batch([0, 1]), lr=1.0)
 
 

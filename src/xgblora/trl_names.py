@@ -162,7 +162,6 @@ EVALUATION = "xgblora's evaluation computes its own metrics (each command's docs
 PARALLEL = ("xgblora sets up data parallelism itself under torchrun or accelerate launch (NCCL on GPUs, gloo on "
             "the CPU; FSDP through accelerate's config: docs/multi-gpu.md)")
 KERNELS = "xgblora picks its kernels itself (its loss is chunked; compile: true compiles with torch's defaults)"
-MEMORY = "xgblora keeps activations on the device (gradient_checkpointing: true recomputes them, xgblora train)"
 MODEL_LOADING = ("xgblora loads the model itself: load_bfloat16, load_float16, attn_implementation, "
                  "trust_remote_code, load_in_4bit")
 OPTIMIZER = "xgblora trains with AdamW (fused_adamw picks its kernel) or MeZO's estimators (trainer: zo)"
@@ -274,7 +273,6 @@ MODEL_OPTIONS: dict[str, Entry] = {  # all four
 }
 DATASET_OPTIONS: dict[str, Entry] = {  # SFTConfig and DPOConfig
     "dataset_num_proc": Ignorable(LOADER),
-    "activation_offloading": Ignorable(MEMORY),
     "pad_token": Refused(TOKENS),
 }
 
@@ -319,7 +317,6 @@ DPO: dict[str, Entry] = {
 KTO: dict[str, Entry] = {
     **MODEL_OPTIONS,
     "dataset_num_proc": Ignorable(LOADER),
-    "activation_offloading": Ignorable(MEMORY),
     "sync_ref_model": Refused(REFERENCE),
     "ref_model_mixup_alpha": Ignorable("read only with sync_ref_model; " + REFERENCE),
     "ref_model_sync_steps": Ignorable("read only with sync_ref_model; " + REFERENCE),

@@ -10,6 +10,8 @@ sync). On CUDA out-of-memory the step starts over from zero gradients with the m
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -80,9 +82,13 @@ class AdamWStepper:
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  fused: bool | None = None, max_grad_norm: float = 1.0, accumulation: int = 1,
                  micro_batch: int, nan_policy: str = "stop", penalty: Callable[[], Tensor] | None = None,
-                 dist: Distributed = LOCAL):
+                 dist: Distributed = LOCAL, offload: bool = False):
         self.named_params = named_params  # FSDP replaces its entries in place (prepare)
         self.loss_fn, self.penalty, self.dist = loss_fn, penalty, dist
+        # --activation_offloading: what the forward saves for the backward goes to pinned host memory as it is saved
+        # (the hooks travel with each saved tensor, so the backward needs no context of its own)
+        self.saving = functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=torch.cuda.is_available()) \
+            if offload else contextlib.nullcontext
         self.optimizer = build_optimizer(named_params, 0.0, weight_decay, betas, eps, fused=fused)
         self.max_grad_norm, self.accumulation, self.nan_policy = max_grad_norm, accumulation, nan_policy
         self.micro_batch = micro_batch
@@ -118,7 +124,8 @@ class AdamWStepper:
         for batch in batches:
             for piece, share in micro_batches(batch, self.micro_batch):
                 weight = share / len(batches)
-                loss = self.loss_fn(piece).mean() * weight
+                with self.saving():
+                    loss = self.loss_fn(piece).mean() * weight
                 if self.penalty is not None:
                     loss = loss + self.penalty() * weight
                 loss.backward()
@@ -128,8 +135,9 @@ class AdamWStepper:
     def _halve_micro_batch(self, batch_size: int) -> None:
         """Halve the micro-batch after an out-of-memory error and say so; below one example, a UserError."""
         if self.micro_batch <= 1:
-            raise UserError("CUDA out of memory with a micro-batch of 1 example already; try --gradient_checkpointing, a "
-                            "smaller --max_length, or --trainer zo (MeZO keeps no gradients or optimizer state)")
+            raise UserError("CUDA out of memory with a micro-batch of 1 example already; try --gradient_checkpointing, "
+                            "--activation_offloading, a smaller --max_length, or --trainer zo (MeZO keeps no "
+                            "gradients or optimizer state)")
         self.micro_batch = (self.micro_batch + 1) // 2
         pieces = math.ceil(batch_size / self.micro_batch) * self.accumulation
         log.warning("CUDA out of memory: redoing the step with micro-batch %d and %d micro-batches per optimizer "

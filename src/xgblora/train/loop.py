@@ -221,13 +221,16 @@ def build_stepper(cfg: TrainerConfig, method: Method, loss_fn: Loss, dist: Distr
     (--train_as_classification)."""
     boosting = method.boosting
     if cfg.trainer == "regular":
+        if cfg.activation_offloading and device.type != "cuda":
+            raise UserError(f"--activation_offloading moves saved activations from a CUDA device to host memory; on "
+                            f"{device.type} they are in host memory already (try --gradient_checkpointing)")
         penalty = (lambda: boosting.norm_penalty(cfg.norm_penalty)) \
             if boosting is not None and cfg.norm_penalty > 0 else None
         return AdamWStepper(method.named_params, loss_fn, weight_decay=cfg.weight_decay,
                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
                             fused=None if cfg.fused_adamw else False, max_grad_norm=cfg.max_grad_norm,
                             accumulation=cfg.gradient_accumulation_steps, micro_batch=cfg.per_device_train_batch_size,
-                            nan_policy=cfg.nan_policy, penalty=penalty, dist=dist)
+                            nan_policy=cfg.nan_policy, penalty=penalty, dist=dist, offload=cfg.activation_offloading)
     zo_params = method.zo_params(head.head_trainer if head is not None else "zo")  # without a head: all the same
     # the doubled batch carries adapter perturbations only: not a full model, a zo-trained head, or grouped rows
     dual = cfg.zo_dual is not False and bool(method.modules) and len(zo_params) == len(method.trainable) \
