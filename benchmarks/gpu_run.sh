@@ -10,7 +10,8 @@
 # where pip can download:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 -d .whl transformers==5.24.0 trl==1.16.0 datasets==5.2.0 dill==0.4.1 \
-#     multiprocess==0.70.19 peft==0.21.2 sentence-transformers==6.2.0 regex==2026.11.19  # transformers checks regex at import
+#     multiprocess==0.70.19 peft==0.21.2 sentence-transformers==6.2.0 regex==2026.11.19 \
+#     liger-kernel==0.8.5  # transformers checks regex at import; liger-kernel for --use_liger_kernel's CUDA test
 # They go into a folder put first on PYTHONPATH (over the machine's own versions; torch stays the machine's), then
 # xgblora from this tree, --no-deps. DATA_DIR=DIR reads GSM8K, MultiRC and RTE/SST-2 rows from DIR (the layout of shared/data); without it
 # the suite generates rows of the same lengths. BUDGET (seconds, default 380) is the suite's --gpu_budget_s: a part

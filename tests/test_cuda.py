@@ -1,6 +1,6 @@
 """The CUDA paths, each against its CPU/eager/unfused counterpart: bf16 autocast, attention selection (SDPA,
 flash-attention), varlen packing, fused AdamW, --compile, MeZO's dual batch, full-model MeZO in bf16 (z in pieces,
-little memory added), activation offloading (the same step, a lower peak), out-of-memory halving on a real OOM,
+little memory added), activation offloading (the same step, a lower peak), Liger's kernels (the same loss and gradients), out-of-memory halving on a real OOM,
 and a 1-GPU NCCL process group, the padded loss without a host sync. Marked `cuda`; without a GPU every test skips with the reason.
 `xgblora bench --suite gpu --cuda_tests tests/test_cuda.py` runs them (`python -m pytest -m cuda tests/test_cuda.py`)."""
 
@@ -169,6 +169,34 @@ def test_activation_offloading_keeps_the_step_and_lowers_the_peak_memory():
     for p, q in zip(offloaded, plain, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
     assert peak < 0.8 * plain_peak, f"peak {peak / 2**20:.0f} MiB offloaded vs {plain_peak / 2**20:.0f} MiB"
+
+
+def test_liger_kernels_give_the_same_loss_and_lora_gradients():
+    """--use_liger_kernel: Liger's RMSNorm, RoPE and SwiGLU kernels, LoRA on every linear layer (the SwiGLU MLP's
+    projections included) keep the loss and the adapters' gradients."""
+    pytest.importorskip("liger_kernel")
+    from xgblora.models.kernels import use_liger_kernels
+
+    results = []
+    for liger in (False, True):
+        model, _ = pretrained.load("tiny-llama", dtype="float32", device="cuda")
+        lora.attach(model, "all-linear", r=8,
+                    alpha=16.0)
+        with torch.no_grad():
+            gen = torch.Generator("cuda").manual_seed(0)
+            for _, p in _adapters(model):
+                p.normal_(0, 0.05, generator=gen)
+        if liger:
+            use_liger_kernels(model, CUDA)
+        model.train()
+        _, batch = _batch(model, rows=4, length=64)
+        loss = TrainingLoss(model)(batch).mean()
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for _, p in _adapters(model)]))
+    (plain_loss, plain), (loss, grads) = results
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-4, atol=1e-5)
+    for g, h in zip(grads, plain, strict=True):
+        torch.testing.assert_close(g, h, rtol=1e-3, atol=1e-5)
 
 
 def test_a_real_out_of_memory_halves_the_micro_batch_and_keeps_the_loss():

@@ -69,16 +69,20 @@ def test_every_command_writes_config_model_card_and_results_alike(command, files
     assert not torch.allclose(ours, plain)  # trained: the adapter is not zero
 
 
+@pytest.mark.parametrize("flag,refusal", [
+    ("--activation_offloading", "--activation_offloading moves saved activations from a CUDA device"),
+    ("--use_liger_kernel", "--use_liger_kernel: Liger's kernels are Triton kernels for CUDA devices"),
+])
 @pytest.mark.parametrize("command", COMMANDS)
-def test_activation_offloading_reaches_every_commands_loop_and_a_cpu_run_refuses_it(command, files, monkeypatch,
-                                                                                   capsys):
-    """The parser takes --activation_offloading and the loop reads it: on the CPU, the one line that refuses it."""
+def test_cuda_memory_options_reach_every_commands_loop_and_a_cpu_run_refuses_them(command, flag, refusal, files,
+                                                                                  monkeypatch, capsys):
+    """The parser takes the option and the loop reads it: on the CPU, the one line that refuses it."""
     args, _ = COMMANDS[command]
     monkeypatch.chdir(files)
     monkeypatch.syspath_prepend(str(files))
-    code = cli.main([*args, *COMMON, "--activation_offloading", "--output_dir", str(files / f"offload-{command}")])
+    code = cli.main([*args, *COMMON, flag, "--output_dir", str(files / f"{flag[2:]}-{command}")])
     err = capsys.readouterr().err
-    assert code == 2 and "--activation_offloading moves saved activations from a CUDA device" in err, err
+    assert code == 2 and refusal in err, err
 
 
 def test_rft_rounds_train_with_the_memory_options_of_the_command():
@@ -86,6 +90,8 @@ def test_rft_rounds_train_with_the_memory_options_of_the_command():
     from xgblora.recipes.rft import training_config
 
     cfg = RFTConfig(model_name="tiny-llama", train_file="q.jsonl", eval_file="h.jsonl", output_root="out",
-                    method="lora", activation_offloading=True, gradient_checkpointing=True, compile=True)
+                    method="lora", activation_offloading=True, gradient_checkpointing=True, compile=True,
+                    use_liger_kernel=True)
     trained = training_config(cfg, "tiny-llama", None, Path("out/round-1"), 4)
     assert trained.activation_offloading and trained.gradient_checkpointing and trained.compile
+    assert trained.use_liger_kernel

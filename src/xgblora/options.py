@@ -281,6 +281,7 @@ class MemoryOptions:
     fused."""
 
     gradient_checkpointing: bool = _opt(False, "Recompute activations in the backward pass to save memory.")
+    use_liger_kernel: bool = _opt(False, "Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU kernels in the model (CUDA only; pip install liger-kernel); the LM head stays xgblora's fused one.")
     activation_offloading: bool = _opt(False, "Keep the activations the backward pass needs in pinned host memory instead of on the GPU, copied back as the backward reaches them (torch's save_on_cpu; CUDA only).")
     fused_lm_head: bool = _opt(True, "Causal LM training by back-propagation: project only the scored positions through the LM head, a chunk of tokens at a time, recomputed in the backward pass, so that no [tokens, vocabulary] logits are held (the same loss; a large vocabulary's logits often set the peak memory). Models that scale or softcap their logits, and --compile, keep the full logits.")
 

@@ -187,7 +187,6 @@ COMMON: dict[str, Entry] = {  # transformers' TrainingArguments
     "torch_compile": renamed("compile"),
     "torch_compile_backend": Ignorable(KERNELS),
     "torch_compile_mode": Ignorable(KERNELS),
-    "use_liger_kernel": Ignorable(KERNELS),
     "liger_kernel_config": Ignorable(KERNELS),
     "use_cache": Ignorable("xgblora's training forwards keep no cache beyond a prompt's, shared by its completions"),
     "neftune_noise_alpha": Refused("xgblora adds no NEFTune noise to the embeddings"),

@@ -33,6 +33,7 @@ from xgblora.distributed import Distributed
 from xgblora.errors import UserError
 from xgblora.logs import MetricsLog, ProgressLine
 from xgblora.models.checkpointing import enable_checkpointing
+from xgblora.models.kernels import use_liger_kernels
 from xgblora.optim.fo import AdamWStepper
 from xgblora.optim.schedule import Schedule
 from xgblora.optim.zo_estimators import build_estimator, stepper_type
@@ -283,6 +284,8 @@ class Trainer:
         span = boosting.steps_per_iteration if boosting is not None and cfg.xgblora_restart_schedule else self.max_steps
         self.schedule = Schedule(cfg.lr_scheduler_type, cfg.learning_rate, span,
                                  cfg.warmup_steps or int(cfg.warmup_ratio * span))
+        if cfg.use_liger_kernel:
+            use_liger_kernels(run.model, run.device)
         if cfg.gradient_checkpointing and cfg.trainer == "regular":
             enable_checkpointing(run.model)
         self.loss_fn = loss
