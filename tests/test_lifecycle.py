@@ -95,3 +95,19 @@ def test_rft_rounds_train_with_the_memory_options_of_the_command():
     trained = training_config(cfg, "tiny-llama", None, Path("out/round-1"), 4)
     assert trained.activation_offloading and trained.gradient_checkpointing and trained.compile
     assert trained.use_liger_kernel
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_compile_reaches_every_commands_training_forward(command, files, monkeypatch, capsys):
+    """--compile: the training loss runs the compiled model (torch.compile stands in with a recording identity here:
+    compiling takes minutes on a CPU), without the fused LM head."""
+    from xgblora.train import setup
+
+    compiled = []
+    monkeypatch.setattr(setup.torch, "compile", lambda model: compiled.append(model) or model)
+    args, _ = COMMANDS[command]
+    monkeypatch.chdir(files)
+    monkeypatch.syspath_prepend(str(files))
+    assert cli.main([*args, *COMMON, "--compile", "--output_dir", str(files / f"compile-{command}")]) == 0, \
+        capsys.readouterr().err
+    assert len(compiled) == 1

@@ -43,6 +43,7 @@ from xgblora.options import (
     BatchOptions,
     BoostingOptions,
     ClassificationOptions,
+    CompileOptions,
     CompletionOptions,
     ComputeOptions,
     ContrastiveOptions,
@@ -158,7 +159,7 @@ def refuse_no_trainer(cfg: MethodOptions, command: str) -> None:
 # ----------------------------------------------------------------------------- what trains and how
 
 @dataclass(frozen=True)
-class TrainingOptions(LoopOptions, ComputeOptions, MemoryOptions, ZOOptions, AdamWOptions, MomentumOptions,
+class TrainingOptions(LoopOptions, CompileOptions, ComputeOptions, MemoryOptions, ZOOptions, AdamWOptions, MomentumOptions,
                       OptimizerOptions, AdaptiveBoostingOptions, BoostingOptions, AdapterOptions, MethodOptions,
                       InputOptions, ModelOptions):
     """What trains and how: the model and its rows, the method and its adapter or boosters, the optimiser (AdamW or

@@ -404,10 +404,16 @@ class ComputeOptions:
 
 @dataclass(frozen=True)
 class BatchOptions:
-    """How training batches of examples are formed and run: length grouping, torch.compile."""
+    """How training batches of examples are formed: length grouping."""
 
     group_by_length: bool | None = _opt(None, "Batch examples of similar length together (less padding). Default: on for --objective lm, off for contrastive and grit (it would thin out in-batch negatives).")
-    compile: bool = _opt(False, "torch.compile the model.")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How the training forward runs: eagerly or through torch.compile."""
+
+    compile: bool = _opt(False, "torch.compile the model for the training forward (AdamW's and MeZO's; sampling and evaluation run eagerly).")
 
 
 @dataclass(frozen=True)
@@ -497,5 +503,5 @@ GROUPS = (ModelOptions, InputOptions, TaskOptions, ClassificationOptions, HeadOp
           RetrievalOptions, RerankEvalOptions, SplitOptions, SupervisedOptions, ContrastiveOptions, GritOptions,
           RerankOptions, InstructionOptions, NextTokenOptions, MemoryOptions, MethodOptions, AdapterOptions,
           BoostingOptions, AdaptiveBoostingOptions, OptimizerOptions, MomentumOptions, AdamWOptions, ZOOptions,
-          ZOHeadOptions, ComputeOptions, BatchOptions, RunOptions, OutputOptions, ResultFileOptions, LoopOptions,
+          ZOHeadOptions, ComputeOptions, CompileOptions, BatchOptions, RunOptions, OutputOptions, ResultFileOptions, LoopOptions,
           CompletionOptions, SamplingOptions, RLOOOptions, ToolOptions)

@@ -365,7 +365,6 @@ GRPO: dict[str, Entry] = {
     "train_sampling_strategy": _sampling(None),
     "scale_rewards": Mapped(("scale_rewards",), _scale_rewards),
     "average_tokens_across_devices": Ignorable("policy_loss sets how tokens count over processes", (True, False)),
-    "torch_compile": Refused("xgblora grpo runs its loss uncompiled", (False,)),
     "label_names": Refused(LABEL_KEYS),
 }
 

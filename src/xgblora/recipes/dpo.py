@@ -174,4 +174,4 @@ def preference_trainer(cfg: DPOConfig | KTOConfig, run: TrainingRun, dist: Distr
     loss (compiled with --compile). TRL's disable_dropout: the policy scores a row as the reference (taken without
     dropout) does, so the first step's log ratios are 0."""
     source = ExampleBatches(train_set, cfg, dist, cfg.group_by_length is not False, dropout=not cfg.disable_dropout)
-    return Trainer(run, method, source, training_loss(run, dist, cfg.compile, preference=loss), dist)
+    return Trainer(run, method, source, training_loss(run, dist, preference=loss), dist)

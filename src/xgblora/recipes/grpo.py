@@ -58,7 +58,7 @@ from xgblora.optim.zo_estimators import spreads_members
 from xgblora.recipes.lifecycle import Prepared, run_recipe
 from xgblora.report import GRPO_PANELS
 from xgblora.train.loop import Trainer
-from xgblora.train.setup import TrainingRun, autocast_dtype, load_policy, setup_method
+from xgblora.train.setup import TrainingRun, autocast_dtype, load_policy, loss_model, setup_method
 
 log = logging.getLogger("xgblora")
 
@@ -191,8 +191,10 @@ def prepare(cfg: GRPOConfig, dist: Distributed = LOCAL) -> tuple[Trainer, Genera
     rollout = Rollout(cfg, model, tokenizer, method, rewards, plan.group, dist, autocast, reference, agent)
     source = Generations(cfg, plan, rollout, read_grpo_prompts(cfg, cfg.train_file, tokenizer, rewards, toolbox), dist)
     heldout = read_grpo_prompts(cfg, cfg.eval_file, tokenizer, rewards, toolbox) if cfg.eval_file else None
-    loss = PolicyReward(source) if cfg.zo_objective == "reward" \
-        else GRPOLoss(model, GRPOObjective.of(cfg), cfg.temperature, autocast, fused=cfg.fused_lm_head)
     run = TrainingRun(cfg, model, tokenizer, device, HeldOut(rollout, heldout, source, dist).evaluate,
                       monitor=list(range(len(heldout.ids))) if heldout else [])
+    if cfg.zo_objective == "reward":
+        return Trainer(run, method, source, PolicyReward(source), dist), source
+    policy, fused = loss_model(run, dist)  # the sampler and the log-probability passes run the eager model
+    loss = GRPOLoss(policy, GRPOObjective.of(cfg), cfg.temperature, autocast, fused=fused)
     return Trainer(run, method, source, loss, dist), source

@@ -66,7 +66,7 @@ def prepare(cfg: RewardConfig, dist: Distributed, train: list[PreferenceExample]
     run = TrainingRun(cfg, model, tokenizer, device, evaluate, monitor=eval_seqs)
     source = ExampleBatches(training_set(train_seqs, pad), cfg, dist, cfg.group_by_length is not False,
                             dropout=not cfg.disable_dropout)
-    loss = training_loss(run, dist, cfg.compile, preference=RewardLoss(cfg.center_rewards_coefficient))
+    loss = training_loss(run, dist, preference=RewardLoss(cfg.center_rewards_coefficient))
     trainer = Trainer(run, method, source, loss, dist, head=cfg)
 
     def results() -> dict[str, Any]:

@@ -79,7 +79,7 @@ def _training(setup: RunSetup, dist: Distributed, hooks: Hooks | None) -> Prepar
     method = setup_method(setup.model, cfg, contrastive)
     init_head(setup, method)
     run = setup.training_run()
-    loss = training_loss(run, dist, cfg.compile, contrastive, reranker=build_reranker(cfg))
+    loss = training_loss(run, dist, contrastive, reranker=build_reranker(cfg))
     trainer = Trainer(run, method, ExampleBatches(train_set, cfg, dist, cfg.groups_by_length), loss, dist, hooks,
                       task=cfg, head=cfg)
 

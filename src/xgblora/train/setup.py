@@ -224,14 +224,19 @@ class TrainingRun:
         return autocast_dtype(self.cfg, self.device)
 
 
-def training_loss(run: TrainingRun, dist: Distributed, compile: bool, contrastive: Contrastive | None = None,
-                  preference: PairLoss | None = None, reranker: Reranker | None = None) -> TrainingLoss:
-    """The training forward of the run's batches (`TrainingLoss`), through torch.compile with `compile` (the
-    command's --compile); through the fused LM head where asked, except compiled or under FSDP, whose wrapped model
-    gathers the root's weights in its own forward (the backbone's skips that)."""
+def loss_model(run: TrainingRun, dist: Distributed) -> tuple[torch.nn.Module, bool]:
+    """The model a training loss runs, through torch.compile with --compile, and whether through the fused LM head:
+    where asked, except compiled or under FSDP, whose wrapped model gathers the root's weights in its own forward
+    (the backbone's skips that)."""
     cfg = run.cfg
-    model = torch.compile(run.model) if compile else run.model
-    fused = cfg.fused_lm_head and not compile and not dist.shards_model
+    model = torch.compile(run.model) if cfg.compile else run.model
+    return model, cfg.fused_lm_head and not cfg.compile and not dist.shards_model
+
+
+def training_loss(run: TrainingRun, dist: Distributed, contrastive: Contrastive | None = None,
+                  preference: PairLoss | None = None, reranker: Reranker | None = None) -> TrainingLoss:
+    """The training forward of the run's batches (`TrainingLoss`) on `loss_model`."""
+    model, fused = loss_model(run, dist)
     return TrainingLoss(model, run.autocast, contrastive, preference, fused_head=fused, reranker=reranker)
 
 
