@@ -299,12 +299,12 @@ class Agent:
         """`group` rollouts of each prompt, sampled, their tool calls answered and continued; `environments` one per
         rollout, `starts` the prompt of each rollout whose environment's reset changed it (None where it did not)."""
         if any(start is not None for start in starts):  # rollouts of one prompt may differ: each is sampled alone
-            own = [start or prompts[j // group] for j, start in enumerate(starts)]
-            samples = [per_prompt[0] for per_prompt in draw(own, 1, self.max_new_tokens)]
+            contexts = [start or prompts[j // group] for j, start in enumerate(starts)]
+            samples = [per_prompt[0] for per_prompt in draw(contexts, 1, self.max_new_tokens)]
         else:  # the group shares its prompt's prefill
-            own = [prompts[j // group] for j in range(len(prompts) * group)]
+            contexts = [prompts[j // group] for j in range(len(prompts) * group)]
             samples = [s for per_prompt in draw(prompts, group, self.max_new_tokens) for s in per_prompt]
-        rollouts = [self._started(prompt, sample) for prompt, sample in zip(own, samples, strict=True)]
+        rollouts = [self._started(prompt, sample) for prompt, sample in zip(contexts, samples, strict=True)]
         for rollout, environment in zip(rollouts, environments, strict=False):
             rollout.environment = environment
         done = ToolRollouts(rollouts)
