@@ -7,10 +7,17 @@ import json
 import pytest
 import torch
 
-from xgblora.data.preference import check_margins, check_row, collate_rewards, read_preferences, reward_seqs
+from xgblora.data.preference import (
+    RewardSeq,
+    check_margins,
+    check_row,
+    collate_rewards,
+    read_preferences,
+    reward_seqs,
+)
 from xgblora.errors import UserError
 from xgblora.models import pretrained
-from xgblora.preference.reward import RewardLoss
+from xgblora.preference.reward import RewardLoss, shares_prompts
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -38,16 +45,27 @@ def trl_trainer(model, tokenizer, rows, tmp_path, center=None):
                              processing_class=tokenizer)
 
 
-def ours(tokenizer, rows):
+def ours(tokenizer, rows, shared=False):
     examples = [check_row(("rows", i + 1), row) for i, row in enumerate(rows)]
-    return collate_rewards(reward_seqs(tokenizer, examples, None), tokenizer.pad_token_id)
+    return collate_rewards(reward_seqs(tokenizer, examples, None), tokenizer.pad_token_id, shared)
 
 
-@pytest.mark.parametrize(("name", "rows", "center"), [("tiny-llama", STANDARD, None), ("tiny-llama", IMPLICIT, 0.01),
-                                                       ("tiny-llama-chat", CONVERSATIONAL, 0.1),
-                                                       ("tiny-llama-chat", IMPLICIT_CONVERSATIONAL, None)])
-def test_loss_gradient_and_metrics_equal_trls(tmp_path, name, rows, center):
+def pad_with_eos(model, tokenizer):
+    """The tokenizer pads with EOS, as many a causal LM's does: the classifier reads each sequence's last token that
+    is not EOS (TRL tells the model the pad id)."""
+    tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+
+
+@pytest.mark.parametrize(("name", "rows", "center", "eos_pad"), [
+    ("tiny-llama", STANDARD, None, False), ("tiny-llama", IMPLICIT, 0.01, False),
+    ("tiny-llama-chat", CONVERSATIONAL, 0.1, False), ("tiny-llama-chat", IMPLICIT_CONVERSATIONAL, None, False),
+    ("tiny-llama", STANDARD, 0.01, True)])
+def test_loss_gradient_and_metrics_equal_trls(tmp_path, name, rows, center, eos_pad):
+    """Whole sequences (TRL's batch), and each pair's shared prompt run once: TRL's loss, gradients and metrics."""
     model, tokenizer = pretrained.load(name, head="classifier", num_labels=1)
+    if eos_pad:
+        pad_with_eos(model, tokenizer)
     trainer = trl_trainer(model, tokenizer, rows, tmp_path, center)
     theirs_batch = DataCollatorForPreference(tokenizer.pad_token_id)(list(trainer.train_dataset))
     batch = ours(tokenizer, rows)
@@ -55,16 +73,43 @@ def test_loss_gradient_and_metrics_equal_trls(tmp_path, name, rows, center):
     assert torch.equal(batch.attention_mask, theirs_batch["attention_mask"])
     model.train()
     theirs = trainer.compute_loss(model, dict(theirs_batch))
-    want = torch.autograd.grad(theirs, [p for p in model.parameters() if p.requires_grad])
-    loss = RewardLoss(center)
-    got = loss(model, batch).mean()
-    grads = torch.autograd.grad(got, [p for p in model.parameters() if p.requires_grad])
-    assert abs(got.item() - theirs.item()) < 1e-6
-    assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-5) for g, w in zip(grads, want, strict=True))
+    params = [p for p in model.parameters() if p.requires_grad]
+    want = torch.autograd.grad(theirs, params)
     metrics = {k: v[0] for k, v in trainer._metrics["train"].items()}
-    logged = loss.statistics.drain()
-    for name in ("accuracy", "margin", "mean_reward", "min_reward", "max_reward"):
-        assert logged[name] == pytest.approx(metrics[name], abs=1e-6), name
+    shared = ours(tokenizer, rows, shared=True)
+    assert shared.prompt_ids is not None and batch.prompt_ids is None
+    assert shares_prompts(model, tokenizer.pad_token_id)
+    grads = {}
+    for kind, b in (("plain", batch), ("shared", shared)):
+        loss = RewardLoss(center)
+        got = loss(model, b).mean()
+        grads[kind] = torch.autograd.grad(got, params)
+        assert abs(got.item() - theirs.item()) < 1e-6, kind
+        assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-5) for g, w in zip(grads[kind], want, strict=True)), kind
+        logged = loss.statistics.drain()
+        for metric in ("accuracy", "margin", "mean_reward", "min_reward", "max_reward"):
+            assert logged[metric] == pytest.approx(metrics[metric], abs=1e-6), (kind, metric)
+    assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-5)
+               for g, w in zip(grads["shared"], grads["plain"], strict=True))
+
+
+def test_the_shared_prompt_is_what_both_sequences_begin_with():
+    """A pair's prompt is the tokens its sequences share (past the row's prompt where the completions begin
+    alike); each rest keeps a token that is not padding; a pair sharing nothing, or a model that is no causal LM's
+    classifier, runs whole sequences."""
+    model, tokenizer = pretrained.load("tiny-llama", head="classifier", num_labels=1)
+    seqs = [RewardSeq([1, 5, 6, 7, 2], [1, 5, 6, 8, 2]), RewardSeq([1, 9, 2], [1, 9, 4, 2])]
+    batch = collate_rewards(seqs, 0, shared=True)
+    assert batch.prompt_ids.tolist() == [[1, 5, 6], [0, 1, 9]]
+    assert batch.completion_ids.tolist() == [[7, 2], [2, 0], [8, 2], [4, 2]]
+    assert batch.n_tokens() == 5 + 2 + 1 + 2 + 2
+    assert collate_rewards([RewardSeq([1, 5], [1, 5, 2])], 0, shared=True).completion_ids.tolist() == [[5, 0], [5, 2]]
+    assert collate_rewards([RewardSeq([1, 5], [3, 5])], 0, shared=True).prompt_ids is None
+    assert collate_rewards([RewardSeq([1, 5, 2], [1, 6, 2])], 2, shared=True).completion_ids.tolist() == [[5, 2], [6, 2]]
+    assert collate_rewards([RewardSeq([1, 5, 2, 2], [1, 5, 7, 2])], 2, shared=True).prompt_ids is None  # only pads
+    assert not shares_prompts(model, tokenizer.pad_token_id + 1)
+    encoder, _ = pretrained.load("tiny-bert", head="classifier", num_labels=1)
+    assert not shares_prompts(encoder, 0)
 
 
 def test_the_margin_enters_the_loss():
@@ -82,12 +127,27 @@ def test_the_margin_enters_the_loss():
                               -torch.nn.functional.logsigmoid(gap - torch.tensor([0.5, 0.0, 2.0])), atol=1e-6)
 
 
-def test_halves_and_micro_batches():
+def test_the_shared_prompt_under_gradient_checkpointing():
+    """--gradient_checkpointing keeps the prompt's cache (`enable_checkpointing`): the whole sequences' gradients."""
+    from xgblora.models.checkpointing import enable_checkpointing
+
+    model, tokenizer = pretrained.load("tiny-llama", head="classifier", num_labels=1)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    want = torch.autograd.grad(RewardLoss(0.01)(model, ours(tokenizer, STANDARD)).mean(), params)
+    enable_checkpointing(model)
+    got = torch.autograd.grad(RewardLoss(0.01)(model, ours(tokenizer, STANDARD, shared=True)).mean(), params)
+    assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-5) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_halves_and_micro_batches(shared):
     """MeZO's dual batch scores its copy apart (the same losses twice); split micro-batches keep their pairs."""
     model, tokenizer = pretrained.load("tiny-llama", head="classifier", num_labels=1)
-    batch = ours(tokenizer, STANDARD)
+    batch = ours(tokenizer, STANDARD, shared)
     with torch.no_grad():
         whole = RewardLoss(0.01)(model, batch)
+        assert torch.allclose(whole, RewardLoss(0.01)(model, ours(tokenizer, STANDARD, not shared)), atol=1e-6)
         assert torch.allclose(RewardLoss(0.01)(model, batch.doubled()), whole.repeat(2), atol=1e-6)
         parts = torch.cat([RewardLoss(0.01)(model, batch.split(i, i + 1)) for i in range(batch.n_examples)])
         assert torch.allclose(parts, whole, atol=1e-5)
@@ -123,16 +183,18 @@ def test_bad_rows_name_the_file_row_and_field(tmp_path, rows, field, what):
     assert "\n" not in message
 
 
-def test_the_first_order_head_under_mezo_trains_on_the_reward_loss():
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_first_order_head_under_mezo_trains_on_the_reward_loss(shared):
     """Under --trainer zo the score head trains by AdamW on the features MeZO's forwards recorded: the loss it takes
     from them (`TrainingLoss.head_loss`, two forwards stacked, as the estimator's) is RewardLoss's, and so is its
-    gradient with respect to the head."""
+    gradient with respect to the head (the head on every position of whole sequences, or on each sequence's last
+    token after its shared prompt)."""
     from xgblora.models.scoring import head_module
     from xgblora.train.head import recording_inputs
     from xgblora.train.objective import TrainingLoss
 
     model, tokenizer = pretrained.load("tiny-llama", head="classifier", num_labels=1)
-    batch = ours(tokenizer, STANDARD)
+    batch = ours(tokenizer, STANDARD, shared)
     training = TrainingLoss(model, preference=RewardLoss(0.01))
     head = head_module(model)
     want = RewardLoss(0.01)(model, batch).mean()

@@ -2,13 +2,16 @@
 
 Both sides train the same random Llama-shaped model (LoRA r=8, alpha 16, every linear layer of the blocks, no
 dropout, fp32 (TRL's default bf16 autocast turned off), AdamW lr 1e-5 constant, clip 1.0, loss sigmoid, beta 0.1,
-the reference computed each step with the adapter off: TRL's defaults with PEFT, its gradient checkpointing on) on the same pairs: `--batch_size` pairs a step, every pair a prompt of
-`--dpo_prompt_len` tokens and two completions of `--dpo_completion_len` (words that are one token each, so every
-batch has the same shape on both sides whatever order they draw it in). One xgblora optimizer step (the call
-`Trainer.fit` makes) runs inside each TRL `on_step_end`, so the two alternate step by step (`InterleavedSteps`).
+the reference computed each step with the adapter off: TRL's defaults with PEFT otherwise) on the same pairs:
+`--batch_size` pairs a step, every pair a prompt of `--dpo_prompt_len` tokens and two completions of
+`--dpo_completion_len` (words that are one token each, so every batch has the same shape on both sides whatever
+order they draw it in). One xgblora optimizer step (the call `Trainer.fit` makes) runs inside each TRL
+`on_step_end`, so the two alternate step by step (`InterleavedSteps`). Each side keeps its default for gradient
+checkpointing: TRL's configs turn it on, xgblora's leave it off (it keeps activations); the table says so under it.
 
 Peak memory: each side in its own process, what its steps add to the memory held before them (`bench.sft`).
-`--suite kto` (bench/kto.py) runs the same comparison with KTO's trainers (`Suite`).
+`--suite kto` (bench/kto.py) and `--suite reward` (bench/reward.py) run the same comparison with KTO's and
+RewardTrainer's trainers (`Suite`).
 """
 
 from __future__ import annotations
@@ -63,13 +66,25 @@ class PreferenceCase:
 @dataclass(frozen=True)
 class Suite:
     """What differs between the preference suites: the name, what a step's batch counts, xgblora's run (with its
-    `trainer`) and TRL's trainer on a case's pair file; two completions a row either way (DPO's chosen and rejected,
-    KTO's completion and its mismatched one)."""
+    `trainer`) and TRL's trainer on a case's pair file, and the module that defines it (whose `memory_worker` the
+    memory subprocesses import); two completions a row either way (DPO's chosen and rejected, KTO's completion and
+    its mismatched one). Its methods are a suite module's entry points (`bench.suites`), the same for every
+    preference suite."""
 
     name: str
     unit: str
     ours: Callable[[PreferenceCase, Path, str], Any]
     theirs: Callable[[PreferenceCase, Path, list[Any], str], Any]
+    module: str
+
+    def run(self, args: argparse.Namespace) -> list[dict[str, Any]]:
+        return run_suite(args, self)
+
+    def format_table(self, results: list[dict[str, Any]]) -> str:
+        return suite_table(results, self)
+
+    def memory_worker(self, config: dict[str, Any]) -> dict[str, float]:
+        return suite_memory(config, self)
 
 
 def pair_file(case: PreferenceCase, n: int) -> Path:
@@ -131,7 +146,7 @@ def trl_trainer(name: str, case: PreferenceCase, pairs: Path, callbacks: list[An
         callbacks=callbacks)
 
 
-DPO = Suite("dpo", "pairs", xgblora_run, functools.partial(trl_trainer, "DPO"))
+DPO = Suite("dpo", "pairs", xgblora_run, functools.partial(trl_trainer, "DPO"), __name__)
 
 
 def compare_case(case: PreferenceCase, suite: Suite = DPO) -> dict[str, Any]:
@@ -143,8 +158,11 @@ def compare_case(case: PreferenceCase, suite: Suite = DPO) -> dict[str, Any]:
         trainer = suite.theirs(case, pairs, [timer.callback()], trl_dir)
         timer.start()
         trainer.train()
+    checkpointing = {"xgblora": bool(ours.trainer.run.cfg.gradient_checkpointing),
+                     "trl": bool(trainer.args.gradient_checkpointing)}
     return {"model_name": case.model_name, suite.unit: case.batch, "prompt_len": case.prompt_len,
-            "completion_len": case.completion_len, **against_trainer(timer.trainer_s, timer.ours_s)}
+            "completion_len": case.completion_len, "gradient_checkpointing": checkpointing,
+            **against_trainer(timer.trainer_s, timer.ours_s)}
 
 
 def suite_memory(config: dict[str, Any], suite: Suite) -> dict[str, float]:
@@ -157,10 +175,6 @@ def suite_memory(config: dict[str, Any], suite: Suite) -> dict[str, float]:
                                   pretrained.choose_device(case.device))
 
 
-def memory_worker(config: dict[str, Any]) -> dict[str, float]:
-    return suite_memory(config, DPO)
-
-
 def cases(args: argparse.Namespace) -> list[PreferenceCase]:
     """Every model the flags ask for, at the flags' sizes."""
     return [PreferenceCase(model_name=m, batch=args.batch_size, prompt_len=args.dpo_prompt_len,
@@ -169,17 +183,13 @@ def cases(args: argparse.Namespace) -> list[PreferenceCase]:
             for m in (args.dpo_models or list(DPO_MODELS))]
 
 
-def run_suite(args: argparse.Namespace, suite: Suite, module: str) -> list[dict[str, Any]]:
-    """Every case: timing interleaved in this process, memory in subprocesses (`module`'s memory_worker)."""
+def run_suite(args: argparse.Namespace, suite: Suite) -> list[dict[str, Any]]:
+    """Every case: timing interleaved in this process, memory in subprocesses (the suite module's memory_worker)."""
     def measure_memory(case: PreferenceCase) -> dict[str, Any]:
-        return sides_in_subprocesses(module, asdict(case), suite.name.upper())
+        return sides_in_subprocesses(suite.module, asdict(case), suite.name.upper())
 
     return run_against_baseline(suite.name, cases(args), functools.partial(compare_case, suite=suite), measure_memory,
                                 functools.partial(suite_table, suite=suite), args.skip_memory)
-
-
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    return run_suite(args, DPO, "xgblora.bench.dpo")
 
 
 def suite_table(results: list[dict[str, Any]], suite: Suite) -> str:
@@ -193,8 +203,11 @@ def suite_table(results: list[dict[str, Any]], suite: Suite) -> str:
                      f"{r['xgblora_steps_per_s']:.3f} | {r['trl_steps_per_s']:.3f} | {r['speedup_vs_trl']:.2f}x "
                      f"({r['speedup_vs_trl_median_step']:.2f}x) | {mem} | "
                      f"{'pass' if r['speedup_vs_trl'] >= 1.5 else 'miss'} | {mem_ok} |")
+    sides = {tuple(r["gradient_checkpointing"].items()) for r in results if "gradient_checkpointing" in r}
+    for side in sorted(sides):  # which side recomputes its activations (each library's default unless told)
+        lines.append("\nGradient checkpointing: " + ", ".join(f"{'xgblora' if k == 'xgblora' else 'TRL'} "
+                                                              f"{'on' if on else 'off'}" for k, on in side) + ".")
     return "\n".join(lines)
 
 
-def format_table(results: list[dict[str, Any]]) -> str:
-    return suite_table(results, DPO)
+run, format_table, memory_worker = DPO.run, DPO.format_table, DPO.memory_worker  # the suite's entry points

@@ -13,20 +13,10 @@ P = 128 and C = 32, 1120 against 768 token passes, 1.46x at equal cost per token
 
 from __future__ import annotations
 
-import argparse
 import functools
 from pathlib import Path
-from typing import Any
 
-from xgblora.bench.dpo import (
-    PreferenceCase,
-    Suite,
-    options,
-    run_suite,
-    suite_memory,
-    suite_table,
-    trl_trainer,
-)
+from xgblora.bench.dpo import PreferenceCase, Suite, options, trl_trainer
 from xgblora.config import KTOConfig
 from xgblora.data.unpaired import read_unpaired
 from xgblora.distributed import LOCAL
@@ -38,16 +28,5 @@ def xgblora_run(case: PreferenceCase, pairs: Path, output_dir: str) -> KTORun:
     return prepare(KTOConfig(**options(case, pairs, output_dir)), LOCAL, read_unpaired(str(pairs)), [])
 
 
-KTO = Suite("kto", "rows", xgblora_run, functools.partial(trl_trainer, "KTO"))
-
-
-def memory_worker(config: dict[str, Any]) -> dict[str, float]:
-    return suite_memory(config, KTO)
-
-
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    return run_suite(args, KTO, "xgblora.bench.kto")
-
-
-def format_table(results: list[dict[str, Any]]) -> str:
-    return suite_table(results, KTO)
+KTO = Suite("kto", "rows", xgblora_run, functools.partial(trl_trainer, "KTO"), __name__)
+run, format_table, memory_worker = KTO.run, KTO.format_table, KTO.memory_worker  # the suite's entry points

@@ -1,26 +1,23 @@
 """`xgblora bench --suite reward`: xgblora's reward-model step against TRL's `RewardTrainer` + PEFT LoRA, as
 `--suite dpo` compares DPO (bench/dpo.py: the same model, LoRA on every linear layer of the blocks, optimiser, sizes
 and pair file), the model loaded as a sequence classifier with one output and its new score head trained beside
-the adapter on both sides (PEFT's SEQ_CLS keeps it in modules_to_save); TRL's RewardConfig defaults otherwise.
+the adapter on both sides (PEFT's SEQ_CLS keeps it in modules_to_save); TRL's RewardConfig defaults otherwise, its
+gradient checkpointing on; xgblora's off, as `xgblora reward` runs by default.
+
+TRL runs a pair's two whole sequences, 2 (P + C) tokens, through the forward, again under its checkpointing and in
+the backward (about 4 passes); xgblora runs the shared prompt once and both completions on its KV cache, P + 2C
+tokens, keeping the activations (3 passes): with P = 129 and C = 33 (BOS and EOS included), 1296 against 585 token
+passes a pair, 2.2x at equal cost per token; xgblora keeps the activations of P + 2C tokens, TRL those of its layer
+boundaries and one layer's recompute.
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 from xgblora import atomic
-from xgblora.bench.dpo import (
-    LORA,
-    PreferenceCase,
-    Suite,
-    options,
-    run_suite,
-    suite_memory,
-    suite_table,
-    trl_options,
-)
+from xgblora.bench.dpo import LORA, PreferenceCase, Suite, options, trl_options
 from xgblora.bench.sft import chat_tokenizer
 from xgblora.config import RewardConfig
 from xgblora.data.preference import read_preferences
@@ -51,16 +48,5 @@ def trl_trainer(case: PreferenceCase, pairs: Path, callbacks: list[Any], output_
                              processing_class=chat_tokenizer(case.model_name), peft_config=lora, callbacks=callbacks)
 
 
-REWARD = Suite("reward", "pairs", xgblora_run, trl_trainer)
-
-
-def memory_worker(config: dict[str, Any]) -> dict[str, float]:
-    return suite_memory(config, REWARD)
-
-
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    return run_suite(args, REWARD, "xgblora.bench.reward")
-
-
-def format_table(results: list[dict[str, Any]]) -> str:
-    return suite_table(results, REWARD)
+REWARD = Suite("reward", "pairs", xgblora_run, trl_trainer, __name__)
+run, format_table, memory_worker = REWARD.run, REWARD.format_table, REWARD.memory_worker  # the suite's entry points

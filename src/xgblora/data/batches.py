@@ -345,11 +345,20 @@ class RewardBatch(Batch):
     """Preference pairs as a reward model reads them (TRL's DataCollatorForPreference): input_ids / attention_mask
     [2P, W] right-padded, prompt + chosen for the P pairs, then prompt + rejected; margin [P], each pair's margin
     column (None: the rows have none). `halves` is 2 in MeZO's dual batch: every tensor twice, rows [:n] and [n:] of
-    each scored apart."""
+    each scored apart.
+
+    Where the batch's pairs share a prompt (`collate_rewards(shared=True)`), the same tokens also split at it, as a
+    `PreferenceBatch` holds them: prompt_ids / prompt_mask [P, Wp] each pair's shared beginning, left-padded, and
+    completion_ids / completion_mask [2P, Wc] the rest of each sequence (chosen rows, then rejected), right-padded;
+    None otherwise."""
 
     input_ids: Tensor
     attention_mask: Tensor
     margin: Tensor | None = None
+    prompt_ids: Tensor | None = None
+    prompt_mask: Tensor | None = None
+    completion_ids: Tensor | None = None
+    completion_mask: Tensor | None = None
     halves: int = 1
 
     @property
@@ -357,14 +366,27 @@ class RewardBatch(Batch):
         """Pairs (of one half)."""
         return self.input_ids.shape[0] // (2 * self.halves)
 
+    def n_tokens(self) -> int:
+        """Non-padding tokens: each shared prompt once, where the batch has them, and every completion."""
+        if self.prompt_mask is None:
+            return super().n_tokens()
+        return int(self.prompt_mask.sum() + self.completion_mask.sum())
+
     def split(self: B, start: int, stop: int) -> B:
-        """Pairs start..stop-1: their chosen and rejected rows and margins."""
+        """Pairs start..stop-1: their chosen and rejected rows, prompts and margins."""
         if self.halves != 1:
             raise ValueError("a doubled reward batch is not split")
         n = self.n_examples
         rows = torch.cat([torch.arange(start, stop), torch.arange(n + start, n + stop)]).to(self.input_ids.device)
-        return dataclasses.replace(self, input_ids=self.input_ids[rows], attention_mask=self.attention_mask[rows],
-                                   margin=None if self.margin is None else self.margin[start:stop])
+
+        def pick(t: Tensor | None, index: Tensor | slice) -> Tensor | None:
+            return None if t is None else t[index]
+
+        return dataclasses.replace(
+            self, input_ids=self.input_ids[rows], attention_mask=self.attention_mask[rows],
+            margin=pick(self.margin, slice(start, stop)), prompt_ids=pick(self.prompt_ids, slice(start, stop)),
+            prompt_mask=pick(self.prompt_mask, slice(start, stop)), completion_ids=pick(self.completion_ids, rows),
+            completion_mask=pick(self.completion_mask, rows))
 
     def doubled(self: B) -> B:
         """Every tensor twice: rows [:n] of each are the first half (chosen then rejected), [n:] the copy."""

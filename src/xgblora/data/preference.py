@@ -286,9 +286,10 @@ def reward_seqs(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Preferenc
     return seqs
 
 
-def collate_rewards(seqs: Sequence[RewardSeq], pad_id: int) -> RewardBatch:
+def collate_rewards(seqs: Sequence[RewardSeq], pad_id: int, shared: bool = False) -> RewardBatch:
     """The pairs as one batch (TRL's DataCollatorForPreference): the chosen sequences, then the rejected ones,
-    right-padded; their margins."""
+    right-padded; their margins. shared: also each pair split at its shared prompt (`shared_prompts`), where every
+    pair of the batch has one."""
     rows = [s.chosen for s in seqs] + [s.rejected for s in seqs]
     width = max(map(len, rows))
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -297,4 +298,27 @@ def collate_rewards(seqs: Sequence[RewardSeq], pad_id: int) -> RewardBatch:
         input_ids[i, :len(row)] = torch.tensor(row)
         attention_mask[i, :len(row)] = 1
     margin = torch.tensor([s.margin for s in seqs]) if seqs[0].margin is not None else None
-    return RewardBatch(input_ids=input_ids, attention_mask=attention_mask, margin=margin)
+    split = shared_prompts(seqs, pad_id) if shared else None
+    if split is None:
+        return RewardBatch(input_ids=input_ids, attention_mask=attention_mask, margin=margin)
+    parts = collate_completions(*split, pad_id)
+    return RewardBatch(input_ids=input_ids, attention_mask=attention_mask, margin=margin, prompt_ids=parts.prompt_ids,
+                       prompt_mask=parts.prompt_mask, completion_ids=parts.completion_ids,
+                       completion_mask=parts.completion_mask)
+
+
+def shared_prompts(seqs: Sequence[RewardSeq], pad_id: int) -> tuple[list[list[int]], list[list[list[int]]]] | None:
+    """Each pair's shared prompt, the tokens its two sequences begin with (the row's prompt and whatever else both
+    begin with; for implicit-prompt rows too), and the rest of each: (prompts, [chosen rests, rejected rests]).
+    Each rest keeps at least one token that is not padding, where the classifier reads its reward (its last token
+    that is not `pad_id`, as transformers' sequence classifiers find it). None where a pair has no shared first token
+    or a rest would be padding only (those batches run whole sequences)."""
+    prompts, chosen, rejected = [], [], []
+    for s in seqs:
+        n = min(_common_prefix(s.chosen, s.rejected), len(s.chosen) - 1, len(s.rejected) - 1)
+        if n < 1 or any(all(t == pad_id for t in rest[n:]) for rest in (s.chosen, s.rejected)):
+            return None
+        prompts.append(s.chosen[:n])
+        chosen.append(s.chosen[n:])
+        rejected.append(s.rejected[n:])
+    return prompts, [chosen, rejected]

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
+from transformers.modeling_layers import GenericForSequenceClassification
 
 from xgblora.data.batches import LabelBatch, PackedBatch, TokenBatch
 from xgblora.models.fused_head import TokenScores, fused_token_logprobs, fused_token_scores, split_head
@@ -103,19 +105,56 @@ def shared_prefix_outputs(model: nn.Module, prompt_ids: torch.Tensor, prompt_mas
     token, and the completion's [rows, W - 1, *] (only when W > 1); kept apart, as a concatenation would copy the
     logits. A prompt shared by G completions costs P + G C tokens, not G (P + C); gradients reach the prompt's
     forward through the cache."""
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
-                position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True,
-                **({"logits_to_keep": 1} if head else {}))
-    out.cache.batch_select_indices(row_prompt)
+    out = _prompt_forward(model, prompt_ids, prompt_mask, row_prompt, **({"logits_to_keep": 1} if head else {}))
     parts = [(out.logits if head else out.last_hidden_state)[:, -1:][row_prompt]]  # predicts the first token
     if completion.shape[1] > 1:
-        attention = torch.cat([prompt_mask[row_prompt], completion_mask[:, :-1]], dim=1)
-        position = prompt_mask.sum(1)[row_prompt, None] + torch.arange(completion.shape[1] - 1,
-                                                                       device=completion.device)
-        rest = model(input_ids=completion[:, :-1], attention_mask=attention, position_ids=position,
-                     cache=out.cache, use_cache=True)
+        rest = _after_prompt(model, out.cache, prompt_mask, row_prompt, completion[:, :-1], completion_mask[:, :-1])
         parts.append(rest.logits if head else rest.last_hidden_state)
     return parts
+
+
+def shared_prefix_last_states(backbone: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                              row_prompt: torch.Tensor, completion: torch.Tensor, completion_mask: torch.Tensor,
+                              pad_id: int) -> torch.Tensor:
+    """The backbone's final state [rows, H] at each completion row's last token that is not pad_id (where
+    transformers' sequence classifiers read their logits: the rightmost such token of prompt + completion, which
+    lies in the completion where it has one), the prompts run once as in `shared_prefix_outputs`."""
+    out = _prompt_forward(backbone, prompt_ids, prompt_mask, row_prompt)
+    hidden = _after_prompt(backbone, out.cache, prompt_mask, row_prompt, completion, completion_mask).last_hidden_state
+    columns = torch.arange(completion.shape[1], device=completion.device, dtype=torch.int32)
+    last = ((completion != pad_id).int() * columns).argmax(-1)  # transformers' formula
+    return hidden[torch.arange(completion.shape[0], device=completion.device), last]
+
+
+def _prompt_forward(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, row_prompt: torch.Tensor,
+                    **kwargs: Any) -> Any:
+    """The (left-padded) prompts' forward, its KV cache repeated to the completion rows."""
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
+                position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True, **kwargs)
+    out.cache.batch_select_indices(row_prompt)
+    return out
+
+
+def _after_prompt(model: nn.Module, cache: Any, prompt_mask: torch.Tensor, row_prompt: torch.Tensor,
+                  ids: torch.Tensor, mask: torch.Tensor) -> Any:
+    """The (right-padded) tokens after each row's prompt, on the prompts' cache; positions go on from the prompt's."""
+    attention = torch.cat([prompt_mask[row_prompt], mask], dim=1)
+    position = prompt_mask.sum(1)[row_prompt, None] + torch.arange(ids.shape[1], device=ids.device)
+    return model(input_ids=ids, attention_mask=attention, position_ids=position, cache=cache, use_cache=True)
+
+
+def classifier_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, int] | None:
+    """(backbone, score head, pad id) of a causal LM's sequence classifier whose logits are the head on the
+    backbone's final state at each row's last token that is not the pad id (transformers'
+    GenericForSequenceClassification: Llama, Qwen, Mistral, Gemma, ...), PEFT-wrapped or not; None for other
+    classifiers, a compiled model (whose forward the backbone's would bypass), or no pad id."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return None
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the patched model
+    if not isinstance(inner, GenericForSequenceClassification):
+        return None
+    pad = inner.config.get_text_config().pad_token_id
+    return None if pad is None else (getattr(inner, inner.base_model_prefix), inner.score, pad)
 
 
 def completion_scores(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

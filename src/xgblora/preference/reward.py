@@ -1,10 +1,11 @@
 """A reward model's loss as TRL's RewardTrainer computes it, its logged metrics, and the held-out evaluation.
 
 A sequence classifier with one output scores each whole sequence, r = model(prompt + completion).logits[:, 0] (the
-model's own head on its last non-padding token, as transformers' *ForSequenceClassification read it); a pair's
-loss is the Bradley-Terry one, -log sigmoid(r_chosen - r_rejected - margin), plus, with center_rewards_coefficient
-c, c (r_chosen + r_rejected)^2 (Eisenstein et al. 2023, Eq. 2), which holds the rewards near 0. The mean over pairs
-is TRL's loss. Its metrics are TRL's: accuracy (chosen scored above rejected), margin (r_chosen - r_rejected, the
+model's own head on its last non-padding token, as transformers' *ForSequenceClassification read it; a causal
+LM's classifier runs each pair's shared prompt once, both sequences reading its KV cache, for the same values); a
+pair's loss is the Bradley-Terry one, -log sigmoid(r_chosen - r_rejected - margin), plus, with
+center_rewards_coefficient c, c (r_chosen + r_rejected)^2 (Eisenstein et al. 2023, Eq. 2), which holds the rewards
+near 0. The mean over pairs is TRL's loss. Its metrics are TRL's: accuracy (chosen scored above rejected), margin (r_chosen - r_rejected, the
 data's margin not taken off), and the mean, min and max reward of each forward.
 """
 
@@ -18,13 +19,37 @@ from torch import Tensor, nn
 
 from xgblora.data.batches import RewardBatch
 from xgblora.data.preference import RewardSeq, collate_rewards
-from xgblora.models.scoring import eval_mode
+from xgblora.models.scoring import classifier_parts, eval_mode, shared_prefix_last_states
 
 
 def sequence_rewards(model: nn.Module, batch: RewardBatch) -> Tensor:
-    """The reward of every row of the batch [rows] (chosen rows, then rejected; each half of a dual batch so)."""
+    """The reward of every row of the batch [rows] (chosen rows, then rejected; each half of a dual batch so): each
+    pair's shared prompt run once where the batch has them and the model allows (`shared_rewards`), else the whole
+    sequences through the model."""
+    parts = classifier_parts(model) if batch.prompt_ids is not None else None
+    if parts is not None:
+        return shared_rewards(*parts, batch)
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     return out.logits[:, 0].float()
+
+
+def shared_rewards(backbone: nn.Module, head: nn.Module, pad_id: int, batch: RewardBatch) -> Tensor:
+    """The rewards of `sequence_rewards`, each pair's prompt run once and its KV cache read by both completions
+    (`shared_prefix_last_states`), the head on each sequence's last token that is not padding, as the classifier's
+    own forward reads it: the same values and gradients, P + C + R tokens a pair instead of 2P + C + R."""
+    rows, per_half = batch.completion_ids.shape[0], batch.n_examples
+    index = torch.arange(rows, device=batch.completion_ids.device)
+    row_prompt = index // (2 * per_half) * per_half + index % per_half  # half h: its chosen rows, then its rejected
+    states = shared_prefix_last_states(backbone, batch.prompt_ids, batch.prompt_mask, row_prompt,
+                                       batch.completion_ids, batch.completion_mask, pad_id)
+    return head(states)[:, 0].float()
+
+
+def shares_prompts(model: nn.Module, pad_id: int) -> bool:
+    """Whether `sequence_rewards` can run the model's pairs on their shared prompts: a causal LM's classifier
+    (`classifier_parts`) that pads with the collator's pad id."""
+    parts = classifier_parts(model)
+    return parts is not None and parts[2] == pad_id
 
 
 def pair_losses(chosen: Tensor, rejected: Tensor, margin: Tensor | None, center: float | None) -> Tensor:
@@ -84,11 +109,13 @@ class RewardLoss:
 
 @torch.no_grad()
 def evaluate_rewards(model: nn.Module, seqs: Sequence[RewardSeq], pad_id: int, batch_size: int,
-                     device: torch.device, center: float | None = None) -> dict[str, float]:
-    """Held-out pairs in eval mode: the mean loss and TRL's metrics (accuracy is the preference accuracy)."""
+                     device: torch.device, center: float | None = None, shared: bool = False) -> dict[str, float]:
+    """Held-out pairs in eval mode: the mean loss and TRL's metrics (accuracy is the preference accuracy); shared:
+    each pair's prompt run once (`collate_rewards`)."""
     loss = RewardLoss(center)
     total = 0.0
     with eval_mode(model):
         for start in range(0, len(seqs), batch_size):
-            total += float(loss(model, collate_rewards(seqs[start:start + batch_size], pad_id).to(device)).sum())
+            batch = collate_rewards(seqs[start:start + batch_size], pad_id, shared).to(device)
+            total += float(loss(model, batch).sum())
     return {"loss": total / len(seqs), **loss.statistics.drain()}

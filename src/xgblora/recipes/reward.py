@@ -6,7 +6,8 @@ are read before the model loads. The model is a sequence classifier with one out
 (`AutoModelForSequenceClassification`, num_labels 1); what trains is set up as in `xgblora train` (LoRA, XGBLoRA,
 full; AdamW or --trainer zo), the head training in every method (under --trainer zo by AdamW on the features of
 MeZO's forwards, as a classifier's head).
-The loss is `RewardLoss` on `RewardBatch`es. Held-out pairs (--eval_file) give the loss and the preference
+The loss is `RewardLoss` on `RewardBatch`es; a causal LM's classifier runs each pair's shared prompt once, both
+sequences reading its KV cache (`preference.reward.shared_rewards`: TRL's values, fewer tokens). Held-out pairs (--eval_file) give the loss and the preference
 accuracy. final/ holds the adapter with its head (PEFT's SEQ_CLS, the head as modules_to_save), or the whole
 classifier; either serves as `xgblora grpo --reward_model`, and `xgblora export --format merged` writes a model that
 transformers' AutoModelForSequenceClassification loads.
@@ -31,7 +32,7 @@ from xgblora.data.preference import (
 )
 from xgblora.distributed import Distributed
 from xgblora.logs import setup_console_logging
-from xgblora.preference.reward import RewardLoss, evaluate_rewards
+from xgblora.preference.reward import RewardLoss, evaluate_rewards, shares_prompts
 from xgblora.recipes.lifecycle import Prepared, run_recipe
 from xgblora.report import REWARD_PANELS
 from xgblora.train.loop import ExampleBatches, Trainer
@@ -58,13 +59,16 @@ def prepare(cfg: RewardConfig, dist: Distributed, train: list[PreferenceExample]
     train_seqs = reward_seqs(tokenizer, train, cfg.max_length)
     eval_seqs = reward_seqs(tokenizer, held_out, cfg.max_length) if held_out else []
     method = setup_method(model, cfg)
+    # each pair's prompt once (not through a compiled model, whose forward the backbone's bypasses, nor under FSDP,
+    # whose root gathers the head's weights in its own forward)
+    shared = shares_prompts(model, pad) and not cfg.compile and not dist.shards_model
 
     def evaluate(model: torch.nn.Module, seqs: Sequence[RewardSeq], demos: Sequence = ()) -> tuple[dict, list]:  # noqa: ARG001
         return evaluate_rewards(model, seqs, pad, cfg.per_device_eval_batch_size, device,
-                                cfg.center_rewards_coefficient), []
+                                cfg.center_rewards_coefficient, shared), []
 
     run = TrainingRun(cfg, model, tokenizer, device, evaluate, monitor=eval_seqs)
-    source = ExampleBatches(training_set(train_seqs, pad), cfg, dist, cfg.group_by_length is not False,
+    source = ExampleBatches(training_set(train_seqs, pad, shared), cfg, dist, cfg.group_by_length is not False,
                             dropout=not cfg.disable_dropout)
     loss = training_loss(run, dist, preference=RewardLoss(cfg.center_rewards_coefficient))
     trainer = Trainer(run, method, source, loss, dist, head=cfg)
@@ -79,7 +83,8 @@ def prepare(cfg: RewardConfig, dist: Distributed, train: list[PreferenceExample]
                     curves=("reward", REWARD_PANELS))
 
 
-def training_set(seqs: Sequence[RewardSeq], pad_id: int) -> TrainingSet:
-    """The pairs, grouped by length (both sequences), each batch collated as TRL's collator does."""
+def training_set(seqs: Sequence[RewardSeq], pad_id: int, shared: bool = False) -> TrainingSet:
+    """The pairs, grouped by length (both sequences), each batch collated as TRL's collator does (shared: split at
+    each pair's shared prompt too, `collate_rewards`)."""
     return TrainingSet([len(s.chosen) + len(s.rejected) for s in seqs],
-                       lambda idx: collate_rewards([seqs[i] for i in idx], pad_id))
+                       lambda idx: collate_rewards([seqs[i] for i in idx], pad_id, shared))
