@@ -13,12 +13,19 @@ SentenceTransformerTrainer with MatryoshkaLoss around MultipleNegativesRankingLo
 of the same rank, alpha and targets (PEFT's inject_adapter_in_model: `add_adapter` asks transformers for a newer PEFT
 than this machine has), scored by InformationRetrievalEvaluator at each truncate_dim. Both: AdamW, constant rate, no
 warm-up or weight decay, clipping 1.0, same steps, batch and max length. Steps/s: steps over the training runtime.
-With --rerank_seeds, a reranker (`xgblora train --objective rerank --rerank_loss mnrl`, LoRA on MiniLM) reranks
-the untrained MiniLM bi-encoder's top --rerank_top_k (`xgblora eval --beir_dir ... --reranker`).
+With --rerank_seeds, a reranker (`xgblora train --objective rerank --rerank_loss mnrl`, LoRA r=8 alpha 16 on
+MiniLM, the same steps and batch, --rerank_num_negatives in-batch negatives per query, pairs cut to
+--rerank_max_length tokens: sized for 2 shared CPU cores, where 4 negatives at 256 tokens run ~10x slower than the
+bi-encoder) reranks the top --rerank_top_k of that seed's xgblora bi-encoder, a Matryoshka run (`xgblora eval
+--model_name RUN --beir_dir ... --reranker RERANK_RUN --always_rerank_positives false`: the top k alone, no missed
+positive added), once at its whole embedding (384) and once cut to its smallest size (`--truncate_dim 64`); the gain
+is nDCG@10 after reranking minus the first stage's nDCG@10 over the same top k.
 
-    nice -n 5 python benchmarks/retrieval_minilm.py --data_dir ../shared/data --out /tmp/retrieval-minilm
+    nice -n 5 python benchmarks/retrieval_minilm.py --data_dir ../shared/data --out /tmp/retrieval-minilm \
+        --rerank_seeds 0 1 2
 
-Each finished row is appended to OUT/rows.jsonl; a rerun skips the rows already there.
+Each finished row is appended to OUT/rows.jsonl; a rerun skips the rows already there (copy
+benchmarks/results/retrieval_minilm.rows.jsonl to OUT/rows.jsonl to resume from the recorded rows).
 """
 
 from __future__ import annotations
@@ -43,6 +50,12 @@ def rte_rows(data_dir: Path, source: str) -> list[dict]:
     return [{"query": r["hypothesis"], "positive": r["premise"]} for _, r in read_jsonl(data_dir / "rte" / source)]
 
 
+def write(path: Path, text: str) -> None:
+    """path with text, left alone when it already holds it (another process of the script may be reading it)."""
+    if not path.exists() or path.read_text(encoding="utf-8") != text:
+        path.write_text(text, encoding="utf-8")
+
+
 def build(data_dir: Path, out: Path) -> dict[str, Path]:
     """train.jsonl (query/positive pairs) and the BEIR folder beir/ of the held-out set; train and test documents
     are disjoint (test rows whose premise is a training premise are dropped)."""
@@ -50,18 +63,16 @@ def build(data_dir: Path, out: Path) -> dict[str, Path]:
     trained_on = {r["positive"] for r in train}
     test = [r for r in rte_rows(data_dir, "dev.jsonl") if r["positive"] not in trained_on]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train), encoding="utf-8")
+    write(out / "train.jsonl", "".join(json.dumps(r) + "\n" for r in train))
     beir = out / "beir"
     (beir / "qrels").mkdir(parents=True, exist_ok=True)
     documents = {text: f"d{i}" for i, text in enumerate(dict.fromkeys(r["positive"] for r in test))}
     queries = {text: f"q{i}" for i, text in enumerate(dict.fromkeys(r["query"] for r in test))}
-    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": i, "title": "", "text": t}) + "\n"
-                                               for t, i in documents.items()), encoding="utf-8")
-    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": i, "text": t}) + "\n"
-                                                for t, i in queries.items()), encoding="utf-8")
+    write(beir / "corpus.jsonl", "".join(json.dumps({"_id": i, "title": "", "text": t}) + "\n"
+                                         for t, i in documents.items()))
+    write(beir / "queries.jsonl", "".join(json.dumps({"_id": i, "text": t}) + "\n" for t, i in queries.items()))
     judged = dict.fromkeys((queries[r["query"]], documents[r["positive"]]) for r in test)
-    (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
-        f"{q}\t{d}\t1\n" for q, d in judged), encoding="utf-8")
+    write(beir / "qrels" / "test.tsv", "query-id\tcorpus-id\tscore\n" + "".join(f"{q}\t{d}\t1\n" for q, d in judged))
     return {"train": out / "train.jsonl", "beir": beir}
 
 
@@ -85,6 +96,15 @@ def ndcg_of(results: dict[str, float]) -> dict[str, float]:
 
 def xgblora_run(args: argparse.Namespace, files: dict[str, Path], seed: int) -> dict:
     run = Path(args.out) / "runs" / f"xgblora-seed{seed}"
+    if not (run / "results.json").exists():
+        train_bi_encoder(args, files, seed, run)
+    trained = json.loads((run / "results.json").read_text())
+    seconds = trained["train_runtime_s"]
+    return {**ndcg_of(beir_scores(str(run), files["beir"], run / "beir")), "train_s": seconds,
+            "steps_per_s": args.steps / seconds}
+
+
+def train_bi_encoder(args: argparse.Namespace, files: dict[str, Path], seed: int, run: Path) -> None:
     xgblora("train", "--model_name", MODEL, "--objective", "contrastive", "--train_file", str(files["train"]),
             "--method", "lora", "--lora_r", "8", "--lora_alpha", "16",
             "--learning_rate", str(args.lr), "--lr_scheduler_type", "constant", "--warmup_ratio", "0",
@@ -92,10 +112,6 @@ def xgblora_run(args: argparse.Namespace, files: dict[str, Path], seed: int) -> 
             "--max_length", str(args.max_length), "--matryoshka_dims", ",".join(map(str, DIMS)),
             "--seed", str(seed), "--save_strategy", "no", "--evaluation_strategy", "no", "--device", "cpu",
             "--output_dir", str(run), "--overwrite_output_dir", "true")
-    trained = json.loads((run / "results.json").read_text())
-    seconds = trained["train_runtime_s"]
-    return {**ndcg_of(beir_scores(str(run), files["beir"], run / "beir")), "train_s": seconds,
-            "steps_per_s": args.steps / seconds}
 
 
 def st_run(args: argparse.Namespace, files: dict[str, Path], seed: int) -> dict:
@@ -147,13 +163,24 @@ def rerank_run(args: argparse.Namespace, files: dict[str, Path], seed: int) -> d
                 "--train_file", str(files["train"]), "--method", "lora",
                 "--lora_r", "8", "--lora_alpha", "16", "--learning_rate", str(args.rerank_lr),
                 "--max_steps", str(args.steps), "--per_device_train_batch_size", str(args.batch),
-                "--max_length", "256", "--seed", str(seed), "--save_strategy", "no", "--evaluation_strategy", "no",
+                "--rerank_num_negatives", str(args.rerank_num_negatives),
+                "--max_length", str(args.rerank_max_length), "--seed", str(seed), "--save_strategy", "no", "--evaluation_strategy", "no",
                 "--device", "cpu", "--output_dir", str(run), "--overwrite_output_dir", "true")
-    # the first stage is the untrained MiniLM: `eval --reranker` refuses a run trained with --matryoshka_dims (it
-    # inherits the sizes, and no flag turns them off)
-    scores = beir_scores(MODEL, files["beir"], run / "beir", "--max_length", str(args.max_length),
-                         "--reranker", str(run), "--rerank_top_k", str(args.rerank_top_k))
-    return {"ndcg@10 before rerank": scores["rerank_base_ndcg@10"], "ndcg@10 after rerank": scores["rerank_ndcg@10"]}
+    # the first stage: the seed's xgblora bi-encoder, a run trained with --matryoshka_dims (its sizes carried over)
+    first = Path(args.out) / "runs" / f"xgblora-seed{seed}"
+    if not (first / "final").exists():
+        train_bi_encoder(args, files, seed, first)
+    row = {}
+    for dim in (None, min(DIMS)):
+        cut = () if dim is None else ("--truncate_dim", str(dim))
+        scores = beir_scores(str(first), files["beir"], run / f"beir-{dim or max(DIMS)}", *cut,
+                             "--reranker", str(run), "--rerank_top_k", str(args.rerank_top_k),
+                             "--always_rerank_positives", "false")
+        size = dim or max(DIMS)
+        row |= {f"first stage ndcg@10 dim {size}": scores[f"dim_{size}_cosine_ndcg@10"],
+                f"ndcg@10 before rerank dim {size}": scores["rerank_base_ndcg@10"],
+                f"ndcg@10 after rerank dim {size}": scores["rerank_ndcg@10"]}
+    return row
 
 
 def summarise(rows: list[dict]) -> str:
@@ -170,11 +197,14 @@ def summarise(rows: list[dict]) -> str:
         lines.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + f" | {speed} |")
     if "reranker" in groups:
         runs = groups["reranker"]
-        lines.append(f"\n| reranker over the top {runs[0]['top_k']} (dim 384) | seeds | nDCG@10 % before | after |"
-                     "\n|---|---|---|---|")
-        lines.append(f"| untrained MiniLM bi-encoder + xgblora LoRA MiniLM reranker (MNRL) | {len(runs)} | "
-                     f"{mean_std([r['ndcg@10 before rerank'] for r in runs], 100)} | "
-                     f"{mean_std([r['ndcg@10 after rerank'] for r in runs], 100)} |")
+        lines.append(f"\n| xgblora LoRA bi-encoder's top {runs[0]['top_k']}, reranked by an xgblora LoRA MiniLM "
+                     f"reranker (MNRL) | seeds | nDCG@10 % before | after | gain (points) |\n|---|---|---|---|---|")
+        for size in (max(DIMS), min(DIMS)):
+            before, after = (f"ndcg@10 {when} rerank dim {size}" for when in ("before", "after"))
+            how = "whole embedding (384)" if size == max(DIMS) else f"first {size} dimensions (--truncate_dim {size})"
+            lines.append(f"| first stage at its {how} | {len(runs)} | {mean_std([r[before] for r in runs], 100)} | "
+                         f"{mean_std([r[after] for r in runs], 100)} | "
+                         f"{mean_std([r[after] - r[before] for r in runs], 100)} |")
     return "\n".join(lines)
 
 
@@ -182,7 +212,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", default="../shared/data")
     parser.add_argument("--out", default="/tmp/xgblora-retrieval-minilm")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2],
+                        help="bi-encoder seeds (none: only --rerank_seeds' rows)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--max_length", type=int, default=128)
@@ -190,6 +221,8 @@ def main() -> None:
     parser.add_argument("--rerank_seeds", type=int, nargs="*", default=[], help="seeds that also train a reranker")
     parser.add_argument("--rerank_lr", type=float, default=1e-3)
     parser.add_argument("--rerank_top_k", type=int, default=20)
+    parser.add_argument("--rerank_num_negatives", type=int, default=1)
+    parser.add_argument("--rerank_max_length", type=int, default=128, help="88%% of RTE's pairs fit in 128 tokens")
     parser.add_argument("--no_st", action="store_true", help="xgblora rows only")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()

@@ -287,6 +287,67 @@ def test_eval_beir_with_a_reranker_equals_sentence_transformers_evaluator_on_the
     assert got["rerank_base_ndcg@10"] < 1 and "Reranking" in (out / "report.html").read_text()
 
 
+@pytest.fixture(scope="module")
+def matryoshka_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny BERT LoRA embedding run trained with Matryoshka sizes 64 (its whole embedding) and 16: the run folder
+    and its merged export (what sentence-transformers loads)."""
+    from test_embedding import pairs_file
+
+    folder = tmp_path_factory.mktemp("matryoshka")
+    run(Config(model_name="tiny-bert", objective="contrastive", train_file=str(pairs_file(folder / "pairs.jsonl")),
+               method="lora", learning_rate=1e-2, max_steps=2, per_device_train_batch_size=4, max_length=24,
+               matryoshka_dims="64,16", save_strategy="no", no_eval=True, device="cpu", output_dir=str(folder / "run")))
+    export_run(folder / "run", "merged", folder / "merged")
+    return folder / "run", folder / "merged"
+
+
+@pytest.mark.parametrize(("truncate_dim", "model_flags"), [(None, "run"), (16, "run"), (16, "adapter")])
+def test_a_matryoshka_first_stage_reranks_as_sentence_transformers_pipeline(tmp_path, reranker, matryoshka_run,
+                                                                             truncate_dim, model_flags):
+    """A first stage trained with --matryoshka_dims (its sizes carried over from the run, through --model_name RUN
+    or --adapter RUN/final) is reranked: its whole embedding's top 5, or with --truncate_dim 16 that of its first
+    16 dimensions. The first-stage figures equal InformationRetrievalEvaluator's (each trained size, or the one
+    cut), the reranking figures CrossEncoderRerankingEvaluator's over the top 5 of SentenceTransformer(export,
+    truncate_dim=...) by util.semantic_search, each to 1e-6."""
+    from sentence_transformers import SentenceTransformer, util
+    from test_beir import st_figures
+
+    run_dir, merged = matryoshka_run
+    model = ["--model_name", str(run_dir)] if model_flags == "run" else ["--adapter", str(run_dir / "final")]
+    cut = [] if truncate_dim is None else ["--truncate_dim", str(truncate_dim)]
+    out = tmp_path / "eval"
+    assert cli.main(["eval", *model, "--beir_dir", str(BEIR), *cut, "--reranker", str(reranker), "--rerank_top_k",
+                     "5", "--device", "cpu", "--output_dir", str(out)]) == 0
+    got = json.loads((out / "results.json").read_text())
+    first_stage = SentenceTransformer(str(merged), device="cpu", truncate_dim=truncate_dim)
+    expected = st_figures(first_stage, BEIR, (64, 16) if truncate_dim is None else (truncate_dim,))
+    assert {k for k in got if "cosine_" in k} == expected.keys()
+    assert max(abs(got[k] - expected[k]) for k in expected) <= 1e-6
+    data = read_retrieval_set(BEIR / "corpus.jsonl", BEIR / "queries.jsonl", BEIR / "qrels" / "test.tsv")
+    doc_ids = list(data.corpus)
+    hits = util.semantic_search(first_stage.encode(list(data.queries.values()), convert_to_tensor=True),
+                                first_stage.encode(list(data.corpus.values()), convert_to_tensor=True), top_k=5)
+    samples = [{"query": text, "positive": [data.corpus[d] for d in sorted(data.relevant[q])],
+                "documents": [data.corpus[doc_ids[h["corpus_id"]]] for h in found]}
+               for (q, text), found in zip(data.queries.items(), hits, strict=True)]
+    st = CrossEncoderRerankingEvaluator(samples, name="rerank", write_csv=False)(CrossEncoder(str(reranker / "final")))
+    assert st.keys() == {k for k in got if k.startswith("rerank_")} - {"rerank_top_k"}
+    assert max(abs(got[k] - st[k]) for k in st) <= 1e-6, (got, st)
+    assert got.get("truncate_dim") == truncate_dim
+    stage = "whole embedding" if truncate_dim is None else f"first {truncate_dim} dimensions"
+    assert f"first stage ({stage}), top 5" in (out / "report.html").read_text()
+
+
+def test_a_truncate_dim_above_the_embedding_or_without_a_retrieval_is_one_line(tmp_path, reranker, capsys):
+    assert cli.main(["eval", "--model_name", "tiny-bert", "--beir_dir", str(BEIR), "--truncate_dim", "65",
+                     "--device", "cpu", "--output_dir", str(tmp_path / "a")]) == 2
+    assert "--truncate_dim 65 is above tiny-bert's embedding size 64; give at most 64" in capsys.readouterr().err
+    assert cli.main(["eval", "--model_name", "tiny-bert", "--truncate_dim", "16", "--output_dir",
+                     str(tmp_path / "b")]) == 2
+    assert "--truncate_dim 16 does nothing here: only a retrieval evaluation (--beir_dir) embeds cut to a size" in \
+        capsys.readouterr().err
+
+
 def test_mezo_dual_batch_on_pairs_equals_the_two_pass_step():
     """The doubled rerank batch scores each half as its own batch: one forward gives MeZO's two-pass L+ and L-."""
     model, tokenizer = pretrained.load("tiny-bert", head="classifier", num_labels=1)

@@ -32,3 +32,15 @@ def test_the_beir_set_reads_back_and_its_documents_are_never_trained_on(tmp_path
     train = [json.loads(line) for line in files["train"].read_text().splitlines()]
     assert {r["positive"] for r in train} == {"P1", "P2", "shared"}
     assert not {r["positive"] for r in train} & set(test.corpus.values())
+
+
+def test_the_table_gives_the_rerankers_gain_over_the_first_stages_top_k_at_each_size():
+    bench = load_benchmark("retrieval_minilm")
+    rows = [{"run": "reranker", "seed": seed, "top_k": 20, **{
+        f"ndcg@10 {when} rerank dim {size}": value + seed / 100 for size, when, value in (
+            (384, "before", 0.9), (384, "after", 0.95), (64, "before", 0.8), (64, "after", 0.9))}}
+            for seed in (0, 1)]
+    table = bench.summarise(rows)
+    assert "| first stage at its whole embedding (384) | 2 | 90.5 ± 0.7 | 95.5 ± 0.7 | 5.0 ± 0.0 |" in table
+    assert "| first stage at its first 64 dimensions (--truncate_dim 64) | 2 | 80.5 ± 0.7 | 90.5 ± 0.7 | 10.0 ± 0.0 |" \
+        in table

@@ -138,15 +138,13 @@ def resolve_retrieval(cfg: Config | EvalConfig) -> None:
 
 
 def check_reranking(cfg: Config | EvalConfig) -> None:
-    """A retrieval evaluation's second stage: it reranks the first stage's (the whole embedding's) best documents."""
-    check_positive(cfg, "rerank_top_k")
+    """A retrieval evaluation's second stage: it reranks one first-stage ranking's best documents, the whole
+    embedding's or --truncate_dim's (a Matryoshka model's sizes are scored, its whole embedding reranked)."""
+    check_positive(cfg, "rerank_top_k", "truncate_dim")
     if cfg.reranker is not None and cfg.retrieval_files is None:
         raise UserError("--reranker reranks the best documents of a retrieval evaluation's first stage: give "
                         "--beir_dir DIR (or --corpus_file, --queries_file and --qrels_file) and the first-stage "
                         "embedding model as --model_name")
-    if cfg.reranker is not None and cfg.matryoshka_dims:
-        raise UserError("--reranker reranks one first-stage ranking, the whole embedding's; drop "
-                        "--matryoshka_dims (evaluate the sizes in a run of their own)")
 
 
 def refuse_no_trainer(cfg: MethodOptions, command: str) -> None:
@@ -951,6 +949,8 @@ BOOSTING_GROUPS = (BoostingOptions, AdaptiveBoostingOptions)
 IGNORED = (
     Ignored(("matryoshka_dims",), RetrievalOptions, lambda c: c.trainers_used == {"none"} and c.retrieval_files is None,
             "nothing trains under --trainer none, and only a retrieval evaluation (--beir_dir) scores at each size"),
+    Ignored(("truncate_dim",), RetrievalOptions, lambda c: c.retrieval_files is None,
+            "only a retrieval evaluation (--beir_dir) embeds cut to a size"),
     Ignored((ClassificationOptions, *NOT_RETRIEVAL_OPTIONS), RetrievalOptions, lambda c: c.retrieval_files is not None,
             "a retrieval evaluation reads the corpus, queries and judgements of --beir_dir (or --corpus_file, "
             "--queries_file, --qrels_file) only"),

@@ -163,7 +163,7 @@ class EmbeddingOptions:
                                    ("plain", "gritlm"))
     include_prompt: bool | None = _opt(None, "Contrastive/GRIT: the instruction's tokens count in the mean pooling (they are always attended to). Default: off for grit, on for contrastive.")
     bidirectional: bool | None = _opt(None, "Contrastive/GRIT with a causal LM: the embedding pass attends both ways (GritLM; checked). Default: on for grit, off for contrastive.")
-    matryoshka_dims: str | None = _opt(None, "Contrastive/GRIT: Matryoshka embeddings (sentence-transformers' MatryoshkaLoss): the loss summed over the embeddings cut to each of these sizes, e.g. 384,256,128,64 (each cut normalised anew); a retrieval evaluation (--beir_dir) scores at each size (truncate_dim).")
+    matryoshka_dims: str | None = _opt(None, "Contrastive/GRIT: Matryoshka embeddings (sentence-transformers' MatryoshkaLoss): the loss summed over the embeddings cut to each of these sizes, e.g. 384,256,128,64 (each cut normalised anew); a retrieval evaluation (--beir_dir) scores at each size (truncate_dim), and a --reranker reranks the whole embedding's ranking (or --truncate_dim's).")
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,7 @@ class RetrievalOptions:
     corpus_file: str | None = _opt(None, "The corpus JSONL (_id, text, optional title) instead of --beir_dir's corpus.jsonl.")
     queries_file: str | None = _opt(None, "The queries JSONL (_id, text) instead of --beir_dir's queries.jsonl.")
     qrels_file: str | None = _opt(None, "The relevance judgements TSV (query-id, corpus-id, score) instead of --beir_dir's qrels/test.tsv (e.g. qrels/dev.tsv).")
+    truncate_dim: int | None = _opt(None, "With --beir_dir: embed as sentence-transformers' SentenceTransformer(model, truncate_dim=K) does, every embedding cut to its first K dimensions (a Matryoshka model at one of its sizes); the first stage is scored, and a --reranker reranks its ranking, at that size alone, in place of --matryoshka_dims' sizes (a trained run's own too). Default: the whole embedding.")
 
     @property
     def retrieval_files(self) -> tuple[Path, Path, Path] | None:

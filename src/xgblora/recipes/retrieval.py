@@ -1,10 +1,12 @@
 """`xgblora eval --beir_dir DIR` (or --corpus_file, --queries_file, --qrels_file): a model, or a trained run as it
 embeds, scored on a BEIR-format corpus as sentence-transformers' InformationRetrievalEvaluator scores it (see
-evaluation/corpus.py), whole or at each --matryoshka_dims size. results.json holds the figures under the names that
-evaluator gives them (cosine_ndcg@10; at a size, as its Matryoshka evaluators are named: dim_128_cosine_ndcg@10),
-report.html their table. With --reranker, a cross-encoder then reranks each query's --rerank_top_k best documents,
-scored as CrossEncoderRerankingEvaluator scores them (evaluation/reranking.py), its figures named as that evaluator
-names them under the name rerank: rerank_ndcg@10 after, rerank_base_ndcg@10 before."""
+evaluation/corpus.py), whole or at each --matryoshka_dims size, or cut to --truncate_dim alone (as
+SentenceTransformer(model, truncate_dim=K) embeds). results.json holds the figures under the names that evaluator
+gives them (cosine_ndcg@10; at a size, as its Matryoshka evaluators are named: dim_128_cosine_ndcg@10), report.html
+their table. With --reranker, a cross-encoder then reranks each query's --rerank_top_k best documents of one
+first-stage ranking, the whole embedding's (a Matryoshka model's too) or --truncate_dim's, scored as
+CrossEncoderRerankingEvaluator scores them (evaluation/reranking.py), its figures named as that evaluator names
+them under the name rerank: rerank_ndcg@10 after, rerank_base_ndcg@10 before."""
 
 from __future__ import annotations
 
@@ -45,23 +47,27 @@ def prepare_retrieval(cfg: Config, files: tuple[Path, Path, Path], dist: Distrib
     head = pretrained.embedding_head(cfg.model_name, cfg.objective, cfg.trust_remote_code)
     model, tokenizer = load_model(cfg, dist, head)
     cfg = resolve_task_config(cfg, model, dist, head)
+    check_truncate_dim(cfg, model)
     rerank = reranking_of(cfg, dist, data) if cfg.reranker is not None else None
 
     def results() -> dict[str, Any]:
         started = time.perf_counter()
-        dims = cfg.matryoshka[0] or (None,)
+        # the sizes scored; the reranker's first stage is one ranking: --truncate_dim's, else the whole embedding's
+        dims = (cfg.truncate_dim,) if cfg.truncate_dim else cfg.matryoshka[0] or (None,)
+        stage = cfg.truncate_dim
+        searched = (*dims, stage) if rerank is not None and stage not in dims else dims
         prefixes = embedding_prefixes(cfg.instruction_format, cfg.query_instruction, cfg.doc_instruction)
-        hits = corpus.search(model, tokenizer, data, prefixes, dims, depth=max(corpus.MAX_K, cfg.rerank_top_k),
+        hits = corpus.search(model, tokenizer, data, prefixes, searched, depth=max(corpus.MAX_K, cfg.rerank_top_k),
                              pooling=cfg.pooling, max_length=cfg.max_length, batch_size=cfg.per_device_eval_batch_size,
                              bidirectional=bool(cfg.bidirectional), include_prompt=cfg.pools_prompt)
-        scored = corpus.figures_of(data, hits)
+        scored = corpus.figures_of(data, {dim: hits[dim] for dim in dims})
         names = {dim: "" if dim is None else f"dim_{dim}_" for dim in dims}
-        reranked = rerank(hits[None]) if rerank is not None else {}
+        reranked = rerank(hits[stage]) if rerank is not None else {}
         done: dict[str, Any] = {
             "task": "retrieval", "adapter": cfg.adapter, "method": "none", "corpus_file": str(files[0]),
             "queries_file": str(files[1]), "qrels_file": str(files[2]), "num_queries": len(data.queries),
-            "corpus_size": len(data.corpus), **({"reranker": cfg.reranker, "rerank_top_k": cfg.rerank_top_k}
-                                                if rerank is not None else {}),
+            "corpus_size": len(data.corpus), **({"truncate_dim": cfg.truncate_dim} if cfg.truncate_dim else {}),
+            **({"reranker": cfg.reranker, "rerank_top_k": cfg.rerank_top_k} if rerank is not None else {}),
             "eval_runtime_s": round(time.perf_counter() - started, 3),
             **{f"{names[dim]}cosine_{name}": value for dim, values in scored.items() for name, value in values.items()},
             **{f"rerank_{name}": value for name, value in reranked.items()}}
@@ -72,6 +78,14 @@ def prepare_retrieval(cfg: Config, files: tuple[Path, Path, Path], dist: Distrib
         return done
 
     return Prepared(cfg, next(model.parameters()).device, None, results, data=str(files[0]))
+
+
+def check_truncate_dim(cfg: Config, model: nn.Module) -> None:
+    """--truncate_dim within the model's embedding size, refused before the corpus is embedded."""
+    size = getattr(model.config, "hidden_size", None)
+    if cfg.truncate_dim is not None and size is not None and cfg.truncate_dim > size:
+        raise UserError(f"--truncate_dim {cfg.truncate_dim} is above {cfg.model_name}'s embedding size {size}; "
+                        f"give at most {size}")
 
 
 def reranking_of(cfg: Config, dist: Distributed, data: RetrievalSet) -> Callable[[list[list[str]]], dict[str, float]]:
@@ -116,5 +130,6 @@ def _reranking_table(cfg: Config, reranked: dict[str, float]) -> dict[str, dict[
     if not reranked:
         return {}
     names = [name for name in reranked if not name.startswith("base_")]
-    return {f"first stage, top {cfg.rerank_top_k}": {name: reranked[f"base_{name}"] for name in names},
+    stage = f"first {cfg.truncate_dim} dimensions" if cfg.truncate_dim else "whole embedding"
+    return {f"first stage ({stage}), top {cfg.rerank_top_k}": {name: reranked[f"base_{name}"] for name in names},
             f"reranked by {Path(cfg.reranker).name or cfg.reranker}": {name: reranked[name] for name in names}}
