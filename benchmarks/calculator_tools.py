@@ -11,9 +11,9 @@ folder or with it on the import path).
   the held-out mean reward is the accuracy alone.
 
 Held-out rows may carry `stats`, a file path: each time `correct` scores them (the greedy evaluations before and
-after training) it appends one JSON line there, {"n", "accuracy", "call_frequency", "well_formed"} (tool calls per
-rollout, and the share of rollouts with a well-formed call), since grpo's metrics.jsonl counts tool calls of the
-training rollouts only.
+after training) it appends one JSON line there, {"n", "accuracy", "call_frequency", "well_formed", "example"} (tool
+calls per rollout, the share of rollouts with a well-formed call, the first row's completion), since grpo's
+metrics.jsonl counts tool calls of the training rollouts only.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def correct(completions: Sequence[Any], reference: Sequence[str], stats: Sequenc
         made = [calls(completions[i]) for i in chosen]
         record = {"n": len(chosen), "accuracy": sum(scores[i] for i in chosen) / len(chosen),
                   "call_frequency": sum(len(m) for m in made) / len(chosen),
-                  "well_formed": sum(any(well_formed(c) for c in m) for m in made) / len(chosen)}
+                  "well_formed": sum(any(well_formed(c) for c in m) for m in made) / len(chosen),
+                  "example": completions[chosen[0]]}
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
     return scores

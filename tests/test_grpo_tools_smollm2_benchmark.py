@@ -86,5 +86,6 @@ def test_rewards_read_the_final_turn_and_shape_well_formed_calls(tmp_path):
     assert calc.tool_call_shaping(completions, split=["train"] * 4) == [1.0, 1.0, 0.0, 0.0]
     assert calc.tool_call_shaping(completions, split=["heldout"] * 4) == [0.0] * 4
     calc.correct(completions, ["3"] * 4, stats=[str(stats)] * 4)
-    assert json.loads(stats.read_text()) == {"n": 4, "accuracy": 0.5, "call_frequency": 0.75, "well_formed": 0.5}
+    assert json.loads(stats.read_text()) == {"n": 4, "accuracy": 0.5, "call_frequency": 0.75, "well_formed": 0.5,
+                                             "example": used}
     assert calc.add(12345678, 87654321) == 99999999
