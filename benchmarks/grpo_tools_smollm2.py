@@ -22,10 +22,12 @@ Variants (--variants), each a row of OUT/table.md and OUT/rows.jsonl:
   `before` figures are the SFT adapter's.
 Accuracy and tool calls per rollout on the held-out questions come from `correct`'s stats lines (greedy, before
 and after); the training rollouts' tools/call_frequency (first step, mean of the last 5) from metrics.jsonl. GRPO
-runs checkpoint every 5 steps and a rerun resumes them; finished rows are not run again. Run one process per OUT.
+runs checkpoint every 5 steps and a rerun resumes them; finished rows are not run again. `wall s` is the run's own
+(evaluations included), `SFT s` the SFT's training time before it. Run one process per OUT.
 
     python benchmarks/grpo_tools_smollm2.py --out bench-grpo-tools --seeds 0
     python benchmarks/grpo_tools_smollm2.py --out bench-grpo-tools --seeds 1 2   # later seeds, same OUT
+    python benchmarks/grpo_tools_smollm2.py --out bench-grpo-tools-sft2 --variants sft-grpo --sft_steps 2 --seeds 0
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ TOOLS = "calculator_tools:add"
 REWARDS = ["calculator_tools:correct", "calculator_tools:tool_call_shaping"]
 VARIANTS = ("no-tool", "grpo", "sft-grpo")
 COLUMNS = ("model", "variant", "seed", "accuracy before", "accuracy after", "held-out calls before",
-           "held-out calls after", "train calls first", "train calls last", "steps", "train s", "wall s")
+           "held-out calls after", "train calls first", "train calls last", "steps", "SFT s", "train s", "wall s")
 
 
 def qwen_template() -> Path:
@@ -227,25 +229,32 @@ def cell(column: str, value: Any) -> str:
     return str(value)
 
 
+def write_table(table: Path, rows: list[dict[str, Any]]) -> None:
+    """OUT/table.md: every landed row (rewritten as each lands)."""
+    table.write_text("| " + " | ".join(COLUMNS) + " |\n" + "|---" * len(COLUMNS) + "|\n" + "".join(
+        "| " + " | ".join(cell(c, row["label"] if c == "variant" else row.get(c)) for c in COLUMNS) + " |\n"
+        for row in rows), encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    table, rows_file = out / "table.md", out / "rows.jsonl"
-    if not table.exists():
-        table.write_text("| " + " | ".join(COLUMNS) + " |\n" + "|---" * len(COLUMNS) + "|\n", encoding="utf-8")
-    landed = {(r["variant"], r["seed"]) for line in rows_file.open(encoding="utf-8")
-              if (r := json.loads(line))} if rows_file.exists() else set()
+    rows_file = out / "rows.jsonl"
+    rows = [json.loads(line) for line in rows_file.open(encoding="utf-8")] if rows_file.exists() else []
     for seed in args.seeds:
         train, heldout = write_questions(out, args.questions, args.heldout, seed)
         for variant in args.variants:
-            if (variant, seed) in landed:
+            if any((r["variant"], r["seed"]) == (variant, seed) for r in rows):
                 continue
             if variant == "no-tool":
                 figures = no_tool(args, heldout, seed, out)
             else:
                 adapter = sft_adapter(args, train, seed, out) if variant == "sft-grpo" else None
                 figures = grpo(args, variant, out / f"questions-seed{seed}.jsonl", heldout, seed, out, adapter)
+                if adapter:
+                    sft_done = json.loads((out / f"sft-seed{seed}" / "results.json").read_text(encoding="utf-8"))
+                    figures["SFT s"] = sft_done.get("train_runtime_s")
             label = f"sft-grpo ({args.sft_steps} SFT steps)" if variant == "sft-grpo" else variant
             row = {"model": args.model_name, "variant": variant, "seed": seed, **figures, "label": label,
                    "shaping": args.shaping, "max_new_tokens": args.max_new_tokens, "G": args.num_generations,
@@ -253,10 +262,8 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
             with rows_file.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
-            with table.open("a", encoding="utf-8") as f:
-                f.write("| " + " | ".join(cell(c, row["label"] if c == "variant" else row.get(c)) for c in COLUMNS)
-                        + " |\n")
-
+            rows.append(row)
+            write_table(out / "table.md", rows)
 
 if __name__ == "__main__":
     main()

@@ -31,7 +31,7 @@ def test_every_variant_lands_a_row_once(tmp_path):
         stats = [json.loads(line) for line in (out / f"{row['variant']}-seed0-heldout-stats.jsonl").open()]
         assert len(stats) == 2 and all(s["n"] == 2 for s in stats)
         assert row["eval_reward"] == pytest.approx(stats[-1]["accuracy"])  # no shaping paid on held-out rows
-    assert (out / "sft-seed0" / "final").is_dir()
+    assert (out / "sft-seed0" / "final").is_dir() and rows[2]["SFT s"] > 0 and "SFT s" not in rows[1]
     configs = {v: yaml.safe_load((out / f"{v}-seed0" / "config.yaml").read_text()) for v in ("grpo", "sft-grpo")}
     assert configs["grpo"]["adapter"] is None and configs["sft-grpo"]["adapter"] == str(out / "sft-seed0" / "final")
     assert configs["grpo"]["tools"] == ["calculator_tools:add"] and configs["grpo"]["reward_weights"] == [1.0, 0.1]
