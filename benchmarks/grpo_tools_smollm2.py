@@ -23,7 +23,8 @@ Variants (--variants), each a row of OUT/table.md and OUT/rows.jsonl:
 Accuracy and tool calls per rollout on the held-out questions come from `correct`'s stats lines (greedy, before
 and after); the training rollouts' tools/call_frequency (first step, mean of the last 5) from metrics.jsonl. GRPO
 runs checkpoint every 5 steps and a rerun resumes them; finished rows are not run again. `wall s` is the run's own
-(evaluations included), `SFT s` the SFT's training time before it. Run one process per OUT.
+(evaluations included), `SFT s` the SFT's training time before it. Run one process per OUT. Results:
+benchmarks/results/grpo_tools_smollm2.md.
 
     python benchmarks/grpo_tools_smollm2.py --out bench-grpo-tools --seeds 0
     python benchmarks/grpo_tools_smollm2.py --out bench-grpo-tools --seeds 1 2   # later seeds, same OUT
