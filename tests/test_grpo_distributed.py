@@ -33,17 +33,17 @@ from xgblora import cli
 from xgblora.generation import rollout
 from xgblora.models.sampler import Sample
 
-def fixed_samples(self, prompts, indices, params):
+def fixed_samples(self, prompt_ids, params):
     if params.temperature > 0:  # training, not the greedy held-out pass
         with open(f"{os.environ['XGBLORA_TEST_SEEDS']}.{os.environ['RANK']}", "a") as seeds:
             seeds.write(f"{params.seed}\\n")
     # a training seed is (base + generation batch) x ranks + rank; the greedy held-out pass is batch -1
     batch = params.seed // int(os.environ["WORLD_SIZE"]) if params.temperature > 0 else -1
     drawn = []
-    for i in indices:
+    for ids_of_prompt in prompt_ids:
         group = []
         for j in range(params.num_samples):
-            key = hashlib.sha256(f"{prompts.ids[i]}:{batch}:{j}".encode()).digest()
+            key = hashlib.sha256(f"{list(ids_of_prompt)}:{batch}:{j}".encode()).digest()
             g = torch.Generator().manual_seed(int.from_bytes(key[:7], "little"))
             n = int(torch.randint(1, params.max_new_tokens + 1, (1,), generator=g))
             ids = tuple(torch.randint(3, 200, (n,), generator=g).tolist())
@@ -52,7 +52,7 @@ def fixed_samples(self, prompts, indices, params):
         drawn.append(group)
     return drawn
 
-rollout.Rollout.sample = fixed_samples
+rollout.Rollout.draw = fixed_samples
 sys.exit(cli.main(["grpo", *sys.argv[1:]]))
 '''
 ADAPTER = "final/adapter_model.safetensors"
