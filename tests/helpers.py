@@ -6,6 +6,7 @@ import contextlib
 import copy
 import json
 import os
+import random
 import signal
 import socket
 from pathlib import Path
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from xgblora import train
+from xgblora import cli, train
 from xgblora.adapters.lora import LoRALinear, attach, is_adapter_param
 from xgblora.config import Config
 from xgblora.data import formats
@@ -341,3 +342,24 @@ def shared_prompt_batch(vocab: int) -> tuple[torch.Tensor, ...]:
     completion_mask[1, 4:] = 0
     completion_mask[3, 2:] = 0
     return prompt_ids, prompt_mask, torch.tensor([0, 0, 1, 1]), completion, completion_mask
+
+
+def addition_pairs(path: Path, n: int = 8) -> str:
+    """Preference rows on two-digit sums, the right sum chosen over a wrong one (seeded); the file's path."""
+    rng, rows = random.Random(0), []
+    for _ in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        rows.append({"prompt": f"{a}+{b}=", "chosen": f" {a + b}", "rejected": f" {a + b + rng.randint(1, 9)}"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def preference_run(command: str, out: Path, rows: str, *flags: str) -> tuple[dict, list[dict]]:
+    """`xgblora COMMAND` (dpo, kto, reward) on tiny-llama, the rows both trained on and held out, batch 4, a log line
+    a step: its results.json and the logged steps."""
+    code = cli.main([command, "--model_name", "tiny-llama", "--train_file", rows, "--eval_file", rows,
+                     "--output_dir", str(out), "--per_device_train_batch_size", "4", "--logging_steps", "1", *flags])
+    assert code == 0
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "results.json").read_text()), [m for m in logged if "loss" in m]
+

@@ -3,11 +3,11 @@ DPO's log 2), training raises the held-out reward accuracy, TRL's metrics reach 
 
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import addition_pairs, preference_run
 
 from xgblora import cli
 from xgblora.config import DPOConfig
@@ -15,23 +15,11 @@ from xgblora.config import DPOConfig
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    random.seed(0)
-    path = tmp_path_factory.mktemp("dpo") / "pairs.jsonl"
-    rows = []
-    for _ in range(8):
-        a, b = random.randint(10, 99), random.randint(10, 99)
-        rows.append({"prompt": f"{a}+{b}=", "chosen": f" {a + b}", "rejected": f" {a + b + random.randint(1, 9)}"})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+    return addition_pairs(tmp_path_factory.mktemp("dpo") / "pairs.jsonl")
 
 
 def dpo(tmp_path, pairs, *flags):
-    out = tmp_path / "run"
-    code = cli.main(["dpo", "--model_name", "tiny-llama", "--train_file", pairs, "--eval_file", pairs,
-                     "--output_dir", str(out), "--per_device_train_batch_size", "4", "--logging_steps", "1", *flags])
-    assert code == 0
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((out / "results.json").read_text()), [m for m in metrics if "loss" in m]
+    return preference_run("dpo", tmp_path / "run", pairs, *flags)
 
 
 @pytest.mark.parametrize("flags", [("--method", "lora"), ("--method", "xgblora"), ("--method", "ft"),

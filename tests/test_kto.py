@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import preference_run
 
 from xgblora import cli
 from xgblora.adapters.lora import adapters_off, attach
@@ -194,12 +195,7 @@ def rows_file(tmp_path_factory):
 
 
 def kto(tmp_path, rows_file, *flags):
-    out = tmp_path / "run"
-    code = cli.main(["kto", "--model_name", "tiny-llama", "--train_file", rows_file, "--eval_file", rows_file,
-                     "--output_dir", str(out), "--per_device_train_batch_size", "4", "--logging_steps", "1", *flags])
-    assert code == 0
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((out / "results.json").read_text()), [m for m in metrics if "loss" in m]
+    return preference_run("kto", tmp_path / "run", rows_file, *flags)
 
 
 @pytest.mark.parametrize("method", ["lora", "xgblora", "ft"])

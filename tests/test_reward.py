@@ -3,11 +3,11 @@ both trainers save a model that scores as it did in the run, the saved model loa
 `xgblora grpo --reward_model` rollouts as TRL's GRPOTrainer scores them; bad input stops in one line."""
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import addition_pairs, preference_run
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from xgblora import cli
@@ -20,22 +20,11 @@ from xgblora.preference.reward import evaluate_rewards
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     """Additions: the right sum is chosen over a wrong one."""
-    random.seed(0)
-    path = tmp_path_factory.mktemp("reward") / "pairs.jsonl"
-    rows = []
-    for _ in range(8):
-        a, b = random.randint(10, 99), random.randint(10, 99)
-        rows.append({"prompt": f"{a}+{b}=", "chosen": f" {a + b}", "rejected": f" {a + b + random.randint(1, 9)}"})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+    return addition_pairs(tmp_path_factory.mktemp("reward") / "pairs.jsonl")
 
 
 def reward(out, pairs, *flags):
-    code = cli.main(["reward", "--model_name", "tiny-llama", "--train_file", pairs, "--eval_file", pairs,
-                     "--output_dir", str(out), "--per_device_train_batch_size", "4", "--logging_steps", "1", *flags])
-    assert code == 0
-    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((out / "results.json").read_text()), [m for m in logged if "loss" in m]
+    return preference_run("reward", out, pairs, *flags)
 
 
 def trl_scores(model, tokenizer, prompts, completions):
