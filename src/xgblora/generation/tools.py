@@ -145,13 +145,18 @@ def _is_json(value: Any) -> bool:
     return True
 
 
+def _error(message: str) -> str:
+    """A failed call's result, as TRL writes it: str() of {"error": message}."""
+    return str({"error": message})
+
+
 def call_tool(tools: dict[str, Callable[..., Any]], call: dict[str, Any], timeout: float) -> tuple[str, str, bool]:
     """(the tool's name, its result's text, whether the call failed) for one parsed tool call. A call that outlasts
     `timeout` is left to finish in its own (daemon) thread: the rollout does not wait for it."""
     function = call.get("function", call)
     name, arguments = str(function.get("name", "unknown")), function.get("arguments") or {}
     if name not in tools:
-        return name, f"{{'error': 'Tool {name} not found.'}}", True
+        return name, _error(f"Tool {name} not found."), True
     outcome: dict[str, Any] = {}
 
     def run() -> None:
@@ -164,12 +169,12 @@ def call_tool(tools: dict[str, Callable[..., Any]], call: dict[str, Any], timeou
     worker.start()
     worker.join(timeout)
     if worker.is_alive():
-        return name, f"{{'error': 'the call took longer than {timeout:g} s'}}", True
+        return name, _error(f"the call took longer than {timeout:g} s"), True
     if "error" in outcome:
-        return name, str({"error": outcome["error"]}), True
+        return name, _error(outcome["error"]), True
     text = _as_text(outcome["result"])
     if text is None:
-        return name, str({"error": f"the tool returned {type(outcome['result']).__name__}, not text"}), True
+        return name, _error(f"the tool returned {type(outcome['result']).__name__}, not text"), True
     return name, text, False
 
 
