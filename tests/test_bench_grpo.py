@@ -12,9 +12,10 @@ from xgblora.bench import flags, suites
 
 @pytest.mark.parametrize("data", ["generated", "gsm8k"])
 def test_grpo_suite_quick_alternates_with_trl(data, tmp_path, request, capsys):
-    """With --data_dir the prompts are GSM8K's questions; without, generated ones, and the suite says so."""
+    """With --data_dir the prompts are GSM8K's questions; without, generated ones, and the suite says so. Each
+    library checkpoints as it does by default (TRL on, xgblora off) unless --checkpointing sets both sides."""
     pytest.importorskip("trl")
-    source = ["--data_dir", str(request.getfixturevalue("glue_data"))] if data == "gsm8k" else []
+    source = ["--data_dir", str(request.getfixturevalue("glue_data")), "--checkpointing", "on"] if data == "gsm8k" else []
     parser = argparse.ArgumentParser()
     flags.add_arguments(parser)
     args = parser.parse_args(["--quick", "--suite", "grpo", "--grpo_models", "tiny-llama", "--device", "cpu",
@@ -26,4 +27,5 @@ def test_grpo_suite_quick_alternates_with_trl(data, tmp_path, request, capsys):
     assert case["steps_timed"] == 2 and len(case["trl_step_s"]) == len(case["xgblora_step_s"]) == 2
     assert all(math.isfinite(case[k]) and case[k] > 0
                for k in ("xgblora_steps_per_s", "trl_steps_per_s", "speedup_vs_trl"))
-    assert "| tiny-llama | 1 x 2, 4 |" in printed.out
+    assert case["gradient_checkpointing"] == {"xgblora": bool(source), "trl": True}
+    assert f"| tiny-llama | 1 x 2, 4 | {'on' if source else 'off'} / on |" in printed.out

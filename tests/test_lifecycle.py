@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 from peft import PeftModel
+from safetensors.torch import load_file
 
 from xgblora import cli
 from xgblora.models import pretrained
@@ -111,3 +112,29 @@ def test_compile_reaches_every_commands_training_forward(command, files, monkeyp
     assert cli.main([*args, *COMMON, "--compile", "--output_dir", str(files / f"compile-{command}")]) == 0, \
         capsys.readouterr().err
     assert len(compiled) == 1
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_gradient_checkpointing_trains_every_command_as_without(command, files, monkeypatch, capsys):
+    """--gradient_checkpointing (the cache-keeping replay under dpo's and grpo's shared-prompt forward): the same
+    logged losses and the same adapter as the run without it."""
+    from xgblora.train import loop
+
+    enabled, enable = [], loop.enable_checkpointing
+    monkeypatch.setattr(loop, "enable_checkpointing", lambda model: enabled.append(model) or enable(model))
+    args, _ = COMMANDS[command]
+    monkeypatch.chdir(files)
+    monkeypatch.syspath_prepend(str(files))
+    runs = []
+    for flag in ([], ["--gradient_checkpointing"]):
+        out = files / f"gc-{command}-{len(flag)}"
+        assert cli.main([*args, *COMMON, *flag, "--logging_steps", "1", "--output_dir", str(out)]) == 0, \
+            capsys.readouterr().err
+        logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs.append(([m["loss"] for m in logged if "loss" in m], load_file(out / "final" / "adapter_model.safetensors")))
+    (plain_losses, plain), (losses, checkpointed) = runs
+    assert len(enabled) == 1  # the second run checkpointed its model
+    assert len(losses) == 2 and losses == pytest.approx(plain_losses, rel=1e-5)
+    assert plain.keys() == checkpointed.keys()
+    for name, tensor in plain.items():
+        torch.testing.assert_close(checkpointed[name], tensor, rtol=1e-5, atol=1e-6)

@@ -6,8 +6,9 @@ the reference computed each step with the adapter off: TRL's defaults with PEFT 
 `--batch_size` pairs a step, every pair a prompt of `--dpo_prompt_len` tokens and two completions of
 `--dpo_completion_len` (words that are one token each, so every batch has the same shape on both sides whatever
 order they draw it in). One xgblora optimizer step (the call `Trainer.fit` makes) runs inside each TRL
-`on_step_end`, so the two alternate step by step (`InterleavedSteps`). Each side keeps its default for gradient
-checkpointing: TRL's configs turn it on, xgblora's leave it off (it keeps activations); the table says so under it.
+`on_step_end`, so the two alternate step by step (`InterleavedSteps`). Gradient checkpointing as `--checkpointing`
+asks, one case each: each side's default (TRL's configs turn it on, xgblora's leave it off: it keeps activations),
+or on or off on both sides; the table says which.
 
 Peak memory: each side in its own process, what its steps add to the memory held before them (`bench.sft`).
 `--suite kto` (bench/kto.py) and `--suite reward` (bench/reward.py) run the same comparison with KTO's and
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from xgblora import atomic
+from xgblora.bench.flags import checkpointing_cell, checkpointing_sides
 from xgblora.bench.memory import (
     first_steps_memory,
     memory_cell,
@@ -61,6 +63,7 @@ class PreferenceCase:
     steps: int  # timed steps, after `warmup` untimed ones
     warmup: int
     device: str = "cpu"
+    checkpointing: str = "default"  # a --checkpointing choice
 
 
 @dataclass(frozen=True)
@@ -111,17 +114,18 @@ def options(case: PreferenceCase, pairs: Path, output_dir: str) -> dict[str, Any
                 lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_target_modules="all-linear", learning_rate=LR,
                 lr_scheduler_type="constant", beta=BETA, per_device_train_batch_size=case.batch,
                 max_steps=case.warmup + case.steps, max_length=1024, save_strategy="no", device=case.device,
-                output_dir=output_dir, seed=0, logging_steps=10**9)
+                output_dir=output_dir, seed=0, logging_steps=10**9,
+                gradient_checkpointing=checkpointing_sides(case.checkpointing)["xgblora"])
 
 
 def trl_options(case: PreferenceCase, output_dir: str) -> dict[str, Any]:
-    """TRL's config of a case, for either trainer: fp32 as xgblora's side (TRL's configs turn bf16 autocast on by
-    default, on the CPU too); its other defaults stay (gradient checkpointing on)."""
+    """TRL's config of a case, for any of its trainers: fp32 as xgblora's side (TRL's configs turn bf16 autocast on
+    by default, on the CPU too), gradient checkpointing as the case asks; its other defaults stay."""
     return dict(output_dir=output_dir, max_steps=case.warmup + case.steps, per_device_train_batch_size=case.batch,
                 learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, beta=BETA, max_length=1024,
                 report_to="none", save_strategy="no", logging_steps=10**9, disable_tqdm=True,
                 dataloader_num_workers=0, seed=0, use_cpu=pretrained.choose_device(case.device).type == "cpu",
-                bf16=False)
+                bf16=False, gradient_checkpointing=checkpointing_sides(case.checkpointing)["trl"])
 
 
 def xgblora_run(case: PreferenceCase, pairs: Path, output_dir: str) -> DPORun:
@@ -179,8 +183,8 @@ def cases(args: argparse.Namespace) -> list[PreferenceCase]:
     """Every model the flags ask for, at the flags' sizes."""
     return [PreferenceCase(model_name=m, batch=args.batch_size, prompt_len=args.dpo_prompt_len,
                            completion_len=args.dpo_completion_len, steps=args.repeats, warmup=args.warmup,
-                           device=args.device)
-            for m in (args.dpo_models or list(DPO_MODELS))]
+                           device=args.device, checkpointing=choice)
+            for m in (args.dpo_models or list(DPO_MODELS)) for choice in args.checkpointing]
 
 
 def run_suite(args: argparse.Namespace, suite: Suite) -> list[dict[str, Any]]:
@@ -194,19 +198,16 @@ def run_suite(args: argparse.Namespace, suite: Suite) -> list[dict[str, Any]]:
 
 def suite_table(results: list[dict[str, Any]], suite: Suite) -> str:
     """A Markdown table: one row per model, with the targets' verdicts (1.5x the steps/s, no more memory)."""
-    lines = [f"| model | {suite.unit}, prompt + completion tokens | xgblora steps/s | TRL steps/s | speed-up (median "
-             f"step) | memory added xgblora / TRL (MiB) | >= 1.5x | memory <= TRL |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| model | {suite.unit}, prompt + completion tokens | checkpointing xgblora / TRL | xgblora steps/s | "
+             f"TRL steps/s | speed-up (median step) | memory added xgblora / TRL (MiB) | >= 1.5x | memory <= TRL |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         mem = memory_cell(r)
         mem_ok = ("pass" if r["mem_added_over_trl"] <= 1.0 else "miss") if "mem_added_over_trl" in r else "n/a"
         lines.append(f"| {r['model_name']} | {r[suite.unit]}, {r['prompt_len']} + 2 x {r['completion_len']} | "
-                     f"{r['xgblora_steps_per_s']:.3f} | {r['trl_steps_per_s']:.3f} | {r['speedup_vs_trl']:.2f}x "
+                     f"{checkpointing_cell(r)} | {r['xgblora_steps_per_s']:.3f} | {r['trl_steps_per_s']:.3f} | {r['speedup_vs_trl']:.2f}x "
                      f"({r['speedup_vs_trl_median_step']:.2f}x) | {mem} | "
                      f"{'pass' if r['speedup_vs_trl'] >= 1.5 else 'miss'} | {mem_ok} |")
-    sides = {tuple(r["gradient_checkpointing"].items()) for r in results if "gradient_checkpointing" in r}
-    for side in sorted(sides):  # which side recomputes its activations (each library's default unless told)
-        lines.append("\nGradient checkpointing: " + ", ".join(f"{'xgblora' if k == 'xgblora' else 'TRL'} "
-                                                              f"{'on' if on else 'off'}" for k, on in side) + ".")
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from xgblora.errors import UserError
 
@@ -14,11 +15,12 @@ POSITIVE = ("batch_size", "seq_len", "repeats", "eval_examples", "max_length", "
             "num_generations", "max_completion_length", "embed_batches", "mini_batch_size", "embed_max_length",
             "dpo_prompt_len", "dpo_completion_len", "gpu_budget_s")
 NON_NEGATIVE = ("target_len", "warmup", "icl_context")
+CHECKPOINTING = ("default", "on", "off")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `xgblora bench`: the common ones, then one group per suite."""
-    for add in (_common, _sft, _icl, _grpo, _embed, _gpu, _dpo):
+    for add in (_common, _sft, _icl, _grpo, _embed, _gpu, _dpo, _checkpointing):
         add(parser)
 
 
@@ -139,6 +141,25 @@ def _dpo(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dpo_completion_len", "--dpo-completion-len", type=int, default=64,
                         help="--suite dpo, kto, reward: tokens per completion (chosen and rejected alike; kto's "
                              "rows are the pairs' completions).")
+
+
+def _checkpointing(parser: argparse.ArgumentParser) -> None:
+    """Which side recomputes its activations, for the suites that train against a TRL trainer with its own default."""
+    group = parser.add_argument_group("--suite dpo, --suite kto, --suite reward, --suite grpo")
+    group.add_argument("--checkpointing", nargs="+", default=["default"], choices=CHECKPOINTING,
+                       help="--suite dpo, kto, reward, grpo: gradient checkpointing, one case each: default (each "
+                            "library's own: TRL's configs on, xgblora's off), on (both sides), off (both sides).")
+
+
+def checkpointing_sides(choice: str) -> dict[str, bool]:
+    """Each side's gradient checkpointing under a --checkpointing choice (TRL's configs turn it on by default)."""
+    return {"xgblora": choice == "on", "trl": choice != "off"}
+
+
+def checkpointing_cell(result: dict[str, Any]) -> str:
+    """A table cell of what each side's trainer ran with: "off / on" (xgblora / TRL)."""
+    sides = result["gradient_checkpointing"]
+    return " / ".join("on" if sides[side] else "off" for side in ("xgblora", "trl"))
 
 
 def check_sizes(args: argparse.Namespace) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from xgblora import atomic
+from xgblora.bench.flags import checkpointing_cell, checkpointing_sides
 from xgblora.bench.memory import (
     first_steps_memory,
     memory_cell,
@@ -61,6 +62,7 @@ class GRPOCase:
     dtype: str = "float32"
     device: str = "cpu"
     data_dir: str = ""
+    checkpointing: str = "default"  # a --checkpointing choice
 
     @property
     def completions(self) -> int:
@@ -92,7 +94,8 @@ def xgblora_run(case: GRPOCase, prompts: Path, output_dir: str) -> Trainer:
                      max_new_tokens=case.max_completion_length, per_device_train_batch_size=case.completions,
                      reward_funcs=[f"{__name__}:length_reward"], max_steps=case.warmup + case.steps,
                      save_strategy="no", device=case.device, load_float16=False,
-                     load_bfloat16=case.dtype == "bfloat16", output_dir=output_dir, seed=0)
+                     load_bfloat16=case.dtype == "bfloat16", output_dir=output_dir, seed=0,
+                     gradient_checkpointing=checkpointing_sides(case.checkpointing)["xgblora"])
     return prepare(cfg)[0]
 
 
@@ -111,7 +114,8 @@ def trl_trainer(case: GRPOCase, prompts: Path, callbacks: list[Any], output_dir:
         num_generations=case.num_generations, max_completion_length=case.max_completion_length, temperature=1.0,
         learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, report_to="none", save_strategy="no",
         logging_steps=10**9, disable_tqdm=True, dataloader_num_workers=0, seed=0,
-        use_cpu=pretrained.choose_device(case.device).type == "cpu", bf16=case.dtype == "bfloat16")
+        use_cpu=pretrained.choose_device(case.device).type == "cpu", bf16=case.dtype == "bfloat16",
+        gradient_checkpointing=checkpointing_sides(case.checkpointing)["trl"])
     peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear",
                              task_type="CAUSAL_LM")
     return GRPOTrainer(model=model, reward_funcs=[length_reward], args=config, train_dataset=Dataset.from_list(rows),
@@ -128,8 +132,11 @@ def compare_case(case: GRPOCase) -> dict[str, Any]:
         timer.start()
         trainer.train()
         profile = profile_slowest(timer.ours_s, lambda _: ours.train_step(), ours.run.device)
+    checkpointing = {"xgblora": bool(ours.run.cfg.gradient_checkpointing),
+                     "trl": bool(trainer.args.gradient_checkpointing)}
     return {"model_name": case.model_name, "prompts": case.prompts, "num_generations": case.num_generations,
-            "max_completion_length": case.max_completion_length, "xgblora_profile": profile,
+            "max_completion_length": case.max_completion_length, "gradient_checkpointing": checkpointing,
+            "xgblora_profile": profile,
             **against_trainer(timer.trainer_s, timer.ours_s)}
 
 
@@ -152,8 +159,8 @@ def cases(args: argparse.Namespace) -> list[GRPOCase]:
     """Every model the flags ask for, at the flags' sizes."""
     return [GRPOCase(model_name=m, prompts=args.grpo_prompts, num_generations=args.num_generations,
                      max_completion_length=args.max_completion_length, steps=args.repeats, warmup=args.warmup,
-                     dtype=args.dtype, device=args.device, data_dir=args.data_dir or "")
-            for m in (args.grpo_models or list(GRPO_MODELS))]
+                     dtype=args.dtype, device=args.device, data_dir=args.data_dir or "", checkpointing=choice)
+            for m in (args.grpo_models or list(GRPO_MODELS)) for choice in args.checkpointing]
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -166,13 +173,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def format_table(results: list[dict[str, Any]]) -> str:
     """A Markdown table: one row per model, with the targets' verdicts (2x the steps/s, no more memory)."""
-    lines = ["| model | prompts x G, tokens | xgblora steps/s | TRL steps/s | speed-up (median step) | "
-             "memory added xgblora / TRL (MiB) | >= 2x | memory <= TRL |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | prompts x G, tokens | checkpointing xgblora / TRL | xgblora steps/s | TRL steps/s | speed-up "
+             "(median step) | memory added xgblora / TRL (MiB) | >= 2x | memory <= TRL |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         mem = memory_cell(r)
         mem_ok = ("pass" if r["mem_added_over_trl"] <= 1.0 else "miss") if "mem_added_over_trl" in r else "n/a"
         lines.append(f"| {r['model_name']} | {r['prompts']} x {r['num_generations']}, {r['max_completion_length']} | "
-                     f"{r['xgblora_steps_per_s']:.3f} | {r['trl_steps_per_s']:.3f} | {r['speedup_vs_trl']:.2f}x "
+                     f"{checkpointing_cell(r)} | {r['xgblora_steps_per_s']:.3f} | {r['trl_steps_per_s']:.3f} | {r['speedup_vs_trl']:.2f}x "
                      f"({r['speedup_vs_trl_median_step']:.2f}x) | {mem} | "
                      f"{'pass' if r['speedup_vs_trl'] >= 2.0 else 'miss'} | {mem_ok} |")
     return "\n".join(lines)
