@@ -178,6 +178,7 @@ def test_sft_suite_quick_compares_with_trl_on_the_same_tokens(tmp_path, request,
         assert _positive(c["trl_target_tokens_per_s"]) and c["xgblora_tokens_per_s"] > c["xgblora_target_tokens_per_s"]
         assert c["xgblora_step_stats"]["steps_s"] == c["xgblora_step_s"] and c["trl_step_stats"]["n"] == 2
         assert c["xgblora_profile"]["step"] in (0, 1) and c["xgblora_mfu"] is None  # no peak known for a CPU
+        assert c["trl_mixed_precision"] == "no"  # fp32 as xgblora's side, not TRL's default bf16 autocast
     assert cases[0]["xgblora_widths"] == cases[0]["trl_widths"]  # the CPU pads to the longest row
 
 

@@ -1,7 +1,8 @@
 """`xgblora bench --suite sft`: xgblora's instruction-SFT step against TRL's `SFTTrainer` + PEFT LoRA.
 
 Both sides train the same random Llama-shaped model (LoRA r=8, alpha 16, every linear layer of the blocks, no
-dropout, the bench's dtype, AdamW lr 1e-4, clip 1.0) on the same batches: GSM8K rows as a user/assistant
+dropout, the bench's dtype, AdamW lr 1e-4, clip 1.0; TRL's bf16 autocast, on by default in its configs and on a
+CPU with bf16 instructions twice as fast a matmul, only with --dtype bfloat16) on the same batches: GSM8K rows as a user/assistant
 conversation through TinyLlama-Chat's template, tokenised once by `formats.instruction_seqs` (the assistant turn
 and its end-of-turn token carry loss), taken in file order, `batch_size` rows a step, loss the mean over the
 batch's target tokens. TRL gets the rows as `input_ids` + `labels` (-100 off the targets), so both see the same
@@ -196,7 +197,7 @@ def trl_trainer(case: SFTCase, seqs: list[TokenSeq], callbacks: list[Any], outpu
         learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, gradient_checkpointing=case.checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False}, padding_free=case.packed, max_length=None,
         report_to="none", save_strategy="no", logging_steps=10**9, disable_tqdm=True, dataloader_num_workers=0,
-        use_cpu=pretrained.choose_device(case.device).type == "cpu", seed=0)
+        use_cpu=pretrained.choose_device(case.device).type == "cpu", seed=0, bf16=case.dtype == "bfloat16")
     peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear",
                              task_type="CAUSAL_LM")
     return InOrder(model=model, args=config, train_dataset=Dataset.from_list(trl_rows(seqs)),
@@ -223,6 +224,7 @@ def compare_case(case: SFTCase) -> dict[str, Any]:
                                       "train_lora", ours.lora_params)
     return {
         "model_name": case.model_name, "variant": case.variant, **against_trainer(trl_times, our_times),
+        "trl_mixed_precision": trainer.accelerator.mixed_precision,
         "flops_per_token": per_token, "xgblora_mfu": flops.mfu(all_tokens / our_s, per_token, ours.device),
         "trl_mfu": flops.mfu(all_tokens / trl_s, per_token, ours.device),
         **_widths(case, seqs, ours.pad_multiple),
