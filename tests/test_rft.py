@@ -389,7 +389,7 @@ def test_a_hint_is_the_reference_answer_in_the_prompt():
     cfg = RFTConfig(train_file="t", eval_file="e")
     ex = Example("Which is larger, 1 or 2?", (), (), ("1 vs 2\n#### 2",))
     prompts = generate.Prompts([{}], [ex], [[1]])
-    questions = Questions("t", prompts, [[("user", ex.prompt)]])
+    questions = Questions("t", prompts, [[("user", ex.prompt)]], [0])
     hinted = hint_questions(cfg, questions, [0], Verifier(make_extractor("gsm8k")), tokenizer)
     text = tokenizer.decode(hinted.prompts.ids[0])
     assert "Which is larger, 1 or 2?\n(Hint: the answer is 2.)" in text and hinted.turns == questions.turns
