@@ -30,7 +30,7 @@ Each question samples from a seed of its own, named by the run's --seed, the fil
 and what is sampled) and its index in its file, so its completions do not depend on which batch or process samples
 it. Under torchrun every process samples its share of the questions (every N-th) and gets everyone's completions,
 trains data-parallel (`xgblora train`'s loop), and samples and evaluates again from the merged model; the main
-process alone writes files, so N processes write what one does (to float rounding of the trained weights).
+process alone writes files. N processes keep the rows that one process keeps.
 """
 
 from __future__ import annotations
