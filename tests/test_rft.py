@@ -156,7 +156,7 @@ def test_rft_refuses_questions_without_a_reference_answer(tmp_path, capsys):
 def test_one_rft_round_raises_held_out_accuracy_after_a_short_sft(tmp_path):
     """Which-is-larger questions in GSM8K's answer format: SFT on 15 of them leaves tiny-llama right on some held-out
     questions and wrong on others; one round on 60 questions (8 samples each, the correct ones kept) then answers
-    more held-out questions right. Seed 1 measured 0.13 -> 0.43 on this CPU; the margin asked is 0.10. Samples get room to
+    more held-out questions right. Seed 1 measured 0.20 -> 0.37 on this CPU; the margin asked is 0.10. Samples get room to
     end (16 tokens): a completion cut off before its end of turn is never kept."""
     pairs = [(a, b) for a in range(10) for b in range(10) if a != b]
     random.Random(0).shuffle(pairs)
