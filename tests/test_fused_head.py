@@ -51,6 +51,18 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits(chunk):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("chunk", "chunks"), [(5, 8), (37, 1), (100, 1)])
+def test_every_chunk_but_the_last_projects_again_in_the_backward(chunk, chunks):
+    """The last chunk keeps its logits for the backward (it comes first there); the others recompute theirs."""
+    torch.manual_seed(0)
+    head = nn.Linear(16, 50)
+    calls = []
+    head.register_forward_hook(lambda *_: calls.append(1))
+    hidden = torch.randn(37, 16, requires_grad=True)
+    fused_token_logprobs(hidden, head, torch.randint(0, 50, (37,)), chunk=chunk).sum().backward()
+    assert len(calls) == 2 * chunks - 1
+
+
 def test_no_scored_token_gives_a_differentiable_zero():
     head = nn.Linear(8, 20)
     hidden = torch.randn(0, 8, requires_grad=True)

@@ -156,7 +156,7 @@ def test_rft_refuses_questions_without_a_reference_answer(tmp_path, capsys):
 def test_one_rft_round_raises_held_out_accuracy_after_a_short_sft(tmp_path):
     """Which-is-larger questions in GSM8K's answer format: SFT on 15 of them leaves tiny-llama right on some held-out
     questions and wrong on others; one round on 60 questions (8 samples each, the correct ones kept) then answers
-    more held-out questions right. Seed 1 measured 0.13 -> 0.43 on this CPU; the margin asked is 0.10. Samples get room to
+    more held-out questions right. Seed 1 measured 0.20 -> 0.37 on this CPU; the margin asked is 0.10. Samples get room to
     end (16 tokens): a completion cut off before its end of turn is never kept."""
     pairs = [(a, b) for a in range(10) for b in range(10) if a != b]
     random.Random(0).shuffle(pairs)
@@ -389,7 +389,7 @@ def test_a_hint_is_the_reference_answer_in_the_prompt():
     cfg = RFTConfig(train_file="t", eval_file="e")
     ex = Example("Which is larger, 1 or 2?", (), (), ("1 vs 2\n#### 2",))
     prompts = generate.Prompts([{}], [ex], [[1]])
-    questions = Questions("t", prompts, [[("user", ex.prompt)]])
+    questions = Questions("t", prompts, [[("user", ex.prompt)]], [0])
     hinted = hint_questions(cfg, questions, [0], Verifier(make_extractor("gsm8k")), tokenizer)
     text = tokenizer.decode(hinted.prompts.ids[0])
     assert "Which is larger, 1 or 2?\n(Hint: the answer is 2.)" in text and hinted.turns == questions.turns

@@ -60,7 +60,8 @@ def test_each_sample_logprob_equals_a_teacher_forced_forward():
     assert reasons == {"stop", "length"}
 
 
-def test_temperature_and_top_p_draw_from_the_filtered_distribution():
+@pytest.mark.parametrize("draws", ["batch generator", "prompt seed"])
+def test_temperature_and_top_p_draw_from_the_filtered_distribution(draws):
     model, tokenizer = _model("tiny-llama")
     ids = tokenizer.encode("The movie was")
     with torch.no_grad():
@@ -74,7 +75,8 @@ def test_temperature_and_top_p_draw_from_the_filtered_distribution():
     n = 4000
     params = SamplingParams(num_samples=n, max_new_tokens=1, temperature=temperature, top_p=top_p,
                             max_batch_tokens=n * (len(ids) + 1))
-    [samples] = Sampler(model, tokenizer.pad_token_id, [], params).sample_batch([ids], batch_generator(0, 0, "cpu"))
+    sampler = Sampler(model, tokenizer.pad_token_id, [], params)
+    [samples] = sampler.sample_batch([ids], batch_generator(0, 0, "cpu") if draws == "batch generator" else [5])
     counts = torch.bincount(torch.tensor([s.token_ids[0] for s in samples]), minlength=len(probs)).double() / n
     assert int(kept.sum()) > 1
     assert (counts - expected).abs().sum() / 2 < 0.04  # total variation; its sampling noise at n=4000 is ~0.01
@@ -94,6 +96,27 @@ def test_same_seed_same_samples_and_skipped_batches_leave_the_others_unchanged()
     other_seed = _all_samples(Sampler(model, tokenizer.pad_token_id, [], SamplingParams(
         num_samples=2, max_new_tokens=5, temperature=1.0, seed=8, max_batch_tokens=80)), prompts)
     assert any(other_seed[i] != full[i] for i in full)
+
+
+def test_a_prompt_with_a_seed_draws_the_same_samples_in_any_batch_and_order():
+    """Rows that stop leave the batch at different steps in each plan; a prompt's samples stay its own."""
+    model, tokenizer = _model("tiny-llama")
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    seeds = [11, 12, 13, 14, 15]
+    stops = [5, 17, 33, 60]
+
+    def drawn(order, max_batch_tokens):
+        params = SamplingParams(num_samples=3, max_new_tokens=8, temperature=1.5, top_p=0.9,
+                                max_batch_tokens=max_batch_tokens)
+        got = _all_samples(Sampler(model, tokenizer.pad_token_id, stops, params), [prompts[i] for i in order],
+                           seeds=[seeds[i] for i in order])
+        return {i: [(s.token_ids, s.finish_reason) for s in got[k]] for k, i in enumerate(order)}
+
+    together = drawn(range(5), 10_000)
+    assert drawn([4, 2, 0], 1) == {i: together[i] for i in (4, 2, 0)}  # each alone, in another order
+    assert drawn([3, 1, 4, 0, 2], 3 * 2 * 20) == together  # other batches
+    assert {r for samples in together.values() for _, r in samples} == {"stop", "length"}
+    assert len({ids for samples in together.values() for ids, _ in samples}) == 15  # all different
 
 
 def test_the_plan_keeps_every_batch_within_its_token_budget():

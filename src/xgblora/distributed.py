@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from xgblora.config import TrainerConfig
+from xgblora.config import RFTConfig, TrainerConfig
 from xgblora.data.batches import Batch
 from xgblora.errors import RankLostError, UserError
 
@@ -248,7 +248,7 @@ class Distributed:
 LOCAL = Distributed()  # one process: every call hands its argument back
 
 
-def setup(cfg: TrainerConfig) -> Distributed:
+def setup(cfg: TrainerConfig | RFTConfig) -> Distributed:
     """Join the process group that torchrun / accelerate launch describe in the environment (none: LOCAL).
 
     The Accelerator picks the backend (NCCL on GPUs, gloo on the CPU), this rank's GPU (`device`) and, from an

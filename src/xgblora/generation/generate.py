@@ -148,13 +148,15 @@ def completion_record(index: int, samples: list[Sample], tokenizer: PreTrainedTo
 
 
 def write_completions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Prompts,
-                      params: SamplingParams, output: Path, settings: dict[str, Any], progress: bool = True) -> Path:
-    """Sample every prompt's completions into `output` (see the module docstring); returns its path."""
+                      params: SamplingParams, output: Path, settings: dict[str, Any], progress: bool = True,
+                      seeds: Sequence[int] | None = None) -> Path:
+    """Sample every prompt's completions into `output` (see the module docstring), each prompt from its own seed
+    when given (the sampler's module docstring); returns its path."""
     out = PartialOutput(output, settings)
     sampler = Sampler(model, tokenizer.pad_token_id, formats.model_stop_ids(model, tokenizer), params)
     with tqdm(total=len(prompts.ids), initial=len(out.lines), desc="generate", unit="prompt",
               disable=not progress) as bar:
-        for batch, samples in sampler.run(prompts.ids, skip=set(out.lines)):
+        for batch, samples in sampler.run(prompts.ids, skip=set(out.lines), seeds=seeds):
             records = [completion_record(i, s, tokenizer) for i, s in zip(batch, samples, strict=True)
                        if i not in out.lines]
             out.append(records)

@@ -41,8 +41,8 @@ def fused_token_logprobs(hidden: torch.Tensor, head: nn.Module, targets: torch.T
     non-reentrant checkpoint: the forward keeps only the chunk's inputs and its log-probabilities, and the backward
     recomputes the chunk's logits, turns them into their own gradient in place (`_ChunkLogprob`), backpropagates
     that through the head and frees it before the next chunk's. The peak holds one chunk's logits, not N rows of
-    them; the price is one more head projection per token (a third more head FLOPs). Without gradients the chunks
-    run once, each freed before the next.
+    them; the price is one more head projection per token of every chunk but the last, whose logits are kept (its
+    backward comes first). Without gradients the chunks run once, each freed before the next.
 
     Against TRL's `add_fused_lm_head` (an autograd.Function over the head's weight and bias tensors, which also
     applies the logit scale and softcapping some families have) and Liger's `LigerFusedLinearCrossEntropyLoss` (a
@@ -71,11 +71,14 @@ def _chunked(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk
         return [empty] + [empty.detach()] * (2 * statistics)
     chunk = chunk or chunk_tokens(head)
     run = functools.partial(_chunk_scores, head, temperature=temperature, statistics=statistics)
-    pieces = (slice(start, start + chunk) for start in range(0, hidden.shape[0], chunk))
-    if torch.is_grad_enabled():
-        parts = [checkpoint(run, hidden[s], targets[s], use_reentrant=False) for s in pieces]
-    else:
-        parts = [run(hidden[s], targets[s]) for s in pieces]
+    # Every chunk but the last recomputes its logits in the backward. The last keeps them: its backward runs first,
+    # at the start of the backward pass, where a recomputed chunk would be held beside the same activations; the peak
+    # is the same, and a batch of one chunk (up to 1,048 targets of a 32k vocabulary) projects through the head once.
+    parts = []
+    for start in range(0, hidden.shape[0], chunk):
+        piece = hidden[start:start + chunk], targets[start:start + chunk]
+        recompute = torch.is_grad_enabled() and start + chunk < hidden.shape[0]
+        parts.append(checkpoint(run, *piece, use_reentrant=False) if recompute else run(*piece))
     return [torch.cat(column) for column in zip(*parts, strict=True)]
 
 

@@ -12,6 +12,10 @@
 - Deterministic: the batch plan depends only on the prompt lengths and the parameters, and each batch draws from
   its own generator seeded from (seed, batch number). A caller that skips finished batches after an interruption
   gets exactly what an uninterrupted run would have written.
+- Or, given a seed per prompt, each prompt's samples draw from uniforms of their own (one per sample and step, from
+  a CPU generator seeded by the prompt's seed, turned into tokens by the inverse of the warped distribution): a
+  prompt's completions then do not depend on the batch it lands in, the prompts beside it, or the process that
+  samples it (to float rounding of the logits), so processes can share out the prompts of one sampling.
 
 Each `Sample` keeps the model's log-probability of its tokens (before temperature and top-p), so a caller can
 check or rank samples without a second forward.
@@ -77,10 +81,30 @@ def plan_batches(prompt_lengths: Sequence[int], params: SamplingParams) -> list[
     return batches
 
 
+def stream_seed(*parts: object) -> int:
+    """A 63-bit seed named by its parts (a run's seed and what draws from it): streams of other names are unrelated."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 def batch_generator(seed: int, batch_number: int, device: torch.device) -> torch.Generator:
     """The random generator of one batch: its draws do not depend on which other batches run."""
-    digest = hashlib.sha256(f"{seed}:{batch_number}".encode()).digest()
-    return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.Generator(device).manual_seed(stream_seed(seed, batch_number))
+
+
+def prompt_uniforms(seeds: Sequence[int], num_samples: int, steps: int) -> torch.Tensor:
+    """[prompts x num_samples, steps] uniforms in [0, 1), each prompt's rows from a CPU generator of its own seed."""
+    return torch.cat([torch.rand(num_samples, steps, generator=torch.Generator().manual_seed(s)) for s in seeds])
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's draw from its distribution given its uniform u: the first token whose cumulative probability
+    reaches u x the total. Tokens of probability 0 (cut by top-p, or underflowed) are never taken: a cumulative sum
+    on the GPU need not stay flat across them."""
+    cdf = probs.cumsum(-1)
+    positive = probs > 0
+    total = cdf.where(positive, 0).amax(-1, keepdim=True)  # reached by a token that can be drawn, so one always is
+    return (positive & (cdf >= uniforms[:, None] * total)).int().argmax(-1)  # argmax: the first such token
 
 
 class Sampler:
@@ -94,27 +118,32 @@ class Sampler:
         if params.temperature > 0 and params.top_p < 1:
             self.warpers.append(TopPLogitsWarper(params.top_p))
 
-    def run(self, prompts: Sequence[Sequence[int]], skip: Container[int] = ()
+    def run(self, prompts: Sequence[Sequence[int]], skip: Container[int] = (), seeds: Sequence[int] | None = None
             ) -> Iterator[tuple[list[int], list[list[Sample]]]]:
         """Yield (prompt indices, their samples) batch by batch, in plan order; a batch whose prompts are all in
-        skip is not run (its batch number, and so every other batch's draws, stay the same)."""
+        skip is not run (its batch number, and so every other batch's draws, stay the same). With seeds (one per
+        prompt), each prompt draws from its own (see the module docstring)."""
         for number, batch in enumerate(plan_batches([len(p) for p in prompts], self.params)):
             if all(i in skip for i in batch):
                 continue
-            generator = batch_generator(self.params.seed, number, self.device)
-            yield batch, self.sample_batch([prompts[i] for i in batch], generator)
+            draws = batch_generator(self.params.seed, number, self.device) if seeds is None else \
+                [seeds[i] for i in batch]
+            yield batch, self.sample_batch([prompts[i] for i in batch], draws)
 
     @torch.inference_mode()
-    def sample_batch(self, prompts: Sequence[Sequence[int]], generator: torch.Generator,
+    def sample_batch(self, prompts: Sequence[Sequence[int]], draws: torch.Generator | Sequence[int],
                      on_tokens: TokenCallback | None = None) -> list[list[Sample]]:
-        """num_samples samples of each prompt; on_tokens sees every step's new tokens (for streaming)."""
+        """num_samples samples of each prompt, drawn from the batch's generator or from each prompt's seed; on_tokens
+        sees every step's new tokens (for streaming)."""
+        uniforms = None if isinstance(draws, torch.Generator) else \
+            prompt_uniforms(draws, self.params.num_samples, self.params.max_new_tokens).to(self.device)
         with eval_mode(self.model):
             logits, cache, mask = self._prefill(prompts)
             drawn = _Drawn(len(prompts) * self.params.num_samples, self.params.max_new_tokens, self.pad_id)
             sample = torch.arange(drawn.rows, device=self.device)  # the sample each row of the batch draws
             running = torch.ones(drawn.rows, dtype=torch.bool, device=self.device)
             for step in range(self.params.max_new_tokens):
-                token, logprob = self._pick(logits, generator)
+                token, logprob = self._pick(logits, draws if uniforms is None else uniforms[sample, step])
                 stops = torch.isin(token, self.stop_ids) & running
                 drawn.record(step, sample[running].cpu(), token[running].cpu(), logprob[running].cpu(),
                              stops[running].cpu())
@@ -152,8 +181,9 @@ class Sampler:
                          use_cache=True)
         return out.logits[:, -1].float()
 
-    def _pick(self, logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next token of every row (argmax, or a draw from the warped distribution) and its log-probability."""
+    def _pick(self, logits: torch.Tensor, draws: torch.Generator | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next token of every row (argmax, or a draw from the warped distribution: from the batch's generator,
+        or by each row's own uniform) and its log-probability."""
         logprobs = torch.log_softmax(logits, dim=-1)
         if not self.warpers:
             token = logits.argmax(-1)
@@ -161,7 +191,9 @@ class Sampler:
             scores = logits
             for warp in self.warpers:
                 scores = warp(None, scores)
-            token = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).squeeze(1)
+            probs = torch.softmax(scores, dim=-1)
+            token = torch.multinomial(probs, 1, generator=draws).squeeze(1) if isinstance(draws, torch.Generator) \
+                else inverse_cdf(probs, draws)
         return token, logprobs.gather(1, token[:, None]).squeeze(1)
 
 

@@ -23,8 +23,14 @@ OUTPUT_ROOT/
   round-N/model/          the trained model, merged
   round-N/eval-*.jsonl, round-N/eval.json
   rounds.json, rft.png, report.html
-A step whose output exists is not run again, and sampling resumes part-way, so the same command continues an
-interrupted run.
+A step whose output exists is not run again, sampling resumes part-way and training from its last checkpoint, so
+the same command continues an interrupted run.
+
+Each question samples from a seed of its own, named by the run's --seed, the file its completions go to (the round
+and what is sampled) and its index in its file, so its completions do not depend on which batch or process samples
+it. Under torchrun every process samples its share of the questions (every N-th) and gets everyone's completions,
+trains data-parallel (`xgblora train`'s loop), and samples and evaluates again from the merged model; the main
+process alone writes files. N processes keep the rows that one process keeps.
 """
 
 from __future__ import annotations
@@ -37,17 +43,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xgblora import atomic, checkpoint, outputs, usercode
+from xgblora import atomic, checkpoint, distributed, outputs, usercode
 from xgblora.adapters.trained import load_with_options, resolve
 from xgblora.config import Config, RFTConfig, carried_over
 from xgblora.data import formats
 from xgblora.data.sources import parse_columns, read_rows
 from xgblora.data.tasks import Example, PromptTask
+from xgblora.distributed import LOCAL, Distributed
 from xgblora.errors import UserError
 from xgblora.evaluation.answers import MathVerifier, Verifier, equations_hold, keep_correct, make_verifier
 from xgblora.export import export_run
 from xgblora.generation.generate import Prompts, read_prompts, sampling_params, write_completions
-from xgblora.models.sampler import SamplingParams
+from xgblora.models.sampler import SamplingParams, stream_seed
 from xgblora.recipes.sft import run
 from xgblora.report import write_rft_report
 
@@ -60,12 +67,13 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 @dataclass
 class Questions:
-    """The questions of a file rendered for one tokenizer, and the conversation each prompt stood for (none when
-    the prompt was sent as it is)."""
+    """The questions of a file rendered for one tokenizer, the conversation each prompt stood for (none when the
+    prompt was sent as it is), and each one's index in its file (what its sampling seed is named by)."""
 
     source: str
     prompts: Prompts
     turns: list[list[tuple[str, str]]]
+    numbers: list[int]
 
 
 def read_questions(cfg: RFTConfig, source: str, tokenizer: Any) -> Questions:
@@ -73,7 +81,7 @@ def read_questions(cfg: RFTConfig, source: str, tokenizer: Any) -> Questions:
     prompts = read_prompts(source, tokenizer, columns=cfg.columns, raw=cfg.raw_prompts, max_length=cfg.max_length)
     _check_references(prompts.examples)
     return Questions(source, prompts, [formats.prompt_turns(tokenizer, ex, raw=cfg.raw_prompts)
-                                       for ex in prompts.examples])
+                                       for ex in prompts.examples], list(range(len(prompts.ids))))
 
 
 def _check_references(examples: list[Example]) -> None:
@@ -105,13 +113,40 @@ def load_round_model(cfg: RFTConfig, path: str, adapter: str | None = None) -> L
     return LoadedModel(path, model, tokenizer)
 
 
-def sample_questions(loaded: LoadedModel, questions: Questions, params: SamplingParams, out: Path
-                     ) -> list[dict[str, Any]]:
-    """Each question's row of completions and finish reasons (sampled into `out`, or read back when it exists)."""
-    if not out.exists():
-        settings = {"model": loaded.path, "input": questions.source, **dataclasses.asdict(params)}
-        write_completions(loaded.model, loaded.tokenizer, questions.prompts, params, out, settings)
-    return _read_jsonl(out)
+def _exists(path: Path, dist: Distributed) -> bool:
+    """Whether a step's output exists as the main process sees it, so every process takes the same path (a late
+    one would otherwise find what the main one has just written, and skip the collectives it waits in)."""
+    return dist.gather_objects(path.exists())[0]
+
+
+def sample_questions(loaded: LoadedModel, questions: Questions, params: SamplingParams, out: Path,
+                     dist: Distributed = LOCAL) -> list[dict[str, Any]]:
+    """Each question's row of completions and finish reasons (sampled into `out`, or read back when it exists),
+    each question from its own seed (the module docstring)."""
+    if _exists(out, dist):
+        return _read_jsonl(out)
+    settings = {"model": loaded.path, "input": questions.source, **dataclasses.asdict(params)}
+    seeds = [stream_seed(params.seed, out.parent.name, out.name, i) for i in questions.numbers]
+    if dist.world_size == 1:
+        write_completions(loaded.model, loaded.tokenizer, questions.prompts, params, out, settings, seeds=seeds)
+        return _read_jsonl(out)
+    # this process's share goes to a file of its own, which resumes as `out` would
+    mine = range(dist.rank, len(seeds), dist.world_size)
+    part = out.with_name(f"{out.stem}.rank-{dist.rank}-of-{dist.world_size}{out.suffix}")
+    if not part.exists():
+        prompts = questions.prompts
+        share = Prompts([prompts.rows[i] for i in mine], [prompts.examples[i] for i in mine],
+                        [prompts.ids[i] for i in mine])
+        write_completions(loaded.model, loaded.tokenizer, share, params, part, settings, progress=dist.is_main,
+                          seeds=[seeds[i] for i in mine])
+    rows: list[dict[str, Any]] = [{}] * len(seeds)
+    for rank, rows_of_rank in enumerate(dist.gather_objects(_read_jsonl(part))):
+        rows[rank::dist.world_size] = rows_of_rank
+    if dist.is_main:
+        atomic.write_jsonl(out, rows)
+    dist.wait_for_main()  # `out` holds every share before any is removed
+    part.unlink()
+    return rows
 
 
 @dataclass
@@ -137,7 +172,7 @@ def keep_question(cfg: RFTConfig, verifier: Verifier | MathVerifier, row: dict[s
 
 
 def verify_round(cfg: RFTConfig, questions: Questions, kept: list[Kept], round_dir: Path,
-                 rationalized: dict[int, Kept] | None = None) -> dict[str, Any]:
+                 rationalized: dict[int, Kept] | None = None, dist: Distributed = LOCAL) -> dict[str, Any]:
     """Write train.jsonl (each question's reference with --include_gold, its kept completions, its rationalised ones)
     and verified.jsonl; return the counts."""
     train, report = [], []
@@ -146,8 +181,10 @@ def verify_round(cfg: RFTConfig, questions: Questions, kept: list[Kept], round_d
         gold = [ex.answers[0]] if cfg.include_gold else []
         train += [sft_row(turns, ex, text) for text in [*gold, *own.completions, *hinted]]
         report.append({"index": i, **own.counts, "rationalized": len(hinted), "gold": len(gold)})
-    atomic.write_jsonl(round_dir / "verified.jsonl", report)
-    atomic.write_jsonl(round_dir / "train.jsonl", train)
+    if dist.is_main:
+        atomic.write_jsonl(round_dir / "verified.jsonl", report)
+        atomic.write_jsonl(round_dir / "train.jsonl", train)
+    dist.wait_for_main()  # every process trains on train.jsonl
     totals = {key: sum(r[key] for r in report) for key in report[0] if key != "index"} if report else {}
     samples = totals.get("samples", 0)
     return {**totals, "train_rows": len(train), "questions_solved": sum(r["kept"] > 0 for r in report),
@@ -185,7 +222,7 @@ def hint_questions(cfg: RFTConfig, questions: Questions, chosen: list[int], veri
             examples.append(dataclasses.replace(ex, prompt=ex.prompt + hint))
     ids = [formats.generation_prompt_ids(tokenizer, ex, raw=cfg.raw_prompts)[-cfg.max_length:] for ex in examples]
     prompts = Prompts([questions.prompts.rows[i] for i in chosen], examples, ids)
-    return Questions(questions.source, prompts, [questions.turns[i] for i in chosen])
+    return Questions(questions.source, prompts, [questions.turns[i] for i in chosen], chosen)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -195,25 +232,26 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def evaluate_model(cfg: RFTConfig, model_path: str, adapter: str | None, verifier: Verifier | MathVerifier,
-                   round_dir: Path) -> dict[str, float]:
+                   round_dir: Path, dist: Distributed = LOCAL) -> dict[str, float]:
     """pass@1 of greedy answers and pass@k from n samples per held-out question (written to eval.json); no pass@k
     at temperature 0 (every sample would be the greedy one)."""
-    if (round_dir / "eval.json").exists():
+    if _exists(round_dir / "eval.json", dist):
         return json.loads((round_dir / "eval.json").read_text(encoding="utf-8"))
     loaded = load_round_model(cfg, model_path, adapter)
     questions = read_questions(cfg, cfg.eval_file, loaded.tokenizer)
     examples = questions.prompts.examples
     greedy = dataclasses.replace(sampling_params(cfg), num_samples=1, temperature=0.0)
-    rows = sample_questions(loaded, questions, greedy, round_dir / "eval-greedy.jsonl")
+    rows = sample_questions(loaded, questions, greedy, round_dir / "eval-greedy.jsonl", dist)
     metrics = {"pass@1": sum(any(judge(verifier, ex, row["completions"]))
                              for ex, row in zip(examples, rows, strict=True)) / len(examples)}
     if cfg.pass_k and cfg.temperature > 0:
         params = dataclasses.replace(sampling_params(cfg), num_samples=cfg.pass_n or cfg.pass_k)
-        rows = sample_questions(loaded, questions, params, round_dir / "eval-samples.jsonl")
+        rows = sample_questions(loaded, questions, params, round_dir / "eval-samples.jsonl", dist)
         metrics[f"pass@{cfg.pass_k}"] = sum(
             pass_at_k(len(row["completions"]), sum(judge(verifier, ex, row["completions"])), cfg.pass_k)
             for ex, row in zip(examples, rows, strict=True)) / len(examples)
-    atomic.write_text(round_dir / "eval.json", json.dumps(metrics, indent=2) + "\n")
+    if dist.is_main:
+        atomic.write_text(round_dir / "eval.json", json.dumps(metrics, indent=2) + "\n")
     return metrics
 
 
@@ -228,16 +266,20 @@ def training_config(cfg: RFTConfig, model_path: str, adapter: str | None, round_
     return Config(**options)
 
 
-def train_round(cfg: RFTConfig, model_path: str, adapter: str | None, round_dir: Path, n_rows: int) -> str:
-    """Fine-tune the current model on the round's kept rows and merge it; returns the merged model's folder."""
+def train_round(cfg: RFTConfig, model_path: str, adapter: str | None, round_dir: Path, n_rows: int,
+                dist: Distributed = LOCAL) -> str:
+    """Fine-tune the current model on the round's kept rows (data-parallel under torchrun) and merge it; returns
+    the merged model's folder."""
     merged = round_dir / "model"
-    if merged.exists():
+    if _exists(merged, dist):
         return str(merged)
     train_cfg = training_config(cfg, model_path, adapter, round_dir, n_rows)
-    if not (round_dir / "run" / "results.json").exists():  # an interrupted run resumes from its last checkpoint
-        resumable = (round_dir / "run").is_dir() and checkpoint.step_checkpoints(round_dir / "run")
+    if not _exists(round_dir / "run" / "results.json", dist):  # an interrupted run resumes from its last checkpoint
+        resumable = checkpoint.step_checkpoints(round_dir / "run" / "checkpoints")
         run(dataclasses.replace(train_cfg, resume_from_checkpoint="latest") if resumable else train_cfg)
-    export_run(round_dir / "run", "merged", merged, trust_remote_code=cfg.trust_remote_code)
+    if dist.is_main:
+        export_run(round_dir / "run", "merged", merged, trust_remote_code=cfg.trust_remote_code)
+    dist.wait_for_main()  # every process samples from the merged model next
     return str(merged)
 
 
@@ -269,33 +311,37 @@ def run_rft(cfg: RFTConfig) -> dict[str, Any]:
     if cfg.sampler_model:
         resolve(cfg.sampler_model)
     outputs.check_folder(Path(cfg.output_root), "--output_root", _holds_rft, "an xgblora rft's")
+    dist = distributed.setup(cfg)
+    cfg = dataclasses.replace(cfg, device=dist.device or cfg.device)  # this process's GPU samples its share
     with atomic.output_folder(Path(cfg.output_root), "--output_root") as root:
-        _heldout_rows(heldout, root)
-        return _rounds(cfg, root, verifier)
+        if dist.is_main:
+            _heldout_rows(heldout, root)
+        dist.wait_for_main()
+        return _rounds(cfg, root, verifier, dist)
 
 
-def _rounds(cfg: RFTConfig, root: Path, verifier: Verifier | MathVerifier) -> dict[str, Any]:
+def _rounds(cfg: RFTConfig, root: Path, verifier: Verifier | MathVerifier, dist: Distributed) -> dict[str, Any]:
     """Round 0's measurement, then each round of sample -> verify -> train -> evaluate."""
     model_path, adapter = cfg.model_name, cfg.adapter
     records = [{"round": 0, "model": model_path,
-                **evaluate_model(cfg, model_path, adapter, verifier, root / "round-0")}]
+                **evaluate_model(cfg, model_path, adapter, verifier, root / "round-0", dist)}]
     for number in range(1, cfg.rounds + 1):
         round_dir = root / f"round-{number}"
         sampler = load_round_model(cfg, cfg.sampler_model) if cfg.sampler_model else load_round_model(cfg, model_path, adapter)
         questions = read_questions(cfg, cfg.train_file, sampler.tokenizer)
-        rows = sample_questions(sampler, questions, sampling_params(cfg), round_dir / "samples.jsonl")
+        rows = sample_questions(sampler, questions, sampling_params(cfg), round_dir / "samples.jsonl", dist)
         kept = keep_all(cfg, verifier, questions, rows)
         rationalized = {}
         unsolved = [i for i, k in enumerate(kept) if not k.completions]
         if cfg.rationalize and unsolved:  # STaR: sampled again with the answer as a hint, trained on without it
             hints = hint_questions(cfg, questions, unsolved, verifier, sampler.tokenizer)
-            hinted = sample_questions(sampler, hints, sampling_params(cfg), round_dir / "hinted.jsonl")
+            hinted = sample_questions(sampler, hints, sampling_params(cfg), round_dir / "hinted.jsonl", dist)
             rationalized = dict(zip(unsolved, keep_all(cfg, verifier, hints, hinted), strict=True))
-        counts = verify_round(cfg, questions, kept, round_dir, rationalized)
+        counts = verify_round(cfg, questions, kept, round_dir, rationalized, dist)
         start = (cfg.model_name, cfg.adapter) if cfg.restart_from_base else (model_path, adapter)
         if counts["train_rows"]:
-            model_path, adapter = train_round(cfg, *start, round_dir, counts["train_rows"]), None
-            scores = evaluate_model(cfg, model_path, adapter, verifier, round_dir)
+            model_path, adapter = train_round(cfg, *start, round_dir, counts["train_rows"], dist), None
+            scores = evaluate_model(cfg, model_path, adapter, verifier, round_dir, dist)
         else:  # the model stays as it was; a next round draws other samples from it
             log.warning("rft round %d: none of the %d completions was kept, so nothing was trained; raise "
                         "--num_return_sequences, --temperature or --max_new_tokens, or start from a model "
@@ -305,5 +351,7 @@ def _rounds(cfg: RFTConfig, root: Path, verifier: Verifier | MathVerifier) -> di
         log.info("rft round %d: kept %d of %d samples (%d cut off by --max_new_tokens); %s", number, counts["kept"],
                  counts["samples"], counts["truncated"],
                  ", ".join(f"{k} {v:.3f}" for k, v in records[-1].items() if k.startswith("pass@")))
-    atomic.write_text(root / "rounds.json", json.dumps(records, indent=2) + "\n")
-    return {"rounds": records, **write_rft_report(records, root)}
+    if dist.is_main:
+        atomic.write_text(root / "rounds.json", json.dumps(records, indent=2) + "\n")
+    report = dist.gather_objects(write_rft_report(records, root) if dist.is_main else None)[0]
+    return {"rounds": records, **report}
