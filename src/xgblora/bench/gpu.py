@@ -11,7 +11,8 @@ the others are reported as skipped for time; --gpu_parts runs a chosen few):
     sft_128k       the padded case at Llama 3's 128k vocabulary (llama-100m-128k-random): the fused LM head's figure
     sft_shapes     xgblora's padded SFT steps, widths as they come (cuDNN attention on and off) and widened to a
                    multiple of 64, interleaved: where the slow padded steps come from
-    grpo           GRPO against TRL's GRPOTrainer + PEFT (llama-100m-random, 2 prompts x 8 completions of <= 32)
+    grpo           GRPO against TRL's GRPOTrainer + PEFT (llama-100m-random, 2 prompts x 8 completions of <= 32),
+                   each library's gradient checkpointing default, then on both sides
     dpo            DPO against TRL's DPOTrainer + PEFT (llama-100m-128k-random, 8 pairs of 128 + 2 x 64 tokens)
     embed          the contrastive step against sentence-transformers' trainer (bert-base-random, batch 64)
     icl            in-context evaluation, demonstrations cached once vs the per-pair loop (opt-1.3b-random)
@@ -48,7 +49,7 @@ from xgblora.bench.timing import step_stats
 USER_MODELS = ("llama-1b-random", "opt-1.3b-random")
 # Seconds each part is expected to take on an H100 (model set-up and the memory subprocesses included); a part
 # starts only if its estimate fits in what is left of the budget
-ESTIMATE_S = {"cuda_tests": 45, "bench": 90, "sft": 90, "sft_128k": 40, "sft_shapes": 30, "grpo": 75, "dpo": 40,
+ESTIMATE_S = {"cuda_tests": 45, "bench": 90, "sft": 90, "sft_128k": 40, "sft_shapes": 30, "grpo": 110, "dpo": 40,
               "embed": 45, "icl": 50, "compile": 90}
 
 
@@ -116,7 +117,8 @@ def cuda_parts(args: argparse.Namespace) -> list[tuple[str, str, Callable[[], An
         ("sft_128k", "sft_128k", lambda: sft.run(_with(sized, sft_models=["llama-100m-128k-random"],
                                                        sft_variants=["padded"], batch_size=16, repeats=5, warmup=2))),
         ("grpo", "grpo", lambda: grpo.run(_with(sized, grpo_models=["llama-100m-random"], grpo_prompts=2,
-                                                num_generations=8, max_completion_length=32, repeats=3, warmup=1))),
+                                                num_generations=8, max_completion_length=32, repeats=3, warmup=1,
+                                                checkpointing=["default", "on"]))),
         ("dpo", "dpo", lambda: dpo.run(_with(sized, dpo_models=["llama-100m-128k-random"], batch_size=8,
                                              dpo_prompt_len=128, dpo_completion_len=64, repeats=3, warmup=1))),
         ("sft_shapes", "sft_shapes", lambda: sft.shape_case(_sft_case(args))),
