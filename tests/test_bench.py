@@ -201,3 +201,29 @@ def test_gpu_suite_reports_hung_cuda_tests_and_goes_on(monkeypatch):
     monkeypatch.setattr(gpu.subprocess, "run", hang)
     part = gpu.cuda_tests(60.0)
     assert part == {"status": "failed: timed out after 60 s", "output_tail": "tests/test_cuda.py .."}
+
+
+def test_the_liger_variant_asks_both_sides_for_ligers_kernels_and_a_cpu_run_refuses_it(tmp_path, monkeypatch):
+    """`--sft_variants padded+liger`: xgblora's model through `use_liger_kernels` (one line off CUDA), TRL's config
+    with `use_liger_kernel`, everything else as the padded case."""
+    trl = pytest.importorskip("trl")
+    from xgblora.bench import sft
+    from xgblora.errors import UserError
+
+    args = _args(tmp_path, "--suite", "sft", "--sft_models", "tiny-llama-chat", "--sft_variants", "padded+liger")
+    (case,) = sft.cases(args)
+    assert (case.variant, case.liger, case.packed, case.fused_head) == ("padded+liger", True, False, True)
+    seqs = sft.sft_seqs(case)
+    with pytest.raises(UserError, match="--use_liger_kernel: Liger's kernels are Triton kernels for CUDA devices"):
+        sft.XgbloraSFT(case, seqs)
+    configured = []
+
+    class Recorded(trl.SFTConfig):
+        def __init__(self, **kwargs):
+            configured.append(kwargs)
+            raise RuntimeError("recorded")
+
+    monkeypatch.setattr(trl, "SFTConfig", Recorded)
+    with pytest.raises(RuntimeError, match="recorded"):
+        sft.trl_trainer(case, seqs, [], str(tmp_path))
+    assert configured[0]["use_liger_kernel"] is True and configured[0]["bf16"] is False

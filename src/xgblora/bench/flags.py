@@ -8,7 +8,8 @@ from typing import Any
 from xgblora.errors import UserError
 
 SUITES = ("train", "sft", "icl", "compile", "grpo", "embed", "gpu", "dpo", "kto", "reward")
-GPU_PARTS = ("cuda_tests", "bench", "sft", "sft_128k", "sft_shapes", "grpo", "dpo", "embed", "icl", "compile")
+GPU_PARTS = ("cuda_tests", "bench", "sft", "sft_128k", "sft_liger", "sft_shapes", "grpo", "dpo", "embed", "icl",
+             "compile")
 # Sizes and counts that must be at least 1 (a batch of no rows, or no timed repetition, has no figure to report), and
 # those where 0 has a meaning (the help says which).
 POSITIVE = ("batch_size", "seq_len", "repeats", "eval_examples", "max_length", "icl_demos", "grpo_prompts",
@@ -68,10 +69,11 @@ def _sft(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sft_models", "--sft-models", nargs="+", default=None, metavar="MODEL",
                         help="--suite sft: models to compare (default: llama-100m-random, llama-100m-128k-random).")
     group.add_argument("--sft_variants", "--sft-variants", nargs="+", default=None,
-                        choices=[f"{v}{logits}" for logits in ("", "+logits")
+                        choices=[f"{v}{suffix}" for suffix in ("", "+logits", "+liger")
                                  for v in ("padded", "packed", "padded+gc", "packed+gc")],
                         help="--suite sft: batch layouts, +gc with gradient checkpointing, +logits with xgblora's "
-                             "loss from the full logits instead of the fused LM head (default: the first four).")
+                             "loss from the full logits instead of the fused LM head, +liger with Liger's kernels on "
+                             "both sides (CUDA) (default: the first four).")
     group.add_argument("--max_length", "--max-length", type=int, default=1024,
                         help="--suite sft: sequences cut from the left to this many tokens.")
 

@@ -9,11 +9,12 @@ the others are reported as skipped for time; --gpu_parts runs a chosen few):
                    user's size: bf16, batch 16 x 256
     sft            the SFT suite against TRL (llama-100m-random, padded and packed), bf16, batch 16, 10 steps
     sft_128k       the padded case at Llama 3's 128k vocabulary (llama-100m-128k-random): the fused LM head's figure
-    sft_shapes     xgblora's padded SFT steps, widths as they come (cuDNN attention on and off) and widened to a
-                   multiple of 64, interleaved: where the slow padded steps come from
     grpo           GRPO against TRL's GRPOTrainer + PEFT (llama-100m-random, 2 prompts x 8 completions of <= 32),
                    each library's gradient checkpointing default, then on both sides
     dpo            DPO against TRL's DPOTrainer + PEFT (llama-100m-128k-random, 8 pairs of 128 + 2 x 64 tokens)
+    sft_liger      the padded case with Liger's kernels on both sides (--use_liger_kernel; TRL's use_liger_kernel)
+    sft_shapes     xgblora's padded SFT steps, widths as they come (cuDNN attention on and off) and widened to a
+                   multiple of 64, interleaved: where the slow padded steps come from
     embed          the contrastive step against sentence-transformers' trainer (bert-base-random, batch 64)
     icl            in-context evaluation, demonstrations cached once vs the per-pair loop (opt-1.3b-random)
     compile        --compile's warm-up and per-step gain (llama-1b-random, bf16, 16 x 256)
@@ -49,8 +50,8 @@ from xgblora.bench.timing import step_stats
 USER_MODELS = ("llama-1b-random", "opt-1.3b-random")
 # Seconds each part is expected to take on an H100 (model set-up and the memory subprocesses included); a part
 # starts only if its estimate fits in what is left of the budget
-ESTIMATE_S = {"cuda_tests": 45, "bench": 90, "sft": 90, "sft_128k": 40, "sft_shapes": 30, "grpo": 110, "dpo": 40,
-              "embed": 45, "icl": 50, "compile": 90}
+ESTIMATE_S = {"cuda_tests": 45, "bench": 90, "sft": 90, "sft_128k": 40, "sft_liger": 45, "sft_shapes": 30,
+              "grpo": 110, "dpo": 40, "embed": 45, "icl": 50, "compile": 90}
 
 
 def cuda_tests(budget_s: float, path: str = "tests/test_cuda.py") -> dict[str, Any]:
@@ -121,6 +122,9 @@ def cuda_parts(args: argparse.Namespace) -> list[tuple[str, str, Callable[[], An
                                                 checkpointing=["default", "on"]))),
         ("dpo", "dpo", lambda: dpo.run(_with(sized, dpo_models=["llama-100m-128k-random"], batch_size=8,
                                              dpo_prompt_len=128, dpo_completion_len=64, repeats=3, warmup=1))),
+        ("sft_liger", "sft_liger", lambda: sft.run(_with(sized, sft_models=["llama-100m-random"],
+                                                         sft_variants=["padded+liger"], batch_size=16, repeats=5,
+                                                         warmup=2))),
         ("sft_shapes", "sft_shapes", lambda: sft.shape_case(_sft_case(args))),
         ("embed", "embed", lambda: embed.run(_with(sized, embed_model="bert-base-random", embed_batches=[64],
                                                    embed_pairs=["multirc"], embed_max_length=256, repeats=5,
@@ -191,7 +195,7 @@ def _summary(name: str, part: dict[str, Any]) -> str:
         return ", ".join(f"{k} {res[k]:.3g}" for k in keys if isinstance(res.get(k), float))
     if not res:
         return ""
-    if name in ("sft", "sft_128k"):
+    if name in ("sft", "sft_128k", "sft_liger"):
         return "; ".join(f"{r['variant']} {r['speedup_vs_trl']:.2f}x TRL" for r in res)
     if name == "sft_shapes":
         return "; ".join(f"{label}: mean {v['mean_s']:.3f} s, max {v['max_s']:.3f} s"
@@ -217,7 +221,8 @@ def _sides(name: str, res: Any) -> list[tuple[str, dict[str, Any], float | None]
     if name == "compile":
         return [(f"{r['workload']} {side}", step_stats(r["raw_times_s"][side]), None)
                 for r in res for side in ("eager", "compiled")]
-    baseline = {"sft": "trl", "sft_128k": "trl", "grpo": "trl", "dpo": "trl", "embed": "st"}.get(name)
+    baseline = {"sft": "trl", "sft_128k": "trl", "sft_liger": "trl", "grpo": "trl", "dpo": "trl",
+                "embed": "st"}.get(name)
     if baseline is None:
         return []
     return [(f"{r.get('variant', r['model_name'])} {side}", r[f"{side}_step_stats"], r.get(f"{side}_mfu"))
@@ -227,7 +232,7 @@ def _sides(name: str, res: Any) -> list[tuple[str, dict[str, Any], float | None]
 def _profiles(name: str, res: Any) -> list[tuple[str, dict[str, Any] | None]]:
     if name.startswith("bench:") or name == "cpu_bench":
         return [(f"{name} {w}", p) for w, p in res.get("profiles", {}).items()]
-    if name in ("sft", "sft_128k", "grpo", "dpo", "embed"):
+    if name in ("sft", "sft_128k", "sft_liger", "grpo", "dpo", "embed"):
         return [(f"{name} {r.get('variant', r['model_name'])}", r.get("xgblora_profile")) for r in res]
     return []
 

@@ -10,8 +10,10 @@ tokens. One xgblora step runs beside each TRL step, on the rows of that step, be
 (`timing.InterleavedSteps`: on a GPU, whichever side meets a new padded shape first pays for its kernel choice).
 Variants: padded or packed (TRL's `padding_free`, xgblora's `collate_packed`), with or without gradient
 checkpointing (non-reentrant on both sides); xgblora's loss through its fused LM head (the default) or, `+logits`,
-from the full logits. Padded, each side pads as it does for its users: TRL to the longest
-row, xgblora to the longest row rounded up to a multiple of 64 on CUDA (`collation.pad_multiple`).
+from the full logits; `+liger`, Liger's kernels on both sides (CUDA: RMSNorm, RoPE and SwiGLU in xgblora's model
+with its own fused head; TRL's `use_liger_kernel`, Liger's fused linear cross-entropy included). Padded, each side
+pads as it does for its users: TRL to the longest row, xgblora to the longest row rounded up to a multiple of 64 on
+CUDA (`collation.pad_multiple`).
 
 Peak memory: each side in its own process, what its steps add to the memory held before them (the peak RSS sampled
 during the steps minus the RSS before the first; CUDA: max_memory_allocated over memory_allocated before), so the
@@ -43,6 +45,7 @@ from xgblora.data.collation import TokenSeq, pad_multiple
 from xgblora.data.tasks import Example
 from xgblora.errors import UserError
 from xgblora.models import pretrained
+from xgblora.models.kernels import use_liger_kernels
 from xgblora.optim.fo import AdamWStepper
 from xgblora.train.objective import TrainingLoss, sequence_training_set
 
@@ -70,11 +73,12 @@ class SFTCase:
     max_length: int = 1024
     pad_to_multiple_of: int = 0  # xgblora's padded widths; 0: the device's default (collation.pad_multiple)
     fused_head: bool = True  # xgblora's loss through the fused LM head (--fused_lm_head)
+    liger: bool = False  # Liger's kernels on both sides (--use_liger_kernel, TRL's use_liger_kernel; CUDA only)
 
     @property
     def variant(self) -> str:
         return (("packed" if self.packed else "padded") + ("+gc" if self.checkpointing else "")
-                + ("" if self.fused_head else "+logits"))
+                + ("" if self.fused_head else "+logits") + ("+liger" if self.liger else ""))
 
 
 # ----------------------------------------------------------------------------- data
@@ -161,6 +165,8 @@ class XgbloraSFT:
         self.model, tokenizer = pretrained.load(case.model_name, dtype=case.dtype, device=case.device,
                                                 build_on_device=True)
         lora.attach(self.model, LORA["targets"], r=LORA["r"], alpha=LORA["alpha"])
+        if case.liger:
+            use_liger_kernels(self.model, self.device)
         if case.checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.pad_multiple = case.pad_to_multiple_of or pad_multiple(self.device)
@@ -197,7 +203,8 @@ def trl_trainer(case: SFTCase, seqs: list[TokenSeq], callbacks: list[Any], outpu
         learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, gradient_checkpointing=case.checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False}, padding_free=case.packed, max_length=None,
         report_to="none", save_strategy="no", logging_steps=10**9, disable_tqdm=True, dataloader_num_workers=0,
-        use_cpu=pretrained.choose_device(case.device).type == "cpu", seed=0, bf16=case.dtype == "bfloat16")
+        use_cpu=pretrained.choose_device(case.device).type == "cpu", seed=0, bf16=case.dtype == "bfloat16",
+        use_liger_kernel=case.liger)
     peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear",
                              task_type="CAUSAL_LM")
     return InOrder(model=model, args=config, train_dataset=Dataset.from_list(trl_rows(seqs)),
@@ -319,7 +326,7 @@ def cases(args: argparse.Namespace) -> list[SFTCase]:
     models_ = args.sft_models or list(SFT_MODELS)
     variants = args.sft_variants or list(VARIANTS)
     return [SFTCase(model_name=m, packed=v.startswith("packed"), checkpointing="+gc" in v,
-                    fused_head=not v.endswith("+logits"),
+                    fused_head="+logits" not in v, liger=v.endswith("+liger"),
                     batch_size=args.batch_size, steps=args.repeats, warmup=args.warmup, dtype=args.dtype,
                     device=args.device, data_dir=args.data_dir or "", max_length=args.max_length)
             for m in models_ for v in variants]
