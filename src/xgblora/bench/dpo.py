@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from xgblora import atomic
-from xgblora.bench.flags import checkpointing_cell, checkpointing_sides
+from xgblora.bench.flags import checkpointing_cell, checkpointing_ran, checkpointing_sides
 from xgblora.bench.memory import (
     first_steps_memory,
     memory_cell,
@@ -162,10 +162,8 @@ def compare_case(case: PreferenceCase, suite: Suite = DPO) -> dict[str, Any]:
         trainer = suite.theirs(case, pairs, [timer.callback()], trl_dir)
         timer.start()
         trainer.train()
-    checkpointing = {"xgblora": bool(ours.trainer.run.cfg.gradient_checkpointing),
-                     "trl": bool(trainer.args.gradient_checkpointing)}
     return {"model_name": case.model_name, suite.unit: case.batch, "prompt_len": case.prompt_len,
-            "completion_len": case.completion_len, "gradient_checkpointing": checkpointing,
+            "completion_len": case.completion_len, "gradient_checkpointing": checkpointing_ran(ours.trainer, trainer),
             **against_trainer(timer.trainer_s, timer.ours_s)}
 
 

@@ -158,6 +158,11 @@ def checkpointing_sides(choice: str) -> dict[str, bool]:
     return {"xgblora": choice == "on", "trl": choice != "off"}
 
 
+def checkpointing_ran(ours: Any, trainer: Any) -> dict[str, bool]:
+    """Each side's gradient checkpointing as its trainer took it: xgblora's Trainer's config, TRL's trainer's args."""
+    return {"xgblora": bool(ours.run.cfg.gradient_checkpointing), "trl": bool(trainer.args.gradient_checkpointing)}
+
+
 def checkpointing_cell(result: dict[str, Any]) -> str:
     """A table cell of what each side's trainer ran with: "off / on" (xgblora / TRL)."""
     sides = result["gradient_checkpointing"]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from xgblora import atomic
-from xgblora.bench.flags import checkpointing_cell, checkpointing_sides
+from xgblora.bench.flags import checkpointing_cell, checkpointing_ran, checkpointing_sides
 from xgblora.bench.memory import (
     first_steps_memory,
     memory_cell,
@@ -132,10 +132,8 @@ def compare_case(case: GRPOCase) -> dict[str, Any]:
         timer.start()
         trainer.train()
         profile = profile_slowest(timer.ours_s, lambda _: ours.train_step(), ours.run.device)
-    checkpointing = {"xgblora": bool(ours.run.cfg.gradient_checkpointing),
-                     "trl": bool(trainer.args.gradient_checkpointing)}
     return {"model_name": case.model_name, "prompts": case.prompts, "num_generations": case.num_generations,
-            "max_completion_length": case.max_completion_length, "gradient_checkpointing": checkpointing,
+            "max_completion_length": case.max_completion_length, "gradient_checkpointing": checkpointing_ran(ours, trainer),
             "xgblora_profile": profile,
             **against_trainer(timer.trainer_s, timer.ours_s)}
 
