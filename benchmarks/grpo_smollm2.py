@@ -62,6 +62,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--zo_objective", choices=("loss", "reward"), default="loss",
                         help="--trainer zo: GRPO's loss, or each perturbed policy's own reward (evolution strategies)")
     parser.add_argument("--zo_eps", type=float, default=1e-3, help="--trainer zo: the perturbation scale")
+    parser.add_argument("--zo_es_sampling", choices=("antithetic", "independent"), default="antithetic",
+                        help="--zo_estimator es: antithetic pairs or independent one-sided members")
+    parser.add_argument("--lr_scheduler_type", choices=("constant", "linear", "cosine"), default="constant")
     parser.add_argument("--num_generations", type=int, default=8, help="completions per prompt, G")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy, G = 1)")
     parser.add_argument("--sft_steps", type=int, default=0, help="SFT steps (batch 8, lr 1e-3) before GRPO")
@@ -105,6 +108,7 @@ def main() -> None:
                          method="lora", lora_r=args.lora_r, lora_target_modules=args.lora_target_modules,
                          trainer=args.trainer, zo_estimator=args.zo_estimator, zo_queries=args.zo_queries,
                          zo_objective=args.zo_objective, zo_eps=args.zo_eps,
+                         zo_es_sampling=args.zo_es_sampling, lr_scheduler_type=args.lr_scheduler_type,
                          learning_rate=args.learning_rate, beta=args.beta,
                          importance_sampling_level=args.importance_sampling_level, policy_loss=args.loss_type,
                          epsilon=args.epsilon, epsilon_high=args.epsilon_high, save_strategy="steps",
@@ -115,7 +119,9 @@ def main() -> None:
                      if (row := json.loads(line)).get("step") == 1 and "loss" in row)
         trainer = args.trainer if args.trainer == "regular" else \
             f"zo: {args.zo_estimator} x{args.zo_queries or 1} on the {args.zo_objective}, eps {args.zo_eps:g}"
-        row = (f"| {seed} | {trainer} | {args.learning_rate:g} | {done['steps']} | {args.steps_per_generation} | "
+        if args.trainer == "zo" and args.zo_estimator == "es":
+            trainer += f", {args.zo_es_sampling}"
+        row = (f"| {seed} | {trainer} | {args.learning_rate:g} {args.lr_scheduler_type} | {done['steps']} | {args.steps_per_generation} | "
                f"{args.beta:g} | {args.importance_sampling_level} | {args.loss_type} | "
                f"{args.epsilon:g}/{args.epsilon if args.epsilon_high is None else args.epsilon_high:g} | "
                f"{args.lora_target_modules} r{args.lora_r} | {args.sft_steps} | "
