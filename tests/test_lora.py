@@ -10,6 +10,7 @@ from torch import nn
 
 from xgblora.adapters.lora import (
     LoRALinear,
+    MemberRows,
     attach,
     default_targets,
     lora_modules,
@@ -194,24 +195,59 @@ def test_merge_keeps_logits_bf16(name):
     assert merge_error < 0.2 * adapter_effect
 
 
-def test_dual_perturbation_single_layer():
+def _perturbed(layer: LoRALinear, z_A: torch.Tensor, z_B: torch.Tensor, scale: float) -> LoRALinear:
+    """A copy of layer with its factors moved in place by scale z, as MeZO's two-pass forwards perturb them."""
+    other = copy.deepcopy(layer)
+    other.clear_members()
+    with torch.no_grad():
+        other.lora_A.add_(scale * z_A)
+        other.lora_B.add_(scale * z_B)
+    return other
+
+
+def test_member_mode_runs_each_run_of_rows_on_its_members_factors():
+    """MeZO's dual batch: rows [:3] on theta + eps z, rows [3:] on theta - eps z; equal to perturbing in place."""
     layer = _layer()
     x = torch.randn(6, 5, 16)
     z_A, z_B = torch.randn_like(layer.lora_A), torch.randn_like(layer.lora_B)
     eps = 1e-2
-    layer.set_dual_perturbation(z_A, z_B, eps)
+    A, B = layer.lora_A.detach(), layer.lora_B.detach()
+    layer.set_members(torch.stack([A + eps * z_A, A - eps * z_A]), torch.stack([B + eps * z_B, B - eps * z_B]))
     with torch.no_grad():
         dual = layer(x)
-    layer.clear_dual_perturbation()
+    layer.clear_members()
     for half, sign in ((slice(0, 3), 1.0), (slice(3, 6), -1.0)):
-        other = copy.deepcopy(layer)
         with torch.no_grad():
-            other.lora_A.add_(sign * eps * z_A)
-            other.lora_B.add_(sign * eps * z_B)
-            torch.testing.assert_close(dual[half], other(x[half]), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(dual[half], _perturbed(layer, z_A, z_B, sign * eps)(x[half]),
+                                       rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), _perturbed(layer, z_A, z_B, 0.0)(x))  # member mode left
     with pytest.raises(ValueError):
-        layer.set_dual_perturbation(z_A, z_B, eps)
+        layer.set_members(torch.stack([A, A]), torch.stack([B, B]))
         layer(torch.randn(3, 16))
+    with pytest.raises(ValueError, match="do not stack"):
+        layer.set_members(A[None], B)
+
+
+def test_member_mode_follows_a_member_index_per_row():
+    """Rows in any order, regrouped between forwards: each row's output is its member's layer's, whoever is beside."""
+    layer = _layer()
+    eps, members = 5e-2, 3
+    zs = [(torch.randn_like(layer.lora_A), torch.randn_like(layer.lora_B)) for _ in range(members)]
+    A, B = layer.lora_A.detach(), layer.lora_B.detach()
+    rows = MemberRows()
+    layer.set_members(torch.stack([A + eps * z_A for z_A, _ in zs]), torch.stack([B + eps * z_B for _, z_B in zs]),
+                      rows)
+    x = torch.randn(5, 4, 16)
+    for index in ([2, 0, 1, 1, 2], [0, 0, 2, 1, 0]):
+        rows.index = torch.tensor(index)
+        with torch.no_grad():
+            out = layer(x)
+            for i, k in enumerate(index):
+                torch.testing.assert_close(out[i], _perturbed(layer, *zs[k], eps)(x[i]), rtol=1e-6, atol=1e-6)
+    rows.index = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="2 rows' members for a batch of 5"):
+        layer(x)
 
 
 @pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])
@@ -228,10 +264,11 @@ def test_dual_perturbation_whole_model(name):
     model.eval()
     with torch.no_grad():
         for n, m in mods.items():
-            m.set_dual_perturbation(*z[n], eps)
+            A, B, (z_A, z_B) = m.lora_A, m.lora_B, z[n]
+            m.set_members(torch.stack([A + eps * z_A, A - eps * z_A]), torch.stack([B + eps * z_B, B - eps * z_B]))
         dual = model(input_ids=torch.cat([ids, ids])).logits
         for m in mods.values():
-            m.clear_dual_perturbation()
+            m.clear_members()
         halves = []
         for sign in (1.0, -1.0):
             other = copy.deepcopy(model)

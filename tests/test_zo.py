@@ -158,7 +158,7 @@ def test_dual_batch_equals_two_pass(tiny, r, active_every):
         assert p_dual == pytest.approx(p_two, abs=tolerance), step
         assert m_dual == pytest.approx(m_two, abs=tolerance), step
         assert dual.projected_grad == pytest.approx(two.projected_grad, abs=5e-3), step
-    assert all(m._dual_A is None for m in dual_modules.values())  # left dual mode after each step
+    assert all(m._member_A is None for m in dual_modules.values())  # left member mode after each step
     moved = max(float((p.detach() - s).abs().max()) for (_, p), s in zip(named_two, start, strict=True))
     assert moved > 0.02
     for (name, p_two), (_, p_dual) in zip(named_two, named_dual, strict=True):

@@ -13,6 +13,7 @@ import torch
 from helpers import adapted, ce_loss_fn, loss_at, no_decay, random_batch, reference_z, step_seeds
 from torch import nn
 
+from xgblora.adapters.lora import LoRALinear
 from xgblora.compare import parse_method
 from xgblora.config import Config
 from xgblora.errors import UserError
@@ -163,7 +164,7 @@ def test_es_step_is_the_references_z_scored_population_update(tiny, tiny64, case
     """ES at scale (es_ops.apply_update, reward_shaping.z_score) with antithetic members and losses for rewards:
     theta -= lr / N sum_m (L_m - mean) / (std + 1e-8) e_m over the N = 2n members theta + eps e_m, e = +-z_i."""
     model, named = trained_params(tiny, tiny64, case == "full-ft")
-    dual = dict(dual_modules={n: m for n, m in model.named_modules() if hasattr(m, "set_dual_perturbation")}) \
+    dual = dict(dual_modules={n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}) \
         if case == "lora-dual" else {}
     reference = copy.deepcopy(model)
     names, theta = [n for n, _ in named], state(named)

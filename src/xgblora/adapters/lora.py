@@ -1,5 +1,6 @@
 """LoRA layers: a frozen base Linear plus a low-rank branch of fp32 factors (A, B); attach, merge, reset, a start from
-the gradient, dual-batch MeZO mode."""
+the gradient, and member mode: K perturbed copies of the factors in one forward, each row of the batch on its
+member's (MeZO's dual batch, K = 2; ES's members batched)."""
 
 from __future__ import annotations
 
@@ -74,8 +75,18 @@ def features(base: nn.Module) -> tuple[int, int]:
     return tuple(base.weight.shape[::-1]) if is_conv1d(base) else (base.out_features, base.in_features)
 
 
+@dataclass
+class MemberRows:
+    """Which member's factors each row of the next forward runs on, shared by every layer in member mode: None, K
+    equal runs of rows (member k: rows [k n, (k + 1) n)); else one member index per row, for a caller whose rows
+    are regrouped between forwards (a sampler that plans batches by length and drops finished rows)."""
+
+    index: torch.Tensor | None = None
+
+
 class LoRALinear(nn.Module):
-    """A frozen linear layer plus scaling * B A in fp32; inactive -> the base alone; dual mode -> +/- perturbed halves.
+    """A frozen linear layer plus scaling * B A in fp32; inactive -> the base alone; member mode -> each row on its
+    member's perturbed factors.
 
     The base is an nn.Linear (weight (out, in)), GPT-2's Conv1D (weight (in, out): `fan_in_fan_out`) or a 4-bit
     bitsandbytes Linear4bit; A and B have the same shapes for all, and a merge adds the delta in the base's own
@@ -100,8 +111,9 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, dtype=torch.float32, device=device))
         self.dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.active = True
-        self._dual_A: torch.Tensor | None = None
-        self._dual_B: torch.Tensor | None = None
+        self._member_A: torch.Tensor | None = None  # member mode: [K, r, in], [K, out, r] and their rows
+        self._member_B: torch.Tensor | None = None
+        self._member_rows = MemberRows()
         self._weight_grad: torch.Tensor | None = None  # dL/dW being accumulated (start_weight_grad)
         self.register_buffer("merged_A", None, persistent=False)  # merges into a 4-bit base (see the class doc)
         self.register_buffer("merged_B", None, persistent=False)
@@ -141,17 +153,24 @@ class LoRALinear(nn.Module):
             return total.to(out.dtype)
 
     def _branch(self, h: torch.Tensor) -> torch.Tensor:
-        """scaling * B A h in h's dtype (the dual-perturbation pair when set)."""
-        if self._dual_A is not None:
-            return self._dual_delta(h)
+        """scaling * B A h in h's dtype (each row on its member's factors in member mode)."""
+        if self._member_A is not None:
+            return self._members_delta(h)
         return F.linear(F.linear(h, self.lora_A.to(h.dtype)) * self.scaling, self.lora_B.to(h.dtype))
 
-    def _dual_delta(self, h: torch.Tensor) -> torch.Tensor:
-        if h.shape[0] % 2:
-            raise ValueError(f"dual-perturbation mode needs a batch of 2B rows, got {h.shape[0]}")
-        flat = h.reshape(2, -1, self.in_features)  # [:B] rows -> index 0 (plus), [B:] rows -> index 1 (minus)
-        mid = torch.bmm(flat, self._dual_A.to(h.dtype).transpose(1, 2)) * self.scaling
-        return torch.bmm(mid, self._dual_B.to(h.dtype).transpose(1, 2)).reshape(*h.shape[:-1], self.out_features)
+    def _members_delta(self, h: torch.Tensor) -> torch.Tensor:
+        A, B = self._member_A.to(h.dtype), self._member_B.to(h.dtype)
+        index = self._member_rows.index
+        if index is None:  # K runs of rows: one batched product per member
+            if h.shape[0] % len(A):
+                raise ValueError(f"member mode with {len(A)} members needs a batch of K x n rows, got {h.shape[0]}")
+            flat = h.reshape(len(A), -1, self.in_features)
+        else:  # a member per row: each row's factors gathered (r x (in + out) floats a row)
+            if len(index) != h.shape[0]:
+                raise ValueError(f"member mode: {len(index)} rows' members for a batch of {h.shape[0]} rows")
+            flat, A, B = h.reshape(h.shape[0], -1, self.in_features), A[index], B[index]
+        mid = torch.bmm(flat, A.transpose(1, 2)) * self.scaling
+        return torch.bmm(mid, B.transpose(1, 2)).reshape(*h.shape[:-1], self.out_features)
 
     def delta_weight(self) -> torch.Tensor:
         """The branch as a dense fp32 (out, in) matrix: scaling * B @ A."""
@@ -243,17 +262,19 @@ class LoRALinear(nn.Module):
         self.lora_A.copy_(rows * signs / math.sqrt(3.0))
         self.lora_B.zero_()
 
-    @torch.no_grad()
-    def set_dual_perturbation(self, z_A: torch.Tensor, z_B: torch.Tensor, eps: float) -> None:
-        """Dual-batch MeZO: rows [:B] see (B + eps z_B)(A + eps z_A), rows [B:] see (B - eps z_B)(A - eps z_A)."""
-        A, B = self.lora_A.detach(), self.lora_B.detach()
-        z_A, z_B = z_A.to(A), z_B.to(B)
-        self._dual_A = torch.stack([torch.add(A, z_A, alpha=eps), torch.add(A, z_A, alpha=-eps)])
-        self._dual_B = torch.stack([torch.add(B, z_B, alpha=eps), torch.add(B, z_B, alpha=-eps)])
+    def set_members(self, A: torch.Tensor, B: torch.Tensor, rows: MemberRows | None = None) -> None:
+        """Member mode: K members' factors A [K, r, in] and B [K, out, r]; `rows` says which rows run on which
+        (default: K equal runs)."""
+        if A.shape[1:] != self.lora_A.shape or B.shape[1:] != self.lora_B.shape or len(A) != len(B):
+            raise ValueError(f"member factors {tuple(A.shape)}, {tuple(B.shape)} do not stack this layer's "
+                             f"{tuple(self.lora_A.shape)}, {tuple(self.lora_B.shape)}")
+        self._member_A, self._member_B = A, B
+        self._member_rows = rows if rows is not None else MemberRows()
 
-    def clear_dual_perturbation(self) -> None:
-        """Leave dual-batch mode: the forward uses A and B again."""
-        self._dual_A = self._dual_B = None
+    def clear_members(self) -> None:
+        """Leave member mode: the forward uses A and B again."""
+        self._member_A = self._member_B = None
+        self._member_rows = MemberRows()
 
 
 @dataclass

@@ -30,6 +30,7 @@ How z is drawn (a test or another rank rebuilds it from this alone):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -38,7 +39,7 @@ from typing import Protocol, TypeVar
 import torch
 from torch import Tensor, nn
 
-from xgblora.adapters.lora import LoRALinear
+from xgblora.adapters.lora import LoRALinear, MemberRows
 from xgblora.data.batches import Batch
 from xgblora.optim.fo import decays
 
@@ -215,25 +216,38 @@ class SeededZO:
     def _dual_losses(self, loss_fn: Callable[[Batch], Tensor], batch: Batch,
                      params: Trainable, zs: list[Tensor]) -> tuple[Tensor, Tensor]:
         """L+ and L- from one forward over the doubled batch, each adapter branch perturbed per half."""
-        z_of = {id(p): z for (p, _), z in zip(params, zs, strict=True)}
-        perturbed = []
-        try:
-            for m in self._dual:
-                z_A, z_B = z_of.get(id(m.lora_A)), z_of.get(id(m.lora_B))
-                if z_A is None and z_B is None:
-                    continue
-                m.set_dual_perturbation(torch.zeros_like(m.lora_A) if z_A is None else z_A,
-                                        torch.zeros_like(m.lora_B) if z_B is None else z_B, self.eps)
-                perturbed.append(m)
+        with self._as_members(params, [(zs, 1.0), (zs, -1.0)]):
             losses = loss_fn(batch.doubled())
-        finally:
-            for m in perturbed:
-                m.clear_dual_perturbation()
         if losses.shape[0] % 2:
             raise ValueError(f"dual-batch {type(self).__name__}: loss_fn gave {losses.shape[0]} losses for a "
                              f"doubled batch; it must give one per row")
         half = losses.shape[0] // 2
         return losses[:half].mean(), losses[half:].mean()
+
+    @contextlib.contextmanager
+    def _as_members(self, params: Trainable, members: list[tuple[list[Tensor], float]],
+                    rows: MemberRows | None = None) -> Iterator[None]:
+        """The forwards inside run every dual module in member mode: member k's factors are theta + sign_k eps z_k
+        (z_k: a z per weight of params, in its order); a module none of whose factors train keeps its own."""
+        where = {id(p): i for i, (p, _) in enumerate(params)}
+        perturbed = []
+        try:
+            for m in self._dual:
+                a, b = where.get(id(m.lora_A)), where.get(id(m.lora_B))
+                if a is not None or b is not None:
+                    m.set_members(self._stacked(m.lora_A, a, members), self._stacked(m.lora_B, b, members), rows)
+                    perturbed.append(m)
+            yield
+        finally:
+            for m in perturbed:
+                m.clear_members()
+
+    def _stacked(self, factor: nn.Parameter, i: int | None, members: list[tuple[list[Tensor], float]]) -> Tensor:
+        """The members' copies of one factor [K, ...]: perturbed by their z of weight i, or all alike (i None)."""
+        base = factor.detach()
+        if i is None:
+            return base.expand(len(members), *base.shape)
+        return torch.stack([torch.add(base, zs[i], alpha=sign * self.eps) for zs, sign in members])
 
     def _perturb(self, params: Trainable, seed: int, scale: float, sign: bool = False) -> None:
         """theta += scale z (sign: scale sign(z)), regenerating z one tensor (on the CPU, one piece) at a time."""
