@@ -4,6 +4,7 @@ the temperature / top-p distribution computed by hand."""
 import pytest
 import torch
 
+from xgblora.adapters.lora import MemberRows, attach
 from xgblora.models import pretrained
 from xgblora.models.pretrained import random_model
 from xgblora.models.sampler import Sampler, SamplingParams, batch_generator, plan_batches
@@ -139,3 +140,42 @@ def test_the_sampler_uses_no_argument_announced_for_removal():
         warnings.simplefilter("error", FutureWarning)
         samples = Sampler(model, 0, [2], params).sample_batch([[1, 5, 6]], batch_generator(0, 0, torch.device("cpu")))
     assert len(samples[0]) == 2
+
+
+def test_rows_on_their_own_members_adapters_sample_as_each_member_alone():
+    """ES's batched members: K copies of the prompts in one sampling, each row's LoRA factors its member's (told by
+    on_rows through length-sorted batches and dropped rows), draw what each member draws alone (same seeds)."""
+    model, tokenizer = _model("tiny-llama")
+    modules = attach(model, r=2, alpha=4.0).modules
+    gen = torch.Generator().manual_seed(0)
+    factors = {n: [(torch.randn(m.lora_A.shape, generator=gen), torch.randn(m.lora_B.shape, generator=gen))
+                   for _ in range(3)] for n, m in modules.items()}
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    seeds = [21, 22, 23, 24, 25]
+    params = SamplingParams(num_samples=2, max_new_tokens=8, temperature=1.5, max_batch_tokens=4 * 2 * 20)
+    sampler = Sampler(model, tokenizer.pad_token_id, [5, 17, 33, 60], params)
+    alone = []
+    for k in range(3):
+        with torch.no_grad():
+            for n, m in modules.items():
+                m.lora_A.copy_(factors[n][k][0])
+                m.lora_B.copy_(factors[n][k][1])
+        alone.append(_all_samples(sampler, prompts, seeds=seeds))
+    rows = MemberRows()
+    for n, m in modules.items():
+        m.set_members(torch.stack([A for A, _ in factors[n]]), torch.stack([B for _, B in factors[n]]), rows)
+    seen = []
+
+    def follow(positions):
+        seen.append(len(positions))
+        rows.index = positions // len(prompts)
+
+    together = _all_samples(sampler, prompts * 3, seeds=seeds * 3, on_rows=follow)
+    for k in range(3):
+        for i in range(len(prompts)):
+            got, own = together[k * len(prompts) + i], alone[k][i]
+            assert [(s.token_ids, s.finish_reason) for s in got] == [(s.token_ids, s.finish_reason) for s in own]
+            assert [s.logprob for s in got] == pytest.approx([s.logprob for s in own], abs=1e-5)
+    assert len(set(seen)) > 2  # batches of several sizes, rows dropped as they stopped
+    assert {s.finish_reason for samples in together.values() for s in samples} == {"stop", "length"}
+    assert alone[0] != alone[1]

@@ -266,8 +266,8 @@ class TrainingOptions(LoopOptions, CompileOptions, ComputeOptions, MemoryOptions
                             f"use --zo_optimizer sgd")
 
     def _check_es_population(self) -> None:
-        """--zo_es_sampling and --zo_es_spread shape es's population; the doubled batch carries antithetic pairs, and
-        members can be spread only where every process scores a member on the same data (sampled prompts)."""
+        """--zo_es_sampling, --zo_es_spread and --zo_member_batch shape es's population; the doubled batch carries
+        antithetic pairs; members can be spread, or batched, only where each samples the step's prompts itself."""
         changed = [f"--{name} {getattr(self, name)}" for name, default in (("zo_es_sampling", "antithetic"),
                                                                             ("zo_es_spread", "prompts"))
                    if getattr(self, name) != default]
@@ -277,6 +277,13 @@ class TrainingOptions(LoopOptions, CompileOptions, ComputeOptions, MemoryOptions
         if self.zo_es_sampling == "independent" and self.zo_dual:
             raise UserError("--zo_dual: --zo_es_sampling independent perturbs one-sided with a different vector per "
                             "member, which the doubled batch (+z and -z of one vector) cannot carry; drop --zo_dual")
+        if self.zo_member_batch < 1:
+            raise UserError(f"--zo_member_batch {self.zo_member_batch}: members per batch must be at least 1")
+        if self.zo_member_batch > 1 and (self.zo_estimator != "es" or not self.samples_per_member
+                                         or self.method == "ft"):
+            raise UserError(f"--zo_member_batch {self.zo_member_batch} batches members of --zo_estimator es that "
+                            f"sample their own completions (xgblora grpo --zo_objective reward), each on its own "
+                            f"perturbed adapter: it needs those, and an adapter method (not --method ft)")
         if self.zo_es_spread == "members" and not self.samples_per_member:
             raise UserError("--zo_es_spread members has every process score its members on all of a step's data: "
                             "that is xgblora grpo --zo_objective reward (each member samples the step's prompts); "
@@ -745,6 +752,9 @@ class GRPOConfig(ToolOptions, RLOOOptions, SamplingOptions, CompletionOptions, T
         if self.num_iterations != 1 or self.generation_batch() != self.optimizer_batch:
             raise UserError("--zo_objective reward samples the prompts of each step anew: drop --num_iterations, "
                             "--generation_batch_size and --steps_per_generation")
+        if self.zo_member_batch > 1 and (self.tools or self.environment_factory):
+            raise UserError(f"--zo_member_batch {self.zo_member_batch}: tool rollouts sample turn by turn, one member "
+                            f"at a time; drop --zo_member_batch or the tools")
         if self.zo_dual:
             raise UserError("--zo_dual: under --zo_objective reward each perturbed policy samples its own completions, "
                             "which one forward over a doubled batch cannot do; drop --zo_dual")

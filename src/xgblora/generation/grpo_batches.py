@@ -8,6 +8,7 @@ that the perturbed policy samples itself."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import transformers
 
+from xgblora.adapters.lora import MemberRows
 from xgblora.config import GRPOConfig
 from xgblora.data.collation import TokenSeq, collate
 from xgblora.data.order import BatchStream
@@ -23,6 +25,7 @@ from xgblora.errors import UserError
 from xgblora.generation.generate import Prompts, sampling_params
 from xgblora.generation.grpo_objective import CompletionBatch, GRPOObjective, row_weights
 from xgblora.generation.rollout import Completions, Rollout
+from xgblora.models.sampler import stream_seed
 from xgblora.optim.zo_estimators import spreads_members
 
 SAMPLES_LOGGED = 4  # completions per logging step under --log_completions
@@ -40,11 +43,18 @@ class Generation:
 @dataclass
 class PromptBatch:
     """A step's batch under --zo_objective reward: this process's prompts and the sampling seed that every member of
-    the population samples them with (common random numbers: two members differ by their weights, not their luck)."""
+    the population samples them with (common random numbers: two members differ by their weights, not their luck);
+    `repeated` makes it the batch of several members sampled together."""
 
     indices: list[int]
     seed: int
     prompt_tokens: int
+    copies: int = 1
+    rows: MemberRows | None = None  # batched members: told the member of every row the sampler runs
+
+    def repeated(self, copies: int, rows: MemberRows) -> PromptBatch:
+        """The prompts once for each of `copies` members sampled in one batch (member k: the k-th copy)."""
+        return dataclasses.replace(self, copies=copies, rows=rows)
 
     @property
     def n_examples(self) -> int:
@@ -67,9 +77,9 @@ class PolicyReward:
         self.source, self.model = source, source.rollout.model
 
     def __call__(self, batch: PromptBatch) -> torch.Tensor:
-        """Minus the mean reward of the completions that were scored (a reward function's None leaves one out);
-        NaN when none was."""
-        return -self.source.policy_rewards(batch).nanmean().reshape(1)
+        """[copies]: each member's minus mean reward of its completions that were scored (a reward function's None
+        leaves one out); NaN when none was."""
+        return -self.source.policy_rewards(batch).nanmean(1)
 
     def metrics(self) -> dict[str, float]:
         return {}
@@ -287,15 +297,24 @@ class Generations:
                 for j in range(min(SAMPLES_LOGGED, len(done.texts)))]
 
     def policy_rewards(self, batch: PromptBatch) -> torch.Tensor:
-        """The total rewards of G completions of each of batch's prompts, sampled now with batch's seed (see
-        PolicyReward); the statistics join the population's for the next logging step."""
+        """[copies, completions]: the total rewards of G completions of each of batch's prompts for each member it
+        carries, sampled now (see PolicyReward), each prompt from a seed of its own drawn from batch's, the same for
+        every member (with tools, each turn from batch's); each member's statistics join the population's for the
+        next logging step."""
         params = dataclasses.replace(sampling_params(self.cfg), seed=batch.seed)
-        done = self.rollout.completions(self.prompts, batch.indices, params)
-        # spread members: the member's completions are all on this process, and the others score other members
-        rewards, _, metrics = self.rollout.rewarded(self.prompts, batch.indices, done, self.trainer_state(),
-                                                   self.buffer.generations + 1, gather=not self.members_spread)
-        self.population.append(metrics)
-        return rewards.to(self.rollout.device)
+        n, copies = len(batch.indices), batch.copies
+        seeds = None if self.rollout.agent is not None else [stream_seed(batch.seed, j) for j in range(n)] * copies
+        done = self.rollout.completions(self.prompts, batch.indices * copies, params, seeds,
+                                        None if batch.rows is None else functools.partial(_follow, batch.rows, n))
+        width, rewards = len(done.texts) // copies, []
+        for k in range(copies):
+            # spread members: the member's completions are all on this process, and the others score other members
+            member, _, metrics = self.rollout.rewarded(self.prompts, batch.indices, done.part(k * width, width),
+                                                       self.trainer_state(), self.buffer.generations + 1,
+                                                       gather=not self.members_spread)
+            self.population.append(metrics)
+            rewards.append(member)
+        return torch.stack(rewards).to(self.rollout.device)
 
     def _next_prompts(self) -> list[int]:
         """This rank's share of the next generation batch's prompts: every rank draws the whole batch, so the streams
@@ -309,3 +328,8 @@ class Generations:
         for all when the ranks share out ES's members (a member samples as it would on one process)."""
         world, rank = (1, 0) if self.members_spread else (self.dist.world_size, self.dist.rank)
         return (self.cfg.seed * 1_000_003 + draw) * world + rank
+
+
+def _follow(rows: MemberRows, prompts: int, positions: torch.Tensor) -> None:
+    """The sampler's rows -> their members: position p of a batch of members' prompts is member p // prompts's."""
+    rows.index = positions // prompts

@@ -33,7 +33,7 @@ from xgblora.generation.grpo_objective import (
 )
 from xgblora.generation.rewards import Rewards
 from xgblora.generation.tools import Agent, ToolRollout
-from xgblora.models.sampler import Sample, Sampler, SamplingParams
+from xgblora.models.sampler import RowsCallback, Sample, Sampler, SamplingParams
 from xgblora.train.setup import Method
 
 
@@ -46,6 +46,12 @@ class Completions:
     ids: list[list[int]]
     truncated: torch.Tensor
     rollouts: list[ToolRollout] | None = None
+
+    def part(self, start: int, count: int) -> Completions:
+        """Completions start .. start + count - 1."""
+        rows = slice(start, start + count)
+        return Completions(self.texts[rows], self.ids[rows], self.truncated[rows],
+                           None if self.rollouts is None else self.rollouts[rows])
 
     def lengths(self) -> torch.Tensor:
         """Each completion's tokens, the policy's own only (tool turns left out, as TRL counts them)."""
@@ -92,23 +98,29 @@ class Rollout:
 
     # ------------------------------------------------------------------ sample
 
-    def draw(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
-        """params.num_samples samples of each prompt (the policy, adapter on)."""
+    def draw(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int] | None = None,
+             on_rows: RowsCallback | None = None) -> list[list[Sample]]:
+        """params.num_samples samples of each prompt (the policy, adapter on); seeds and on_rows as Sampler.run's."""
         sampler = Sampler(self.model, self.tokenizer.pad_token_id, formats.model_stop_ids(self.model, self.tokenizer),
                           params)
         drawn: dict[int, list[Sample]] = {}
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
-            for batch, samples in sampler.run(prompt_ids):
+            for batch, samples in sampler.run(prompt_ids, seeds=seeds, on_rows=on_rows):
                 drawn.update(zip(batch, samples, strict=True))
         return [drawn[j] for j in range(len(prompt_ids))]
 
-    def completions(self, prompts: Prompts, indices: list[int], params: SamplingParams) -> Completions:
+    def completions(self, prompts: Prompts, indices: list[int], params: SamplingParams,
+                    seeds: list[int] | None = None, on_rows: RowsCallback | None = None) -> Completions:
         """params.num_samples completions of each prompt in indices, their token ids with the stop token (with
-        tools: whole rollouts); the reward functions' log_extra columns start over."""
+        tools: whole rollouts); the reward functions' log_extra columns start over. seeds (one per entry of
+        indices) and on_rows (a row's position in indices) as Sampler.run's; not with tools."""
         self.extra_columns = {}
         if self.agent is not None:
+            if seeds is not None or on_rows is not None:
+                raise ValueError("tool rollouts sample each turn with a seed of its own: no seeds or on_rows")
             return self._rollouts(prompts, indices, params)
-        samples = [s for per_prompt in self.draw([prompts.ids[i] for i in indices], params) for s in per_prompt]
+        samples = [s for per_prompt in self.draw([prompts.ids[i] for i in indices], params, seeds, on_rows)
+                   for s in per_prompt]
         return Completions([self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples],
                            [list(s.token_ids) + ([s.stop_id] if s.stop_id is not None else []) for s in samples],
                            torch.tensor([s.finish_reason == "length" for s in samples]))

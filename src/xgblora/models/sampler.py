@@ -35,6 +35,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 from xgblora.models.scoring import eval_mode
 
 TokenCallback = Callable[[torch.Tensor, torch.Tensor], None]  # (sample rows, their new tokens) after each step
+RowsCallback = Callable[[torch.Tensor], None]  # the prompt of every row of the next forward
 
 
 @dataclass(frozen=True)
@@ -118,26 +119,32 @@ class Sampler:
         if params.temperature > 0 and params.top_p < 1:
             self.warpers.append(TopPLogitsWarper(params.top_p))
 
-    def run(self, prompts: Sequence[Sequence[int]], skip: Container[int] = (), seeds: Sequence[int] | None = None
-            ) -> Iterator[tuple[list[int], list[list[Sample]]]]:
+    def run(self, prompts: Sequence[Sequence[int]], skip: Container[int] = (), seeds: Sequence[int] | None = None,
+            on_rows: RowsCallback | None = None) -> Iterator[tuple[list[int], list[list[Sample]]]]:
         """Yield (prompt indices, their samples) batch by batch, in plan order; a batch whose prompts are all in
         skip is not run (its batch number, and so every other batch's draws, stay the same). With seeds (one per
-        prompt), each prompt draws from its own (see the module docstring)."""
+        prompt), each prompt draws from its own (see the module docstring). on_rows sees, before every forward,
+        the index in prompts of each row it runs (for a model whose rows differ by more than their tokens)."""
         for number, batch in enumerate(plan_batches([len(p) for p in prompts], self.params)):
             if all(i in skip for i in batch):
                 continue
             draws = batch_generator(self.params.seed, number, self.device) if seeds is None else \
                 [seeds[i] for i in batch]
-            yield batch, self.sample_batch([prompts[i] for i in batch], draws)
+            index = torch.tensor(batch, device=self.device)  # a row of the batch -> its prompt in prompts
+            batch_rows = None if on_rows is None else lambda rows, index=index: on_rows(index[rows])
+            yield batch, self.sample_batch([prompts[i] for i in batch], draws, on_rows=batch_rows)
 
     @torch.inference_mode()
     def sample_batch(self, prompts: Sequence[Sequence[int]], draws: torch.Generator | Sequence[int],
-                     on_tokens: TokenCallback | None = None) -> list[list[Sample]]:
+                     on_tokens: TokenCallback | None = None, on_rows: RowsCallback | None = None
+                     ) -> list[list[Sample]]:
         """num_samples samples of each prompt, drawn from the batch's generator or from each prompt's seed; on_tokens
-        sees every step's new tokens (for streaming)."""
+        sees every step's new tokens (for streaming); on_rows, before every forward, the prompt of each row."""
         uniforms = None if isinstance(draws, torch.Generator) else \
             prompt_uniforms(draws, self.params.num_samples, self.params.max_new_tokens).to(self.device)
         with eval_mode(self.model):
+            if on_rows is not None:
+                on_rows(torch.arange(len(prompts), device=self.device))
             logits, cache, mask = self._prefill(prompts)
             drawn = _Drawn(len(prompts) * self.params.num_samples, self.params.max_new_tokens, self.pad_id)
             sample = torch.arange(drawn.rows, device=self.device)  # the sample each row of the batch draws
@@ -157,6 +164,8 @@ class Sampler:
                     cache.batch_select_indices(keep)
                     sample, token, mask, running = sample[keep], token[keep], mask[keep], running[keep]
                 mask = torch.cat([mask, mask.new_ones(len(sample), 1)], dim=1)
+                if on_rows is not None:
+                    on_rows(sample // self.params.num_samples)
                 logits = self._decode(token, mask, cache)
         return drawn.samples(self.params.num_samples)
 

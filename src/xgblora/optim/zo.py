@@ -181,11 +181,15 @@ class SeededZO:
                      seed: int) -> tuple[Tensor, Tensor]:
         """L(theta + eps z) and L(theta - eps z) for the z of seed; the weights are left at theta."""
         if self._dual is not None:
-            gens = self._seeded(self._z_gens, params, seed)
-            return self._dual_losses(loss_fn, batch, params, [self._z(p, gens) for p, _ in params])
+            return self._dual_losses(loss_fn, batch, params, self._zs(params, seed))
         plus, minus = self._two_pass_losses(loss_fn, batch, params, seed)
         self._perturb(params, seed, self.eps)
         return plus, minus
+
+    def _zs(self, params: Trainable, seed: int) -> list[Tensor]:
+        """Every weight's z of seed, held at once (member mode's perturbed factors are built from them)."""
+        gens = self._seeded(self._z_gens, params, seed)
+        return [self._z(p, gens) for p, _ in params]
 
     def _one_sided_loss(self, loss_fn: Callable[[Batch], Tensor], batch: Batch, params: Trainable, seed: int,
                         sign: bool = False) -> Tensor:

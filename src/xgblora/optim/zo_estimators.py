@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from xgblora.adapters.lora import LoRALinear
+from xgblora.adapters.lora import LoRALinear, MemberRows
 from xgblora.data.batches import Batch
 from xgblora.distributed import LOCAL, Distributed
 from xgblora.optim.zo import MeZO, SeededZO, Trainable, ZOStepper
@@ -101,15 +101,18 @@ class ES(NSPSA):
     SAMPLINGS = ("antithetic", "independent")
 
     def __init__(self, *args, queries: int | None = None, sampling: str = "antithetic",
-                 share: tuple[int, int] = (0, 1), **kwargs):
+                 share: tuple[int, int] = (0, 1), member_batch: int = 1, **kwargs):
         if sampling not in self.SAMPLINGS:
             raise ValueError(f"ES sampling must be one of {self.SAMPLINGS}, got {sampling!r}")
-        if sampling == "independent" and kwargs.get("dual_modules") is not None:
+        batched = kwargs.get("dual_modules") is not None
+        if member_batch > 1 and not batched:
+            raise ValueError("ES batches members through the adapters' member mode: pass them as dual_modules")
+        if sampling == "independent" and batched and member_batch == 1:
             raise ValueError("ES with independent members perturbs one-sided: the dual batch does not apply")
         if queries is None:  # the reference's population of 30 either way
             queries = 15 if sampling == "antithetic" else 30
         super().__init__(*args, queries=queries, **kwargs)
-        self.sampling, self.share = sampling, share
+        self.sampling, self.share, self.member_batch = sampling, share, member_batch
 
     @torch.no_grad()
     def step(self, loss_fn: Callable[[Batch], Tensor], batch: Batch,
@@ -124,17 +127,36 @@ class ES(NSPSA):
         """Each member's loss in population order (a pair's L+ then L-); under a share, another process's members
         as 0 in fp32, which its sum over the processes replaces."""
         rank, world = self.share
-        members = 2 if self.sampling == "antithetic" else 1
+        signs = (1.0, -1.0) if self.sampling == "antithetic" else (1.0,)
         device = params[0][0].device if params else torch.device("cpu")
-        losses: list[Tensor] = []
-        for k, seed in enumerate(seeds):
-            if k % world != rank:
-                losses += [torch.zeros((), device=device)] * members
-            elif self.sampling == "antithetic":
-                losses += self._pair_losses(loss_fn, batch, params, seed)
-            else:
-                losses.append(self._one_sided_loss(loss_fn, batch, params, seed))
+        if self.member_batch > 1:
+            own = iter(self._batched_losses(loss_fn, batch, params, [(seed, sign) for k, seed in enumerate(seeds)
+                                                                     if k % world == rank for sign in signs]))
+            losses = [next(own) if k % world == rank else torch.zeros((), device=device)
+                      for k in range(len(seeds)) for _ in signs]
+        else:
+            losses = []
+            for k, seed in enumerate(seeds):
+                if k % world != rank:
+                    losses += [torch.zeros((), device=device)] * len(signs)
+                elif self.sampling == "antithetic":
+                    losses += self._pair_losses(loss_fn, batch, params, seed)
+                else:
+                    losses.append(self._one_sided_loss(loss_fn, batch, params, seed))
         return [loss.float() for loss in losses] if world > 1 else losses  # one dtype on every process
+
+    def _batched_losses(self, loss_fn: Callable[[Batch], Tensor], batch: Batch, params: Trainable,
+                        members: list[tuple[int, float]]) -> list[Tensor]:
+        """The losses of members (seed, sign), member_batch at a time: each batch of members samples the step's
+        prompts together, every row on its own member's factors (the weights are never moved)."""
+        losses: list[Tensor] = []
+        for start in range(0, len(members), self.member_batch):
+            chunk = members[start:start + self.member_batch]
+            zs = {seed: self._zs(params, seed) for seed, _ in chunk}  # a pair's two members share their z
+            rows = MemberRows()
+            with self._as_members(params, [(zs[seed], sign) for seed, sign in chunk], rows):
+                losses += list(loss_fn(batch.repeated(len(chunk), rows)))
+        return losses
 
     def _coefficients(self, values: list[float]) -> list[float]:
         """A member without a finite loss takes the population's mean (a z-score of 0) and is not counted; with
@@ -310,7 +332,7 @@ def build_estimator(zo: ZOOptions, named_params: list[tuple[str, nn.Parameter]],
     pairs = zo.zo_estimator != "fzoo" and zo.zo_es_sampling == "antithetic"
     return ESTIMATORS[zo.zo_estimator](
         named_params, lr, zo.zo_eps, weight_decay, zo.zo_stochastic_rounding, penalty=penalty,
-        dual_modules=dual_modules if pairs else None, seed=seed, reduce_losses=dist.zo_losses(total=members),
+        dual_modules=dual_modules if pairs or zo.zo_member_batch > 1 else None, seed=seed, reduce_losses=dist.zo_losses(total=members),
         optimizer=zo.zo_optimizer, betas=betas, adam_eps=adam_eps,
         **_own_options(zo, lr, (dist.rank, dist.world_size) if members else (0, 1)))
 
@@ -321,7 +343,7 @@ def _own_options(zo: ZOOptions, lr: float, share: tuple[int, int]) -> dict[str, 
     follows the schedule)."""
     queries = {"queries": zo.zo_queries} if zo.zo_queries is not None else {}
     if zo.zo_estimator == "es":
-        return {**queries, "sampling": zo.zo_es_sampling, "share": share}
+        return {**queries, "sampling": zo.zo_es_sampling, "share": share, "member_batch": zo.zo_member_batch}
     if zo.zo_estimator in ("nspsa", "fzoo"):
         return queries
     if zo.zo_estimator == "svrg":

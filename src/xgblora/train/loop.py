@@ -233,9 +233,10 @@ def build_stepper(cfg: TrainerConfig, method: Method, loss_fn: Loss, dist: Distr
                             accumulation=cfg.gradient_accumulation_steps, micro_batch=cfg.per_device_train_batch_size,
                             nan_policy=cfg.nan_policy, penalty=penalty, dist=dist, offload=cfg.activation_offloading)
     zo_params = method.zo_params(head.head_trainer if head is not None else "zo")  # without a head: all the same
-    # the doubled batch carries adapter perturbations only: not a full model, a zo-trained head, or grouped rows
-    dual = cfg.zo_dual is not False and bool(method.modules) and len(zo_params) == len(method.trainable) \
-        and not grouped
+    # the doubled batch, like ES's batched members, carries adapter perturbations only: not a full model, a
+    # zo-trained head, or grouped rows
+    adapters_only = bool(method.modules) and len(zo_params) == len(method.trainable) and not grouped
+    dual = adapters_only and (cfg.zo_dual is not False or cfg.zo_member_batch > 1)
     # the norm penalty l(|A|^2 + |B|^2) has the exact gradient 2l*theta, added to the estimate as AdamW adds it
     penalty = 2 * cfg.norm_penalty if boosting is not None else 0.0
     estimator = build_estimator(cfg, zo_params, cfg.learning_rate, seed=cfg.seed, weight_decay=cfg.weight_decay,
