@@ -64,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--zo_eps", type=float, default=1e-3, help="--trainer zo: the perturbation scale")
     parser.add_argument("--zo_es_sampling", choices=("antithetic", "independent"), default="antithetic",
                         help="--zo_estimator es: antithetic pairs or independent one-sided members")
+    parser.add_argument("--zo_member_batch", type=int, default=1,
+                        help="--zo_estimator es on the reward: members sampled in one batched generation")
     parser.add_argument("--lr_scheduler_type", choices=("constant", "linear", "cosine"), default="constant")
     parser.add_argument("--num_generations", type=int, default=8, help="completions per prompt, G")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy, G = 1)")
@@ -108,7 +110,8 @@ def main() -> None:
                          method="lora", lora_r=args.lora_r, lora_target_modules=args.lora_target_modules,
                          trainer=args.trainer, zo_estimator=args.zo_estimator, zo_queries=args.zo_queries,
                          zo_objective=args.zo_objective, zo_eps=args.zo_eps,
-                         zo_es_sampling=args.zo_es_sampling, lr_scheduler_type=args.lr_scheduler_type,
+                         zo_es_sampling=args.zo_es_sampling, zo_member_batch=args.zo_member_batch,
+                         lr_scheduler_type=args.lr_scheduler_type,
                          learning_rate=args.learning_rate, beta=args.beta,
                          importance_sampling_level=args.importance_sampling_level, policy_loss=args.loss_type,
                          epsilon=args.epsilon, epsilon_high=args.epsilon_high, save_strategy="steps",
