@@ -290,6 +290,35 @@ def test_es_on_rewards_steps_by_each_perturbed_policys_own_z_scored_rewards(data
     assert logged["member_reward_std"] == pytest.approx(float(losses.std(unbiased=False)))
 
 
+@pytest.mark.parametrize(("sampling", "queries"), [("antithetic", 2), ("independent", 5)])
+def test_es_members_sampled_together_step_as_members_sampled_one_by_one(data, monkeypatch, sampling, queries):
+    """--zo_member_batch 3: the population sampled 3 members at a time (and a remainder), each row of a generation
+    on its own member's adapter, ends with the adapter and logs the statistics of members sampled one by one (at a
+    temperature: every member draws from the same per-prompt seeds), in fewer generations."""
+    generations = []
+    completions = Rollout.completions
+    monkeypatch.setattr(Rollout, "completions", lambda *a, **k: generations.append(1) or completions(*a, **k))
+    options = dict(trainer="zo", zo_objective="reward", zo_estimator="es", zo_es_sampling=sampling,
+                   zo_queries=queries, zo_eps=0.05, temperature=1.0, num_return_sequences=2,
+                   gradient_accumulation_steps=1, max_steps=2, eval_file=None)
+    adapters, logs, counts = [], [], []
+    for batch in (1, 3):
+        generations.clear()
+        run_grpo(_cfg(data, f"members{batch}", zo_member_batch=batch, **options))
+        counts.append(len(generations))
+        adapters.append(load_file(str(data / f"members{batch}" / "final" / "adapter_model.safetensors")))
+        logs.append([r for r in read_metrics(data / f"members{batch}" / "metrics.jsonl") if "loss" in r])
+    members = 2 * queries if sampling == "antithetic" else queries
+    assert counts == [2 * members, 2 * math.ceil(members / 3)]
+    one, together = adapters
+    assert one.keys() == together.keys() and any(v.abs().sum() > 0 for k, v in one.items() if "lora_B" in k)
+    for k in one:
+        torch.testing.assert_close(together[k], one[k], atol=1e-6, rtol=0, msg=k)
+    for a, b in zip(*logs, strict=True):
+        assert b["member_reward_std"] > 0 and b["member_reward_std"] == pytest.approx(a["member_reward_std"])
+        assert (b["reward"], b["loss"]) == pytest.approx((a["reward"], a["loss"]))
+
+
 def test_a_prompt_without_a_reference_is_a_one_line_error_naming_its_row(data, capsys):
     (data / "noref.jsonl").write_text('{"prompt": "1 or 2?", "completion": "#### 2"}\n{"prompt": "3 or 4?"}\n')
     code = main(["grpo", "--model_name", "tiny-llama", "--train_file", str(data / "noref.jsonl"),
@@ -308,6 +337,11 @@ def test_a_prompt_without_a_reference_is_a_one_line_error_naming_its_row(data, c
     (["--trainer", "zo", "--zo_objective", "reward", "--beta", "0.1"], "drop --beta"),
     (["--trainer", "zo", "--zo_objective", "reward", "--num_iterations", "2"], "anew"),
     (["--trainer", "zo", "--zo_objective", "reward", "--zo_dual", "true"], "drop --zo_dual"),
+    (["--trainer", "zo", "--zo_estimator", "es", "--zo_member_batch", "2"], "sample their own completions"),
+    (["--trainer", "zo", "--zo_objective", "reward", "--zo_estimator", "es", "--zo_member_batch", "2", "--method",
+      "ft"], "an adapter method"),
+    (["--trainer", "zo", "--zo_objective", "reward", "--zo_estimator", "es", "--zo_member_batch", "0"],
+     "at least 1"),
 ])
 def test_bad_options_are_one_line_errors(data, capsys, flags, message):
     code = main(["grpo", "--model_name", "tiny-llama", "--train_file", str(data / "q.jsonl"), "--columns",
