@@ -148,7 +148,8 @@ def test_mezo_two_ranks_equal_one_process(data):
 def test_es_with_its_members_spread_over_two_ranks_equals_one_process(data, sampling, members):
     """--zo_es_spread members: each rank scores its share of the population (seeds 0 and 2 on rank 0, seed 1 on rank
     1) on all of the step's prompts, sampled with one seed; one all-reduce of the population's fp32 losses is all
-    that crosses the network, and both ranks end with the one process's adapter."""
+    that crosses the network, and both ranks end with the one process's adapter (theirs sampling 2 members at a
+    time, --zo_member_batch 2)."""
     (data / "graded_reward.py").write_text(
         "def first_mod7(completion_ids, **kwargs):\n    return [float(ids[0] % 7) for ids in completion_ids]\n")
     values = dict(model_name="tiny-llama", train_file=str(data / "q.jsonl"), columns="prompt=question,completion=answer",
@@ -157,7 +158,8 @@ def test_es_with_its_members_spread_over_two_ranks_equals_one_process(data, samp
                   per_device_train_batch_size=4, gradient_accumulation_steps=1, max_steps=2, logging_steps=1,
                   save_strategy="no", device="cpu", seed=3, reward_funcs=["graded_reward:first_mod7"])
     trained(data, dict(values, output_dir=str(data / "one")), 1, POLICY_WORKER)
-    two = trained(data, dict(values, output_dir=str(data / "two"), zo_es_spread="members"), 2, POLICY_WORKER)
+    two = trained(data, dict(values, output_dir=str(data / "two"), zo_es_spread="members", zo_member_batch=2), 2,
+                  POLICY_WORKER)
     assert_close_tensors(load_file(data / "one" / ADAPTER), load_file(data / "two" / ADAPTER), atol=1e-5, rtol=0)
     assert any(t.abs().sum() > 0 for k, t in load_file(data / "two" / ADAPTER).items() if "lora_B" in k)  # trained
     for a, b in zip(logged(data / "one"), logged(data / "two"), strict=True):
