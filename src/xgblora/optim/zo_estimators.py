@@ -26,6 +26,9 @@
   theta <- theta - lr / N sum_m zscore(L_m) z_m; N forwards per step. With a `share` (rank, world) each process
   scores only the members of the seeds k with k % world == rank (whole pairs), and reduce_losses sums the
   population's losses over processes (0 stands for another process's member): every process then holds all N.
+  With `member_batch` K > 1 (adapters only), K members at a time are scored by one call of the loss on
+  `batch.repeated(K, rows)`, each adapter layer in member mode (`LoRALinear.set_members`) and `rows` telling it
+  which member each row of a forward is; the loss returns one value per member, and the weights never move.
 
 Each `step(loss_fn, batch, lr)` returns the losses it measured: their mean is the step's training loss.
 
