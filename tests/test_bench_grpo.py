@@ -29,3 +29,19 @@ def test_grpo_suite_quick_alternates_with_trl(data, tmp_path, request, capsys):
                for k in ("xgblora_steps_per_s", "trl_steps_per_s", "speedup_vs_trl"))
     assert case["gradient_checkpointing"] == {"xgblora": bool(source), "trl": True}
     assert f"| tiny-llama | 1 x 2, 4 | {'on' if source else 'off'} / on |" in printed.out
+
+
+def test_es_suite_quick_times_members_one_at_a_time_against_batched(tmp_path, capsys):
+    """--suite es: the same ES run sampling its members one at a time and --es_member_batch at a time, steps
+    alternating; both sample the same answers (the same losses every step), and the table prints."""
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--suite", "es", "--grpo_models", "tiny-llama", "--device", "cpu",
+                              "--json", str(tmp_path / "es.json")])
+    assert suites.main(args) == 0
+    (case,) = json.loads((tmp_path / "es.json").read_text())["cases"]
+    assert (case["population"], case["member_batch"]) == (3, 2)  # --quick: batches of 2 and 1
+    assert case["one_step_stats"]["n"] == case["batched_step_stats"]["n"] == 2
+    assert case["same_rewards"] and case["losses"]["one"] == pytest.approx(case["losses"]["batched"], abs=1e-6)
+    assert math.isfinite(case["speedup"]) and case["speedup"] > 0
+    assert "| tiny-llama | 1 x 2, 4 | 3, 2 |" in capsys.readouterr().out

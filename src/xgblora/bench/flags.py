@@ -7,14 +7,14 @@ from typing import Any
 
 from xgblora.errors import UserError
 
-SUITES = ("train", "sft", "icl", "compile", "grpo", "embed", "gpu", "dpo", "kto", "reward")
-GPU_PARTS = ("cuda_tests", "bench", "sft", "sft_128k", "sft_liger", "sft_shapes", "grpo", "dpo", "embed", "icl",
-             "compile")
+SUITES = ("train", "sft", "icl", "compile", "grpo", "es", "embed", "gpu", "dpo", "kto", "reward")
+GPU_PARTS = ("cuda_tests", "bench", "sft", "sft_128k", "sft_liger", "sft_shapes", "grpo", "dpo", "es", "embed",
+             "icl", "compile")
 # Sizes and counts that must be at least 1 (a batch of no rows, or no timed repetition, has no figure to report), and
 # those where 0 has a meaning (the help says which).
 POSITIVE = ("batch_size", "seq_len", "repeats", "eval_examples", "max_length", "icl_demos", "grpo_prompts",
             "num_generations", "max_completion_length", "embed_batches", "mini_batch_size", "embed_max_length",
-            "dpo_prompt_len", "dpo_completion_len", "gpu_budget_s")
+            "dpo_prompt_len", "dpo_completion_len", "gpu_budget_s", "es_population", "es_member_batch")
 NON_NEGATIVE = ("target_len", "warmup", "icl_context")
 CHECKPOINTING = ("default", "on", "off")
 
@@ -31,7 +31,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="train: MeZO/AdamW steps, evaluation and HF Trainer + PEFT (the default); sft: "
                              "instruction SFT against TRL's SFTTrainer + PEFT; icl: in-context evaluation, "
                              "demonstrations cached once vs the per-pair loop; compile: --compile's warm-up and "
-                             "per-step gain; grpo: GRPO steps against TRL's GRPOTrainer + PEFT; embed: contrastive steps against "
+                             "per-step gain; grpo: GRPO steps against TRL's GRPOTrainer + PEFT; es: evolution strategies on the reward, "
+                             "members sampled one at a time against --es_member_batch at a time; embed: contrastive steps against "
                              "sentence-transformers' trainer + PEFT; gpu: the CUDA checks and the bench at user sizes (its CPU part here); "
                              "dpo: DPO steps against TRL's DPOTrainer + PEFT (--batch_size pairs a step); kto: KTO "
                              "steps against TRL's KTOTrainer + PEFT (--batch_size rows a step); reward: reward-model "
@@ -92,7 +93,7 @@ def _icl(parser: argparse.ArgumentParser) -> None:
 
 def _grpo(parser: argparse.ArgumentParser) -> None:
     """Flags only --suite grpo reads."""
-    group = parser.add_argument_group("--suite grpo")
+    group = parser.add_argument_group("--suite grpo and es")
     group.add_argument("--grpo_models", "--grpo-models", nargs="+", default=None, metavar="MODEL",
                         help="--suite grpo: models to compare (default: llama-100m-random).")
     group.add_argument("--grpo_prompts", "--grpo-prompts", type=int, default=2,
@@ -101,6 +102,10 @@ def _grpo(parser: argparse.ArgumentParser) -> None:
                         help="--suite grpo: completions per prompt (G).")
     group.add_argument("--max_completion_length", "--max-completion-length", type=int, default=64,
                         help="--suite grpo: most tokens per completion.")
+    group.add_argument("--es_population", "--es-population", type=int, default=8,
+                       help="--suite es: members per step (independent, one-sided).")
+    group.add_argument("--es_member_batch", "--es-member-batch", type=int, default=8,
+                       help="--suite es: members per generation on the batched side (--zo_member_batch).")
 
 
 def _embed(parser: argparse.ArgumentParser) -> None:
@@ -186,6 +191,7 @@ def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
         args.eval_examples = min(args.eval_examples, 4)
         args.grpo_prompts, args.num_generations = 1, min(args.num_generations, 2)
         args.max_completion_length = min(args.max_completion_length, 4)
+        args.es_population, args.es_member_batch = min(args.es_population, 3), min(args.es_member_batch, 2)
         args.dpo_prompt_len, args.dpo_completion_len = min(args.dpo_prompt_len, 8), min(args.dpo_completion_len, 4)
         # the smallest batch plain, the next ones cached (mini-batch 4)
         args.embed_batches = [min(b, 4 * 2**i) for i, b in enumerate(sorted(args.embed_batches))]

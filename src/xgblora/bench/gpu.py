@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from xgblora.bench import compile as compile_suite
-from xgblora.bench import dpo, embed, grpo, icl, sft, train_suite
+from xgblora.bench import dpo, embed, es, grpo, icl, sft, train_suite
 from xgblora.bench.profile import format_profile
 from xgblora.bench.timing import step_stats
 
@@ -51,7 +51,7 @@ USER_MODELS = ("llama-1b-random", "opt-1.3b-random")
 # Seconds each part is expected to take on an H100 (model set-up and the memory subprocesses included); a part
 # starts only if its estimate fits in what is left of the budget
 ESTIMATE_S = {"cuda_tests": 45, "bench": 90, "sft": 90, "sft_128k": 40, "sft_liger": 45, "sft_shapes": 30,
-              "grpo": 110, "dpo": 40, "embed": 45, "icl": 50, "compile": 90}
+              "grpo": 110, "dpo": 40, "es": 45, "embed": 45, "icl": 50, "compile": 90}
 
 
 def cuda_tests(budget_s: float, path: str = "tests/test_cuda.py") -> dict[str, Any]:
@@ -122,6 +122,9 @@ def cuda_parts(args: argparse.Namespace) -> list[tuple[str, str, Callable[[], An
                                                 checkpointing=["default", "on"]))),
         ("dpo", "dpo", lambda: dpo.run(_with(sized, dpo_models=["llama-100m-128k-random"], batch_size=8,
                                              dpo_prompt_len=128, dpo_completion_len=64, repeats=3, warmup=1))),
+        ("es", "es", lambda: es.run(_with(sized, grpo_models=["llama-100m-random"], grpo_prompts=8, num_generations=1,
+                                          max_completion_length=32, es_population=8, es_member_batch=8, repeats=3,
+                                          warmup=1))),
         ("sft_liger", "sft_liger", lambda: sft.run(_with(sized, sft_models=["llama-100m-random"],
                                                          sft_variants=["padded+liger"], batch_size=16, repeats=5,
                                                          warmup=2))),
@@ -204,6 +207,9 @@ def _summary(name: str, part: dict[str, Any]) -> str:
         return "; ".join(f"{r['model_name']} {r['speedup_vs_trl']:.2f}x TRL's steps/s" for r in res)
     if name == "embed":
         return "; ".join(f"{r['variant']} {r['speedup_vs_st']:.2f}x sentence-transformers" for r in res)
+    if name == "es":
+        return "; ".join(f"{r['model_name']} {r['speedup']:.2f}x, {r['member_batch']} members per generation"
+                         for r in res)
     if name == "icl":
         return "; ".join(f"{r['task']} {r['speedup_vs_per_pair']:.1f}x per pair" for r in res)
     if name == "compile":
@@ -221,6 +227,8 @@ def _sides(name: str, res: Any) -> list[tuple[str, dict[str, Any], float | None]
     if name == "compile":
         return [(f"{r['workload']} {side}", step_stats(r["raw_times_s"][side]), None)
                 for r in res for side in ("eager", "compiled")]
+    if name == "es":
+        return [(f"{r['model_name']} {side}", r[f"{side}_step_stats"], None) for r in res for side in ("one", "batched")]
     baseline = {"sft": "trl", "sft_128k": "trl", "sft_liger": "trl", "grpo": "trl", "dpo": "trl",
                 "embed": "st"}.get(name)
     if baseline is None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from xgblora import atomic
 from xgblora.bench import compile as compile_suite
-from xgblora.bench import dpo, embed, gpu, grpo, icl, kto, reward, sft, train_suite
+from xgblora.bench import dpo, embed, es, gpu, grpo, icl, kto, reward, sft, train_suite
 from xgblora.bench.flags import apply_quick, check_sizes
 from xgblora.bench.machine import machine_record
 from xgblora.bench.table import format_table
@@ -23,8 +23,8 @@ from xgblora.errors import UserError
 
 # suite -> (module, the JSON key of its list of results)
 LISTED_SUITES = {"sft": (sft, "cases"), "icl": (icl, "tasks"), "compile": (compile_suite, "workloads"),
-                 "grpo": (grpo, "cases"), "embed": (embed, "cases"), "dpo": (dpo, "cases"), "kto": (kto, "cases"),
-                 "reward": (reward, "cases")}
+                 "grpo": (grpo, "cases"), "es": (es, "cases"), "embed": (embed, "cases"), "dpo": (dpo, "cases"),
+                 "kto": (kto, "cases"), "reward": (reward, "cases")}
 
 
 def run_suite(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
