@@ -7,8 +7,8 @@ the GRPO suite's prompts: `--grpo_prompts` GSM8K questions a step, G = `--num_ge
 temperature 1, up to `--max_completion_length` tokens, rewarded by the GRPO suite's `length_reward`. A step is
 everything it costs: every member's sampling and rewards, the z-scores, the update. The two sides' steps alternate;
 each side's members draw the same per-prompt seeds, so both sample the same answers (to float rounding:
-`same_rewards` says whether every step's loss, minus the members' mean reward, agreed). On CUDA, the memory a step allocates above
-what was held before it (the batched side holds K members' rows at once).
+`same_rewards` says whether every step's loss, minus the members' mean reward, agreed). On CUDA, the memory a step
+allocates above what was held before it (the batched side holds K members' rows at once).
 """
 
 from __future__ import annotations

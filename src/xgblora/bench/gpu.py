@@ -228,7 +228,8 @@ def _sides(name: str, res: Any) -> list[tuple[str, dict[str, Any], float | None]
         return [(f"{r['workload']} {side}", step_stats(r["raw_times_s"][side]), None)
                 for r in res for side in ("eager", "compiled")]
     if name == "es":
-        return [(f"{r['model_name']} {side}", r[f"{side}_step_stats"], None) for r in res for side in ("one", "batched")]
+        return [(f"{r['model_name']} {side}", r[f"{side}_step_stats"], None)
+                for r in res for side in ("one", "batched")]
     baseline = {"sft": "trl", "sft_128k": "trl", "sft_liger": "trl", "grpo": "trl", "dpo": "trl",
                 "embed": "st"}.get(name)
     if baseline is None:

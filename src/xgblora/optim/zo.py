@@ -1,9 +1,9 @@
 """Zeroth-order optimisation (MeZO, Malladi et al. 2023): seeded perturbations, two-point estimate, update.
 
 `SeededZO` is what every zeroth-order estimator shares: the step seeds, z rebuilt from a seed, in-place
-perturbation, the dual batch (the adapters' member mode with two members, +z and -z), and the update (in place from the seeds, or torch's SGD-momentum / AdamW fed the
-estimate as the gradient). `MeZO.step(loss_fn, batch, lr)` is the algorithm; the other estimators (FZOO,
-MeZO-SVRG, n-SPSA) live in `optim.zo_estimators`. `ZOStepper.step(next_batch, lr)` is what the training loop
+perturbation, the dual batch (the adapters' member mode with two members, +z and -z), and the update (in place from
+the seeds, or torch's SGD-momentum / AdamW fed the estimate as the gradient). `MeZO.step(loss_fn, batch, lr)` is
+the algorithm; the other estimators (FZOO, MeZO-SVRG, n-SPSA) live in `optim.zo_estimators`. `ZOStepper.step(next_batch, lr)` is what the training loop
 calls (the same interface as the AdamW stepper): one batch, one estimator step, the NaN policy, the loss as a tensor.
 
 How z is drawn (a test or another rank rebuilds it from this alone):

@@ -335,8 +335,8 @@ def build_estimator(zo: ZOOptions, named_params: list[tuple[str, nn.Parameter]],
     pairs = zo.zo_estimator != "fzoo" and zo.zo_es_sampling == "antithetic"
     return ESTIMATORS[zo.zo_estimator](
         named_params, lr, zo.zo_eps, weight_decay, zo.zo_stochastic_rounding, penalty=penalty,
-        dual_modules=dual_modules if pairs or zo.zo_member_batch > 1 else None, seed=seed, reduce_losses=dist.zo_losses(total=members),
-        optimizer=zo.zo_optimizer, betas=betas, adam_eps=adam_eps,
+        dual_modules=dual_modules if pairs or zo.zo_member_batch > 1 else None, seed=seed,
+        reduce_losses=dist.zo_losses(total=members), optimizer=zo.zo_optimizer, betas=betas, adam_eps=adam_eps,
         **_own_options(zo, lr, (dist.rank, dist.world_size) if members else (0, 1)))
 
 
