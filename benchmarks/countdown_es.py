@@ -279,7 +279,7 @@ def run_side(args: argparse.Namespace) -> None:
     folder = out / f"seed{seed}" / side
     if side == "reference":
         run_reference(args, seed, folder, out)
-    elif side in ("full", "lora", "lora-pairs"):
+    elif side in SIDES:  # xgblora's
         run_xgblora(args, side, seed, folder, out)
     else:  # eval:<stage>:<weights>
         _, stage, weights = side.split(":", 2)
