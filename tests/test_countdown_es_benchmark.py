@@ -39,10 +39,10 @@ def test_the_xgblora_side_lands_its_iterations_and_its_run(reference, tmp_path, 
     monkeypatch.syspath_prepend(str(bench.HERE))
     args = bench.parse_args(["--ref_dir", str(reference), "--out", str(tmp_path / "out"), "--model", "tiny-llama",
                              "--iterations", "2", "--population", "4", "--train_questions", "2",
-                             "--max_new_tokens", "4", "--member_batch", "3"])
+                             "--max_new_tokens", "4", "--member_batch", "3", "--_side", side, "--_seed", "0"])
     out = tmp_path / "out"
     out.mkdir()
-    bench.run_xgblora(args, side, 0, out / "seed0" / side, out)
+    bench.run_side(args)  # as the script's own process for the side runs it
     rows = bench.read_rows(out)
     assert [(r["kind"], r.get("iteration")) for r in rows] == [("iteration", 1), ("iteration", 2), ("run", None)]
     assert all(r["mean_reward"] is not None and r["cpu_s"] > 0 for r in rows[:2])
