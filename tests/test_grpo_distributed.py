@@ -33,7 +33,7 @@ from xgblora import cli
 from xgblora.generation import rollout
 from xgblora.models.sampler import Sample
 
-def fixed_samples(self, prompt_ids, params):
+def fixed_samples(self, prompt_ids, params, seeds=None, on_rows=None):
     if params.temperature > 0:  # training, not the greedy held-out pass
         with open(f"{os.environ['XGBLORA_TEST_SEEDS']}.{os.environ['RANK']}", "a") as seeds:
             seeds.write(f"{params.seed}\\n")
