@@ -4,10 +4,12 @@
 
 Both sides train the same model (LoRA r=1 on q/v, `--es_population` independent members, eps 5e-2, lr 2.5e-2) on
 the GRPO suite's prompts: `--grpo_prompts` GSM8K questions a step, G = `--num_generations` completions each at
-temperature 1, up to `--max_completion_length` tokens, rewarded by the GRPO suite's `length_reward`. A step is
+temperature 1 (G = 1: one greedy answer, as the paper scores members), up to `--max_completion_length` tokens,
+rewarded by the GRPO suite's `length_reward`. A step is
 everything it costs: every member's sampling and rewards, the z-scores, the update. The two sides' steps alternate;
-each side's members draw the same per-prompt seeds, so both sample the same answers (to float rounding:
-`same_rewards` says whether every step's loss, minus the members' mean reward, agreed). On CUDA, the memory a step
+each side's members draw the same per-prompt seeds, so both sample the same answers to float rounding (a sampled
+token near a boundary of the inverse CDF can flip; greedy answers only at a near-tie): `same_rewards` says whether
+every step's loss, minus the members' mean reward, agreed. On CUDA, the memory a step
 allocates above what was held before it (the batched side holds K members' rows at once).
 """
 
@@ -51,7 +53,8 @@ def es_trainer(case: ESCase, prompts: str, output_dir: str, member_batch: int) -
     cfg = GRPOConfig(model_name=case.model_name, train_file=prompts, raw_prompts=True, method="lora", lora_r=1,
                      lora_target_modules="q_proj,v_proj", trainer="zo", zo_objective="reward", zo_estimator="es",
                      zo_es_sampling="independent", zo_queries=case.population, zo_eps=5e-2, learning_rate=2.5e-2,
-                     zo_member_batch=member_batch, num_return_sequences=case.num_generations, temperature=1.0,
+                     zo_member_batch=member_batch, num_return_sequences=case.num_generations,
+                     temperature=0.0 if case.num_generations == 1 else 1.0,
                      max_new_tokens=case.max_completion_length,
                      per_device_train_batch_size=case.prompts * case.num_generations,
                      reward_funcs=[f"{length_reward.__module__}:length_reward"], max_steps=case.warmup + case.steps,
