@@ -65,7 +65,7 @@ def es_trainer(case: ESCase, prompts: str, output_dir: str, member_batch: int) -
 
 def compare_case(case: ESCase) -> dict[str, Any]:
     """The two sides' steps alternating: per-step seconds (and CUDA memory per step) of each, the speed-up."""
-    prompts = str(questions(case.prompts * (case.warmup + case.steps), case.data_dir))
+    prompts = str(questions(case))
     with tempfile.TemporaryDirectory() as one_dir, tempfile.TemporaryDirectory() as batched_dir:
         sides = {"one": es_trainer(case, prompts, one_dir, 1),
                  "batched": es_trainer(case, prompts, batched_dir, case.member_batch)}

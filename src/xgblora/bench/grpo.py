@@ -19,7 +19,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from xgblora import atomic
 from xgblora.bench.flags import checkpointing_cell, checkpointing_ran, checkpointing_sides
@@ -70,13 +70,24 @@ class GRPOCase:
         return self.prompts * self.num_generations
 
 
-def questions(n: int, data_dir: str) -> Path:
-    """A JSONL file of the first n GSM8K training questions of data_dir (in a temporary folder); without a
-    data_dir, generated GSM8K-shaped questions (the timing depends on lengths, not on the words)."""
-    if data_dir:
-        source = Path(data_dir) / "gsm8k" / "train.jsonl"
+class PromptCase(Protocol):
+    """What `questions` reads of a case (the GRPO suite's and the ES suite's)."""
+
+    prompts: int
+    steps: int
+    warmup: int
+    data_dir: str
+
+
+def questions(case: PromptCase) -> Path:
+    """A JSONL file of the first GSM8K training questions, enough for every step (in a temporary folder); without
+    a data_dir, generated GSM8K-shaped questions (the timing depends on lengths, not on the words)."""
+    n = case.prompts * (case.warmup + case.steps)
+    if case.data_dir:
+        source = Path(case.data_dir) / "gsm8k" / "train.jsonl"
         if not source.is_file():
-            raise UserError(f"--suite {{grpo,es}} reads GSM8K questions from {source}, which does not exist (pass --data_dir)")
+            raise UserError(f"--suite {{grpo,es}} reads GSM8K questions from {source}, which does not exist "
+                            f"(pass --data_dir)")
         texts = [row["question"] for row in atomic.jsonl_rows(source.read_text(encoding="utf-8"))[:n]]
     else:
         texts = [example.messages[0][1] for example in generated_conversations(n)]
@@ -123,7 +134,7 @@ def trl_trainer(case: GRPOCase, prompts: Path, callbacks: list[Any], output_dir:
 
 def compare_case(case: GRPOCase) -> dict[str, Any]:
     """TRL and xgblora steps alternating: per-step times and the speed-up."""
-    prompts = questions(case.prompts * (case.warmup + case.steps), case.data_dir)
+    prompts = questions(case)
     with tempfile.TemporaryDirectory() as ours_dir, tempfile.TemporaryDirectory() as trl_dir:
         ours = xgblora_run(case, prompts, ours_dir)
         timer = InterleavedSteps(lambda index: ours.train_step(), ours.run.device, case.warmup, alternate=False)
@@ -140,7 +151,7 @@ def compare_case(case: GRPOCase) -> dict[str, Any]:
 def memory_worker(config: dict[str, Any]) -> dict[str, float]:
     """In a fresh process: one side's first MEMORY_STEPS steps, and the memory they add (MiB)."""
     case = dataclasses.replace(GRPOCase(**config["case"]), warmup=0, steps=MEMORY_STEPS)
-    prompts = questions(case.prompts * (case.warmup + case.steps), case.data_dir)
+    prompts = questions(case)
     with tempfile.TemporaryDirectory() as tmp:
         return first_steps_memory(config["side"], lambda: xgblora_run(case, prompts, tmp),
                                   lambda: trl_trainer(case, prompts, [], tmp), MEMORY_STEPS,

@@ -23,6 +23,7 @@ check or rank samples without a second forward.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import warnings
 from collections.abc import Callable, Container, Iterator, Sequence
@@ -130,8 +131,9 @@ class Sampler:
                 continue
             draws = batch_generator(self.params.seed, number, self.device) if seeds is None else \
                 [seeds[i] for i in batch]
-            index = torch.tensor(batch, device=self.device)  # a row of the batch -> its prompt in prompts
-            batch_rows = None if on_rows is None else lambda rows, index=index: on_rows(index[rows])
+            # a row of the batch -> its prompt in prompts (made only for a caller that follows its rows)
+            batch_rows = None if on_rows is None else \
+                functools.partial(_rows_in, on_rows, torch.tensor(batch, device=self.device))
             yield batch, self.sample_batch([prompts[i] for i in batch], draws, on_rows=batch_rows)
 
     @torch.inference_mode()
@@ -204,6 +206,11 @@ class Sampler:
             token = torch.multinomial(probs, 1, generator=draws).squeeze(1) if isinstance(draws, torch.Generator) \
                 else inverse_cdf(probs, draws)
         return token, logprobs.gather(1, token[:, None]).squeeze(1)
+
+
+def _rows_in(on_rows: RowsCallback, prompts: torch.Tensor, rows: torch.Tensor) -> None:
+    """on_rows told the prompts (indices into the whole run's) of a batch's rows (indices into the batch)."""
+    on_rows(prompts[rows])
 
 
 class _Drawn:
